@@ -1,0 +1,323 @@
+"""Tiny random-weight models built offline from config, cached on disk.
+
+No model hub is reachable on CI or on the developer box, so tests and the default example use these.
+``resolve_model_path("tiny:<name>")`` builds the model once (seeded, deterministic), saves it with the
+library's own ``save_pretrained`` and returns the directory; every later call is a cache hit. Anything
+that does not start with ``tiny:`` is a local path or hub id and is returned unchanged, so real
+checkpoints work through the same config key.
+
+Cache root: ``$OMNI_ASYNC_CACHE`` (default ``~/.cache/omni_async``). Builds go to a temporary directory
+and are renamed into place, so several Ray actors resolving the same name at once never see a half-written
+model.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+TINY_PREFIX = "tiny:"
+# Bump when a builder changes so stale caches are not reused.
+_BUILD_VERSION = "v1"
+_SEED = 1234
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("OMNI_ASYNC_CACHE", Path.home() / ".cache" / "omni_async"))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Tokenizers, built in memory (no vocab files to download).
+# --------------------------------------------------------------------------------------------------------
+
+
+def _byte_level_alphabet() -> list[str]:
+    """The 256 printable stand-ins byte-level BPE uses for raw bytes (so any UTF-8 text tokenizes)."""
+    from tokenizers import pre_tokenizers
+
+    return sorted(pre_tokenizers.ByteLevel.alphabet())
+
+
+_QWEN_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+_QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_qwen2_tokenizer():
+    """A Qwen2 byte-level BPE tokenizer over single bytes plus Qwen's chat/vision special tokens."""
+    from transformers import Qwen2Tokenizer
+
+    vocab = {ch: i for i, ch in enumerate(_byte_level_alphabet())}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=1024)
+    tok.add_special_tokens({"additional_special_tokens": _QWEN_SPECIALS[1:]})
+    tok.add_tokens(["<|endoftext|>"], special_tokens=True)
+    tok.chat_template = _QWEN_CHAT_TEMPLATE
+    return tok
+
+
+def build_clip_tokenizer():
+    """A CLIP BPE tokenizer: every byte char, with and without CLIP's end-of-word suffix."""
+    from transformers import CLIPTokenizer
+
+    alphabet = _byte_level_alphabet()
+    tokens = ["<|startoftext|>", "<|endoftext|>", *alphabet, *(c + "</w>" for c in alphabet)]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+
+
+def build_t5_tokenizer():
+    """A T5 (Unigram) tokenizer over printable ASCII, with and without the word-start marker."""
+    from transformers import T5Tokenizer
+
+    chars = [chr(c) for c in range(33, 127)]
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [("\u2581" + c, -3.0) for c in chars] + [(c, -4.0) for c in chars]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=128)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Builders. Each writes a directory loadable by its library's normal ``from_pretrained``.
+# --------------------------------------------------------------------------------------------------------
+
+
+def _flow_scheduler(shift: float = 3.0):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(shift=shift)
+
+
+def _tiny_qwen25_vl_text_encoder(vocab_size: int, hidden: int = 32):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    head_dim = hidden // 2
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=2048,
+            bos_token_id=None,
+            eos_token_id=vocab_size - 1,
+            pad_token_id=vocab_size - 1,
+            # Qwen2.5-VL's multimodal RoPE splits head_dim/2 frequencies across (t, h, w).
+            rope_scaling={"type": "mrope", "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8]},
+        ),
+        vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden,
+            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0],
+        ),
+    )
+    return Qwen2_5_VLForConditionalGeneration(cfg)
+
+
+def build_qwen_image(out: Path) -> None:
+    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
+
+    tok = build_qwen2_tokenizer()
+    z_dim, hidden = 16, 32
+    pipe = QwenImagePipeline(
+        scheduler=_flow_scheduler(),
+        vae=AutoencoderKLQwenImage(
+            base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
+        ),
+        text_encoder=_tiny_qwen25_vl_text_encoder(len(tok), hidden),
+        tokenizer=tok,
+        transformer=QwenImageTransformer2DModel(
+            patch_size=2, in_channels=4 * z_dim, out_channels=z_dim, num_layers=2,
+            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=hidden,
+            axes_dims_rope=(4, 6, 6),
+        ),
+    )
+    pipe.save_pretrained(out)
+
+
+def build_sd3(out: Path) -> None:
+    from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
+
+    def clip():
+        return CLIPTextModelWithProjection(CLIPTextConfig(
+            vocab_size=len(clip_tok), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+            num_attention_heads=4, projection_dim=32, max_position_embeddings=77,
+            bos_token_id=0, eos_token_id=1, pad_token_id=1,
+        ))
+
+    t5 = T5EncoderModel(T5Config(
+        vocab_size=len(t5_tok), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, decoder_start_token_id=0,
+    ))
+    pipe = StableDiffusion3Pipeline(
+        transformer=SD3Transformer2DModel(
+            sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+            num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16,
+            pooled_projection_dim=64, out_channels=4, pos_embed_max_size=16,
+        ),
+        scheduler=_flow_scheduler(),
+        vae=AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8, 8, 8),
+            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+            layers_per_block=1, norm_num_groups=4, sample_size=64,
+            shift_factor=0.0, scaling_factor=1.0,
+        ),
+        text_encoder=clip(), tokenizer=clip_tok,
+        text_encoder_2=clip(), tokenizer_2=build_clip_tokenizer(),
+        text_encoder_3=t5, tokenizer_3=t5_tok,
+    )
+    pipe.save_pretrained(out)
+
+
+def build_wan(out: Path) -> None:
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tok = build_t5_tokenizer()
+    z_dim = 16
+    pipe = WanPipeline(
+        tokenizer=tok,
+        text_encoder=UMT5EncoderModel(UMT5Config(
+            vocab_size=len(tok), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+            relative_attention_num_buckets=8,
+        )),
+        vae=AutoencoderKLWan(
+            base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
+        ),
+        scheduler=_flow_scheduler(),
+        transformer=WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=z_dim,
+            out_channels=z_dim, text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32,
+        ),
+    )
+    pipe.save_pretrained(out)
+
+
+def build_qwen2_vl(out: Path) -> None:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = build_qwen2_tokenizer()
+    hidden, head_dim = 32, 16
+    cfg = Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+            rope_scaling={"type": "mrope", "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8]},
+            bos_token_id=None,
+            eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+            pad_token_id=tok.pad_token_id,
+        ),
+        vision_config=dict(
+            depth=1, embed_dim=16, hidden_size=hidden, num_heads=2, mlp_ratio=2,
+            patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+        ),
+        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+    )
+    model = Qwen2VLForConditionalGeneration(cfg)
+    model.generation_config.eos_token_id = cfg.text_config.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    # Few pixels keep the judge fast: a 64x64 image becomes a handful of vision tokens. The tokenizer and the
+    # PIL image processor are saved side by side rather than as a Qwen2VLProcessor, whose video processor
+    # needs torchvision (which must not be installed next to this torch).
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=64 * 28 * 28)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    image_processor.save_pretrained(out)
+
+
+def build_qwen2(out: Path) -> None:
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tok = build_qwen2_tokenizer()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=True, eos_token_id=eos, pad_token_id=tok.pad_token_id,
+    ))
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+TINY_BUILDERS: dict[str, Callable[[Path], None]] = {
+    "qwen_image": build_qwen_image,
+    "sd3": build_sd3,
+    "wan": build_wan,
+    "qwen2_vl": build_qwen2_vl,
+    "qwen2": build_qwen2,
+}
+
+
+def is_tiny(name_or_path: str) -> bool:
+    return str(name_or_path).startswith(TINY_PREFIX)
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Turn ``tiny:<name>`` into a cached local directory (building it on first use); pass anything else through.
+
+    >>> resolve_model_path("/models/Qwen-Image")
+    '/models/Qwen-Image'
+    """
+    name_or_path = str(name_or_path)
+    if not is_tiny(name_or_path):
+        return name_or_path
+    name = name_or_path[len(TINY_PREFIX):]
+    if name not in TINY_BUILDERS:
+        raise ValueError(
+            f"unknown tiny model {name_or_path!r}; choose one of "
+            f"{', '.join(TINY_PREFIX + n for n in TINY_BUILDERS)} or give a local path"
+        )
+    target = cache_root() / "tiny" / f"{name}-{_BUILD_VERSION}"
+    if (target / ".complete").exists():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_SEED)
+            TINY_BUILDERS[name](tmp)
+        (tmp / ".complete").write_text(name_or_path)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process finished first (target exists and is complete): keep theirs.
+            if not (target / ".complete").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)

@@ -18,8 +18,10 @@ fi
 
 echo "[setup] installing omni-async into $venv (first run takes a few minutes)" >&2
 python3 -m venv "$venv"
-"$venv/bin/python" -m pip install --quiet "torch==$(grep -i '^torch==' "$lock" | cut -d= -f3)"
-"$venv/bin/python" -m pip install --quiet -c "$lock" -e ".[dev]"
+# pip warns once per package about this machine's empty local index dirs; that noise hides real errors.
+quiet_pip() { "$venv/bin/python" -m pip install --quiet "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
+quiet_pip "torch==$(grep -i '^torch==' "$lock" | cut -d= -f3)"
+quiet_pip -c "$lock" -e ".[dev]"
 
 # torchvision breaks transformers' image processors on this torch; refuse an environment that has it.
 if "$venv/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchvision') is None)"; then

@@ -1,0 +1,92 @@
+"""Start or join the Ray cluster every role runs on.
+
+One call, :func:`init_ray`, for the trainer, the tests and the benchmarks:
+
+- ``trainer.ray.address`` set → join that cluster (multi-node is a Ray cluster, nothing home-made);
+- otherwise start a local one. On a box without GPUs it declares *logical* GPUs, one per device of the
+  actor/rollout pool plus one per device of the dedicated reward pool, so verl's ``RayResourcePool``
+  (which asks for ``GPU`` bundles) places actors exactly as it would on a GPU cluster. Logical CPUs are
+  over-declared too, since verl bundles reserve several CPUs each.
+- Every Ray worker process caps torch (and BLAS) threads, via a process setup hook and env vars: with 2
+  physical cores, a few actors each spawning one thread per core would wreck every timing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+from omegaconf import DictConfig
+
+THREADS_ENV = "OMNI_ASYNC_TORCH_THREADS"
+
+
+def setup_worker_process() -> None:
+    """Ray ``worker_process_setup_hook``: runs once in every worker process before any task or actor."""
+    import torch
+
+    n = int(os.environ.get(THREADS_ENV, "1"))
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set in this process
+        pass
+
+
+def worker_runtime_env(torch_threads: int = 1) -> dict[str, Any]:
+    from omni_async.models.tiny import cache_root
+
+    threads = str(torch_threads)
+    return {
+        "env_vars": {
+            THREADS_ENV: threads,
+            "OMP_NUM_THREADS": threads,
+            "MKL_NUM_THREADS": threads,
+            "OPENBLAS_NUM_THREADS": threads,
+            "TOKENIZERS_PARALLELISM": "false",
+            "OMNI_ASYNC_CACHE": str(cache_root()),
+            "RAY_DEDUP_LOGS": "0",
+        },
+        "worker_process_setup_hook": "omni_async.cluster.setup_worker_process",
+    }
+
+
+def logical_devices(cfg: DictConfig) -> dict[str, int]:
+    """Devices each pool needs: the actor/rollout pool and, when enabled, the dedicated reward pool."""
+    from omni_async.trainer.config import reward_pool_size
+
+    actor = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
+    rm = cfg.reward.reward_model
+    reward = reward_pool_size(cfg) if rm.enable_resource_pool else 0
+    return {"actor_rollout": actor, "reward": reward}
+
+
+def init_ray(cfg: DictConfig | None = None, *, num_gpus: int | None = None, num_cpus: int | None = None,
+             torch_threads: int = 1) -> dict[str, Any]:
+    """Start (or join) Ray once per process; return the cluster's resources. Idempotent."""
+    if ray.is_initialized():
+        return ray.cluster_resources()
+    address = None
+    if cfg is not None:
+        address = cfg.trainer.ray.address
+        num_cpus = num_cpus if num_cpus is not None else cfg.trainer.ray.num_cpus
+        if num_gpus is None:
+            num_gpus = sum(logical_devices(cfg).values())
+    kwargs: dict[str, Any] = dict(runtime_env=worker_runtime_env(torch_threads), include_dashboard=False,
+                                  logging_level="warning", log_to_driver=True)
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        import torch
+
+        if torch.cuda.is_available():
+            num_gpus = None  # real devices: let Ray detect them
+        kwargs.update(num_gpus=num_gpus or 0, num_cpus=num_cpus or max(16, 8 * (num_gpus or 1) + 8))
+        ray.init(**kwargs)
+    return ray.cluster_resources()
+
+
+def shutdown_ray() -> None:
+    if ray.is_initialized():
+        ray.shutdown()

@@ -1,0 +1,134 @@
+"""Compose and validate the trainer config.
+
+Hydra already rejects unknown keys and wrong types (the config is struct-mode). What Hydra cannot see is a
+combination that is legal key by key but cannot run, e.g. a dedicated reward pool with zero devices. Those are
+checked here, at start, before any Ray actor exists, and each error names the key and the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
+
+
+class ConfigError(ValueError):
+    """A config combination that cannot run; the message names the key and how to fix it."""
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "flowgrpo_trainer") -> DictConfig:
+    """Compose a config the way ``python -m omni_async.trainer.main`` does (for tests, benchmarks, notebooks)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+
+
+def _check(ok: bool, key: str, problem: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {problem}. Fix: {fix}")
+
+
+def streaming_enabled(cfg: DictConfig) -> bool:
+    """verl's rule: stream rewards whenever there is no reward model, or the reward model has its own pool."""
+    mode = str(cfg.reward.streaming).lower()
+    if mode == "auto":
+        rm = cfg.reward.reward_model
+        return (not rm.enable) or bool(rm.enable_resource_pool)
+    return mode == "true"
+
+
+def reward_pool_size(cfg: DictConfig) -> int:
+    rm = cfg.reward.reward_model
+    return int(rm.n_gpus_per_node) * int(rm.nnodes)
+
+
+def validate(cfg: DictConfig) -> DictConfig:
+    """Raise :class:`ConfigError` for the first combination that cannot run; return ``cfg`` unchanged."""
+    missing = OmegaConf.missing_keys(cfg)
+    _check(not missing, ", ".join(sorted(missing)), "required but not set",
+           "pass it on the command line, e.g. data.train_files=path/to/train.jsonl "
+           "(examples/data/prepare_ocr_prompts.py writes a small set)")
+
+    data, arr = cfg.data, cfg.actor_rollout_ref
+    rollout, actor, reward = arr.rollout, arr.actor, cfg.reward
+
+    _check(data.train_batch_size >= 1, "data.train_batch_size", f"must be >= 1, got {data.train_batch_size}",
+           "set the number of prompts per step, e.g. data.train_batch_size=8")
+    _check(rollout.n >= 2, "actor_rollout_ref.rollout.n",
+           f"GRPO needs at least 2 samples per prompt to form a group advantage, got {rollout.n}",
+           "set actor_rollout_ref.rollout.n=4 (or more)")
+    mb = actor.ppo_mini_batch_size
+    _check(mb >= 1 and data.train_batch_size % mb == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
+           f"{mb} prompts does not divide data.train_batch_size={data.train_batch_size}",
+           "choose a divisor of data.train_batch_size (mini-batches are counted in prompts)")
+    _check(actor.ppo_epochs >= 1, "actor_rollout_ref.actor.ppo_epochs", "must be >= 1", "set it to 1")
+
+    algo = rollout.algo
+    _check(algo.sde_type in ("sde", "cps"), "actor_rollout_ref.rollout.algo.sde_type",
+           f"unknown SDE type {algo.sde_type!r}", "use sde or cps")
+    _check(algo.noise_level >= 0, "actor_rollout_ref.rollout.algo.noise_level", "must be >= 0", "e.g. 0.7")
+    steps = rollout.num_inference_steps
+    lo, hi = (int(v) for v in algo.sde_window_range)
+    _check(1 <= algo.sde_window_size <= steps, "actor_rollout_ref.rollout.algo.sde_window_size",
+           f"must be within 1..num_inference_steps={steps}, got {algo.sde_window_size}",
+           "pick a window no longer than the denoising schedule")
+    _check(0 <= lo < hi and hi - 1 + algo.sde_window_size <= steps, "actor_rollout_ref.rollout.algo.sde_window_range",
+           f"[{lo}, {hi}) with window {algo.sde_window_size} runs past {steps} steps",
+           f"use 0 <= lo < hi <= {steps - algo.sde_window_size + 1}")
+    _check(rollout.agent.num_workers >= 1, "actor_rollout_ref.rollout.agent.num_workers", "must be >= 1", "set it to 1")
+    _check(rollout.height % 16 == 0 and rollout.width % 16 == 0, "actor_rollout_ref.rollout.height/width",
+           f"{rollout.height}x{rollout.width} is not a multiple of 16 (VAE factor 8 x patch 2)",
+           "use e.g. 64x64 on CPU, 512x512 or 1024x1024 on GPUs")
+
+    _check(str(reward.streaming).lower() in ("auto", "true", "false"), "reward.streaming",
+           f"unknown mode {reward.streaming!r}", "use auto, true or false")
+    _check(reward.num_workers >= 1, "reward.num_workers", f"must be >= 1, got {reward.num_workers}", "set it to 1")
+    _check(reward.timeout_s > 0, "reward.timeout_s", "every reward call needs a positive deadline", "e.g. 120")
+    _check(reward.on_failure in ("mask", "raise"), "reward.on_failure",
+           f"unknown policy {reward.on_failure!r}", "use mask (default) or raise")
+    _check(0.0 <= reward.max_failure_ratio <= 1.0, "reward.max_failure_ratio",
+           f"must be in [0, 1], got {reward.max_failure_ratio}", "e.g. 0.25")
+    has_custom = bool(reward.custom_reward_function.path)
+    _check(has_custom or len(reward.reward_functions) > 0, "reward.custom_reward_function.path",
+           "no reward function is configured",
+           "set reward.custom_reward_function.path=pkg://omni_async.reward.scorers.ocr (or add reward.reward_functions)")
+
+    rm = reward.reward_model
+    if rm.enable_resource_pool:
+        size = reward_pool_size(cfg)
+        _check(size >= 1, "reward.reward_model.n_gpus_per_node",
+               f"a dedicated reward pool of n_gpus_per_node x nnodes = {size} devices cannot host a worker",
+               "give the pool devices (e.g. reward.reward_model.n_gpus_per_node=1) "
+               "or set reward.reward_model.enable_resource_pool=False")
+        tp = rm.rollout.tensor_model_parallel_size
+        _check(size % tp == 0, "reward.reward_model.rollout.tensor_model_parallel_size",
+               f"TP={tp} does not divide the reward pool of {size} devices", "choose a divisor of the pool size")
+        _check(reward.num_workers <= size, "reward.num_workers",
+               f"{reward.num_workers} workers do not fit a reward pool of {size} devices",
+               "usually reward.num_workers = n_gpus_per_node x nnodes / tensor_model_parallel_size")
+    if rm.enable:
+        _check(rm.model_path is not None, "reward.reward_model.model_path", "reward model enabled without a model",
+               "set reward.reward_model.model_path (a local dir, or tiny:qwen2_vl on CPU)")
+    _check(rm.rollout.name in ("transformers", "vllm"), "reward.reward_model.rollout.name",
+           f"unknown engine {rm.rollout.name!r}", "use transformers or vllm")
+
+    _check(cfg.algorithm.adv_estimator == "grpo", "algorithm.adv_estimator",
+           f"{cfg.algorithm.adv_estimator!r} is not supported by FlowGRPO", "use grpo")
+    if cfg.async_reward.update_pipeline:
+        _check(not cfg.algorithm.global_std, "algorithm.global_std",
+               "the mini-batch update pipeline trains before the whole batch is scored, so a batch-wide std "
+               "does not exist yet", "set algorithm.global_std=false (per-group std) or async_reward.update_pipeline=false")
+    _check(cfg.trainer.resume_mode in ("auto", "disable"), "trainer.resume_mode",
+           f"unknown mode {cfg.trainer.resume_mode!r}", "use auto or disable")
+    _check(cfg.trainer.total_training_steps >= 1, "trainer.total_training_steps", "must be >= 1", "e.g. 4")
+    _check(cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes >= 1, "trainer.n_gpus_per_node",
+           "the actor/rollout pool has no devices", "set trainer.n_gpus_per_node=1 (or more)")
+    _check(rollout.agent.num_workers <= cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes,
+           "actor_rollout_ref.rollout.agent.num_workers",
+           f"{rollout.agent.num_workers} rollout replicas do not fit {cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes}"
+           " actor/rollout devices", "lower it or raise trainer.n_gpus_per_node")
+    return cfg

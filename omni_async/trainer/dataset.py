@@ -1,0 +1,142 @@
+"""Prompt datasets in the verl / flow_grpo format, and a resumable batch sampler.
+
+A row (jsonl line or parquet row) has:
+
+- ``prompt``: a string, or verl's chat form ``[{"role": "user", "content": "..."}]`` (the last user turn is used);
+- ``data_source``: a string naming the task (passed to reward functions);
+- ``reward_model``: ``{"ground_truth": ..., "style": "rule"}`` (``ground_truth`` is required, may be ``""``);
+- ``extra_info``: an optional dict (passed to reward functions unchanged).
+
+A bad row raises :class:`DatasetError` with the file, the 1-based row number and the field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class DatasetError(ValueError):
+    """A dataset row that cannot be used; the message names the file, row and field."""
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    prompt: str
+    data_source: str
+    ground_truth: Any
+    extra_info: dict = field(default_factory=dict)
+
+
+def _prompt_text(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        if not value.strip():
+            raise DatasetError(f"{where}: field 'prompt' is empty; give the text to generate from")
+        return value
+    if isinstance(value, (list, tuple, np.ndarray)) and len(value) > 0:
+        users = [m for m in value if isinstance(m, dict) and m.get("role") == "user"]
+        if users and isinstance(users[-1].get("content"), str):
+            return users[-1]["content"]
+    raise DatasetError(
+        f"{where}: field 'prompt' must be a string or a list of chat messages with a user turn, "
+        f"got {type(value).__name__}: {str(value)[:80]!r}"
+    )
+
+
+def parse_row(raw: Any, where: str) -> PromptRow:
+    """Validate one raw record; ``where`` is ``"<file>:row <n>"`` for error messages."""
+    if not isinstance(raw, dict):
+        raise DatasetError(f"{where}: a row must be an object with 'prompt', 'data_source', 'reward_model'")
+    if "prompt" not in raw:
+        raise DatasetError(f"{where}: missing field 'prompt'")
+    prompt = _prompt_text(raw["prompt"], where)
+    data_source = raw.get("data_source")
+    if not isinstance(data_source, str) or not data_source:
+        raise DatasetError(f"{where}: field 'data_source' must be a non-empty string, got {data_source!r}")
+    rm = raw.get("reward_model")
+    if not isinstance(rm, dict) or "ground_truth" not in rm:
+        raise DatasetError(
+            f"{where}: field 'reward_model.ground_truth' is missing; "
+            'write {"reward_model": {"ground_truth": "...", "style": "rule"}} (use "" when there is none)'
+        )
+    extra = raw.get("extra_info") or {}
+    if not isinstance(extra, dict):
+        raise DatasetError(f"{where}: field 'extra_info' must be an object, got {type(extra).__name__}")
+    return PromptRow(prompt=prompt, data_source=data_source, ground_truth=rm["ground_truth"], extra_info=dict(extra))
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}:row {lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow.parquet as pq
+
+    for i, rec in enumerate(pq.read_table(path).to_pylist(), start=1):
+        yield i, rec
+
+
+def load_prompts(files: str | Sequence[str]) -> list[PromptRow]:
+    """Read every row of the given ``.jsonl`` / ``.parquet`` files, validating each."""
+    paths = [files] if isinstance(files, str) else list(files)
+    rows: list[PromptRow] = []
+    for p in paths:
+        path = Path(p)
+        if not path.exists():
+            raise DatasetError(f"{path}: file not found (data.train_files / data.val_files)")
+        if path.suffix == ".jsonl":
+            reader = _read_jsonl(path)
+        elif path.suffix == ".parquet":
+            reader = _read_parquet(path)
+        else:
+            raise DatasetError(f"{path}: unsupported extension {path.suffix!r}; use .jsonl or .parquet")
+        rows.extend(parse_row(rec, f"{path}:row {n}") for n, rec in reader)
+    if not rows:
+        raise DatasetError(f"{', '.join(map(str, paths))}: no rows")
+    return rows
+
+
+class PromptSampler:
+    """Endless batches of prompts, reshuffled every epoch, with a state that a checkpoint can restore exactly."""
+
+    def __init__(self, rows: Sequence[PromptRow], batch_size: int, shuffle: bool = True, seed: int = 0):
+        if batch_size > len(rows):
+            raise DatasetError(
+                f"data.train_batch_size={batch_size} is larger than the dataset ({len(rows)} rows); "
+                "lower it or add prompts"
+            )
+        self.rows, self.batch_size, self.shuffle, self.seed = list(rows), batch_size, shuffle, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._make_order()
+
+    def _make_order(self) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.rows))
+        return np.random.default_rng((self.seed, self.epoch)).permutation(len(self.rows))
+
+    def next_batch(self) -> list[PromptRow]:
+        if self.position + self.batch_size > len(self.rows):
+            self.epoch, self.position = self.epoch + 1, 0  # drop_last, like verl's dataloader
+            self._order = self._make_order()
+        idx = self._order[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        return [self.rows[i] for i in idx]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._make_order()

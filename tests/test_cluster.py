@@ -1,0 +1,52 @@
+"""Ray bootstrap: logical devices make verl resource pools work on CPU, torch threads capped, clean shutdown."""
+
+from __future__ import annotations
+
+import psutil
+import ray
+
+from omni_async.cluster import init_ray, logical_devices, shutdown_ray
+from omni_async.trainer.config import compose
+
+
+@ray.remote
+class _Probe:
+    def threads(self) -> int:
+        import torch
+
+        return torch.get_num_threads()
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+def test_pools_threads_and_clean_shutdown():
+    from verl.single_controller.ray import RayResourcePool
+
+    cfg = compose(["data.train_files=x.jsonl", "reward.reward_model.enable_resource_pool=True",
+                   "reward.reward_model.n_gpus_per_node=1", "trainer.n_gpus_per_node=2",
+                   "actor_rollout_ref.rollout.agent.num_workers=2"])
+    assert logical_devices(cfg) == {"actor_rollout": 2, "reward": 1}
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    try:
+        res = init_ray(cfg)
+        assert res["GPU"] == 3  # logical devices on a CPU box
+        actor_pool = RayResourcePool([2], use_gpu=True, name_prefix="actor", max_colocate_count=1)
+        reward_pool = RayResourcePool([1], use_gpu=True, name_prefix="reward", max_colocate_count=1)
+        pg_a, pg_r = actor_pool.get_placement_groups()[0], reward_pool.get_placement_groups()[0]
+        assert pg_a.bundle_count == 2 and pg_r.bundle_count == 1
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        probe = _Probe.options(num_cpus=0.1, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg_r, placement_group_bundle_index=0)).remote()
+        assert ray.get(probe.threads.remote()) == 1
+        worker_pid = ray.get(probe.pid.remote())
+        assert psutil.pid_exists(worker_pid)
+    finally:
+        shutdown_ray()
+    psutil.wait_procs([psutil.Process(worker_pid)] if psutil.pid_exists(worker_pid) else [], timeout=15)
+    assert not psutil.pid_exists(worker_pid) or psutil.Process(worker_pid).status() == psutil.STATUS_ZOMBIE
+    after = {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+    assert after <= before, f"stray processes after shutdown: {after - before}"

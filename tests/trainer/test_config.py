@@ -1,0 +1,67 @@
+"""The shipped config composes with documented overrides; semantic mistakes fail at start with a named key."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigAttributeError
+
+from omni_async.trainer.config import ConfigError, compose, streaming_enabled, validate
+
+BASE = ["data.train_files=x.jsonl"]
+
+
+def test_defaults_compose_and_validate():
+    cfg = validate(compose(BASE))
+    assert cfg.actor_rollout_ref.model.path == "tiny:qwen_image"
+    assert cfg.reward.custom_reward_function.path.startswith("pkg://")
+    assert streaming_enabled(cfg)  # no reward model -> stream (verl's rule)
+
+
+def test_documented_overrides():
+    cfg = validate(compose(BASE + [
+        "reward.reward_model.enable=True", "reward.reward_model.model_path=tiny:qwen2_vl",
+        "reward.reward_model.enable_resource_pool=True", "reward.reward_model.n_gpus_per_node=2",
+        "reward.num_workers=2", "actor_rollout_ref.rollout.n=8", "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "async_reward.one_step_off_policy=true",
+    ]))
+    assert streaming_enabled(cfg) and cfg.reward.num_workers == 2
+    colocated = validate(compose(BASE + ["reward.reward_model.enable=True",
+                                         "reward.reward_model.model_path=tiny:qwen2_vl"]))
+    assert not streaming_enabled(colocated)  # reward model sharing the actor pool -> sync
+    assert not streaming_enabled(compose(BASE + ["reward.streaming=false"]))
+
+
+def test_unknown_key_is_hydra_error():
+    with pytest.raises((ConfigCompositionException, ConfigAttributeError)):
+        compose(BASE + ["reward.not_a_key=1"])
+
+
+def test_missing_train_files():
+    with pytest.raises(ConfigError, match="data.train_files.*prepare_ocr_prompts"):
+        validate(compose([]))
+
+
+@pytest.mark.parametrize("overrides,key,fix", [
+    (["reward.reward_model.enable_resource_pool=True", "reward.reward_model.n_gpus_per_node=0"],
+     "reward.reward_model.n_gpus_per_node", "enable_resource_pool=False"),
+    (["actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n", "rollout.n=4"),
+    (["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
+     "ppo_mini_batch_size", "divisor"),
+    (["reward.streaming=maybe"], "reward.streaming", "auto, true or false"),
+    (["reward.on_failure=zero"], "reward.on_failure", "mask"),
+    (["reward.max_failure_ratio=1.5"], "reward.max_failure_ratio", "0.25"),
+    (["actor_rollout_ref.rollout.algo.sde_window_size=20"], "sde_window_size", "no longer"),
+    (["actor_rollout_ref.rollout.algo.sde_window_range=[5,10]"], "sde_window_range", "hi <="),
+    (["async_reward.update_pipeline=true", "algorithm.global_std=true"], "algorithm.global_std", "per-group"),
+    (["reward.reward_model.enable_resource_pool=True", "reward.num_workers=3"], "reward.num_workers", "tensor"),
+    (["reward.reward_model.enable=True"], "reward.reward_model.model_path", "tiny:qwen2_vl"),
+    (["reward.custom_reward_function.path=null"], "reward.custom_reward_function.path", "scorers.ocr"),
+    (["actor_rollout_ref.rollout.height=60"], "height/width", "64x64"),
+])
+def test_semantic_errors_name_key_and_fix(overrides, key, fix):
+    with pytest.raises(ConfigError) as exc:
+        validate(compose(BASE + overrides))
+    msg = str(exc.value)
+    assert msg.startswith(key) or key in msg.split(":")[0], msg
+    assert fix in msg, msg

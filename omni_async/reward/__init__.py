@@ -1,0 +1,1 @@
+"""Reward loop: reward managers, scorers, dispatch."""

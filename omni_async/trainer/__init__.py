@@ -1,0 +1,1 @@
+"""Trainer: Hydra entry point, step loop, actor worker, config, data, metrics."""

@@ -1,0 +1,22 @@
+"""Entry point: ``python -m omni_async.trainer.main [hydra overrides...]`` (config ``flowgrpo_trainer``)."""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(config_path="../config", config_name="flowgrpo_trainer", version_base=None)
+def main(cfg: DictConfig) -> None:
+    from omni_async.cluster import shutdown_ray
+    from omni_async.trainer.loop import FlowGRPOTrainer
+
+    try:
+        run_dir = FlowGRPOTrainer(cfg).fit()
+        print(f"run directory: {run_dir.resolve()}  (metrics.jsonl, samples/, tensorboard/, checkpoints/)")
+    finally:
+        shutdown_ray()
+
+
+if __name__ == "__main__":
+    main()

@@ -22,7 +22,6 @@ import torch
 
 from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
 
-
 SEED_SAMPLE, SEED_WINDOW, SEED_VALIDATION = 0, 1, 2  # independent random streams
 
 

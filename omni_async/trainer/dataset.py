@@ -84,8 +84,7 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
 def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
     import pyarrow.parquet as pq
 
-    for i, rec in enumerate(pq.read_table(path).to_pylist(), start=1):
-        yield i, rec
+    yield from enumerate(pq.read_table(path).to_pylist(), start=1)
 
 
 def load_prompts(files: str | Sequence[str]) -> list[PromptRow]:

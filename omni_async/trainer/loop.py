@@ -36,7 +36,7 @@ from omni_async.algos.sde import sde_window
 from omni_async.cluster import init_ray
 from omni_async.reward.manager import RewardManager, RewardOutcome
 from omni_async.trainer.actor_worker import FlowGRPOActorWorker, sampling_config
-from omni_async.trainer.config import validate
+from omni_async.trainer.config import ConfigError, streaming_enabled, validate
 from omni_async.trainer.dataset import PromptRow, PromptSampler, load_prompts
 from omni_async.trainer.metrics_logger import MetricsLogger, save_sample_grid
 
@@ -146,6 +146,9 @@ class FlowGRPOTrainer:
         self.val_rows = load_prompts(cfg.data.val_files)[: cfg.data.val_batch_size] if cfg.data.val_files else []
         self._build_actor_and_rollout()
         self.reward_manager = RewardManager(cfg.reward)
+        if streaming_enabled(cfg):
+            raise ConfigError("reward.streaming: streaming rewards to reward-loop workers are not available in this "
+                              "build yet (only the sync baseline is). Fix: set reward.streaming=false")
         self.strategy: CollectStrategy = SyncCollect(self.replicas, self.reward_manager)
 
     # ---- placement ------------------------------------------------------------------------------------------

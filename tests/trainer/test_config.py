@@ -15,7 +15,8 @@ def test_defaults_compose_and_validate():
     cfg = validate(compose(BASE))
     assert cfg.actor_rollout_ref.model.path == "tiny:qwen_image"
     assert cfg.reward.custom_reward_function.path.startswith("pkg://")
-    assert streaming_enabled(cfg)  # no reward model -> stream (verl's rule)
+    assert not streaming_enabled(cfg)  # the sync baseline until streaming lands
+    assert streaming_enabled(compose(BASE + ["reward.streaming=auto"]))  # no reward model -> stream (verl's rule)
 
 
 def test_documented_overrides():
@@ -24,9 +25,10 @@ def test_documented_overrides():
         "reward.reward_model.enable_resource_pool=True", "reward.reward_model.n_gpus_per_node=2",
         "reward.num_workers=2", "actor_rollout_ref.rollout.n=8", "data.train_batch_size=8",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "async_reward.one_step_off_policy=true",
+        "reward.streaming=auto",
     ]))
     assert streaming_enabled(cfg) and cfg.reward.num_workers == 2
-    colocated = validate(compose(BASE + ["reward.reward_model.enable=True",
+    colocated = validate(compose(BASE + ["reward.streaming=auto", "reward.reward_model.enable=True",
                                          "reward.reward_model.model_path=tiny:qwen2_vl"]))
     assert not streaming_enabled(colocated)  # reward model sharing the actor pool -> sync
     assert not streaming_enabled(compose(BASE + ["reward.streaming=false"]))

@@ -70,3 +70,21 @@ def test_qwen_image_ocr_smoke(tmp_path, data_dir):
                           "trainer.total_training_steps=1")
     assert metrics[0]["reward/failed"] == 0
     assert 0.0 <= metrics[0]["critic/rewards/mean"] <= 1.0
+
+
+def test_main_job_script_short_variant(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(tmp_path / "data"), "RUN_DIR": str(tmp_path / "run"),
+           "STEPS": "1", "BATCH": "2", "GROUP": "2"}
+    proc = subprocess.run(["bash", str(ROOT / "examples/run_qwen_image_ocr_async_reward.sh"), "trainer.logger=[jsonl]"],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "run directory:" in proc.stdout
+    rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 1 and "val/reward/mean" in rows[0]
+
+
+def test_streaming_request_fails_clearly(tmp_path, data_dir):
+    cmd = [sys.executable, "-m", "omni_async.trainer.main", f"data.train_files={data_dir}/train.jsonl",
+           f"trainer.run_dir={tmp_path}", f"hydra.run.dir={tmp_path}/hydra", *COMMON, "reward.streaming=true"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0 and "reward.streaming=false" in proc.stderr

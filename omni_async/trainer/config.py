@@ -115,13 +115,16 @@ def validate(cfg: DictConfig) -> DictConfig:
                "set reward.reward_model.model_path (a local dir, or tiny:qwen2_vl on CPU)")
     _check(rm.rollout.name in ("transformers", "vllm"), "reward.reward_model.rollout.name",
            f"unknown engine {rm.rollout.name!r}", "use transformers or vllm")
+    _check(0.0 < rm.rollout.gpu_memory_utilization <= 1.0, "reward.reward_model.rollout.gpu_memory_utilization",
+           f"must be in (0, 1], got {rm.rollout.gpu_memory_utilization}", "e.g. 0.5")
+    _check(reward.reward_manager.name == "naive", "reward.reward_manager.name",
+           f"unknown reward manager {reward.reward_manager.name!r}", "use naive")
 
     _check(cfg.algorithm.adv_estimator == "grpo", "algorithm.adv_estimator",
            f"{cfg.algorithm.adv_estimator!r} is not supported by FlowGRPO", "use grpo")
-    if cfg.async_reward.update_pipeline:
-        _check(not cfg.algorithm.global_std, "algorithm.global_std",
-               "the mini-batch update pipeline trains before the whole batch is scored, so a batch-wide std "
-               "does not exist yet", "set algorithm.global_std=false (per-group std) or async_reward.update_pipeline=false")
+    for key in ("one_step_off_policy", "update_pipeline"):
+        _check(not cfg.async_reward[key], f"async_reward.{key}", "this strategy is not available in this build yet",
+               f"set async_reward.{key}=false")
     _check(cfg.trainer.resume_mode in ("auto", "disable"), "trainer.resume_mode",
            f"unknown mode {cfg.trainer.resume_mode!r}", "use auto or disable")
     _check(cfg.trainer.total_training_steps >= 1, "trainer.total_training_steps", "must be >= 1", "e.g. 4")

@@ -24,8 +24,7 @@ def test_documented_overrides():
         "reward.reward_model.enable=True", "reward.reward_model.model_path=tiny:qwen2_vl",
         "reward.reward_model.enable_resource_pool=True", "reward.reward_model.n_gpus_per_node=2",
         "reward.num_workers=2", "actor_rollout_ref.rollout.n=8", "data.train_batch_size=8",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "async_reward.one_step_off_policy=true",
-        "reward.streaming=auto",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "reward.streaming=auto",
     ]))
     assert streaming_enabled(cfg) and cfg.reward.num_workers == 2
     colocated = validate(compose(BASE + ["reward.streaming=auto", "reward.reward_model.enable=True",
@@ -55,7 +54,9 @@ def test_missing_train_files():
     (["reward.max_failure_ratio=1.5"], "reward.max_failure_ratio", "0.25"),
     (["actor_rollout_ref.rollout.algo.sde_window_size=20"], "sde_window_size", "no longer"),
     (["actor_rollout_ref.rollout.algo.sde_window_range=[5,10]"], "sde_window_range", "hi <="),
-    (["async_reward.update_pipeline=true", "algorithm.global_std=true"], "algorithm.global_std", "per-group"),
+    (["async_reward.one_step_off_policy=true"], "async_reward.one_step_off_policy", "=false"),
+    (["reward.reward_manager.name=dapo"], "reward.reward_manager.name", "naive"),
+    (["reward.reward_model.rollout.gpu_memory_utilization=0"], "gpu_memory_utilization", "0.5"),
     (["reward.reward_model.enable_resource_pool=True", "reward.num_workers=3"], "reward.num_workers", "tensor"),
     (["reward.reward_model.enable=True"], "reward.reward_model.model_path", "tiny:qwen2_vl"),
     (["reward.custom_reward_function.path=null"], "reward.custom_reward_function.path", "scorers.ocr"),

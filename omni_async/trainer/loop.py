@@ -65,7 +65,7 @@ class Sample:
 class CollectStrategy(Protocol):
     """Fill ``sample.generated`` and ``sample.outcome`` for every sample; record phase timings."""
 
-    def collect(self, samples: list[Sample], window: tuple[int, int], timing: dict[str, float]) -> None: ...
+    def collect(self, samples: list[Sample], window: tuple[int, int], timer: Timer) -> None: ...
 
 
 class Timer:
@@ -139,10 +139,8 @@ class FlowGRPOTrainer:
         self.cfg = validate(cfg)
         init_ray(cfg)
         self.run_dir = Path(cfg.trainer.run_dir)
-        self.sampler = PromptSampler(load_prompts(OmegaConf.to_container(cfg.data.train_files)
-                                                  if not isinstance(cfg.data.train_files, str)
-                                                  else cfg.data.train_files),
-                                     cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
+        self.sampler = PromptSampler(load_prompts(cfg.data.train_files), cfg.data.train_batch_size,
+                                     cfg.data.shuffle, cfg.data.seed)
         self.val_rows = load_prompts(cfg.data.val_files)[: cfg.data.val_batch_size] if cfg.data.val_files else []
         self._build_actor_and_rollout()
         self.reward_manager = RewardManager(cfg.reward)

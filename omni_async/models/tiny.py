@@ -23,7 +23,7 @@ import torch
 
 TINY_PREFIX = "tiny:"
 # Bump when a builder changes so stale caches are not reused.
-_BUILD_VERSION = "v1"
+_BUILD_VERSION = "v2"
 _SEED = 1234
 
 
@@ -194,7 +194,28 @@ def build_sd3(out: Path) -> None:
         text_encoder_2=clip(), tokenizer_2=build_clip_tokenizer(),
         text_encoder_3=t5, tokenizer_3=t5_tok,
     )
+    _zero_init_decoder_residuals(pipe.vae)
     pipe.save_pretrained(out)
+
+
+def _zero_init_decoder_residuals(vae) -> None:
+    """Zero the last layer of every residual branch of the decoder.
+
+    A random GroupNorm decoder maps almost any latent to the same texture (the norms wash out the latent's
+    scale), so no reward computed on pixels could tell a better latent from a worse one. With the residual
+    branches at zero the decoder is conv-in, upsampling, conv-out: pixels follow the latent, and the JPEG
+    reward of the learning test responds to what the transformer does (measured: zero latent 1.45 kB, unit
+    noise 3.1 kB, vs 3.1 / 3.8 kB before).
+    """
+    from diffusers.models.resnet import ResnetBlock2D
+
+    for m in vae.decoder.modules():
+        if isinstance(m, ResnetBlock2D):
+            torch.nn.init.zeros_(m.conv2.weight)
+            torch.nn.init.zeros_(m.conv2.bias)
+    for attn in vae.decoder.mid_block.attentions:
+        torch.nn.init.zeros_(attn.to_out[0].weight)
+        torch.nn.init.zeros_(attn.to_out[0].bias)
 
 
 def build_wan(out: Path) -> None:

@@ -36,6 +36,7 @@ class RewardOutcome:
     extra: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     compute_s: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)  # each reward function's own score, by key
 
     @property
     def ok(self) -> bool:
@@ -84,6 +85,7 @@ class RewardFunction:
         else:
             self.fn, self.kwargs = obj, kwargs
         self.is_async = inspect.iscoroutinefunction(self.fn)
+        self.post_process = getattr(self.instance, "post_process_scores", None)
 
     async def __call__(self, sample: dict[str, Any]) -> tuple[float, dict[str, Any]]:
         kw = dict(data_source=sample["data_source"], ground_truth=sample["ground_truth"],
@@ -117,6 +119,15 @@ def build_reward_functions(reward_cfg: DictConfig) -> list[RewardFunction]:
     return [RewardFunction("score", c.path, c.name, kwargs)]
 
 
+def scorer_names(reward_cfg: DictConfig) -> str:
+    """The configured reward functions, as error messages name them."""
+    multi = OmegaConf.to_container(reward_cfg.reward_functions, resolve=True) or {}
+    if multi:
+        return ", ".join(f"{k}={v.get('name')} ({v.get('path')})" for k, v in multi.items())
+    c = reward_cfg.custom_reward_function
+    return f"{c.name} ({c.path})"
+
+
 class RewardManager:
     """Scores samples with the configured function(s); never raises for a sample, returns a typed outcome."""
 
@@ -131,21 +142,55 @@ class RewardManager:
 
     async def _score(self, sample: dict[str, Any]) -> RewardOutcome:
         results = await asyncio.gather(*(fn(sample) for fn in self.functions), return_exceptions=True)
-        total, extra = 0.0, {}
+        out = RewardOutcome("ok")
         for fn, res in zip(self.functions, results, strict=True):
             if isinstance(res, BaseException):
                 if fn.required:
                     return RewardOutcome("failed", error=f"{fn.label}: {type(res).__name__}: {res}")
-                extra[f"reward/{fn.key}_failed"] = f"{type(res).__name__}: {res}"
+                out.extra[f"reward/{fn.key}_failed"] = f"{type(res).__name__}: {res}"
                 continue
-            score, fn_extra = res
-            total += fn.weight * score
-            extra.update(fn_extra)
-            if self.multi:
-                extra[f"reward/{fn.key}"] = score
+            out.parts[fn.key], fn_extra = res
+            out.extra.update(fn_extra)
+        self._combine(out)
+        return out
+
+    def _combine(self, out: RewardOutcome) -> None:
+        """score = sum_k weight_k * part_k over the parts present; per-part metrics in multi-reward mode."""
+        out.score = sum(fn.weight * out.parts[fn.key] for fn in self.functions if fn.key in out.parts)
         if self.multi:
-            extra["reward/combined"] = total
-        return RewardOutcome("ok", total, extra)
+            out.extra.update({f"reward/{k}": v for k, v in out.parts.items()})
+            out.extra["reward/combined"] = out.score
+
+    @property
+    def has_post_process(self) -> bool:
+        return any(fn.post_process is not None for fn in self.functions)
+
+    def post_process_group(self, outcomes: list[RewardOutcome]) -> list[RewardOutcome]:
+        """Apply each class reward's ``post_process_scores(scores) -> scores`` to one whole ``uid`` group.
+
+        The hook sees its own function's scores for every member, ``None`` for a member that has none (failed,
+        timed out), and must return a list of the same length; a number it returns for a failed member repairs
+        that member (e.g. "replace failed scores by the group mean"), ``None`` leaves it failed.
+        """
+        for fn in self.functions:
+            if fn.post_process is None:
+                continue
+            before = [o.parts.get(fn.key) if o.ok else None for o in outcomes]
+            after = fn.post_process(list(before))
+            if not isinstance(after, (list, tuple)) or len(after) != len(before):
+                raise RewardFunctionError(f"{fn.label}.post_process_scores got {len(before)} scores and returned "
+                                          f"{str(after)[:80]!r}; return a list of {len(before)} floats (or None)")
+            for o, new in zip(outcomes, after, strict=True):
+                if new is None:
+                    continue
+                o.parts[fn.key], _ = normalize_result(f"{fn.label}.post_process_scores", new)
+                if not o.ok and all(f.key in o.parts for f in self.functions if f.required):
+                    o.status, o.error = "ok", None
+                    o.extra["reward/repaired"] = 1.0
+        for o in outcomes:
+            if o.ok:
+                self._combine(o)
+        return outcomes
 
     async def score(self, sample: dict[str, Any]) -> RewardOutcome:
         """Score one sample within ``reward.timeout_s``."""
@@ -159,9 +204,16 @@ class RewardManager:
         return out
 
     def score_batch(self, samples: list[dict[str, Any]]) -> list[RewardOutcome]:
-        """All samples concurrently, in one call (the sync baseline's colocated reward)."""
+        """All samples concurrently, in one call (the sync baseline's colocated reward); groups post-processed."""
 
         async def run():
             return await asyncio.gather(*(self.score(s) for s in samples))
 
-        return asyncio.run(run())
+        outcomes = asyncio.run(run())
+        if self.has_post_process:
+            groups: dict[str, list[int]] = {}
+            for i, s in enumerate(samples):
+                groups.setdefault(s["uid"], []).append(i)
+            for idx in groups.values():
+                self.post_process_group([outcomes[i] for i in idx])
+        return outcomes

@@ -87,6 +87,9 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(str(reward.streaming).lower() in ("auto", "true", "false"), "reward.streaming",
            f"unknown mode {reward.streaming!r}", "use auto, true or false")
     _check(reward.num_workers >= 1, "reward.num_workers", f"must be >= 1, got {reward.num_workers}", "set it to 1")
+    for key in ("queue_size", "max_inflight_per_worker"):
+        _check(reward[key] >= 1, f"reward.{key}", f"must be >= 1, got {reward[key]}", "use the default")
+    _check(reward.max_resends >= 0, "reward.max_resends", f"must be >= 0, got {reward.max_resends}", "e.g. 2")
     _check(reward.timeout_s > 0, "reward.timeout_s", "every reward call needs a positive deadline", "e.g. 120")
     _check(reward.on_failure in ("mask", "raise"), "reward.on_failure",
            f"unknown policy {reward.on_failure!r}", "use mask (default) or raise")

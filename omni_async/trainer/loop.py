@@ -3,15 +3,16 @@
 One step, as data::
 
     prompts (train_batch_size, each with a uid) x rollout.n
-      -> rollout replicas (one request per sample)            timing_s/gen
-      -> reward (sync: one colocated call after rollout)      timing_s/reward
-      -> group advantages per uid, failure policy             timing_s/adv
-      -> pi_old: rollout log-probs (bypass) or recomputed     timing_s/old_log_prob
-      -> actor update over mini-batches of whole groups       timing_s/update_actor (ref KL inside: timing_s/ref)
-      -> LoRA weights pushed to the replicas with a version   timing_s/weight_sync
+      -> agent loop: one task per sample on the rollout replicas     timing_s/gen
+         stream mode: each finished sample -> reward queue -> reward-loop worker, while the rest generate
+                                                                     timing_s/reward_wait (tail after last image)
+      -> reward, only if rollout did not bring rm_scores (sync mode) timing_s/reward
+      -> group advantages per uid, failure policy                    timing_s/adv
+      -> pi_old: rollout log-probs (bypass) or recomputed            timing_s/old_log_prob
+      -> actor update over mini-batches of whole groups              timing_s/update_actor (ref KL: timing_s/ref)
+      -> LoRA weights pushed to the replicas with a version          timing_s/weight_sync
 
-How samples are generated and scored is a :class:`CollectStrategy`; the rest of the loop is the same for every
-mode, so a new mode is a new strategy, never a second copy of the loop.
+Sync and stream differ only in whether the agent loop has a reward dispatcher; the loop itself is one.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ import json
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
 
 import numpy as np
 import ray
@@ -30,42 +30,22 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from verl import DataProto
 
+from omni_async.agent_loop.manager import AgentLoopManager, Collection, Sample
 from omni_async.agent_loop.rollout_replica import SEED_VALIDATION, SEED_WINDOW, RolloutReplica, sample_seed
 from omni_async.algos.advantages import group_advantages
 from omni_async.algos.sde import sde_window
 from omni_async.cluster import init_ray
-from omni_async.reward.manager import RewardManager, RewardOutcome
+from omni_async.reward.dispatcher import RewardDispatcher
+from omni_async.reward.manager import RewardManager, scorer_names
+from omni_async.reward.pool import create_reward_workers
 from omni_async.trainer.actor_worker import FlowGRPOActorWorker, sampling_config
-from omni_async.trainer.config import ConfigError, streaming_enabled, validate
+from omni_async.trainer.config import streaming_enabled, validate
 from omni_async.trainer.dataset import PromptRow, PromptSampler, load_prompts
 from omni_async.trainer.metrics_logger import MetricsLogger, save_sample_grid
 
 
 class RewardFailureError(RuntimeError):
     """More than ``reward.max_failure_ratio`` of a step's samples failed to get a reward."""
-
-
-@dataclass
-class Sample:
-    index: int
-    uid: str
-    row: PromptRow
-    seed: int
-    generated: dict[str, Any] | None = None
-    outcome: RewardOutcome | None = None
-    times: dict[str, float] = field(default_factory=dict)
-
-    def reward_input(self) -> dict[str, Any]:
-        """The minimal record a reward function sees: never trajectory latents."""
-        return {"prompt": self.row.prompt, "data_source": self.row.data_source,
-                "ground_truth": self.row.ground_truth, "extra_info": self.row.extra_info,
-                "image": self.generated["image"]}
-
-
-class CollectStrategy(Protocol):
-    """Fill ``sample.generated`` and ``sample.outcome`` for every sample; record phase timings."""
-
-    def collect(self, samples: list[Sample], window: tuple[int, int], timer: Timer) -> None: ...
 
 
 class Timer:
@@ -79,33 +59,6 @@ class Timer:
             yield
         finally:
             self.timing[f"timing_s/{name}"] += time.perf_counter() - t0
-
-
-def generate_all(replicas: list, samples: list[Sample], window: tuple[int, int]) -> None:
-    """One request per sample, spread round-robin; replicas batch concurrent requests themselves."""
-    refs = [replicas[s.index % len(replicas)].generate.remote(s.row.prompt, s.seed, window) for s in samples]
-    for s, out in zip(samples, ray.get(refs), strict=True):
-        s.generated = out
-        s.times.update(generated=out["t_gen_end"], gen_start=out["t_gen_start"])
-
-
-class SyncCollect:
-    """The baseline: generate the whole batch, then score it in one colocated reward call."""
-
-    def __init__(self, replicas: list, reward_manager: RewardManager):
-        self.replicas, self.reward_manager = replicas, reward_manager
-        self.colocated_calls = 0
-
-    def collect(self, samples: list[Sample], window: tuple[int, int], timer: Timer) -> None:
-        with timer("gen"):
-            generate_all(self.replicas, samples, window)
-        with timer("reward"):
-            self.colocated_calls += 1
-            outcomes = self.reward_manager.score_batch([s.reward_input() for s in samples])
-        now = time.time()
-        for s, o in zip(samples, outcomes, strict=True):
-            s.outcome = o
-            s.times["scored"] = now
 
 
 def reward_metrics(samples: list[Sample], kept: torch.Tensor) -> dict[str, float]:
@@ -142,32 +95,51 @@ class FlowGRPOTrainer:
         self.sampler = PromptSampler(load_prompts(cfg.data.train_files), cfg.data.train_batch_size,
                                      cfg.data.shuffle, cfg.data.seed)
         self.val_rows = load_prompts(cfg.data.val_files)[: cfg.data.val_batch_size] if cfg.data.val_files else []
+        self._create_pools()
         self._build_actor_and_rollout()
-        self.reward_manager = RewardManager(cfg.reward)
-        if streaming_enabled(cfg):
-            raise ConfigError("reward.streaming: streaming rewards to reward-loop workers are not available in this "
-                              "build yet (only the sync baseline is). Fix: set reward.streaming=false")
-        self.strategy: CollectStrategy = SyncCollect(self.replicas, self.reward_manager)
+        self.streaming = streaming_enabled(cfg)
+        self.scorer_names = scorer_names(cfg.reward)
+        self.reward_manager: RewardManager | None = None  # the colocated (sync) reward, built on first use
+        self.reward_workers: list = []
+        dispatcher_factory = None
+        if self.streaming:
+            pool = self.pools.get_resource_pool("reward") if cfg.reward.reward_model.enable_resource_pool else None
+            self.reward_workers = create_reward_workers(cfg.reward, pool)
+            r = cfg.reward
+            dispatcher_factory = partial(RewardDispatcher, self.reward_workers, queue_size=r.queue_size,
+                                         max_inflight_per_worker=r.max_inflight_per_worker, timeout_s=r.timeout_s,
+                                         max_resends=r.max_resends)
+        agent = cfg.actor_rollout_ref.rollout.agent
+        self.agent = AgentLoopManager(self.replicas, dispatcher_factory,
+                                      max_generating=agent.num_workers * agent.max_batch_size * 2)
+        if self.streaming:
+            self.agent.post_process = ray.get(self.reward_workers[0].has_post_process.remote())
+        self.colocated_reward_calls = 0
 
     # ---- placement ------------------------------------------------------------------------------------------
+    def _create_pools(self) -> None:
+        from verl.single_controller.ray import ResourcePoolManager
+
+        t, rm = self.cfg.trainer, self.cfg.reward.reward_model
+        spec, mapping = {"actor_rollout": [t.n_gpus_per_node] * t.nnodes}, {"actor": "actor_rollout"}
+        if rm.enable_resource_pool:
+            spec["reward_pool"], mapping["reward"] = [rm.n_gpus_per_node] * rm.nnodes, "reward_pool"
+        # Actor and rollout replicas share the actor/rollout pool (colocated, as in verl): each bundle is one
+        # device, split between the actor worker and a replica. The reward pool is separate placement groups.
+        self.pools = ResourcePoolManager(resource_pool_spec=spec, mapping=mapping, max_colocate_count=2)
+        self.pools.create_resource_pool()
+
     def _build_actor_and_rollout(self) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager
+        from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
 
-        t = self.cfg.trainer
-        # Actor and rollout replicas share the actor/rollout pool (colocated, as in verl); each bundle is one
-        # device, split between the actor worker and a replica.
-        self.pools = ResourcePoolManager(resource_pool_spec={"actor_rollout": [t.n_gpus_per_node] * t.nnodes},
-                                         mapping={"actor": "actor_rollout"}, max_colocate_count=2)
-        self.pools.create_resource_pool()
         pool = self.pools.get_resource_pool("actor")
         cfg_dict = OmegaConf.to_container(self.cfg, resolve=True)
         self.actor_wg = RayWorkerGroup(pool, RayClassWithInitArgs(ray.remote(FlowGRPOActorWorker), config=cfg_dict),
                                        name_prefix="actor")
         self.actor_wg.init_model()
         m, r = self.cfg.actor_rollout_ref.model, self.cfg.actor_rollout_ref.rollout
-        pgs = pool.get_placement_groups()
-        bundles = [(pg, b) for pg in pgs for b in range(pg.bundle_count)]
+        bundles = [(pg, b) for pg in pool.get_placement_groups() for b in range(pg.bundle_count)]
         replica_cls = ray.remote(RolloutReplica)
         self.replicas = [
             replica_cls.options(
@@ -196,13 +168,39 @@ class FlowGRPOTrainer:
         return [Sample(index=p * n + k, uid=f"{step}-{p}", row=row, seed=sample_seed(self.cfg.trainer.seed, step, p * n + k))
                 for p, row in enumerate(rows) for k in range(n)]
 
+    def collect(self, collection: Collection, timer: Timer) -> list[Sample]:
+        """Wait for a step's samples. Streamed ones arrive scored; the wait after the last image is the reward tail."""
+        samples = collection.wait()
+        t_done = time.time()
+        last_generated = max(s.times["generated"] for s in samples)
+        timer.timing["timing_s/gen"] += max(0.0, last_generated - collection.t_start)
+        timer.timing["timing_s/reward_wait"] += max(0.0, t_done - max(last_generated, collection.t_start))
+        return samples
+
+    def score_colocated(self, samples: list[Sample], timer: Timer) -> None:
+        """The sync baseline's reward phase: one call over the whole batch, after rollout."""
+        if self.reward_manager is None:
+            self.reward_manager = RewardManager(self.cfg.reward)
+        with timer("reward"):
+            self.colocated_reward_calls += 1
+            outcomes = self.reward_manager.score_batch([s.reward_input() for s in samples])
+        now = time.time()
+        for s, o in zip(samples, outcomes, strict=True):
+            s.outcome = o
+            s.times["scored"] = now
+
     def train_step(self, step: int) -> tuple[dict[str, float], list[Sample]]:
         cfg = self.cfg
         timer = Timer()
+        if self.agent.dispatcher is not None:
+            self.agent.dispatcher.reset_step_counters()
         with timer("step"):
-            samples = self.make_samples(step, self.sampler.next_batch())
             window = self._window(step)
-            self.strategy.collect(samples, window, timer)
+            samples = self.collect(self.agent.start(self.make_samples(step, self.sampler.next_batch()), window), timer)
+            batch = samples_to_batch(samples, window)
+            if "rm_scores" not in batch.batch.keys():  # as in verl: reward only when rollout did not bring it
+                self.score_colocated(samples, timer)
+                batch = samples_to_batch(samples, window)
             with timer("adv"):
                 valid = torch.tensor([s.outcome.ok for s in samples])
                 failed_ratio = 1.0 - valid.float().mean().item()
@@ -211,21 +209,13 @@ class FlowGRPOTrainer:
                     raise RewardFailureError(
                         f"step {step}: {failed_ratio:.0%} of samples got no reward (reward.max_failure_ratio="
                         f"{cfg.reward.max_failure_ratio}, on_failure={cfg.reward.on_failure}) from scorer "
-                        f"{self.reward_manager.scorer_names}; first errors: {errors[:3]}")
+                        f"{self.scorer_names}; first errors: {errors[:3]}")
                 scores = torch.tensor([s.outcome.score if s.outcome.ok else 0.0 for s in samples])
                 algo = cfg.algorithm
                 adv, kept = group_advantages(scores, [s.uid for s in samples], valid,
                                              norm_by_std=algo.norm_adv_by_std_in_grpo, global_std=algo.global_std,
                                              adv_clip_max=algo.adv_clip_max)
-            batch = DataProto.from_dict(
-                tensors={"window_latents": torch.stack([s.generated["window_latents"] for s in samples]),
-                         "old_log_probs": torch.stack([s.generated["log_probs"] for s in samples]),
-                         "advantages": adv, "loss_mask": kept,
-                         "rm_scores": scores.unsqueeze(-1)},
-                non_tensors={"prompt": np.array([s.row.prompt for s in samples], dtype=object),
-                             "uid": np.array([s.uid for s in samples], dtype=object)},
-                meta_info={"window_start": window[0]},
-            )
+                batch.batch["advantages"], batch.batch["loss_mask"] = adv, kept
             with timer("old_log_prob"):
                 if not algo.rollout_correction.bypass_mode:
                     batch.batch["old_log_probs"] = self.actor_wg.compute_log_prob(batch)[0]
@@ -239,6 +229,8 @@ class FlowGRPOTrainer:
         metrics = {**reward_metrics(samples, kept), **actor_metrics, **timing,
                    "perf/throughput": len(samples) / timing["timing_s/step"],
                    "rollout/policy_version": float(min(s.generated["version"] for s in samples))}
+        if self.agent.dispatcher is not None:
+            metrics.update(self.agent.call(_dispatcher_metrics(self.agent.dispatcher)))
         return metrics, samples
 
     # ---- validation, checkpoints ----------------------------------------------------------------------------
@@ -246,9 +238,10 @@ class FlowGRPOTrainer:
         """Deterministic (noise_level 0 everywhere, ODE) samples of the validation prompts, scored."""
         samples = [Sample(index=i, uid=f"val-{i}", row=row, seed=sample_seed(self.cfg.trainer.seed, 0, i, SEED_VALIDATION))
                    for i, row in enumerate(self.val_rows)]
-        generate_all(self.replicas, samples, (0, 0))
-        outcomes = self.reward_manager.score_batch([s.reward_input() for s in samples])
-        scores = [o.score for o in outcomes if o.ok]
+        samples = self.agent.start(samples, (0, 0)).wait()
+        if any(s.outcome is None for s in samples):
+            self.score_colocated(samples, Timer())
+        scores = [s.outcome.score for s in samples if s.outcome.ok]
         return {"val/reward/mean": float(np.mean(scores)) if scores else float("nan")}
 
     def _ckpt_dir(self, step: int) -> Path:
@@ -292,4 +285,23 @@ class FlowGRPOTrainer:
                     self.save_checkpoint(done)
         finally:
             logger.close()
+            self.agent.shutdown()
         return self.run_dir
+
+
+def samples_to_batch(samples: list[Sample], window: tuple[int, int]) -> DataProto:
+    """The training batch; ``rm_scores`` [N, 1] only when every sample already has its reward outcome."""
+    tensors = {"window_latents": torch.stack([s.generated["window_latents"] for s in samples]),
+               "old_log_probs": torch.stack([s.generated["log_probs"] for s in samples])}
+    if all(s.outcome is not None for s in samples):
+        tensors["rm_scores"] = torch.tensor([[s.outcome.score if s.outcome.ok else 0.0] for s in samples])
+    return DataProto.from_dict(
+        tensors=tensors,
+        non_tensors={"prompt": np.array([s.row.prompt for s in samples], dtype=object),
+                     "uid": np.array([s.uid for s in samples], dtype=object)},
+        meta_info={"window_start": window[0]},
+    )
+
+
+async def _dispatcher_metrics(dispatcher: RewardDispatcher) -> dict[str, float]:
+    return dispatcher.metrics()

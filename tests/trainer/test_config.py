@@ -15,8 +15,8 @@ def test_defaults_compose_and_validate():
     cfg = validate(compose(BASE))
     assert cfg.actor_rollout_ref.model.path == "tiny:qwen_image"
     assert cfg.reward.custom_reward_function.path.startswith("pkg://")
-    assert not streaming_enabled(cfg)  # the sync baseline until streaming lands
-    assert streaming_enabled(compose(BASE + ["reward.streaming=auto"]))  # no reward model -> stream (verl's rule)
+    assert streaming_enabled(cfg)  # auto + no reward model -> stream (verl's rule)
+    assert not streaming_enabled(compose(BASE + ["reward.streaming=false"]))
 
 
 def test_documented_overrides():

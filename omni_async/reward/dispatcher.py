@@ -1,0 +1,137 @@
+"""The reward queue: between the agent loop (producer) and the reward-loop workers (consumers).
+
+Every finished sample calls ``await dispatcher.score(chunk)``:
+
+1. it takes a place in a bounded queue (``reward.queue_size``); when the queue is full the call waits, and
+   since the agent loop holds a generation slot until its sample is queued, rollout waits too (back-pressure,
+   never a drop);
+2. it leaves the queue for the least-loaded worker as soon as one has fewer than
+   ``reward.max_inflight_per_worker`` calls in flight;
+3. the call has a deadline (``reward.timeout_s`` + a transport grace); past it the outcome is ``timeout``;
+4. if the worker dies, Ray restarts it (``max_restarts``) and the sample is re-sent (``reward/retried``), up to
+   ``reward.max_resends`` times, after which it is given up as ``failed`` (``reward_queue/dropped``). A sample
+   gets exactly one outcome.
+
+It runs on the agent loop's event loop; Ray object refs are awaited, so thousands of in-flight samples cost
+no threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
+from verl import DataProto
+
+from omni_async.reward.manager import RewardOutcome
+from omni_async.reward.worker import outcome_to_result, result_to_outcome
+
+# A worker enforces reward.timeout_s itself; the dispatcher's own deadline only has to catch a worker that
+# stopped answering (a hung process, a lost node), so it allows transport time on top.
+TRANSPORT_GRACE_S = 10.0
+
+
+class RewardDispatcher:
+    def __init__(self, workers: Sequence[Any], *, queue_size: int, max_inflight_per_worker: int, timeout_s: float,
+                 max_resends: int = 2):
+        self.workers = list(workers)
+        self.inflight = [0] * len(self.workers)
+        self.max_inflight = int(max_inflight_per_worker)
+        self.deadline_s = float(timeout_s) + TRANSPORT_GRACE_S
+        self.max_resends = int(max_resends)
+        self._places = asyncio.Semaphore(int(queue_size))
+        self._freed = asyncio.Condition()
+        self.waiting = 0
+        self.counters = {"total_produced": 0, "total_consumed": 0, "dropped": 0, "retried": 0, "max_size": 0}
+        self.dispatch_s: list[float] = []  # queue exit -> worker call sent, per sample (overhead, not waiting)
+
+    # ---- metrics ----------------------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        c = self.counters
+        return {"reward_queue/size": float(self.waiting), "reward_queue/max_size": float(c["max_size"]),
+                "reward_queue/total_produced": float(c["total_produced"]),
+                "reward_queue/total_consumed": float(c["total_consumed"]),
+                "reward_queue/dropped": float(c["dropped"]), "reward/retried": float(c["retried"])}
+
+    def reset_step_counters(self) -> None:
+        self.counters["max_size"] = self.waiting
+        self.counters["retried"] = 0
+
+    # ---- scoring ----------------------------------------------------------------------------------------------
+    async def _take_worker(self) -> int:
+        async with self._freed:
+            while min(self.inflight) >= self.max_inflight:
+                await self._freed.wait()
+            w = min(range(len(self.workers)), key=self.inflight.__getitem__)
+            self.inflight[w] += 1
+            return w
+
+    async def _give_back(self, w: int) -> None:
+        async with self._freed:
+            self.inflight[w] -= 1
+            self._freed.notify()
+
+    async def score(self, chunk: DataProto, times: dict[str, float] | None = None) -> RewardOutcome:
+        """Queue one sample, score it on a worker, return its typed outcome."""
+        return await (await self.enqueue(chunk, times))
+
+    async def enqueue(self, chunk: DataProto, times: dict[str, float] | None = None) -> asyncio.Task:
+        """Take a place in the queue (waits while it is full) and return the task that will hold the outcome.
+
+        ``times`` receives the sample's ``queued``, ``sent`` and ``scored`` wall-clock timestamps.
+        """
+        times = times if times is not None else {}
+        await self._places.acquire()  # a full queue blocks the producer here
+        times["queued"] = time.time()
+        self.counters["total_produced"] += 1
+        self.waiting += 1
+        self.counters["max_size"] = max(self.counters["max_size"], self.waiting)
+        return asyncio.ensure_future(self._dispatch(chunk, times))
+
+    async def _dispatch(self, chunk: DataProto, times: dict[str, float]) -> RewardOutcome:
+        try:
+            w = await self._take_worker()
+        finally:
+            self.waiting -= 1
+            self._places.release()
+        attempt = 0
+        while True:
+            t_out = time.perf_counter()
+            ref = self.workers[w].compute_score.remote(chunk)
+            times.setdefault("sent", time.time())
+            self.dispatch_s.append(time.perf_counter() - t_out)
+            try:
+                outcome = result_to_outcome(await asyncio.wait_for(ref, self.deadline_s))
+                break
+            except asyncio.TimeoutError:
+                ray.cancel(ref)
+                outcome = RewardOutcome("timeout", error=f"reward worker {w} gave no answer within "
+                                                         f"{self.deadline_s:g}s (reward.timeout_s + transport)")
+                break
+            except (RayActorError, ActorUnavailableError) as e:
+                # The worker died with our sample in flight; Ray restarts it. Re-send to whoever is least loaded.
+                await self._give_back(w)
+                if attempt >= self.max_resends:
+                    self.counters["dropped"] += 1
+                    outcome = RewardOutcome("failed", error=f"reward worker died {attempt + 1} times while scoring "
+                                                            f"this sample (reward.max_resends={self.max_resends}): {e}")
+                    self.counters["total_consumed"] += 1
+                    times["scored"] = time.time()
+                    return outcome
+                attempt += 1
+                self.counters["retried"] += 1
+                w = await self._take_worker()
+        await self._give_back(w)
+        self.counters["total_consumed"] += 1
+        times["scored"] = time.time()
+        return outcome
+
+    async def post_process_group(self, outcomes: list[RewardOutcome]) -> list[RewardOutcome]:
+        """Run the reward classes' ``post_process_scores`` on one complete group, on the least-loaded worker."""
+        w = min(range(len(self.workers)), key=self.inflight.__getitem__)
+        results = await self.workers[w].post_process_group.remote([outcome_to_result(o) for o in outcomes])
+        return [result_to_outcome(r) for r in results]

@@ -1,0 +1,42 @@
+"""Where reward-loop workers live.
+
+- ``reward.reward_model.enable_resource_pool=True``: on verl's dedicated ``reward_pool`` resource pool
+  (``n_gpus_per_node x nnodes`` devices, its own placement groups, so the actor/rollout pool is untouched);
+  worker ``i`` takes bundle ``i`` (one device each: a judge model or OCR engine per device).
+- otherwise: plain CPU actors (verl's rule: with no reward model, streaming needs no device).
+
+Workers restart when their process dies (``max_restarts``); the dispatcher re-sends what they had in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from omegaconf import DictConfig, OmegaConf
+
+from omni_async.reward.worker import RewardLoopWorker
+
+WORKER_MAX_RESTARTS = 4
+
+
+def create_reward_workers(reward_cfg: DictConfig, resource_pool: Any | None = None) -> list[Any]:
+    """Start ``reward.num_workers`` reward-loop workers, on ``resource_pool`` (a verl ``RayResourcePool``) if given."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    cls = ray.remote(RewardLoopWorker)
+    cfg_dict = OmegaConf.to_container(reward_cfg, resolve=True)
+    workers = []
+    bundles = ([(pg, b) for pg in resource_pool.get_placement_groups() for b in range(pg.bundle_count)]
+               if resource_pool is not None else [])
+    for i in range(int(reward_cfg.num_workers)):
+        opts: dict[str, Any] = dict(num_cpus=1, max_restarts=WORKER_MAX_RESTARTS, max_task_retries=0,
+                                    max_concurrency=1000)
+        if bundles:
+            pg, index = bundles[i % len(bundles)]
+            opts.update(num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=index))
+        workers.append(cls.options(**opts).remote(cfg_dict, i))
+    # Fail at start, not mid-step, if a reward function cannot be loaded (bad path, missing dependency).
+    ray.get([w.info.remote() for w in workers])
+    return workers

@@ -1,0 +1,46 @@
+"""Placement on a Ray cluster of two nodes (``ray.cluster_utils.Cluster``: two raylets on this machine)."""
+
+from __future__ import annotations
+
+import json
+
+import ray
+from ray.cluster_utils import Cluster
+
+from omni_async.cluster import shutdown_ray
+from omni_async.trainer.config import compose
+from omni_async.trainer.loop import FlowGRPOTrainer
+
+
+def test_reward_pool_lands_on_the_other_node(tmp_path):
+    shutdown_ray()
+    (tmp_path / "train.jsonl").write_text("".join(
+        json.dumps({"prompt": f"p{i}", "data_source": "ocr", "reward_model": {"ground_truth": "x"}}) + "\n"
+        for i in range(4)))
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "num_gpus": 1})
+    cluster.add_node(num_cpus=8, num_gpus=1)  # each node: one (logical) device
+    cluster.wait_for_nodes()
+    trainer = None
+    try:
+        cfg = compose([f"data.train_files={tmp_path}/train.jsonl", f"trainer.run_dir={tmp_path}/run",
+                       f"trainer.ray.address={cluster.address}", "actor_rollout_ref.model.path=tiny:sd3",
+                       "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=1", "actor_rollout_ref.rollout.height=32",
+                       "actor_rollout_ref.rollout.width=32", "actor_rollout_ref.rollout.num_inference_steps=3",
+                       "actor_rollout_ref.rollout.algo.sde_window_range=[0,2]",
+                       "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.jpeg",
+                       "reward.reward_model.enable_resource_pool=True", "trainer.logger=[jsonl]"])
+        trainer = FlowGRPOTrainer(cfg)
+        assert len(ray.nodes()) == 2
+        reward_node = ray.get(trainer.reward_workers[0].info.remote())["node_id"]
+        actor_node = ray.get(trainer.replicas[0].__ray_call__.remote(
+            lambda self: ray.get_runtime_context().get_node_id()))
+        assert reward_node != actor_node
+        trainer.sync_weights(0)
+        metrics, samples = trainer.train_step(0)  # and a step runs across the two nodes
+        assert trainer.colocated_reward_calls == 0 and all(s.outcome.ok for s in samples)
+    finally:
+        if trainer is not None:
+            trainer.agent.shutdown()
+        shutdown_ray()
+        cluster.shutdown()

@@ -1,0 +1,50 @@
+"""It learns: FlowGRPO on tiny:sd3 with the JPEG-compressibility reward raises the reward (real trainer, stream mode).
+
+Seeded run; the margin below is set from measurements, not hoped for: at a fixed policy the per-step mean reward
+(32 samples) moves by about 0.03 kB between steps, so the mean of three steps has a standard error of about
+0.02 kB and the difference of two such means about 0.03 kB. With these settings 16 steps lift the reward by
+about 0.5 kB (measured: first three steps -3.04 kB, last three -2.55 kB, rising almost every step); 0.2 kB is
+over six standard errors above noise and well below the measured gain.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from omni_async.cluster import shutdown_ray
+from omni_async.trainer.config import compose
+from omni_async.trainer.loop import FlowGRPOTrainer
+
+LEARN = ["actor_rollout_ref.model.path=tiny:sd3", "actor_rollout_ref.model.lora_rank=0",
+         "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.actor.clip_ratio=0.2",
+         "data.train_batch_size=4", "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+         "actor_rollout_ref.rollout.num_inference_steps=10", "actor_rollout_ref.rollout.algo.sde_window_size=2",
+         "actor_rollout_ref.rollout.algo.sde_window_range=[0,9]", "actor_rollout_ref.rollout.agent.max_batch_size=16",
+         "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.jpeg", "trainer.logger=[jsonl]",
+         "trainer.log_image_freq=-1", "trainer.total_training_steps=16", "trainer.resume_mode=disable"]
+MARGIN_KB = 0.2
+
+
+def write_prompts(path, n=64):
+    path.write_text("".join(json.dumps({"prompt": f"a photo of object {i}", "data_source": "jpeg",
+                                        "reward_model": {"ground_truth": ""}}) + "\n" for i in range(n)))
+
+
+def learn(tmp_path, *overrides: str) -> list[float]:
+    write_prompts(tmp_path / "train.jsonl")
+    shutdown_ray()
+    cfg = compose([f"data.train_files={tmp_path}/train.jsonl", f"trainer.run_dir={tmp_path}/run", *LEARN, *overrides])
+    try:
+        FlowGRPOTrainer(cfg).fit()
+    finally:
+        shutdown_ray()
+    rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    return [r["critic/rewards/mean"] for r in rows]
+
+
+def test_flowgrpo_learns_jpeg_compressibility_on_tiny_sd3(tmp_path):
+    curve = learn(tmp_path)
+    first, last = np.mean(curve[:3]), np.mean(curve[-3:])
+    assert last > first + MARGIN_KB, [round(c, 3) for c in curve]

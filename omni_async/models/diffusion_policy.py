@@ -2,7 +2,7 @@
 
 The pipeline's own components do the model work (``encode_prompt``, ``prepare_latents``, the transformer, the
 VAE); a small per-family adapter says how to call them, because Qwen-Image packs latents into tokens and takes a
-text mask while SD3 takes pooled CLIP projections. The denoising loop itself is ours, since each step of the SDE
+text mask, SD3 takes pooled CLIP projections and Wan denoises 5-D video latents. The denoising loop itself is ours, since each step of the SDE
 window must return its log-prob (``omni_async.algos.sde``).
 
 Sampling is reproducible per sample: sample ``i`` draws its initial noise and every SDE noise from its own
@@ -30,12 +30,13 @@ class SamplingConfig:
     noise_level: float = 0.7
     sde_type: str = "sde"
     true_cfg_scale: float = 1.0  # Qwen-Image's CFG
-    guidance_scale: float = 1.0  # SD3's CFG
+    guidance_scale: float = 1.0  # SD3's and Wan's CFG
+    num_frames: int = 1  # video models (Wan): frames per sample
 
 
 @dataclass
 class Rollout:
-    images: np.ndarray  # uint8 [B, H, W, 3]
+    images: np.ndarray  # uint8 [B, H, W, 3], or video frames [B, T, H, W, 3]
     window_latents: torch.Tensor  # [B, W + 1, ...]: x before the window's first step, then after each step
     log_probs: torch.Tensor  # [B, W]
     window: tuple[int, int]  # denoising step indices [start, stop)
@@ -122,7 +123,48 @@ class _SD3Adapter:
         return vae.decode(lat.to(vae.dtype), return_dict=False)[0]
 
 
-_ADAPTERS = {"QwenImagePipeline": _QwenImageAdapter, "StableDiffusion3Pipeline": _SD3Adapter}
+class _WanAdapter:
+    """WanPipeline (text-to-video): 5-D latents [B, C, T', H', W'], UMT5 embeddings, standard CFG."""
+
+    def __init__(self, pipe, cfg: SamplingConfig):
+        self.pipe, self.cfg = pipe, cfg
+        k = pipe.vae_scale_factor_temporal
+        if (cfg.num_frames - 1) % k:
+            raise ValueError(f"actor_rollout_ref.rollout.num_frames={cfg.num_frames} does not fit Wan's temporal "
+                             f"compression {k}; use {k}*n+1 frames, e.g. {k + 1} or {4 * k + 1}")
+
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        do_cfg = self.cfg.guidance_scale > 1
+        emb, neg = self.pipe.encode_prompt(prompt=prompts, negative_prompt=[""] * len(prompts) if do_cfg else None,
+                                           do_classifier_free_guidance=do_cfg, device=self.pipe.device)
+        return {"emb": emb, "neg_emb": neg} if do_cfg else {"emb": emb}
+
+    def init_latents(self, generators: list[torch.Generator]) -> torch.Tensor:
+        p = self.pipe
+        return p.prepare_latents(len(generators), p.transformer.config.in_channels, self.cfg.height, self.cfg.width,
+                                 self.cfg.num_frames, torch.float32, p.device, generators)
+
+    def _forward(self, x, t, emb):
+        return self.pipe.transformer(hidden_states=x, timestep=t.expand(x.shape[0]), encoder_hidden_states=emb,
+                                     return_dict=False)[0]
+
+    def velocity(self, x, t, cond):
+        v = self._forward(x, t, cond["emb"])
+        if "neg_emb" in cond:
+            neg = self._forward(x, t, cond["neg_emb"])
+            v = neg + self.cfg.guidance_scale * (v - neg)
+        return v
+
+    def decode(self, x) -> torch.Tensor:
+        vae = self.pipe.vae
+        zc = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, zc, 1, 1, 1).to(x)
+        std = torch.tensor(vae.config.latents_std).view(1, zc, 1, 1, 1).to(x)
+        return vae.decode((x * std + mean).to(vae.dtype), return_dict=False)[0]  # [B, 3, T, H, W]
+
+
+_ADAPTERS = {"QwenImagePipeline": _QwenImageAdapter, "StableDiffusion3Pipeline": _SD3Adapter,
+             "WanPipeline": _WanAdapter}
 
 
 def sample_generators(seeds: list[int]) -> list[torch.Generator]:
@@ -161,7 +203,12 @@ class DiffusionPolicy:
     # ---- schedule -------------------------------------------------------------------------------------------
     def _schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Sigmas (N+1, ending at 0) and timesteps (N) exactly as the pipeline's own scheduler makes them."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
         sched, n = self.pipe.scheduler, self.sampling.num_inference_steps
+        if not isinstance(sched, FlowMatchEulerDiscreteScheduler):
+            # Wan checkpoints ship UniPC configured for flow matching; the SDE step needs the plain flow sigmas.
+            sched = FlowMatchEulerDiscreteScheduler(shift=sched.config.get("flow_shift") or 1.0)
         kwargs: dict[str, Any] = {}
         if sched.config.get("use_dynamic_shifting", False):
             from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
@@ -243,7 +290,8 @@ class DiffusionPolicy:
                 out = self.step(cond, x, i, noise=torch.zeros_like(x), noise_level=0.0)
             x = out.prev_sample
         images = self.adapter.decode(x)
-        images = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
+        images = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        images = images.movedim(1, -1)  # channels last: [B, H, W, 3] or, for video, [B, T, H, W, 3]
         return Rollout(images=images.cpu().numpy(),
                        window_latents=torch.stack(stored, 1) if stored else torch.empty(len(seeds), 0),
                        log_probs=torch.stack(log_probs, 1) if log_probs else torch.empty(len(seeds), 0),

@@ -28,7 +28,8 @@ def sampling_config(cfg) -> SamplingConfig:
     r = cfg.actor_rollout_ref.rollout
     return SamplingConfig(height=r.height, width=r.width, num_inference_steps=r.num_inference_steps,
                           noise_level=r.algo.noise_level, sde_type=r.algo.sde_type,
-                          true_cfg_scale=float(r.pipeline.true_cfg_scale), guidance_scale=float(r.pipeline.guidance_scale))
+                          true_cfg_scale=float(r.pipeline.true_cfg_scale), guidance_scale=float(r.pipeline.guidance_scale),
+                          num_frames=int(r.num_frames))
 
 
 def minibatch_indices(uids: np.ndarray, prompts_per_minibatch: int) -> list[np.ndarray]:

@@ -24,6 +24,9 @@ def as_pil(image: Any, name: str = "solution_image") -> Image.Image:
 
 
 def jpeg_kb(image: Any, quality: int = 95) -> float:
+    """JPEG size in kB; for a video (uint8 [T, H, W, 3]) the mean over its frames."""
+    if not isinstance(image, Image.Image) and np.asarray(image).ndim == 4:
+        return float(np.mean([jpeg_kb(frame, quality) for frame in np.asarray(image)]))
     buf = io.BytesIO()
     as_pil(image).save(buf, format="JPEG", quality=quality)
     return buf.tell() / 1000.0

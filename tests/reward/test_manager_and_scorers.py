@@ -1,0 +1,124 @@
+"""Reward manager semantics and the rule / OCR scorers, without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+from PIL import Image, ImageDraw, ImageFont
+
+from omni_async.reward.manager import RewardFunctionError, RewardManager, RewardOutcome, normalize_result
+from omni_async.reward.scorers import jpeg, ocr
+from omni_async.reward.worker import outcome_to_result, proto_to_sample, result_to_outcome, sample_to_proto
+
+
+def reward_cfg(**over):
+    base = {"timeout_s": 5, "custom_reward_function": {"path": "pkg://omni_async.reward.scorers.jpeg",
+                                                       "name": "compute_score", "reward_kwargs": {}},
+            "reward_functions": {}}
+    base.update(over)
+    return OmegaConf.create(base)
+
+
+def text_image(text: str, size=(256, 96)) -> np.ndarray:
+    img = Image.new("RGB", size, "white")
+    ImageDraw.Draw(img).text((16, 24), text, fill="black", font=ImageFont.load_default(size=40))
+    return np.asarray(img)
+
+
+def sample(image, gt="", uid="u"):
+    return {"prompt": "p", "data_source": "test", "ground_truth": gt, "extra_info": {}, "uid": uid, "image": image}
+
+
+def test_normalize_result_accepts_the_conventions_and_names_bad_returns():
+    assert normalize_result("f", 1) == (1.0, {})
+    assert normalize_result("f", {"score": 0.5, "acc": 1}) == (0.5, {"acc": 1})
+    assert normalize_result("f", (0.2, "txt", "why")) == (0.2, {"judge_text": "txt", "judge_explanation": "why"})
+    for bad in ("high", None, float("nan"), True, {"value": 1}, [1.0]):
+        with pytest.raises(RewardFunctionError, match="reward function f"):
+            normalize_result("f", bad)
+
+
+def test_multi_reward_runs_concurrently_weighted_and_optional_failure_is_left_out(tmp_path):
+    mod = tmp_path / "rewards.py"
+    mod.write_text(
+        "import asyncio\n"
+        "async def slow(data_source, solution_image, ground_truth, extra_info, value=1.0, **kw):\n"
+        "    await asyncio.sleep(0.5)\n    return value\n"
+        "def broken(**kw):\n    raise ValueError('judge down')\n")
+    fns = {"a": {"path": str(mod), "name": "slow", "weight": 2.0, "value": 0.25},
+           "b": {"path": str(mod), "name": "slow", "weight": 1.0, "value": 1.0},
+           "c": {"path": str(mod), "name": "broken", "required": False}}
+    manager = RewardManager(reward_cfg(reward_functions=fns))
+    t0 = time.perf_counter()
+    out = asyncio.run(manager.score(sample(np.zeros((8, 8, 3), np.uint8))))
+    assert time.perf_counter() - t0 < 0.9  # two 0.5 s functions, concurrently
+    assert out.ok and out.score == pytest.approx(2 * 0.25 + 1.0)
+    assert out.extra["reward/a"] == 0.25 and out.extra["reward/combined"] == pytest.approx(1.5)
+    assert "judge down" in out.extra["reward/c_failed"]
+    fns["c"]["required"] = True
+    failed = asyncio.run(RewardManager(reward_cfg(reward_functions=fns)).score(sample(np.zeros((8, 8, 3), np.uint8))))
+    assert failed.status == "failed" and "broken" in failed.error and "judge down" in failed.error
+
+
+def test_timeout_is_typed_and_post_process_can_repair(tmp_path):
+    mod = tmp_path / "r.py"
+    mod.write_text(
+        "import asyncio\n"
+        "class R:\n"
+        "    async def compute_score(self, solution_image, **kw):\n"
+        "        if solution_image[0, 0, 0] == 1:\n            await asyncio.sleep(60)\n"
+        "        return float(solution_image[0, 0, 0])\n"
+        "    def post_process_scores(self, scores):\n"
+        "        ok = [s for s in scores if s is not None]\n"
+        "        return [s if s is not None else sum(ok) / len(ok) for s in scores]\n")
+    manager = RewardManager(reward_cfg(timeout_s=0.3, custom_reward_function={"path": str(mod), "name": "R",
+                                                                              "reward_kwargs": {}}))
+    imgs = [np.full((4, 4, 3), v, np.uint8) for v in (2, 1, 4)]
+    outcomes = manager.score_batch([sample(i) for i in imgs])  # one group: post-processed as a whole
+    assert [o.status for o in outcomes] == ["ok", "ok", "ok"]
+    assert [o.score for o in outcomes] == [2.0, 3.0, 4.0]
+    assert outcomes[1].extra["reward/repaired"] == 1.0
+    raw = asyncio.run(manager.score(sample(imgs[1])))
+    assert raw.status == "timeout" and "timeout_s=0.3" in raw.error
+
+
+def test_worker_wire_format_roundtrip():
+    img = np.arange(2 * 4 * 4 * 3, dtype=np.uint8).reshape(2, 4, 4, 3)  # a 2-frame video
+    back = proto_to_sample(sample_to_proto(sample(img, gt="HI", uid="3-1")))
+    np.testing.assert_array_equal(back["image"], img)
+    assert back["ground_truth"] == "HI" and back["uid"] == "3-1"
+    out = RewardOutcome("ok", 0.5, {"ocr_text": "hi"}, compute_s=0.1, parts={"score": 0.5})
+    assert result_to_outcome(outcome_to_result(out)) == out
+    failed = outcome_to_result(RewardOutcome("failed", error="boom"))
+    assert failed["reward_score"] is None and failed["reward_extra_info"]["reward_status"] == "failed"
+
+
+def test_jpeg_rewards_images_and_videos():
+    flat, noisy = np.full((64, 64, 3), 128, np.uint8), np.random.default_rng(0).integers(0, 255, (64, 64, 3), np.uint8)
+    assert jpeg.compute_score("x", flat) > jpeg.compute_score("x", noisy)
+    assert jpeg.compute_score_incompressibility("x", noisy) == -jpeg.compute_score("x", noisy)
+    video = np.stack([flat, noisy])
+    assert jpeg.jpeg_kb(video) == pytest.approx((jpeg.jpeg_kb(flat) + jpeg.jpeg_kb(noisy)) / 2)
+    with pytest.raises(TypeError, match="solution_image"):
+        jpeg.compute_score("x", np.zeros((4, 4), np.float32))
+
+
+def test_ocr_similarity_rule():
+    assert ocr.ocr_similarity("Hello 42", "HELLO42") == 1.0
+    assert ocr.ocr_similarity("xx hello42 yy", "hello42") == 1.0  # substring shortcut
+    assert ocr.ocr_similarity("xx hello42 yy", "hello42", substring_shortcut=False) < 1.0
+    assert ocr.ocr_similarity("HELL0 42", "HELLO 42") == pytest.approx(1 - 1 / 7)
+    assert ocr.ocr_similarity("", "ABC") == 0.0
+
+
+def test_ocr_judge_reads_rendered_text(no_network):
+    out = ocr.compute_score("ocr", text_image("HELLO 42"), "HELLO 42")
+    assert out["score"] > 0.8, out
+    blank = ocr.compute_score("ocr", np.full((96, 256, 3), 255, np.uint8), "HELLO 42")
+    assert blank["score"] == 0.0
+    video = np.stack([text_image("HELLO 42"), np.full((96, 256, 3), 255, np.uint8)])
+    assert ocr.compute_score("ocr", video, "HELLO 42")["score"] == pytest.approx((out["score"] + 0.0) / 2)

@@ -48,11 +48,13 @@ class Sample:
 class Collection:
     """One step's samples in flight. ``groups`` yields each ``uid`` group once all its members are done."""
 
-    def __init__(self, samples: list[Sample]):
-        self.samples = samples
+    def __init__(self, samples: list[Sample], window: tuple[int, int]):
+        self.samples, self.window = samples, window
         self.done: Future = Future()
+        self.generated: Future = Future()  # set once every sample's image exists
         self.groups: queue.Queue[list[Sample] | None] = queue.Queue()
         self.t_start = time.time()
+        self.t_done = float("nan")
 
     def wait(self) -> list[Sample]:
         return self.done.result()
@@ -95,10 +97,13 @@ class AgentLoopManager:
 
     def start(self, samples: list[Sample], window: tuple[int, int]) -> Collection:
         """Begin generating (and, when streaming, scoring) ``samples``; returns at once."""
-        collection = Collection(samples)
-        fut = asyncio.run_coroutine_threadsafe(self._run(collection, window), self.loop)
+        collection = Collection(samples, window)
+        fut = asyncio.run_coroutine_threadsafe(self._run(collection), self.loop)
 
         def finish(f):
+            collection.t_done = time.time()
+            if not collection.generated.done():
+                collection.generated.set_result(None)
             collection.groups.put(None)
             if f.exception() is not None:
                 collection.done.set_exception(f.exception())
@@ -108,14 +113,20 @@ class AgentLoopManager:
         fut.add_done_callback(finish)
         return collection
 
-    async def _run(self, collection: Collection, window: tuple[int, int]) -> None:
+    async def _run(self, collection: Collection) -> None:
         members: dict[str, list[Sample]] = defaultdict(list)
         for s in collection.samples:
             members[s.uid].append(s)
         remaining = {uid: len(group) for uid, group in members.items()}
+        to_generate = [len(collection.samples)]
+
+        def generated() -> None:
+            to_generate[0] -= 1
+            if to_generate[0] == 0:
+                collection.generated.set_result(None)
 
         async def one(s: Sample) -> None:
-            await self._sample(s, window)
+            await self._sample(s, collection.window, generated)
             remaining[s.uid] -= 1
             if remaining[s.uid] == 0:
                 group = members[s.uid]
@@ -127,16 +138,20 @@ class AgentLoopManager:
 
         await asyncio.gather(*(one(s) for s in collection.samples))
 
-    async def _sample(self, s: Sample, window: tuple[int, int]) -> None:
+    async def _sample(self, s: Sample, window: tuple[int, int], on_generated) -> None:
         replica = self.replicas[s.index % len(self.replicas)]
         await self._generating.acquire()
         try:
             s.generated = await replica.generate.remote(s.row.prompt, s.seed, window)
             s.times.update(gen_start=s.generated["t_gen_start"], generated=s.generated["t_gen_end"])
+            on_generated()
             if self.dispatcher is None:
                 return
             # The generation slot is held until the sample is in the reward queue: back-pressure on rollout.
-            scoring = await self.dispatcher.enqueue(sample_to_proto(s.reward_input()), s.times)
+            t0 = time.perf_counter()
+            chunk = sample_to_proto(s.reward_input())
+            s.times["serialize_s"] = time.perf_counter() - t0
+            scoring = await self.dispatcher.enqueue(chunk, s.times)
         finally:
             self._generating.release()
         s.outcome = await scoring

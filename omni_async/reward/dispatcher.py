@@ -40,6 +40,7 @@ class RewardDispatcher:
                  max_resends: int = 2):
         self.workers = list(workers)
         self.inflight = [0] * len(self.workers)
+        self.down = [False] * len(self.workers)
         self.max_inflight = int(max_inflight_per_worker)
         self.deadline_s = float(timeout_s) + TRANSPORT_GRACE_S
         self.max_resends = int(max_resends)
@@ -47,7 +48,6 @@ class RewardDispatcher:
         self._freed = asyncio.Condition()
         self.waiting = 0
         self.counters = {"total_produced": 0, "total_consumed": 0, "dropped": 0, "retried": 0, "max_size": 0}
-        self.dispatch_s: list[float] = []  # queue exit -> worker call sent, per sample (overhead, not waiting)
 
     # ---- metrics ----------------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -62,13 +62,33 @@ class RewardDispatcher:
         self.counters["retried"] = 0
 
     # ---- scoring ----------------------------------------------------------------------------------------------
+    def _least_loaded(self) -> int | None:
+        up = [w for w in range(len(self.workers)) if not self.down[w] and self.inflight[w] < self.max_inflight]
+        return min(up, key=self.inflight.__getitem__) if up else None
+
     async def _take_worker(self) -> int:
         async with self._freed:
-            while min(self.inflight) >= self.max_inflight:
+            while (w := self._least_loaded()) is None:
                 await self._freed.wait()
-            w = min(range(len(self.workers)), key=self.inflight.__getitem__)
             self.inflight[w] += 1
             return w
+
+    async def _revive(self, w: int) -> None:
+        """Keep a dead worker out of the rotation until Ray has restarted it and it answers again."""
+        give_up = time.monotonic() + self.deadline_s
+        while True:
+            try:
+                await asyncio.wait_for(self.workers[w].info.remote(), self.deadline_s)
+                break
+            except ActorUnavailableError:  # restarting: Ray refuses calls until it is up again
+                if time.monotonic() > give_up:
+                    return
+                await asyncio.sleep(0.2)
+            except Exception:  # restarts exhausted or no answer in time: it stays out of the rotation
+                return
+        async with self._freed:
+            self.down[w] = False
+            self._freed.notify_all()
 
     async def _give_back(self, w: int) -> None:
         async with self._freed:
@@ -101,9 +121,9 @@ class RewardDispatcher:
         attempt = 0
         while True:
             t_out = time.perf_counter()
-            ref = self.workers[w].compute_score.remote(chunk)
+            ref = self.workers[w].compute_score.remote(chunk)  # serialises the chunk into Ray's object store
             times.setdefault("sent", time.time())
-            self.dispatch_s.append(time.perf_counter() - t_out)
+            times.setdefault("dispatch_s", time.perf_counter() - t_out)
             try:
                 outcome = result_to_outcome(await asyncio.wait_for(ref, self.deadline_s))
                 break
@@ -114,6 +134,9 @@ class RewardDispatcher:
                 break
             except (RayActorError, ActorUnavailableError) as e:
                 # The worker died with our sample in flight; Ray restarts it. Re-send to whoever is least loaded.
+                if not self.down[w]:
+                    self.down[w] = True
+                    asyncio.ensure_future(self._revive(w))
                 await self._give_back(w)
                 if attempt >= self.max_resends:
                     self.counters["dropped"] += 1
@@ -132,6 +155,9 @@ class RewardDispatcher:
 
     async def post_process_group(self, outcomes: list[RewardOutcome]) -> list[RewardOutcome]:
         """Run the reward classes' ``post_process_scores`` on one complete group, on the least-loaded worker."""
-        w = min(range(len(self.workers)), key=self.inflight.__getitem__)
-        results = await self.workers[w].post_process_group.remote([outcome_to_result(o) for o in outcomes])
+        w = await self._take_worker()
+        try:
+            results = await self.workers[w].post_process_group.remote([outcome_to_result(o) for o in outcomes])
+        finally:
+            await self._give_back(w)
         return [result_to_outcome(r) for r in results]

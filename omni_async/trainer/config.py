@@ -125,9 +125,19 @@ def validate(cfg: DictConfig) -> DictConfig:
 
     _check(cfg.algorithm.adv_estimator == "grpo", "algorithm.adv_estimator",
            f"{cfg.algorithm.adv_estimator!r} is not supported by FlowGRPO", "use grpo")
-    for key in ("one_step_off_policy", "update_pipeline"):
-        _check(not cfg.async_reward[key], f"async_reward.{key}", "this strategy is not available in this build yet",
-               f"set async_reward.{key}=false")
+    a = cfg.async_reward
+    if a.one_step_off_policy or a.update_pipeline:
+        key = "async_reward.one_step_off_policy" if a.one_step_off_policy else "async_reward.update_pipeline"
+        _check(bool(cfg.algorithm.rollout_correction.bypass_mode), "algorithm.rollout_correction.bypass_mode",
+               f"{key}=true trains with weights newer than the ones the batch was (partly) scored for, so pi_old "
+               "must be the rollout's log-probs", "set algorithm.rollout_correction.bypass_mode=true")
+    if a.update_pipeline:
+        _check(not cfg.algorithm.global_std, "algorithm.global_std",
+               "the mini-batch pipeline computes advantages per group as groups complete; a batch-wide std "
+               "would need the whole batch first", "set algorithm.global_std=false (or async_reward.update_pipeline=false)")
+        _check(streaming_enabled(cfg), "async_reward.update_pipeline",
+               "needs streamed rewards (groups complete one by one); with reward.streaming=false the whole batch "
+               "is scored at once", "set reward.streaming=auto (or true)")
     _check(cfg.trainer.resume_mode in ("auto", "disable"), "trainer.resume_mode",
            f"unknown mode {cfg.trainer.resume_mode!r}", "use auto or disable")
     _check(cfg.trainer.total_training_steps >= 1, "trainer.total_training_steps", "must be >= 1", "e.g. 4")

@@ -42,6 +42,8 @@ from omni_async.trainer.actor_worker import FlowGRPOActorWorker, sampling_config
 from omni_async.trainer.config import streaming_enabled, validate
 from omni_async.trainer.dataset import PromptRow, PromptSampler, load_prompts
 from omni_async.trainer.metrics_logger import MetricsLogger, save_sample_grid
+from omni_async.trainer.strategies import FullBatchUpdate, OneStepOffPolicy, OnPolicy, PipelinedUpdate
+from omni_async.trainer.timeline import save_timeline, timeline_record
 
 
 class RewardFailureError(RuntimeError):
@@ -49,16 +51,20 @@ class RewardFailureError(RuntimeError):
 
 
 class Timer:
+    """Accumulates ``timing_s/<phase>`` durations and keeps each phase's wall-clock span for the timeline."""
+
     def __init__(self) -> None:
         self.timing: dict[str, float] = defaultdict(float)
+        self.spans: list[tuple[str, float, float]] = []
 
     @contextmanager
     def __call__(self, name: str):
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), time.time()
         try:
             yield
         finally:
             self.timing[f"timing_s/{name}"] += time.perf_counter() - t0
+            self.spans.append((name, w0, time.time()))
 
 
 def reward_metrics(samples: list[Sample], kept: torch.Tensor) -> dict[str, float]:
@@ -80,6 +86,9 @@ def reward_metrics(samples: list[Sample], kept: torch.Tensor) -> dict[str, float
         "timing_s/reward_compute/mean": float(compute.mean()), "timing_s/reward_compute/max": float(compute.max()),
         "timing_s/reward_compute/p95": float(np.percentile(compute, 95)),
     }
+    overhead = [s.times["serialize_s"] + s.times["dispatch_s"] for s in samples if "dispatch_s" in s.times]
+    if overhead:  # streaming cost per sample: building its chunk + handing it to Ray (not queueing, not scoring)
+        m["timing_s/stream_overhead/median"] = float(np.median(overhead))
     for key in {k for s in ok for k in s.outcome.extra if k.startswith("reward/")}:
         vals = [s.outcome.extra[key] for s in ok if isinstance(s.outcome.extra.get(key), (int, float))]
         if vals:
@@ -115,6 +124,11 @@ class FlowGRPOTrainer:
         if self.streaming:
             self.agent.post_process = ray.get(self.reward_workers[0].has_post_process.remote())
         self.colocated_reward_calls = 0
+        self.sampler_state_before: dict[int, dict] = {}  # sampler state before each step's prompts were drawn
+        a = cfg.async_reward
+        self.source = (OneStepOffPolicy if a.one_step_off_policy else OnPolicy)(self)
+        self.update = (PipelinedUpdate if a.update_pipeline else FullBatchUpdate)(self)
+        self.last_timeline: dict | None = None
 
     # ---- placement ------------------------------------------------------------------------------------------
     def _create_pools(self) -> None:
@@ -168,13 +182,18 @@ class FlowGRPOTrainer:
         return [Sample(index=p * n + k, uid=f"{step}-{p}", row=row, seed=sample_seed(self.cfg.trainer.seed, step, p * n + k))
                 for p, row in enumerate(rows) for k in range(n)]
 
+    def start_collection(self, step: int) -> Collection:
+        """Draw step ``step``'s prompts and start generating (and, when streaming, scoring) its samples."""
+        self.sampler_state_before[step] = self.sampler.state_dict()
+        return self.agent.start(self.make_samples(step, self.sampler.next_batch()), self._window(step))
+
     def collect(self, collection: Collection, timer: Timer) -> list[Sample]:
         """Wait for a step's samples. Streamed ones arrive scored; the wait after the last image is the reward tail."""
-        samples = collection.wait()
-        t_done = time.time()
+        with timer("collect_wait"):
+            samples = collection.wait()
         last_generated = max(s.times["generated"] for s in samples)
         timer.timing["timing_s/gen"] += max(0.0, last_generated - collection.t_start)
-        timer.timing["timing_s/reward_wait"] += max(0.0, t_done - max(last_generated, collection.t_start))
+        timer.timing["timing_s/reward_wait"] += max(0.0, collection.t_done - max(last_generated, collection.t_start))
         return samples
 
     def score_colocated(self, samples: list[Sample], timer: Timer) -> None:
@@ -189,48 +208,46 @@ class FlowGRPOTrainer:
             s.outcome = o
             s.times["scored"] = now
 
+    def check_failures(self, samples: list[Sample], step: int, total: int, failed_so_far: int | None = None) -> None:
+        """The failure policy: raise once more than ``reward.max_failure_ratio`` of the step's samples failed."""
+        r = self.cfg.reward
+        failed = failed_so_far if failed_so_far is not None else sum(not s.outcome.ok for s in samples)
+        ratio = failed / total
+        if ratio > r.max_failure_ratio or (r.on_failure == "raise" and failed):
+            errors = sorted({s.outcome.error for s in samples if s.outcome is not None and not s.outcome.ok})
+            raise RewardFailureError(
+                f"step {step}: {ratio:.0%} of samples got no reward (reward.max_failure_ratio={r.max_failure_ratio}, "
+                f"on_failure={r.on_failure}) from scorer {self.scorer_names}; first errors: {errors[:3]}")
+
+    def training_batch(self, samples: list[Sample], window: tuple[int, int]) -> DataProto:
+        """Scored samples -> the actor's batch, with group advantages and the loss mask (failed samples out)."""
+        algo = self.cfg.algorithm
+        valid = torch.tensor([s.outcome.ok for s in samples])
+        batch = samples_to_batch(samples, window)
+        adv, kept = group_advantages(batch.batch["rm_scores"][:, 0], [s.uid for s in samples], valid,
+                                     norm_by_std=algo.norm_adv_by_std_in_grpo, global_std=algo.global_std,
+                                     adv_clip_max=algo.adv_clip_max)
+        batch.batch["advantages"], batch.batch["loss_mask"] = adv, kept
+        return batch
+
     def train_step(self, step: int) -> tuple[dict[str, float], list[Sample]]:
-        cfg = self.cfg
         timer = Timer()
         if self.agent.dispatcher is not None:
             self.agent.dispatcher.reset_step_counters()
         with timer("step"):
-            window = self._window(step)
-            samples = self.collect(self.agent.start(self.make_samples(step, self.sampler.next_batch()), window), timer)
-            batch = samples_to_batch(samples, window)
-            if "rm_scores" not in batch.batch.keys():  # as in verl: reward only when rollout did not bring it
-                self.score_colocated(samples, timer)
-                batch = samples_to_batch(samples, window)
-            with timer("adv"):
-                valid = torch.tensor([s.outcome.ok for s in samples])
-                failed_ratio = 1.0 - valid.float().mean().item()
-                if failed_ratio > cfg.reward.max_failure_ratio or (cfg.reward.on_failure == "raise" and failed_ratio):
-                    errors = sorted({s.outcome.error for s in samples if not s.outcome.ok})
-                    raise RewardFailureError(
-                        f"step {step}: {failed_ratio:.0%} of samples got no reward (reward.max_failure_ratio="
-                        f"{cfg.reward.max_failure_ratio}, on_failure={cfg.reward.on_failure}) from scorer "
-                        f"{self.scorer_names}; first errors: {errors[:3]}")
-                scores = torch.tensor([s.outcome.score if s.outcome.ok else 0.0 for s in samples])
-                algo = cfg.algorithm
-                adv, kept = group_advantages(scores, [s.uid for s in samples], valid,
-                                             norm_by_std=algo.norm_adv_by_std_in_grpo, global_std=algo.global_std,
-                                             adv_clip_max=algo.adv_clip_max)
-                batch.batch["advantages"], batch.batch["loss_mask"] = adv, kept
-            with timer("old_log_prob"):
-                if not algo.rollout_correction.bypass_mode:
-                    batch.batch["old_log_probs"] = self.actor_wg.compute_log_prob(batch)[0]
-            with timer("update_actor"):
-                actor_metrics = self.actor_wg.update_actor(batch)[0] if kept.any() else {}
-            with timer("weight_sync"):
-                self.sync_weights(step + 1)
+            collection = self.source.collection(step)
+            samples, kept, actor_metrics = self.update.run(collection, step, timer)
+            self.source.after_update(step, timer)
         timing = dict(timer.timing)
         timing.setdefault("timing_s/reward", 0.0)
         timing["timing_s/ref"] = actor_metrics.pop("timing_s/ref", 0.0)
+        version = min(s.generated["version"] for s in samples)
         metrics = {**reward_metrics(samples, kept), **actor_metrics, **timing,
                    "perf/throughput": len(samples) / timing["timing_s/step"],
-                   "rollout/policy_version": float(min(s.generated["version"] for s in samples))}
+                   "rollout/policy_version": float(version), "async_reward/policy_version_lag": float(step - version)}
         if self.agent.dispatcher is not None:
             metrics.update(self.agent.call(_dispatcher_metrics(self.agent.dispatcher)))
+        self.last_timeline = timeline_record(step + 1, collection, samples, timer)
         return metrics, samples
 
     # ---- validation, checkpoints ----------------------------------------------------------------------------
@@ -250,7 +267,10 @@ class FlowGRPOTrainer:
     def save_checkpoint(self, step: int) -> None:
         path = self._ckpt_dir(step)
         self.actor_wg.save_checkpoint(str(path))
-        (path / "trainer.json").write_text(json.dumps({"step": step, "sampler": self.sampler.state_dict()}))
+        # A look-ahead rollout (one-step off-policy) may already have drawn the next prompts: save the sampler as
+        # it was before that, so a resumed run trains on exactly those prompts (regenerated with its weights).
+        sampler = self.sampler_state_before.get(step, self.sampler.state_dict())
+        (path / "trainer.json").write_text(json.dumps({"step": step, "sampler": sampler}))
 
     def latest_checkpoint(self) -> Path | None:
         done = sorted(p.parent for p in (self.run_dir / "checkpoints").glob("step_*/trainer.json"))
@@ -277,6 +297,8 @@ class FlowGRPOTrainer:
                 if t.test_freq > 0 and self.val_rows and done % t.test_freq == 0:
                     metrics.update(self.validate_step())
                 logger.log(done, metrics)
+                if t.log_timeline_freq > 0 and done % t.log_timeline_freq == 0:
+                    save_timeline(self.run_dir, self.last_timeline)
                 if t.log_image_freq > 0 and done % t.log_image_freq == 0:
                     save_sample_grid(self.run_dir / "samples" / f"step_{done:04d}.png",
                                      [s.generated["image"] for s in samples],

@@ -112,13 +112,20 @@ def test_killed_reward_worker_mid_step_every_sample_scored_once(make_trainer, tm
         time.sleep(0.01)
     ray.kill(victim, no_restart=False)  # Ray restarts it; the dispatcher re-sends its samples
     collection.wait()
-    assert all(s.outcome.ok for s in samples)
+    assert all(s.outcome.ok for s in samples), [s.outcome.error for s in samples]
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert sorted(r["key"] for r in lines) == sorted({r["key"] for r in lines})  # no sample scored twice
     assert len(lines) == len(samples)  # and none lost
     assert victim_pid not in {r["pid"] for r in lines}  # the victim finished nothing before dying
     assert trainer.agent.dispatcher.counters["retried"] >= 1
-    assert ray.get(victim.info.remote())["pid"] != victim_pid  # restarted
+    deadline = time.time() + 60
+    while not trainer.agent.call(_back_in_rotation(trainer.agent.dispatcher)) and time.time() < deadline:
+        time.sleep(0.1)
+    assert ray.get(victim.info.remote())["pid"] != victim_pid  # restarted, and back in the rotation
+
+
+async def _back_in_rotation(dispatcher) -> bool:
+    return not any(dispatcher.down)
 
 
 def test_post_process_sees_whole_groups_and_async_reward_runs_concurrently(make_trainer, tmp_path, monkeypatch):

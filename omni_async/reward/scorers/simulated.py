@@ -1,0 +1,35 @@
+"""A reward with a simulated remote latency, for overlap experiments and benchmarks.
+
+Each call waits a seeded random time, uniform in ``[min_latency_s, max_latency_s] * latency_scale`` (by default
+1-40 s, as in the async reward agent study, scaled by 1/40 for CPU runs: 25 ms - 1 s), then returns a real rule
+score (JPEG compressibility). The wait is ``asyncio.sleep``: no thread and no CPU is held, like an HTTP call to a
+scorer on another machine. The latency is a pure function of (``seed``, the sample's pixels), so every mode of a
+benchmark sees the same latency for the same sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from typing import Any
+
+import numpy as np
+
+from omni_async.reward.scorers.jpeg import jpeg_kb
+
+
+def simulated_latency(solution_image: Any, min_latency_s: float, max_latency_s: float, latency_scale: float,
+                      seed: int) -> float:
+    """Seconds to wait for this sample: ``U(min, max) * scale`` drawn from a generator seeded by (seed, pixels)."""
+    key = zlib.crc32(np.ascontiguousarray(np.asarray(solution_image)).tobytes())
+    u = np.random.default_rng([int(seed), key]).uniform(min_latency_s, max_latency_s)
+    return float(u * latency_scale)
+
+
+async def compute_score(data_source: str, solution_image: Any, ground_truth: Any = None,
+                        extra_info: dict | None = None, min_latency_s: float = 1.0, max_latency_s: float = 40.0,
+                        latency_scale: float = 1.0 / 40.0, seed: int = 0, **kwargs) -> dict[str, float]:
+    """JPEG compressibility (``-kB``) after a simulated scorer latency; the latency is kept in the extra info."""
+    latency = simulated_latency(solution_image, min_latency_s, max_latency_s, latency_scale, seed)
+    await asyncio.sleep(latency)
+    return {"score": -jpeg_kb(solution_image), "simulated_latency_s": latency}

@@ -1,0 +1,1 @@
+"""Command-line tools: ``python -m omni_async.tools.<name>``."""

@@ -54,6 +54,15 @@ def test_sync_run_then_kill_and_resume_gives_same_next_step(tmp_path, data_dir):
     assert [m["rollout/policy_version"] for m in full] == [0.0, 1.0, 2.0]
     assert (tmp_path / "full/samples/step_0001.png").stat().st_size > 0
     assert (tmp_path / "full/tensorboard").exists() is False  # logger=[jsonl] only
+    # Timeline: saved each step, re-drawn by the tool; a step never saved gets a clear message.
+    timeline = json.loads((tmp_path / "full/timeline/step_0002.json").read_text())
+    assert len(timeline["samples"]) == 8 and {"update_actor", "reward"} <= {p["phase"] for p in timeline["trainer"]}
+    redraw = tmp_path / "redrawn.png"
+    tool = [sys.executable, "-m", "omni_async.tools.timeline", str(tmp_path / "full")]
+    done = subprocess.run([*tool, "--step", "2", "--out", str(redraw)], capture_output=True, text=True)
+    assert done.returncode == 0 and redraw.stat().st_size > 0, done.stderr
+    missing = subprocess.run([*tool, "--step", "9"], capture_output=True, text=True)
+    assert missing.returncode == 2 and "step_0001" in missing.stderr
 
     # "Killed" after step 2 (its last checkpoint), then resumed with resume_mode=auto.
     part = tmp_path / "part"
@@ -81,3 +90,6 @@ def test_main_job_script_short_variant(tmp_path):
     assert "run directory:" in proc.stdout
     rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert rows[0]["step"] == 1 and "val/reward/mean" in rows[0]
+    # The main job streams to a dedicated reward pool: no colocated reward phase, every sample through the queue.
+    assert rows[0]["timing_s/reward"] == 0.0 and rows[0]["reward_queue/total_consumed"] == 4
+    assert rows[0]["reward/failed"] == 0

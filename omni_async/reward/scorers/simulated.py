@@ -5,11 +5,17 @@ Each call waits a seeded random time, uniform in ``[min_latency_s, max_latency_s
 score (JPEG compressibility). The wait is ``asyncio.sleep``: no thread and no CPU is held, like an HTTP call to a
 scorer on another machine. The latency is a pure function of (``seed``, the sample's pixels), so every mode of a
 benchmark sees the same latency for the same sample.
+
+``capacity`` > 0 makes it a rate-limited service: at most ``capacity`` requests are served at once per scorer
+instance (process), the rest wait their turn, as with a remote judge's concurrency limit. The sync baseline's
+colocated reward and one reward-loop worker then have the same scoring capacity.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+import weakref
 import zlib
 from typing import Any
 
@@ -26,10 +32,28 @@ def simulated_latency(solution_image: Any, min_latency_s: float, max_latency_s: 
     return float(u * latency_scale)
 
 
+_slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its capacity semaphore
+
+
+def _service_slot(capacity: int) -> asyncio.Semaphore:
+    loop = asyncio.get_running_loop()
+    if loop not in _slots:
+        _slots[loop] = asyncio.Semaphore(capacity)
+    return _slots[loop]
+
+
 async def compute_score(data_source: str, solution_image: Any, ground_truth: Any = None,
                         extra_info: dict | None = None, min_latency_s: float = 1.0, max_latency_s: float = 40.0,
-                        latency_scale: float = 1.0 / 40.0, seed: int = 0, **kwargs) -> dict[str, float]:
-    """JPEG compressibility (``-kB``) after a simulated scorer latency; the latency is kept in the extra info."""
+                        latency_scale: float = 1.0 / 40.0, seed: int = 0, capacity: int = 0,
+                        **kwargs) -> dict[str, float]:
+    """JPEG compressibility (``-kB``) after a simulated scorer latency; latency and queueing kept in the extra info."""
     latency = simulated_latency(solution_image, min_latency_s, max_latency_s, latency_scale, seed)
-    await asyncio.sleep(latency)
-    return {"score": -jpeg_kb(solution_image), "simulated_latency_s": latency}
+    t0 = time.perf_counter()
+    if capacity > 0:
+        async with _service_slot(capacity):
+            waited = time.perf_counter() - t0
+            await asyncio.sleep(latency)
+    else:
+        waited = 0.0
+        await asyncio.sleep(latency)
+    return {"score": -jpeg_kb(solution_image), "simulated_latency_s": latency, "simulated_queue_s": waited}

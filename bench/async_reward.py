@@ -1,0 +1,197 @@
+"""Step time of every training mode on the same seeded workload, against the sync baseline of the same run.
+
+    .venv/bin/python bench/async_reward.py [--steps 8] [--out bench/results/async_reward.json]
+
+Each mode trains the tiny model for ``--warmup`` + ``--steps`` steps on real Ray actors (a fresh cluster per mode)
+with the simulated remote scorer: a seeded uniform 1-40 s latency per sample scaled by ``--latency-scale``
+(25 ms - 1 s by default), served at most ``--scorer-capacity`` requests at a time (a remote judge's concurrency
+limit). The sync baseline's colocated reward and the single reward-loop worker of the streaming modes go through
+the same capacity. Only the steps after warm-up are measured.
+
+``bound_s`` is the physical lower bound of a mode's step, computed per step from parts measured in the sync run
+of the same workload (same prompts and seeds, hence the same per-sample latencies), then averaged:
+
+- ``rollout``  time to generate the batch (``timing_s/gen``)
+- ``train``    the step after the batch is in (advantages, update, weight sync)
+- ``last``     when the last reward arrives if each sample is sent the moment its image exists: the scorer's
+               FIFO schedule (``capacity`` servers) of the measured ready times and latencies
+- ``busy``     the scorer's time for the batch when all of it arrives at once (the sync reward phase)
+- ``work``     the scorer's throughput limit per step: sum of latencies / capacity
+- ``minibatches`` = ``train_batch_size / ppo_mini_batch_size``
+
+    sync:                 rollout + busy + train
+    stream:               max(rollout, last) + train
+    stream+pipeline:      max(rollout, last) + train / minibatches  (only the last mini-batch must follow the last reward)
+    stream+one_step_off:  max(rollout, train, work)                 (steady state: each period generates, trains and
+    all:                  max(rollout, train, work)                  scores one batch, overlapped)
+
+For one-step off-policy, one step's "rollout + reward tail" is not a bound here: the look-ahead collection starts
+when the previous step starts, so its reward tail may run into the next period; what remains is throughput.
+``hidden_fraction = (T_sync - T_mode) / (T_sync - bound_mode)`` on mean step times: the share of the hideable
+time a mode hid. Means, not medians, because the overlapped modes carry work from one step into the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODES = {
+    "sync": ["reward.streaming=false"],
+    "stream": ["reward.streaming=true"],
+    "stream+pipeline": ["reward.streaming=true", "async_reward.update_pipeline=true"],
+    "stream+one_step_off": ["reward.streaming=true", "async_reward.one_step_off_policy=true"],
+    "all": ["reward.streaming=true", "async_reward.update_pipeline=true", "async_reward.one_step_off_policy=true"],
+}
+
+
+def workload(args, data: Path) -> list[str]:
+    return [
+        f"data.train_files={data}", "data.shuffle=false", f"actor_rollout_ref.model.path={args.model}",
+        f"data.train_batch_size={args.batch}", f"actor_rollout_ref.rollout.n={args.group}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.mini_batch}",
+        f"actor_rollout_ref.rollout.height={args.size}", f"actor_rollout_ref.rollout.width={args.size}",
+        f"actor_rollout_ref.rollout.num_inference_steps={args.denoise_steps}",
+        f"actor_rollout_ref.rollout.agent.max_batch_size={args.device_batch}",
+        "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.simulated",
+        f"+reward.custom_reward_function.reward_kwargs.latency_scale={args.latency_scale}",
+        f"+reward.custom_reward_function.reward_kwargs.seed={args.seed}",
+        f"+reward.custom_reward_function.reward_kwargs.capacity={args.scorer_capacity}", "reward.num_workers=1",
+        f"trainer.seed={args.seed}", f"trainer.total_training_steps={args.warmup + args.steps}",
+        "trainer.logger=[jsonl]", "trainer.resume_mode=disable",
+    ]
+
+
+def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -> dict:
+    from omni_async.cluster import shutdown_ray
+    from omni_async.trainer.config import compose
+    from omni_async.trainer.loop import FlowGRPOTrainer
+
+    shutdown_ray()
+    cfg = compose([*workload(args, data), f"trainer.run_dir={out_dir / name}", *overrides])
+    trainer = FlowGRPOTrainer(cfg)
+    trainer.sync_weights(0)
+    steps = []
+    try:
+        for step in range(args.warmup + args.steps):
+            metrics, samples = trainer.train_step(step)
+            if step < args.warmup:
+                continue
+            t0 = trainer.last_timeline["t0"]
+            ready = [s.times["generated"] - t0 for s in samples]
+            latency = [s.outcome.extra["simulated_latency_s"] for s in samples]
+            parts = {"rollout_s": metrics["timing_s/gen"],
+                     "train_s": metrics["timing_s/step"] - metrics["timing_s/collect_wait"] - metrics["timing_s/reward"],
+                     "last_s": fifo_makespan(ready, latency, args.scorer_capacity),
+                     "busy_s": fifo_makespan([0.0] * len(latency), latency, args.scorer_capacity),
+                     "work_s": sum(latency) / args.scorer_capacity if args.scorer_capacity > 0 else max(latency)}
+            steps.append({"metrics": metrics, "parts": parts})
+            print(f"  {name:20s} step {step + 1}: {metrics['timing_s/step']:.2f}s", flush=True)
+    finally:
+        trainer.agent.shutdown()
+        shutdown_ray()
+    med = lambda key: statistics.median(s["metrics"].get(key, 0.0) for s in steps)  # noqa: E731
+    timing_keys = ["timing_s/gen", "timing_s/reward", "timing_s/reward_wait", "timing_s/collect_wait",
+                   "timing_s/update_actor", "timing_s/weight_sync", "timing_s/wait_next_rollout",
+                   "timing_s/reward_compute/mean", "timing_s/reward_compute/max", "timing_s/stream_overhead/median"]
+    step_s = [s["metrics"]["timing_s/step"] for s in steps]
+    return {
+        "step_s": step_s,
+        "median_step_s": statistics.median(step_s),
+        "mean_step_s": statistics.fmean(step_s),
+        "timing": {k: med(k) for k in timing_keys if any(k in s["metrics"] for s in steps)},
+        "parts_per_step": [s["parts"] for s in steps],
+        "reward_mean": [s["metrics"]["critic/rewards/mean"] for s in steps],
+        "policy_version_lag": med("async_reward/policy_version_lag"),
+    }
+
+
+def fifo_makespan(ready: list[float], latency: list[float], capacity: int) -> float:
+    """When the last of the samples is scored by a FIFO service of ``capacity`` servers (0 = unlimited)."""
+    if capacity <= 0:
+        return max(r + lat for r, lat in zip(ready, latency, strict=True))
+    free = [0.0] * capacity
+    end = 0.0
+    for r, lat in sorted(zip(ready, latency, strict=True)):
+        start = max(r, heapq.heappop(free))
+        heapq.heappush(free, start + lat)
+        end = max(end, start + lat)
+    return end
+
+
+def bounds(p: dict, minibatches: int) -> dict[str, float]:
+    """Every mode's lower bound for one step, from that step's sync-run parts (see the module docstring)."""
+    ready = max(p["rollout_s"], p["last_s"])
+    overlapped = max(p["rollout_s"], p["train_s"], p["work_s"])
+    return {"sync": p["rollout_s"] + p["busy_s"] + p["train_s"], "stream": ready + p["train_s"],
+            "stream+pipeline": ready + p["train_s"] / minibatches, "stream+one_step_off": overlapped,
+            "all": overlapped}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--model", default="tiny:qwen_image")
+    p.add_argument("--size", type=int, default=64)
+    p.add_argument("--denoise-steps", type=int, default=30)
+    p.add_argument("--batch", type=int, default=8, help="prompts per step")
+    p.add_argument("--group", type=int, default=4, help="samples per prompt")
+    p.add_argument("--mini-batch", type=int, default=2, help="prompts per optimizer step")
+    p.add_argument("--device-batch", type=int, default=4, help="rollout request batching (max_batch_size)")
+    p.add_argument("--latency-scale", type=float, default=1 / 40)
+    p.add_argument("--scorer-capacity", type=int, default=8, help="requests the scorer serves at once (0 = no limit)")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--out", type=Path, default=ROOT / "bench/results/async_reward.json")
+    args = p.parse_args()
+    modes = args.modes.split(",")
+    if "sync" not in modes:
+        p.error("--modes must include sync: every figure is relative to the sync baseline of the same run")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "train.jsonl"
+        data.write_text("".join(json.dumps({"prompt": f"a sign that says WORD{i}", "data_source": "bench",
+                                            "reward_model": {"ground_truth": f"WORD{i}"}}) + "\n" for i in range(256)))
+        t0 = time.time()
+        results = {name: run_mode(name, MODES[name], args, data, Path(tmp) / "runs") for name in modes}
+    minibatches = args.batch // args.mini_batch
+    per_step = [bounds(p, minibatches) for p in results["sync"]["parts_per_step"]]
+    t_sync = results["sync"]["mean_step_s"]
+    hidden = {}
+    for name, r in results.items():
+        r["bound_s"] = statistics.fmean(b[name] for b in per_step)
+        r["ratio_to_sync"] = r["median_step_s"] / results["sync"]["median_step_s"]
+        if name != "sync":
+            hideable = t_sync - r["bound_s"]
+            hidden[name] = (t_sync - r["mean_step_s"]) / hideable if hideable > 1e-9 else float("nan")
+    report = {"modes": results, "hidden_fraction": hidden,
+              "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                         "minibatches": minibatches, "machine": f"{platform.machine()} {platform.processor()}",
+                         "wall_s": time.time() - t0, "bound_parts_from": "sync run, per step",
+                         "hidden_fraction_on": "mean step times"}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+
+    print(f"\n{'mode':22s} {'median step s':>13s} {'x sync':>7s} {'mean step s':>11s} {'bound s':>8s} {'hidden':>7s} "
+          f"{'overhead ms':>11s}")
+    for name, r in results.items():
+        ovh = r["timing"].get("timing_s/stream_overhead/median")
+        print(f"{name:22s} {r['median_step_s']:13.2f} {r['ratio_to_sync']:7.2f} {r['mean_step_s']:11.2f} "
+              f"{r['bound_s']:8.2f} {hidden.get(name, float('nan')):7.2f} "
+              f"{'' if ovh is None else f'{ovh * 1000:.2f}':>11s}")
+    print(f"\nwritten: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -62,6 +62,7 @@ def workload(args, data: Path) -> list[str]:
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.mini_batch}",
         f"actor_rollout_ref.rollout.height={args.size}", f"actor_rollout_ref.rollout.width={args.size}",
         f"actor_rollout_ref.rollout.num_inference_steps={args.denoise_steps}",
+        f"actor_rollout_ref.rollout.algo.sde_window_range=[0,{min(5, args.denoise_steps - 1)}]",
         f"actor_rollout_ref.rollout.agent.max_batch_size={args.device_batch}",
         "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.simulated",
         f"+reward.custom_reward_function.reward_kwargs.latency_scale={args.latency_scale}",

@@ -1,0 +1,61 @@
+"""Helpers for the scorer-server tests: real servers on loopback, one process each, and image encoders."""
+
+from __future__ import annotations
+
+import base64
+import io
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "http_scorer", "serve", "--port", str(self.port), *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError("server did not come up")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+def encode(img: np.ndarray | Image.Image, fmt: str = "png") -> bytes:
+    buf = io.BytesIO()
+    (img if isinstance(img, Image.Image) else Image.fromarray(img)).save(buf, format=fmt.upper())
+    return buf.getvalue()
+
+
+def b64(img, fmt: str = "png") -> dict:
+    return {"data": base64.b64encode(encode(img, fmt)).decode(), "format": fmt}
+
+
+def text_image(text: str, size=(256, 96)) -> np.ndarray:
+    img = Image.new("RGB", size, "white")
+    ImageDraw.Draw(img).text((16, 24), text, fill="black", font=ImageFont.load_default(size=40))
+    return np.asarray(img)
+
+
+BLANK = np.full((96, 256, 3), 255, np.uint8)

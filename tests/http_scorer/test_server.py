@@ -1,0 +1,158 @@
+"""The scorer server over real HTTP on loopback: protocol v1, flow_grpo pickle compatibility, auth, limits,
+a pickle gadget, fuzzing, and batching under 200 concurrent requests."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import pickle
+import re
+
+import httpx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scorer_server_helpers import BLANK, b64, encode, text_image
+
+TOKEN = "s3cret"
+
+
+@pytest.fixture(scope="module")
+def ocr_server(server_factory):
+    return server_factory("--scorer", "ocr", "--allow-flow-grpo-pickle")
+
+
+@pytest.fixture(scope="module")
+def limited_server(server_factory):
+    return server_factory("--scorer", "sleep", "--token", TOKEN, "--max-images", "4", "--max-body-bytes", "300000",
+                          "--max-pixels", "1000000", "--max-batch", "16", "--max-wait-ms", "20")
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def test_v1_ocr_round_trip(ocr_server, no_network):
+    body = {"images": [b64(text_image("HELLO 42")), b64(BLANK), b64(text_image("HELLO 42"), "jpeg"),
+                       [b64(text_image("HELLO 42")), b64(BLANK)]],
+            "prompts": ["p"] * 4, "ground_truths": ["HELLO 42"] * 4}
+    r = httpx.post(f"{ocr_server.url}/v1/score", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["protocol_version"] == "1" and len(out["scores"]) == 4
+    hello, blank, hello_jpeg, video = out["scores"]
+    assert hello > 0.8 and hello_jpeg > 0.8 and blank == 0.0
+    assert video == pytest.approx(hello / 2)  # mean over frames
+    assert "42" in out["details"][0]["ocr_text"]
+    spec = httpx.get(f"{ocr_server.url}/openapi.json").json()
+    assert "/v1/score" in spec["paths"]
+
+
+def test_flow_grpo_pickle_compat_and_gadget_refused(ocr_server, server_factory, tmp_path):
+    req = {"images": [encode(text_image("HELLO 42"), "jpeg"), encode(BLANK, "jpeg")],
+           "prompts": ['a sign that says "HELLO 42"'] * 2, "metadata": {}}
+    r = httpx.post(ocr_server.url + "/", content=pickle.dumps(req), timeout=60)
+    assert r.status_code == 200
+    scores = pickle.loads(r.content)["scores"]
+    assert scores[0] > 0.8 and scores[1] == 0.0
+
+    marker = tmp_path / "pwned"
+
+    class Gadget:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    r = httpx.post(ocr_server.url + "/", content=pickle.dumps({"images": [Gadget()], "prompts": ["x"]}))
+    assert r.status_code == 400 and "only plain" in pickle.loads(r.content)["error"]
+    assert not marker.exists()
+    assert httpx.get(f"{ocr_server.url}/health").json()["status"] == "ok"
+
+    off = server_factory("--scorer", "jpeg")
+    r = httpx.post(off.url + "/", content=pickle.dumps(req))
+    assert r.status_code == 403 and "--allow-flow-grpo-pickle" in r.json()["error"]
+
+
+def test_auth_and_limits(limited_server):
+    url = f"{limited_server.url}/v1/score"
+    ok = {"images": [b64(np.zeros((32, 32, 3), np.uint8))], "prompts": ["p"]}
+    assert httpx.post(url, json=ok).status_code == 401
+    assert httpx.post(url, json=ok, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert httpx.post(url, json=ok, headers=AUTH).status_code == 200
+
+    def err(body=None, content=None):
+        r = httpx.post(url, json=body, content=content, headers=AUTH)
+        return r.status_code, r.json()
+
+    code, e = err({"images": [b64(np.zeros((8, 8, 3), np.uint8))] * 5, "prompts": ["p"] * 5})
+    assert code == 413 and e["field"] == "images" and "limit of 4" in e["error"]
+    bomb = encode(np.zeros((2000, 2000, 3), np.uint8))  # 4 Mpx of zeros: a few kB of PNG
+    code, e = err({"images": [{"data": base64.b64encode(bomb).decode(), "format": "png"}], "prompts": ["p"]})
+    assert code == 413 and "1000000 pixels" in e["error"] and e["field"] == "images[0].data"
+    code, e = err(content=b"{" + b" " * 400_000 + b"}")
+    assert code == 413 and e["field"] == "body"
+    code, e = err({"images": [{"data": "not base64!", "format": "png"}], "prompts": ["p"]})
+    assert code == 400 and "base64" in e["error"]
+    png = encode(np.zeros((16, 16, 3), np.uint8))
+    code, e = err({"images": [{"data": base64.b64encode(png[:40]).decode(), "format": "png"}], "prompts": ["p"]})
+    assert code == 400 and e["field"] == "images[0].data"
+    code, e = err({"images": [{"data": base64.b64encode(png).decode(), "format": "jpeg"}], "prompts": ["p"]})
+    assert code == 400 and "declared format" in e["error"]
+    code, e = err({"images": [b64(np.zeros((8, 8, 3), np.uint8))], "prompts": []})
+    assert code == 400 and e["field"] == "prompts"
+    code, e = err({"images": "x", "prompts": ["p"]})
+    assert code == 422 and e["field"].startswith("images")
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                         max_size=4), max_leaves=12)
+png_bytes = encode(np.zeros((8, 8, 3), np.uint8))
+image_items = st.fixed_dictionaries({
+    "data": st.one_of(st.text(max_size=30), st.binary(max_size=60).map(lambda b: base64.b64encode(b).decode()),
+                      st.integers(0, len(png_bytes)).map(lambda k: base64.b64encode(png_bytes[:k]).decode())),
+    "format": st.sampled_from(["png", "jpeg", "gif", 3]),
+})
+bodies = st.one_of(
+    json_values,
+    st.fixed_dictionaries({"images": st.lists(st.one_of(image_items, st.lists(image_items, max_size=2)),
+                                              max_size=6),
+                           "prompts": st.lists(st.text(max_size=10), max_size=6)},
+                          optional={"ground_truths": st.lists(st.text(max_size=5), max_size=6),
+                                    "metadata": json_values}),
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=bodies, raw=st.one_of(st.none(), st.binary(max_size=200)), auth=st.booleans())
+def test_fuzz_bad_requests_are_4xx_and_server_keeps_serving(limited_server, body, raw, auth):
+    headers = AUTH if auth else {}
+    if raw is not None:
+        r = httpx.post(f"{limited_server.url}/v1/score", content=raw, headers={**headers,
+                                                                              "content-type": "application/json"})
+    else:
+        r = httpx.post(f"{limited_server.url}/v1/score", json=body, headers=headers)
+    assert r.status_code < 500, (body, raw, r.status_code, r.text)
+    if not auth:
+        assert r.status_code == 401
+    assert httpx.get(f"{limited_server.url}/health").status_code == 200
+
+
+def test_200_concurrent_requests_are_batched(limited_server):
+    img = b64(np.zeros((16, 16, 3), np.uint8))
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200)) as client:
+            return await asyncio.gather(*(
+                client.post(f"{limited_server.url}/v1/score", json={"images": [img], "prompts": [str(i)],
+                                                                    "metadata": {"sleep_s": 0.05}}, headers=AUTH)
+                for i in range(200)))
+
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200] * 200
+    text = httpx.get(f"{limited_server.url}/metrics").text
+    calls = float(re.search(r"^scorer_batch_size_count (\S+)", text, re.M).group(1))
+    items = float(re.search(r"^scorer_batch_size_sum (\S+)", text, re.M).group(1))
+    assert items >= 200 and calls < items / 4, (calls, items)  # batching: far fewer scorer calls than items
+    assert 'scorer_errors_total{code="401"}' in text and "scorer_request_seconds_bucket" in text
+    assert os.environ.get("HTTP_SCORER_CONFIG") is None  # the test process is untouched by the server's config

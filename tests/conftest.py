@@ -28,3 +28,23 @@ def no_network(monkeypatch):
 
     monkeypatch.setattr(socket.socket, "connect", guarded)
     yield
+
+
+@pytest.fixture(scope="module")
+def server_factory():
+    """Start real scorer servers (``python -m http_scorer serve ...``) on loopback; stopped after the module."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "http_scorer"))
+    from scorer_server_helpers import Server
+
+    servers = []
+
+    def make(*args: str):
+        servers.append(Server(*args))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.stop()

@@ -88,8 +88,10 @@ class RewardFunction:
         self.post_process = getattr(self.instance, "post_process_scores", None)
 
     async def __call__(self, sample: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-        kw = dict(data_source=sample["data_source"], ground_truth=sample["ground_truth"],
-                  extra_info=dict(sample.get("extra_info") or {}), **self.kwargs)
+        extra_info = dict(sample.get("extra_info") or {})
+        extra_info.setdefault("prompt", sample.get("prompt"))  # remote judges and scorers want the prompt too
+        kw = dict(data_source=sample["data_source"], ground_truth=sample["ground_truth"], extra_info=extra_info,
+                  **self.kwargs)
         if "image" in sample:
             kw["solution_image"] = sample["image"]
         else:

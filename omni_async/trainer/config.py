@@ -118,6 +118,12 @@ def validate(cfg: DictConfig) -> DictConfig:
                "set reward.reward_model.model_path (a local dir, or tiny:qwen2_vl on CPU)")
     _check(rm.rollout.name in ("transformers", "vllm"), "reward.reward_model.rollout.name",
            f"unknown engine {rm.rollout.name!r}", "use transformers or vllm")
+    if rm.enable and rm.rollout.name == "vllm":
+        _check(bool(rm.enable_resource_pool), "reward.reward_model.enable_resource_pool",
+               "vLLM judge servers run on the dedicated reward pool", "set reward.reward_model.enable_resource_pool=True")
+        _check(rm.rollout.tensor_model_parallel_size == 1, "reward.reward_model.rollout.tensor_model_parallel_size",
+               "vLLM judges run as TP=1 replicas, one per reward-pool device (pool bundles are single devices)",
+               "set it to 1 and raise reward.reward_model.n_gpus_per_node for more replicas")
     _check(0.0 < rm.rollout.gpu_memory_utilization <= 1.0, "reward.reward_model.rollout.gpu_memory_utilization",
            f"must be in (0, 1], got {rm.rollout.gpu_memory_utilization}", "e.g. 0.5")
     _check(reward.reward_manager.name == "naive", "reward.reward_manager.name",

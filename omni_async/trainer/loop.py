@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import ray
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from verl import DataProto
 
 from omni_async.agent_loop.manager import AgentLoopManager, Collection, Sample
@@ -112,7 +112,16 @@ class FlowGRPOTrainer:
         self.reward_workers: list = []
         dispatcher_factory = None
         if self.streaming:
-            pool = self.pools.get_resource_pool("reward") if cfg.reward.reward_model.enable_resource_pool else None
+            rm = cfg.reward.reward_model
+            pool = self.pools.get_resource_pool("reward") if rm.enable_resource_pool else None
+            if rm.enable and rm.rollout.name == "vllm":
+                # The pool's devices go to vLLM judge servers; the reward-loop workers are their CPU clients.
+                from omni_async.reward.vllm_server import launch_judge_servers
+
+                with open_dict(cfg):
+                    cfg.reward.custom_reward_function.reward_kwargs.base_url = launch_judge_servers(cfg.reward, pool)
+                    cfg.reward.custom_reward_function.reward_kwargs.backend = "openai"
+                pool = None
             self.reward_workers = create_reward_workers(cfg.reward, pool)
             r = cfg.reward
             dispatcher_factory = partial(RewardDispatcher, self.reward_workers, queue_size=r.queue_size,

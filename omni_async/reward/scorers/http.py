@@ -1,0 +1,158 @@
+"""HTTP scorer client: a reward function that asks a remote scorer server (``python -m http_scorer serve`` or a
+flow_grpo / verl-omni scorer) for the score.
+
+    reward.custom_reward_function.path=pkg://omni_async.reward.scorers.http
+    reward.custom_reward_function.name=compute_score        # or HttpScorer (the class, built once per worker)
+    +reward.custom_reward_function.reward_kwargs.server_url=http://scorer:19082
+
+Samples that arrive together (within ``max_wait_ms``, up to ``max_batch``) go out as one HTTP call; one pooled
+``httpx.AsyncClient`` per worker and event loop; retries with backoff and jitter on connect errors, timeouts,
+408 / 429 / 5xx, never on another 4xx or on an error inside a 200 body. Several ``server_url`` s are used
+least-loaded first. Keys this client does not know are forwarded to the server as ``metadata``.
+
+Protocols: ``v1`` (JSON, images base64 PNG by default, JPEG with ``image_format=jpeg``) and ``flow_grpo``
+(pickled request; the pickled response is read with a restricted unpickler that admits only plain containers,
+strings, bytes and numbers, so a malicious server cannot run code here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import pickle
+import random
+import weakref
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from http_scorer.safe_pickle import UnsafePickleError, safe_loads
+from omni_async.reward.http_client import ClientStats, RetryPolicy, RewardHTTPError, pooled_client, post_with_retries
+
+
+def encode_image(image: Any, fmt: str = "png", quality: int = 95) -> bytes:
+    buf = io.BytesIO()
+    pil = image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image, dtype=np.uint8))
+    pil.convert("RGB").save(buf, format="PNG" if fmt == "png" else "JPEG", quality=quality)
+    return buf.getvalue()
+
+
+class _Pending:
+    def __init__(self, image, prompt: str, ground_truth, future: asyncio.Future):
+        self.image, self.prompt, self.ground_truth, self.future = image, prompt, ground_truth, future
+
+
+class HttpScorer:
+    def __init__(self, server_url: str | list[str], protocol: str = "v1", max_batch: int = 16,
+                 max_wait_ms: float = 10.0, timeout_s: float = 60.0, max_retries: int = 3, backoff_s: float = 0.2,
+                 image_format: str = "png", jpeg_quality: int = 95, token: str | None = None, seed: int = 0,
+                 **metadata: Any):
+        if protocol not in ("v1", "flow_grpo"):
+            raise ValueError(f"http scorer protocol={protocol!r}: use v1 or flow_grpo")
+        if image_format not in ("png", "jpeg"):
+            raise ValueError(f"http scorer image_format={image_format!r}: use png (lossless, OCR-safe) or jpeg")
+        self.urls = [u.rstrip("/") for u in ([server_url] if isinstance(server_url, str) else list(server_url))]
+        self.protocol, self.max_batch, self.max_wait_s = protocol, int(max_batch), float(max_wait_ms) / 1000
+        self.timeout_s, self.image_format, self.jpeg_quality = float(timeout_s), image_format, int(jpeg_quality)
+        self.policy = RetryPolicy(max_retries=int(max_retries), backoff_s=float(backoff_s))
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.metadata = metadata
+        self.stats = ClientStats()
+        self.rng = random.Random(seed)
+        self._pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> list[_Pending]
+
+    async def compute_score(self, data_source: str, solution_image: Any, ground_truth: Any = None,
+                            extra_info: dict | None = None, **kwargs) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        pending = self._pending.setdefault(loop, [])
+        item = _Pending(solution_image, str((extra_info or {}).get("prompt", "")), ground_truth, loop.create_future())
+        pending.append(item)
+        if len(pending) >= self.max_batch:
+            self._flush(loop)
+        elif len(pending) == 1:
+            loop.call_later(self.max_wait_s, self._flush, loop)
+        score, detail = await item.future
+        return {"score": score, **detail}
+
+    def _flush(self, loop) -> None:
+        batch = self._pending.get(loop) or []
+        if not batch:
+            return
+        self._pending[loop] = batch[self.max_batch:]
+        batch = batch[: self.max_batch]
+        if self._pending[loop]:
+            loop.call_later(self.max_wait_s, self._flush, loop)
+        loop.create_task(self._send(batch))
+
+    async def _send(self, batch: list[_Pending]) -> None:
+        try:
+            results = await (self._send_v1(batch) if self.protocol == "v1" else self._send_flow_grpo(batch))
+        except Exception as e:
+            for it in batch:
+                if not it.future.done():
+                    it.future.set_exception(e)
+            return
+        for it, res in zip(batch, results, strict=True):
+            if not it.future.done():
+                it.future.set_result(res)
+
+    def _image_json(self, image: Any) -> dict | list:
+        arr = np.asarray(image)
+        if arr.ndim == 4:  # a video: its frames
+            return [self._image_json(frame) for frame in arr]
+        data = encode_image(arr, self.image_format, self.jpeg_quality)
+        return {"data": base64.b64encode(data).decode(), "format": self.image_format}
+
+    async def _send_v1(self, batch: list[_Pending]) -> list[tuple[float, dict]]:
+        gts = [None if it.ground_truth is None else str(it.ground_truth) for it in batch]
+        body = {"images": [self._image_json(it.image) for it in batch], "prompts": [it.prompt for it in batch],
+                "metadata": self.metadata}
+        if any(g is not None for g in gts):
+            body["ground_truths"] = [g or "" for g in gts]
+        client = pooled_client("http-scorer", self.timeout_s)
+        response = await post_with_retries(client, self.urls, "/v1/score", self.stats, self.policy, self.rng,
+                                           json=body, headers=self.headers)
+        try:
+            out = response.json()
+        except json.JSONDecodeError:
+            raise RewardHTTPError(f"scorer answered 200 with a non-JSON body: {response.text[:120]!r}") from None
+        return self._results(out, len(batch))
+
+    async def _send_flow_grpo(self, batch: list[_Pending]) -> list[tuple[float, dict]]:
+        if any(np.asarray(it.image).ndim == 4 for it in batch):
+            raise RewardHTTPError("the flow_grpo protocol carries images only; use protocol=v1 for videos")
+        body = pickle.dumps({"images": [encode_image(it.image, "jpeg", self.jpeg_quality) for it in batch],
+                             "prompts": [it.prompt for it in batch], "metadata": self.metadata})
+        client = pooled_client("http-scorer", self.timeout_s)
+        response = await post_with_retries(client, self.urls, "/", self.stats, self.policy, self.rng,
+                                           content=body, headers=self.headers)
+        try:
+            out = safe_loads(response.content)
+        except UnsafePickleError as e:
+            raise RewardHTTPError(f"scorer response refused: {e}") from None
+        return self._results(out, len(batch))
+
+    @staticmethod
+    def _results(out: Any, n: int) -> list[tuple[float, dict]]:
+        if not isinstance(out, dict) or "error" in out or not isinstance(out.get("scores"), list):
+            raise RewardHTTPError(f"scorer answered 200 with an error or no scores: {str(out)[:160]}")
+        scores = out["scores"]
+        if len(scores) != n:
+            raise RewardHTTPError(f"scorer returned {len(scores)} scores for {n} images")
+        details = out.get("details") if isinstance(out.get("details"), list) else [{}] * n
+        return [(float(s), dict(d) if isinstance(d, dict) else {}) for s, d in zip(scores, details, strict=True)]
+
+
+_instances: dict[str, HttpScorer] = {}
+
+
+async def compute_score(data_source: str, solution_image: Any, ground_truth: Any = None,
+                        extra_info: dict | None = None, **config: Any) -> dict[str, Any]:
+    """The function form: one :class:`HttpScorer` per distinct config in this process (its batching and pool)."""
+    key = json.dumps(config, sort_keys=True, default=str)
+    if key not in _instances:
+        _instances[key] = HttpScorer(**config)
+    return await _instances[key].compute_score(data_source, solution_image, ground_truth, extra_info)

@@ -1,0 +1,86 @@
+"""vLLM judge servers on the reward pool (GPU clusters).
+
+With ``reward.reward_model.enable=True`` and ``reward.reward_model.rollout.name=vllm`` the trainer starts one
+OpenAI-compatible vLLM server per device of the dedicated reward pool (TP=1 replicas: verl's pool bundles are one
+device each), each inside a Ray actor that holds its device, and hands their URLs to the VLM judge
+(``backend=openai``, least-loaded).
+
+vLLM cannot be installed next to verl 0.9.1, so the server runs from its own environment:
+``reward.reward_model.rollout.server_python`` is that environment's python (the command is
+``<server_python> -m vllm.entrypoints.openai.api_server --model ... --tensor-parallel-size ...`` plus
+``server_args``). Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from typing import Any
+
+import httpx
+
+SERVED_MODEL_NAME = "judge"
+
+
+def server_command(rollout_cfg: dict[str, Any], model_path: str, port: int) -> list[str]:
+    return [str(rollout_cfg["server_python"]), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_path), "--served-model-name", SERVED_MODEL_NAME,
+            "--tensor-parallel-size", str(rollout_cfg["tensor_model_parallel_size"]),
+            "--gpu-memory-utilization", str(rollout_cfg["gpu_memory_utilization"]),
+            "--host", "0.0.0.0", "--port", str(port), *[str(a) for a in rollout_cfg.get("server_args") or []]]
+
+
+class VLLMServer:
+    """Ray actor: owns one vLLM server process on the devices Ray gave it."""
+
+    def __init__(self, rollout_cfg: dict[str, Any], model_path: str, startup_timeout_s: float = 900.0):
+        import ray
+
+        check = subprocess.run([str(rollout_cfg["server_python"]), "-c", "import vllm"], capture_output=True,
+                               text=True)
+        if check.returncode != 0:
+            raise RuntimeError(
+                f"reward.reward_model.rollout.server_python={rollout_cfg['server_python']} cannot import vllm "
+                f"({check.stderr.strip().splitlines()[-1] if check.stderr.strip() else 'no error text'}). Fix: "
+                "install vLLM into its own environment and point server_python at that environment's python")
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            self.port = sock.getsockname()[1]
+        self.host = ray.util.get_node_ip_address()
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(int(g)) for g in ray.get_gpu_ids())}
+        self.proc = subprocess.Popen(server_command(rollout_cfg, model_path, self.port), env=env)
+        deadline = time.time() + startup_timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with code {self.proc.returncode} during start-up")
+            try:
+                if httpx.get(f"{self.url()}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(2)
+        self.proc.kill()
+        raise RuntimeError(f"vLLM server not healthy after {startup_timeout_s:g}s")
+
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+
+
+def launch_judge_servers(reward_cfg, resource_pool) -> list[str]:
+    """One server per device of the reward pool (TP=1 replicas); returns their base URLs."""
+    import ray
+    from omegaconf import OmegaConf
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    rm = reward_cfg.reward_model
+    rollout = OmegaConf.to_container(rm.rollout, resolve=True)
+    bundles = [(pg, b) for pg in resource_pool.get_placement_groups() for b in range(pg.bundle_count)]
+    cls = ray.remote(VLLMServer)
+    servers = [cls.options(num_gpus=1, num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=index)).remote(rollout, rm.model_path)
+        for pg, index in bundles]
+    return ray.get([s.url.remote() for s in servers])

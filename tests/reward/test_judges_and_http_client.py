@@ -1,0 +1,161 @@
+"""VLM judge (transformers in a real reward worker; openai against a real local server) and the HTTP scorer client
+(against the real scorer server and a misbehaving one), all on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import sys
+
+import httpx
+import numpy as np
+import pytest
+import ray
+from judge_test_servers import Control, ThreadServer, make_app
+from omegaconf import OmegaConf
+from PIL import Image, ImageDraw, ImageFont
+
+from omni_async.cluster import init_ray, shutdown_ray
+from omni_async.reward.http_client import RewardHTTPError
+from omni_async.reward.scorers import jpeg, vlm_judge
+from omni_async.reward.scorers.http import HttpScorer
+from omni_async.reward.scorers.ocr import ocr_similarity
+from omni_async.reward.vllm_server import VLLMServer, server_command
+from omni_async.reward.worker import RewardLoopWorker, sample_to_proto
+from omni_async.trainer.config import ConfigError, compose, validate
+
+
+def text_image(text: str) -> np.ndarray:
+    img = Image.new("RGB", (128, 64), "white")
+    ImageDraw.Draw(img).text((8, 16), text, fill="black", font=ImageFont.load_default(size=24))
+    return np.asarray(img)
+
+
+HELLO = text_image("HELLO 42")
+
+
+@pytest.fixture(scope="module")
+def judge():
+    return vlm_judge.transformers_judge("tiny:qwen2_vl", 16, vlm_judge.DEFAULT_INSTRUCTION)
+
+
+@pytest.fixture(scope="module")
+def fake_servers(judge):
+    control = Control()
+    server = ThreadServer(make_app(control, judge))
+    yield control, server
+    server.stop()
+
+
+def test_transformers_judge_scores_through_a_real_reward_worker(judge, no_network):
+    shutdown_ray()
+    init_ray(num_gpus=0, num_cpus=4)
+    try:
+        cfg = {"timeout_s": 120, "reward_functions": {}, "custom_reward_function": {
+            "path": "pkg://omni_async.reward.scorers.vlm_judge", "name": "compute_score",
+            "reward_kwargs": {"backend": "transformers", "model_path": "tiny:qwen2_vl", "max_new_tokens": 16}}}
+        worker = ray.remote(RewardLoopWorker).remote(cfg, 0)
+        sample = {"prompt": 'a sign "HELLO 42"', "data_source": "ocr", "ground_truth": "HELLO 42",
+                  "extra_info": {}, "uid": "0", "image": HELLO}
+        out = ray.get(worker.compute_score.remote(sample_to_proto(sample)))
+    finally:
+        shutdown_ray()
+    info = out["reward_extra_info"]
+    assert info["reward_status"] == "ok", info
+    # Deterministic decoding: the worker's judge said exactly what the same judge says here, and the score is
+    # the OCR rule applied to that text.
+    assert info["judge_text"] == judge.transcribe(Image.fromarray(HELLO))
+    assert out["reward_score"] == pytest.approx(ocr_similarity(info["judge_text"], "HELLO 42"))
+
+
+def test_openai_backend_against_a_real_local_server(judge, fake_servers):
+    control, server = fake_servers
+    control.mode, control.calls = "ok", 0
+    kw = dict(backend="openai", base_url=server.url, max_new_tokens=16, backoff_s=0.01, timeout_s=2.0)
+    out = asyncio.run(vlm_judge.compute_score("ocr", HELLO, "HELLO 42", {}, **kw))
+    assert out["judge_text"] == judge.transcribe(Image.fromarray(HELLO))  # same judge behind HTTP
+
+    control.mode, control.failures_left, control.calls = "fail_then_ok", 2, 0
+    asyncio.run(vlm_judge.compute_score("ocr", HELLO, "HELLO 42", {}, **kw))
+    assert control.calls == 3  # 503, 503, then success
+
+    control.mode, control.calls = "bad_request", 0
+    with pytest.raises(RewardHTTPError, match="HTTP 400.*not retried"):
+        asyncio.run(vlm_judge.compute_score("ocr", HELLO, "HELLO 42", {}, **kw))
+    assert control.calls == 1
+
+    control.mode, control.calls = "slow", 0
+    with pytest.raises(RewardHTTPError, match="Timeout"):
+        asyncio.run(vlm_judge.compute_score("ocr", HELLO, "HELLO 42", {}, **{**kw, "timeout_s": 0.3,
+                                                                               "max_retries": 1}))
+    assert control.calls == 2
+    control.mode = "ok"
+
+
+def test_http_client_micro_batches_against_the_scorer_server(server_factory):
+    server = server_factory("--scorer", "jpeg", "--max-batch", "64", "--allow-flow-grpo-pickle")
+    images = [np.random.default_rng(i).integers(0, 255, (32, 32, 3), dtype=np.uint8) for i in range(20)]
+
+    async def run(client: HttpScorer):
+        return await asyncio.gather(*(client.compute_score("x", img, None, {"prompt": f"p{i}"})
+                                      for i, img in enumerate(images)))
+
+    client = HttpScorer(server.url, max_batch=8, max_wait_ms=50)
+    out = asyncio.run(run(client))
+    assert [o["score"] for o in out] == pytest.approx([jpeg.compute_score("x", img) for img in images])  # PNG: exact
+    metrics = httpx.get(f"{server.url}/metrics").text
+    http_calls = float(re.search(r'scorer_requests_total\{route="/v1/score"\} (\S+)', metrics).group(1))
+    assert http_calls <= math.ceil(20 / 8) and client.stats.calls == http_calls
+
+    flow = HttpScorer(server.url, protocol="flow_grpo", max_batch=8, max_wait_ms=50)
+    assert all(np.isfinite(o["score"]) for o in asyncio.run(run(flow)))
+
+
+def test_http_client_retry_policy_and_malicious_pickle(fake_servers, tmp_path):
+    control, server = fake_servers
+    img = np.zeros((16, 16, 3), np.uint8)
+    call = lambda client: asyncio.run(client.compute_score("x", img, "gt", {}))  # noqa: E731
+
+    control.mode, control.failures_left, control.calls = "fail_then_ok", 2, 0
+    client = HttpScorer([server.url], backoff_s=0.01, max_wait_ms=1)
+    assert call(client)["score"] == 0.5 and client.stats.retries == 2 and control.calls == 3
+
+    control.mode, control.calls = "bad_request", 0
+    with pytest.raises(RewardHTTPError, match="400"):
+        call(HttpScorer(server.url, backoff_s=0.01, max_wait_ms=1))
+    assert control.calls == 1
+
+    control.mode, control.calls = "error_body", 0
+    with pytest.raises(RewardHTTPError, match="scorer crashed"):
+        call(HttpScorer(server.url, backoff_s=0.01, max_wait_ms=1))
+    assert control.calls == 1  # an error inside a 200 body is not retried
+
+    marker = tmp_path / "pwned"
+    control.mode, control.gadget_target = "gadget", str(marker)
+    with pytest.raises(RewardHTTPError, match="refused"):
+        call(HttpScorer(server.url, protocol="flow_grpo", max_wait_ms=1))
+    assert not marker.exists()
+    control.mode = "ok"
+
+
+def test_full_gpu_recipe_config_composes_and_vllm_launcher_fails_clearly():
+    recipe = ["data.train_files=x.jsonl", "actor_rollout_ref.model.path=/models/Qwen-Image",
+              "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.agent.num_workers=4",
+              "reward.reward_model.enable=True", "reward.reward_model.model_path=/models/Qwen2.5-VL-7B-Instruct",
+              "reward.reward_model.enable_resource_pool=True", "reward.reward_model.n_gpus_per_node=1",
+              "reward.reward_model.rollout.name=vllm", "reward.reward_model.rollout.server_python=/opt/vllm/bin/python",
+              "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.vlm_judge"]
+    cfg = validate(compose(recipe))
+    rollout = OmegaConf.to_container(cfg.reward.reward_model.rollout)
+    cmd = server_command(rollout, cfg.reward.reward_model.model_path, 8000)
+    assert cmd[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "1" and "/models/Qwen2.5-VL-7B-Instruct" in cmd
+    with pytest.raises(ConfigError, match="TP=1 replicas"):
+        validate(compose(recipe + ["reward.reward_model.rollout.tensor_model_parallel_size=2",
+                                   "reward.reward_model.n_gpus_per_node=2"]))
+    with pytest.raises(ConfigError, match="enable_resource_pool=True"):
+        validate(compose(recipe + ["reward.reward_model.enable_resource_pool=False"]))
+    # This environment has no vLLM (it cannot live next to verl): the launcher says so and how to fix it.
+    with pytest.raises(RuntimeError, match="cannot import vllm.*server_python"):
+        VLLMServer({**rollout, "server_python": sys.executable}, "/models/x")

@@ -40,9 +40,13 @@ class Sample:
 
     def reward_input(self) -> dict[str, Any]:
         """The minimal record a reward function sees: never trajectory latents."""
-        return {"prompt": self.row.prompt, "data_source": self.row.data_source, "uid": self.uid,
-                "ground_truth": self.row.ground_truth, "extra_info": self.row.extra_info,
-                "image": self.generated["image"]}
+        out = {"prompt": self.row.prompt, "data_source": self.row.data_source, "uid": self.uid,
+               "ground_truth": self.row.ground_truth, "extra_info": self.row.extra_info}
+        if "image" in self.generated:
+            out["image"] = self.generated["image"]
+        else:
+            out["response"] = self.generated["response"]
+        return out
 
 
 class Collection:

@@ -1,4 +1,4 @@
-"""Rollout replica: a Ray actor that owns a copy of the diffusion policy and serves per-sample requests.
+"""Rollout replica: a Ray actor that owns a copy of the policy (diffusion or text) and serves per-sample requests.
 
 Callers ask for one sample at a time (``generate(prompt, seed, window)``) so each sample can be streamed to its
 reward as soon as it exists; the replica still runs the device in batches: requests that arrive within
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
+from omni_async.models.factory import build_policy
 
 SEED_SAMPLE, SEED_WINDOW, SEED_VALIDATION = 0, 1, 2  # independent random streams
 
@@ -41,8 +41,7 @@ class _Request:
 class RolloutReplica:
     def __init__(self, model: dict[str, Any], sampling: dict[str, Any], max_batch_size: int = 8,
                  max_wait_ms: float = 5.0):
-        self.policy = DiffusionPolicy(model["path"], SamplingConfig(**sampling), lora_rank=model["lora_rank"],
-                                      lora_alpha=model["lora_alpha"], target_modules=list(model["target_modules"]))
+        self.policy = build_policy(model, sampling)
         self.max_batch_size, self.max_wait_s = int(max_batch_size), float(max_wait_ms) / 1000.0
         self.version = 0
         self._pending: list[_Request] = []
@@ -63,7 +62,8 @@ class RolloutReplica:
         return {"batch_sizes": list(self.batch_sizes), "version": self.version}
 
     async def generate(self, prompt: str, seed: int, window: tuple[int, int]) -> dict[str, Any]:
-        """One sample: uint8 image, SDE-window latents and log-probs, timestamps, weights version."""
+        """One sample (image + SDE-window latents and log-probs, or response tokens + log-probs), timestamps,
+        weights version."""
         fut = asyncio.get_running_loop().create_future()
         self._pending.append(_Request(prompt, int(seed), (int(window[0]), int(window[1])), fut))
         if self._worker is None or self._worker.done():
@@ -80,8 +80,8 @@ class RolloutReplica:
             self._pending = [r for r in self._pending if r not in batch]
             version, t0 = self.version, time.time()
             try:
-                out = await loop.run_in_executor(
-                    self._device, self.policy.rollout, [r.prompt for r in batch], [r.seed for r in batch],
+                records = await loop.run_in_executor(
+                    self._device, self.policy.sample_records, [r.prompt for r in batch], [r.seed for r in batch],
                     range(*window))
             except Exception as e:  # a failed batch fails its requests, not the replica
                 for r in batch:
@@ -89,12 +89,5 @@ class RolloutReplica:
                 continue
             t1 = time.time()
             self.batch_sizes.append(len(batch))
-            for i, r in enumerate(batch):
-                r.future.set_result({
-                    "image": out.images[i],
-                    "window_latents": out.window_latents[i],
-                    "log_probs": out.log_probs[i],
-                    "version": version,
-                    "t_gen_start": t0,
-                    "t_gen_end": t1,
-                })
+            for r, record in zip(batch, records, strict=True):
+                r.future.set_result({**record, "version": version, "t_gen_start": t0, "t_gen_end": t1})

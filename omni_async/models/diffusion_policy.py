@@ -296,3 +296,9 @@ class DiffusionPolicy:
                        window_latents=torch.stack(stored, 1) if stored else torch.empty(len(seeds), 0),
                        log_probs=torch.stack(log_probs, 1) if log_probs else torch.empty(len(seeds), 0),
                        window=(window.start, window.stop) if len(window) else (0, 0))
+
+    def sample_records(self, prompts: list[str], seeds: list[int], window: range | None) -> list[dict[str, Any]]:
+        """:meth:`rollout`, split per sample (the rollout replica's per-request answer)."""
+        out = self.rollout(prompts, seeds, window)
+        return [{"image": out.images[i], "window_latents": out.window_latents[i], "log_probs": out.log_probs[i]}
+                for i in range(len(prompts))]

@@ -67,6 +67,12 @@ def validate(cfg: DictConfig) -> DictConfig:
            "choose a divisor of data.train_batch_size (mini-batches are counted in prompts)")
     _check(actor.ppo_epochs >= 1, "actor_rollout_ref.actor.ppo_epochs", "must be >= 1", "set it to 1")
 
+    modality = arr.model.modality
+    _check(modality in ("image", "text"), "actor_rollout_ref.model.modality", f"unknown modality {modality!r}",
+           "use image (diffusion) or text (causal LM; --config-name grpo_text_trainer sets it up)")
+    if modality == "text":
+        _check(rollout.response_length >= 1, "actor_rollout_ref.rollout.response_length", "must be >= 1", "e.g. 32")
+        _check(rollout.temperature > 0, "actor_rollout_ref.rollout.temperature", "must be > 0", "e.g. 1.0")
     algo = rollout.algo
     _check(algo.sde_type in ("sde", "cps"), "actor_rollout_ref.rollout.algo.sde_type",
            f"unknown SDE type {algo.sde_type!r}", "use sde or cps")

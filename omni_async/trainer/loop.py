@@ -35,13 +35,15 @@ from omni_async.agent_loop.rollout_replica import SEED_VALIDATION, SEED_WINDOW, 
 from omni_async.algos.advantages import group_advantages
 from omni_async.algos.sde import sde_window
 from omni_async.cluster import init_ray
+from omni_async.models.factory import sampling_config
 from omni_async.reward.dispatcher import RewardDispatcher
 from omni_async.reward.manager import RewardManager, scorer_names
 from omni_async.reward.pool import create_reward_workers
-from omni_async.trainer.actor_worker import FlowGRPOActorWorker, sampling_config
+from omni_async.trainer.actor_worker import ACTOR_WORKERS
+from omni_async.trainer.batch import samples_to_batch
 from omni_async.trainer.config import streaming_enabled, validate
 from omni_async.trainer.dataset import PromptRow, PromptSampler, load_prompts
-from omni_async.trainer.metrics_logger import MetricsLogger, save_sample_grid
+from omni_async.trainer.metrics_logger import MetricsLogger, save_samples
 from omni_async.trainer.strategies import FullBatchUpdate, OneStepOffPolicy, OnPolicy, PipelinedUpdate
 from omni_async.trainer.timeline import save_timeline, timeline_record
 
@@ -158,7 +160,8 @@ class FlowGRPOTrainer:
 
         pool = self.pools.get_resource_pool("actor")
         cfg_dict = OmegaConf.to_container(self.cfg, resolve=True)
-        self.actor_wg = RayWorkerGroup(pool, RayClassWithInitArgs(ray.remote(FlowGRPOActorWorker), config=cfg_dict),
+        actor_cls = ACTOR_WORKERS[self.cfg.actor_rollout_ref.model.modality]
+        self.actor_wg = RayWorkerGroup(pool, RayClassWithInitArgs(ray.remote(actor_cls), config=cfg_dict),
                                        name_prefix="actor")
         self.actor_wg.init_model()
         m, r = self.cfg.actor_rollout_ref.model, self.cfg.actor_rollout_ref.rollout
@@ -233,7 +236,7 @@ class FlowGRPOTrainer:
         algo = self.cfg.algorithm
         valid = torch.tensor([s.outcome.ok for s in samples])
         batch = samples_to_batch(samples, window)
-        adv, kept = group_advantages(batch.batch["rm_scores"][:, 0], [s.uid for s in samples], valid,
+        adv, kept = group_advantages(batch.batch["rm_scores"].sum(-1), [s.uid for s in samples], valid,
                                      norm_by_std=algo.norm_adv_by_std_in_grpo, global_std=algo.global_std,
                                      adv_clip_max=algo.adv_clip_max)
         batch.batch["advantages"], batch.batch["loss_mask"] = adv, kept
@@ -309,29 +312,13 @@ class FlowGRPOTrainer:
                 if t.log_timeline_freq > 0 and done % t.log_timeline_freq == 0:
                     save_timeline(self.run_dir, self.last_timeline)
                 if t.log_image_freq > 0 and done % t.log_image_freq == 0:
-                    save_sample_grid(self.run_dir / "samples" / f"step_{done:04d}.png",
-                                     [s.generated["image"] for s in samples],
-                                     [f"{s.outcome.score:.3f}" if s.outcome.ok else s.outcome.status for s in samples])
+                    save_samples(self.run_dir / "samples", done, samples)
                 if (t.save_freq > 0 and done % t.save_freq == 0) or done == t.total_training_steps:
                     self.save_checkpoint(done)
         finally:
             logger.close()
             self.agent.shutdown()
         return self.run_dir
-
-
-def samples_to_batch(samples: list[Sample], window: tuple[int, int]) -> DataProto:
-    """The training batch; ``rm_scores`` [N, 1] only when every sample already has its reward outcome."""
-    tensors = {"window_latents": torch.stack([s.generated["window_latents"] for s in samples]),
-               "old_log_probs": torch.stack([s.generated["log_probs"] for s in samples])}
-    if all(s.outcome is not None for s in samples):
-        tensors["rm_scores"] = torch.tensor([[s.outcome.score if s.outcome.ok else 0.0] for s in samples])
-    return DataProto.from_dict(
-        tensors=tensors,
-        non_tensors={"prompt": np.array([s.row.prompt for s in samples], dtype=object),
-                     "uid": np.array([s.uid for s in samples], dtype=object)},
-        meta_info={"window_start": window[0]},
-    )
 
 
 async def _dispatcher_metrics(dispatcher: RewardDispatcher) -> dict[str, float]:

@@ -69,3 +69,17 @@ def save_sample_grid(path: str | Path, images: list[np.ndarray], captions: list[
     path.parent.mkdir(parents=True, exist_ok=True)
     grid.save(path)
     return path
+
+
+def save_samples(out_dir: Path, step: int, samples) -> Path:
+    """Images / video first frames: a PNG grid with their rewards. Text: a JSONL of prompt, response, reward."""
+    labels = [f"{s.outcome.score:.3f}" if s.outcome.ok else s.outcome.status for s in samples]
+    if "image" in samples[0].generated:
+        images = [np.asarray(s.generated["image"]) for s in samples]
+        images = [img[0] if img.ndim == 4 else img for img in images]
+        return save_sample_grid(Path(out_dir) / f"step_{step:04d}.png", images, labels)
+    path = Path(out_dir) / f"step_{step:04d}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"uid": s.uid, "prompt": s.row.prompt, "response": s.generated["response"],
+                                        "reward": label}) + "\n" for s, label in zip(samples, labels, strict=True)))
+    return path

@@ -1,0 +1,137 @@
+"""A causal LM (transformers) as a GRPO policy: chat-template prompts, seeded sampling with response log-probs,
+log-prob recompute, LoRA via peft (or full fine-tune), reference = adapter off.
+
+Sampling is reproducible per sample: each row draws its tokens from its own ``torch.Generator(seed)``, so a
+response depends on (weights, prompt, seed) only, not on which other prompts share the batch (up to the float
+noise of left padding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omni_async.models.tiny import resolve_model_path
+
+
+@dataclass
+class TextSamplingConfig:
+    response_length: int = 32  # max new tokens
+    temperature: float = 1.0
+
+
+class TextPolicy:
+    def __init__(self, model_path: str, sampling: TextSamplingConfig, *, lora_rank: int = 8, lora_alpha: int = 16,
+                 target_modules: list[str] | None = None, device: str = "cpu"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = resolve_model_path(model_path)
+        self.tok = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+        self.model.requires_grad_(False)
+        self.sampling, self.device = sampling, device
+        self.eos_id = self.model.generation_config.eos_token_id
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
+        self.lora = lora_rank > 0
+        if self.lora:
+            from peft import LoraConfig
+
+            self.model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha, init_lora_weights=True,
+                                              target_modules=list(target_modules or ["q_proj", "v_proj"])))
+        else:
+            self.model.requires_grad_(True)
+
+    # ---- parameters (same contract as DiffusionPolicy) --------------------------------------------------------
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def weights_state_dict(self) -> dict[str, torch.Tensor]:
+        if self.lora:
+            from peft.utils import get_peft_model_state_dict
+
+            return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def load_weights_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.lora:
+            from peft.utils import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(self.model, state)
+            if getattr(result, "unexpected_keys", None):
+                raise KeyError(f"LoRA weights do not match this model: {result.unexpected_keys[:3]}")
+        else:
+            self.model.load_state_dict(state)
+
+    @contextlib.contextmanager
+    def reference(self):
+        if not self.lora:
+            raise RuntimeError("a reference policy needs LoRA (actor_rollout_ref.model.lora_rank > 0) "
+                               "when actor_rollout_ref.actor.kl_loss_coef > 0")
+        self.model.disable_adapters()
+        try:
+            yield
+        finally:
+            self.model.enable_adapters()
+
+    # ---- sampling -------------------------------------------------------------------------------------------
+    def prompt_ids(self, prompt: str) -> list[int]:
+        text = self.tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                            add_generation_prompt=True)
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    @torch.no_grad()
+    def sample_records(self, prompts: list[str], seeds: list[int], window: Any = None) -> list[dict[str, Any]]:
+        """One response per (prompt, seed): token ids up to and including EOS, text, per-token log-probs."""
+        prompt_rows = [self.prompt_ids(p) for p in prompts]
+        ids, mask = self._left_pad(prompt_rows)
+        gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        n, temp = len(prompts), max(float(self.sampling.temperature), 1e-5)
+        done = torch.zeros(n, dtype=torch.bool)
+        tokens, logps = [], []
+        past, cur = None, ids
+        for _ in range(int(self.sampling.response_length)):
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -cur.shape[1]:]
+            out = self.model(input_ids=cur, attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logp = torch.log_softmax(out.logits[:, -1].float() / temp, dim=-1)
+            nxt = torch.stack([torch.multinomial(logp[i].exp(), 1, generator=gens[i])[0] for i in range(n)])
+            nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
+            tokens.append(nxt)
+            logps.append(logp.gather(-1, nxt[:, None])[:, 0])
+            done |= nxt == self.eos_id
+            cur = nxt[:, None]
+            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype)], dim=1)
+            if done.all():
+                break
+        tokens, logps = torch.stack(tokens, 1), torch.stack(logps, 1)
+        records = []
+        for i in range(n):
+            row = tokens[i].tolist()
+            length = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
+            records.append({"prompt_ids": prompt_rows[i], "response_ids": row[:length],
+                            "response": self.tok.decode(row[:length], skip_special_tokens=True),
+                            "log_probs": logps[i, :length].clone()})
+        return records
+
+    def log_probs(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                  response_mask: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probs [B, Lr] of the responses (prompts left-padded, responses right-padded)."""
+        ids = torch.cat([prompt_ids, response_ids], 1)
+        mask = torch.cat([prompt_mask, response_mask], 1)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        lr = response_ids.shape[1]
+        logits = logits[:, -lr - 1:-1].float() / max(float(self.sampling.temperature), 1e-5)
+        return torch.log_softmax(logits, -1).gather(-1, response_ids[..., None])[..., 0]

@@ -147,13 +147,15 @@ class RewardManager:
         out = RewardOutcome("ok")
         for fn, res in zip(self.functions, results, strict=True):
             if isinstance(res, BaseException):
-                if fn.required:
-                    return RewardOutcome("failed", error=f"{fn.label}: {type(res).__name__}: {res}")
-                out.extra[f"reward/{fn.key}_failed"] = f"{type(res).__name__}: {res}"
+                if fn.required and out.ok:  # the sample fails; the other parts are kept for post-processing
+                    out.status, out.error = "failed", f"{fn.label}: {type(res).__name__}: {res}"
+                elif not fn.required:
+                    out.extra[f"reward/{fn.key}_failed"] = f"{type(res).__name__}: {res}"
                 continue
             out.parts[fn.key], fn_extra = res
             out.extra.update(fn_extra)
-        self._combine(out)
+        if out.ok:
+            self._combine(out)
         return out
 
     def _combine(self, out: RewardOutcome) -> None:
@@ -188,7 +190,7 @@ class RewardManager:
                 o.parts[fn.key], _ = normalize_result(f"{fn.label}.post_process_scores", new)
                 if not o.ok and all(f.key in o.parts for f in self.functions if f.required):
                     o.status, o.error = "ok", None
-                    o.extra["reward/repaired"] = 1.0
+                    o.extra["reward/post_process_repaired"] = 1.0
         for o in outcomes:
             if o.ok:
                 self._combine(o)

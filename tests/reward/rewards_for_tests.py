@@ -68,3 +68,27 @@ class GroupCentred:
 
 def wrong_type(data_source, solution_image, ground_truth, extra_info, **kw):
     return "high"
+
+
+def tuple_reward(data_source, solution_str, ground_truth, extra_info, **kw):
+    """The async reward agent recipe's (score, text, explanation) return."""
+    return float(len(solution_str) % 3), solution_str[:5], "length mod 3"
+
+
+class FailingThenRepaired:
+    """Text: fails for responses of even length; post-processing replaces failures by the group mean."""
+
+    def compute_score(self, data_source, solution_str, ground_truth, extra_info, **kw):
+        if len(solution_str) % 2 == 0:
+            raise ValueError("judge timeout")
+        return 1.0 + len(solution_str) / 100
+
+    def post_process_scores(self, scores):
+        ok = [s for s in scores if s is not None]
+        mean = sum(ok) / len(ok) if ok else 0.0
+        return [mean if s is None else s for s in scores]
+
+
+async def slow_constant(data_source, solution_str=None, ground_truth=None, extra_info=None, delay_s=1.0, **kw):
+    await asyncio.sleep(delay_s)
+    return 1.0

@@ -81,7 +81,7 @@ def test_timeout_is_typed_and_post_process_can_repair(tmp_path):
     outcomes = manager.score_batch([sample(i) for i in imgs])  # one group: post-processed as a whole
     assert [o.status for o in outcomes] == ["ok", "ok", "ok"]
     assert [o.score for o in outcomes] == [2.0, 3.0, 4.0]
-    assert outcomes[1].extra["reward/repaired"] == 1.0
+    assert outcomes[1].extra["reward/post_process_repaired"] == 1.0
     raw = asyncio.run(manager.score(sample(imgs[1])))
     assert raw.status == "timeout" and "timeout_s=0.3" in raw.error
 

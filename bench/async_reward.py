@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/async_reward.py [--steps 8] [--out bench/results/async_reward.json]
 
-Each mode trains the tiny model for ``--warmup`` + ``--steps`` steps on real Ray actors (a fresh cluster per mode)
+Each mode trains the tiny model (``--modality image``: tiny:qwen_image; ``text``: tiny:qwen2, GRPO) for ``--warmup`` + ``--steps`` steps on real Ray actors (a fresh cluster per mode)
 with the simulated remote scorer: a seeded uniform 1-40 s latency per sample scaled by ``--latency-scale``
 (25 ms - 1 s by default), served at most ``--scorer-capacity`` requests at a time (a remote judge's concurrency
 limit). The sync baseline's colocated reward and the single reward-loop worker of the streaming modes go through
@@ -56,13 +56,14 @@ MODES = {
 
 
 def workload(args, data: Path) -> list[str]:
+    modality = ([f"actor_rollout_ref.rollout.response_length={args.response_length}"] if args.modality == "text" else
+                [f"actor_rollout_ref.rollout.height={args.size}", f"actor_rollout_ref.rollout.width={args.size}",
+                 f"actor_rollout_ref.rollout.num_inference_steps={args.denoise_steps}",
+                 f"actor_rollout_ref.rollout.algo.sde_window_range=[0,{min(5, args.denoise_steps - 1)}]"])
     return [
-        f"data.train_files={data}", "data.shuffle=false", f"actor_rollout_ref.model.path={args.model}",
+        *modality, f"data.train_files={data}", "data.shuffle=false", f"actor_rollout_ref.model.path={args.model}",
         f"data.train_batch_size={args.batch}", f"actor_rollout_ref.rollout.n={args.group}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.mini_batch}",
-        f"actor_rollout_ref.rollout.height={args.size}", f"actor_rollout_ref.rollout.width={args.size}",
-        f"actor_rollout_ref.rollout.num_inference_steps={args.denoise_steps}",
-        f"actor_rollout_ref.rollout.algo.sde_window_range=[0,{min(5, args.denoise_steps - 1)}]",
         f"actor_rollout_ref.rollout.agent.max_batch_size={args.device_batch}",
         "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.simulated",
         f"+reward.custom_reward_function.reward_kwargs.latency_scale={args.latency_scale}",
@@ -79,7 +80,8 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
     from omni_async.trainer.loop import FlowGRPOTrainer
 
     shutdown_ray()
-    cfg = compose([*workload(args, data), f"trainer.run_dir={out_dir / name}", *overrides])
+    cfg = compose([*workload(args, data), f"trainer.run_dir={out_dir / name}", *overrides],
+                  config_name="grpo_text_trainer" if args.modality == "text" else "flowgrpo_trainer")
     trainer = FlowGRPOTrainer(cfg)
     trainer.sync_weights(0)
     steps = []
@@ -143,7 +145,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--model", default="tiny:qwen_image")
+    p.add_argument("--modality", choices=["image", "text"], default="image")
+    p.add_argument("--model", default=None, help="default: tiny:qwen_image (image), tiny:qwen2 (text)")
+    p.add_argument("--response-length", type=int, default=64, help="text: max new tokens")
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--denoise-steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=8, help="prompts per step")
@@ -156,6 +160,7 @@ def main() -> None:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/async_reward.json")
     args = p.parse_args()
+    args.model = args.model or ("tiny:qwen2" if args.modality == "text" else "tiny:qwen_image")
     modes = args.modes.split(",")
     if "sync" not in modes:
         p.error("--modes must include sync: every figure is relative to the sync baseline of the same run")

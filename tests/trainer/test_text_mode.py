@@ -135,3 +135,19 @@ def test_500_concurrent_slow_async_scores_take_about_one_latency():
         shutdown_ray()
     assert all(o.ok and o.score == 1.0 for o in outcomes)
     assert elapsed < 0.01 * 500 * 1.0, elapsed  # 500 one-second calls: about one latency, far from 500
+
+
+def test_text_example_script_short_variant(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(tmp_path / "data"), "RUN_DIR": str(tmp_path / "run"),
+           "STEPS": "1", "BATCH": "2", "GROUP": "2", "RESPONSE_LENGTH": "8"}
+    proc = subprocess.run(["bash", str(ROOT / "examples/run_text_grpo_async_reward.sh"), "trainer.logger=[jsonl]"],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "run directory:" in proc.stdout
+    row = json.loads((tmp_path / "run/metrics.jsonl").read_text().splitlines()[0])
+    assert row["timing_s/reward"] == 0.0 and row["reward_queue/total_consumed"] == 4 and "val/reward/mean" in row
+    assert (tmp_path / "run/samples/step_0001.jsonl").exists()

@@ -46,13 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODES = {
-    "sync": ["reward.streaming=false"],
-    "stream": ["reward.streaming=true"],
-    "stream+pipeline": ["reward.streaming=true", "async_reward.update_pipeline=true"],
-    "stream+one_step_off": ["reward.streaming=true", "async_reward.one_step_off_policy=true"],
-    "all": ["reward.streaming=true", "async_reward.update_pipeline=true", "async_reward.one_step_off_policy=true"],
-}
+from omni_async.trainer.strategies import MODE_OVERRIDES  # noqa: E402
 
 
 def workload(args, data: Path) -> list[str]:
@@ -157,11 +151,13 @@ def main() -> None:
     p.add_argument("--latency-scale", type=float, default=1 / 40)
     p.add_argument("--scorer-capacity", type=int, default=8, help="requests the scorer serves at once (0 = no limit)")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(MODE_OVERRIDES))
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/async_reward.json")
     args = p.parse_args()
     args.model = args.model or ("tiny:qwen2" if args.modality == "text" else "tiny:qwen_image")
     modes = args.modes.split(",")
+    if unknown := set(modes) - set(MODE_OVERRIDES):
+        p.error(f"--modes: unknown {sorted(unknown)}; choose from {', '.join(MODE_OVERRIDES)}")
     if "sync" not in modes:
         p.error("--modes must include sync: every figure is relative to the sync baseline of the same run")
 
@@ -170,7 +166,7 @@ def main() -> None:
         data.write_text("".join(json.dumps({"prompt": f"a sign that says WORD{i}", "data_source": "bench",
                                             "reward_model": {"ground_truth": f"WORD{i}"}}) + "\n" for i in range(256)))
         t0 = time.time()
-        results = {name: run_mode(name, MODES[name], args, data, Path(tmp) / "runs") for name in modes}
+        results = {name: run_mode(name, MODE_OVERRIDES[name], args, data, Path(tmp) / "runs") for name in modes}
     minibatches = args.batch // args.mini_batch
     per_step = [bounds(p, minibatches) for p in results["sync"]["parts_per_step"]]
     t_sync = results["sync"]["mean_step_s"]

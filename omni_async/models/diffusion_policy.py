@@ -11,7 +11,6 @@ Sampling is reproducible per sample: sample ``i`` draws its initial noise and ev
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from omni_async.algos.sde import SDEStep, sde_step_with_logprob
+from omni_async.models.lora import TrainableModule
 from omni_async.models.tiny import resolve_model_path
 
 
@@ -171,7 +171,7 @@ def sample_generators(seeds: list[int]) -> list[torch.Generator]:
     return [torch.Generator().manual_seed(int(s)) for s in seeds]
 
 
-class DiffusionPolicy:
+class DiffusionPolicy(TrainableModule):
     """Load a pipeline, add LoRA to its transformer, sample with the SDE window, recompute log-probs."""
 
     def __init__(self, model_path: str, sampling: SamplingConfig, *, lora_rank: int = 8, lora_alpha: int = 16,
@@ -190,14 +190,7 @@ class DiffusionPolicy:
         for module in (m for m in self.pipe.components.values() if isinstance(m, torch.nn.Module)):
             module.requires_grad_(False)
         self.transformer = self.pipe.transformer
-        self.lora = lora_rank > 0
-        if self.lora:
-            from peft import LoraConfig
-
-            self.transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha, init_lora_weights=True,
-                                                    target_modules=list(target_modules or ["to_q", "to_k", "to_v"])))
-        else:
-            self.transformer.requires_grad_(True)
+        self.init_trainable(self.transformer, lora_rank, lora_alpha, target_modules or ["to_q", "to_k", "to_v"])
         self.sigmas, self.timesteps = self._schedule()
 
     # ---- schedule -------------------------------------------------------------------------------------------
@@ -220,40 +213,6 @@ class DiffusionPolicy:
                                            c.get("base_shift", 0.5), c.get("max_shift", 1.15))
         sched.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), device=self.pipe.device, **kwargs)
         return sched.sigmas.float().clone(), sched.timesteps.float().clone()
-
-    # ---- parameters -----------------------------------------------------------------------------------------
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.transformer.parameters() if p.requires_grad]
-
-    def weights_state_dict(self) -> dict[str, torch.Tensor]:
-        """The trainable weights only (LoRA adapter, or the full transformer) — what a weight sync ships."""
-        if self.lora:
-            from peft.utils import get_peft_model_state_dict
-
-            return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.transformer).items()}
-        return {k: v.detach().clone() for k, v in self.transformer.state_dict().items()}
-
-    def load_weights_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if self.lora:
-            from peft.utils import set_peft_model_state_dict
-
-            result = set_peft_model_state_dict(self.transformer, state)
-            if getattr(result, "unexpected_keys", None):
-                raise KeyError(f"LoRA weights do not match this model: {result.unexpected_keys[:3]}")
-        else:
-            self.transformer.load_state_dict(state)
-
-    @contextlib.contextmanager
-    def reference(self):
-        """The reference policy for KL: the same model with the LoRA adapter switched off."""
-        if not self.lora:
-            raise RuntimeError("a reference policy needs LoRA (actor_rollout_ref.model.lora_rank > 0) "
-                               "when actor_rollout_ref.actor.kl_loss_coef > 0")
-        self.transformer.disable_adapters()
-        try:
-            yield
-        finally:
-            self.transformer.enable_adapters()
 
     # ---- sampling and scoring -------------------------------------------------------------------------------
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:

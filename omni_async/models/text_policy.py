@@ -8,12 +8,12 @@ noise of left padding).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from omni_async.models.lora import TrainableModule
 from omni_async.models.tiny import resolve_model_path
 
 
@@ -23,7 +23,7 @@ class TextSamplingConfig:
     temperature: float = 1.0
 
 
-class TextPolicy:
+class TextPolicy(TrainableModule):
     def __init__(self, model_path: str, sampling: TextSamplingConfig, *, lora_rank: int = 8, lora_alpha: int = 16,
                  target_modules: list[str] | None = None, device: str = "cpu"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -35,46 +35,7 @@ class TextPolicy:
         self.sampling, self.device = sampling, device
         self.eos_id = self.model.generation_config.eos_token_id
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
-        self.lora = lora_rank > 0
-        if self.lora:
-            from peft import LoraConfig
-
-            self.model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha, init_lora_weights=True,
-                                              target_modules=list(target_modules or ["q_proj", "v_proj"])))
-        else:
-            self.model.requires_grad_(True)
-
-    # ---- parameters (same contract as DiffusionPolicy) --------------------------------------------------------
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
-
-    def weights_state_dict(self) -> dict[str, torch.Tensor]:
-        if self.lora:
-            from peft.utils import get_peft_model_state_dict
-
-            return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-
-    def load_weights_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if self.lora:
-            from peft.utils import set_peft_model_state_dict
-
-            result = set_peft_model_state_dict(self.model, state)
-            if getattr(result, "unexpected_keys", None):
-                raise KeyError(f"LoRA weights do not match this model: {result.unexpected_keys[:3]}")
-        else:
-            self.model.load_state_dict(state)
-
-    @contextlib.contextmanager
-    def reference(self):
-        if not self.lora:
-            raise RuntimeError("a reference policy needs LoRA (actor_rollout_ref.model.lora_rank > 0) "
-                               "when actor_rollout_ref.actor.kl_loss_coef > 0")
-        self.model.disable_adapters()
-        try:
-            yield
-        finally:
-            self.model.enable_adapters()
+        self.init_trainable(self.model, lora_rank, lora_alpha, target_modules or ["q_proj", "v_proj"])
 
     # ---- sampling -------------------------------------------------------------------------------------------
     def prompt_ids(self, prompt: str) -> list[int]:

@@ -19,6 +19,15 @@ import torch
 
 from omni_async.agent_loop.manager import Collection, Sample
 
+# The named modes of the benchmarks and tests, as config overrides.
+MODE_OVERRIDES: dict[str, list[str]] = {
+    "sync": ["reward.streaming=false"],
+    "stream": ["reward.streaming=true"],
+    "stream+pipeline": ["reward.streaming=true", "async_reward.update_pipeline=true"],
+    "stream+one_step_off": ["reward.streaming=true", "async_reward.one_step_off_policy=true"],
+    "all": ["reward.streaming=true", "async_reward.update_pipeline=true", "async_reward.one_step_off_policy=true"],
+}
+
 if TYPE_CHECKING:
     from omni_async.trainer.loop import FlowGRPOTrainer, Timer
 

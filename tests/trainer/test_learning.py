@@ -18,6 +18,7 @@ import pytest
 from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
 from omni_async.trainer.loop import FlowGRPOTrainer
+from omni_async.trainer.strategies import MODE_OVERRIDES
 
 LEARN = ["actor_rollout_ref.model.path=tiny:sd3", "actor_rollout_ref.model.lora_rank=0",
          "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.actor.clip_ratio=0.2",
@@ -46,17 +47,8 @@ def learn(tmp_path, *overrides: str) -> list[float]:
     return [r["critic/rewards/mean"] for r in rows]
 
 
-MODES = {
-    "sync": ["reward.streaming=false"],
-    "stream": ["reward.streaming=true"],
-    "stream+pipeline": ["reward.streaming=true", "async_reward.update_pipeline=true"],
-    "stream+one_step_off": ["reward.streaming=true", "async_reward.one_step_off_policy=true"],
-    "all": ["reward.streaming=true", "async_reward.update_pipeline=true", "async_reward.one_step_off_policy=true"],
-}
-
-
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(MODE_OVERRIDES))
 def test_flowgrpo_learns_jpeg_compressibility_on_tiny_sd3(tmp_path, mode):
-    curve = learn(tmp_path, *MODES[mode])
+    curve = learn(tmp_path, *MODE_OVERRIDES[mode])
     first, last = np.mean(curve[:3]), np.mean(curve[-3:])
     assert last > first + MARGIN_KB, [round(c, 3) for c in curve]

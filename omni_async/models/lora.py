@@ -1,0 +1,60 @@
+"""The trainable part of a policy, shared by the diffusion and text policies: LoRA via peft on one module (the
+diffusion transformer, or the causal LM), or that whole module for a full fine-tune; the weights a sync ships; the
+reference policy for KL (the same module with the adapter switched off)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class TrainableModule:
+    """Mixin: the policy sets ``self.trainable`` (an ``nn.Module`` with peft's adapter API) and calls
+    :meth:`init_trainable` once."""
+
+    trainable: torch.nn.Module
+    lora: bool
+
+    def init_trainable(self, module: torch.nn.Module, lora_rank: int, lora_alpha: int, target_modules: list[str]) -> None:
+        self.trainable, self.lora = module, lora_rank > 0
+        if self.lora:
+            from peft import LoraConfig
+
+            module.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha, init_lora_weights=True,
+                                          target_modules=list(target_modules)))
+        else:
+            module.requires_grad_(True)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.trainable.parameters() if p.requires_grad]
+
+    def weights_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trainable weights only (LoRA adapter, or the full module): what a weight sync ships."""
+        if self.lora:
+            from peft.utils import get_peft_model_state_dict
+
+            return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.trainable).items()}
+        return {k: v.detach().clone() for k, v in self.trainable.state_dict().items()}
+
+    def load_weights_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.lora:
+            from peft.utils import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(self.trainable, state)
+            if getattr(result, "unexpected_keys", None):
+                raise KeyError(f"LoRA weights do not match this model: {result.unexpected_keys[:3]}")
+        else:
+            self.trainable.load_state_dict(state)
+
+    @contextlib.contextmanager
+    def reference(self):
+        """The reference policy for KL: the same model with the LoRA adapter switched off."""
+        if not self.lora:
+            raise RuntimeError("a reference policy needs LoRA (actor_rollout_ref.model.lora_rank > 0) "
+                               "when actor_rollout_ref.actor.kl_loss_coef > 0")
+        self.trainable.disable_adapters()
+        try:
+            yield
+        finally:
+            self.trainable.enable_adapters()

@@ -40,8 +40,8 @@ class _Request:
 
 class RolloutReplica:
     def __init__(self, model: dict[str, Any], sampling: dict[str, Any], max_batch_size: int = 8,
-                 max_wait_ms: float = 5.0):
-        self.policy = build_policy(model, sampling)
+                 max_wait_ms: float = 5.0, rollout_server: dict[str, Any] | None = None):
+        self.policy = build_policy(model, sampling, rollout_server)
         self.max_batch_size, self.max_wait_s = int(max_batch_size), float(max_wait_ms) / 1000.0
         self.version = 0
         self._pending: list[_Request] = []

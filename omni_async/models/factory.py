@@ -19,9 +19,15 @@ def sampling_config(cfg) -> SamplingConfig | TextSamplingConfig:
                           num_frames=int(r.num_frames))
 
 
-def build_policy(model: dict[str, Any], sampling: dict[str, Any]) -> DiffusionPolicy | TextPolicy:
+def build_policy(model: dict[str, Any], sampling: dict[str, Any], rollout_server: dict[str, Any] | None = None):
+    """The trainable policy; for a text rollout replica with ``rollout_server`` (``rollout.name=vllm``), a client
+    of a vLLM server instead (it samples and takes LoRA weights, it does not train)."""
     kwargs = dict(lora_rank=model["lora_rank"], lora_alpha=model["lora_alpha"],
                   target_modules=list(model["target_modules"]))
+    if rollout_server is not None:
+        from omni_async.models.vllm_text_policy import VLLMTextPolicy
+
+        return VLLMTextPolicy(model["path"], TextSamplingConfig(**sampling), server=rollout_server, **kwargs)
     if model.get("modality", "image") == "text":
         return TextPolicy(model["path"], TextSamplingConfig(**sampling), **kwargs)
     return DiffusionPolicy(model["path"], SamplingConfig(**sampling), **kwargs)

@@ -52,13 +52,15 @@ class TextPolicy(TrainableModule):
             mask[i, width - len(r):] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    @torch.no_grad()
     def sample_records(self, prompts: list[str], seeds: list[int], window: Any = None) -> list[dict[str, Any]]:
         """One response per (prompt, seed): token ids up to and including EOS, text, per-token log-probs."""
-        prompt_rows = [self.prompt_ids(p) for p in prompts]
+        return self.sample_from_ids([self.prompt_ids(p) for p in prompts], seeds)
+
+    @torch.no_grad()
+    def sample_from_ids(self, prompt_rows: list[list[int]], seeds: list[int]) -> list[dict[str, Any]]:
         ids, mask = self._left_pad(prompt_rows)
         gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
-        n, temp = len(prompts), max(float(self.sampling.temperature), 1e-5)
+        n, temp = len(prompt_rows), max(float(self.sampling.temperature), 1e-5)
         done = torch.zeros(n, dtype=torch.bool)
         tokens, logps = [], []
         past, cur = None, ids

@@ -1,9 +1,10 @@
 """vLLM judge servers on the reward pool (GPU clusters).
 
-With ``reward.reward_model.enable=True`` and ``reward.reward_model.rollout.name=vllm`` the trainer starts one
-OpenAI-compatible vLLM server per device of the dedicated reward pool (TP=1 replicas: verl's pool bundles are one
-device each), each inside a Ray actor that holds its device, and hands their URLs to the VLM judge
-(``backend=openai``, least-loaded).
+With ``reward.reward_model.enable=True`` and ``reward.reward_model.rollout.name=vllm`` the reward pool's devices
+(``n_gpus_per_node x nnodes``) are reserved as one Ray placement group of ``tensor_model_parallel_size``-device
+bundles (verl's pool bundles are single devices, too small for a TP server); one OpenAI-compatible vLLM server
+runs per bundle inside a Ray actor that holds those devices, and the VLM judge (``backend=openai``) spreads its
+requests over their URLs least-loaded.
 
 vLLM cannot be installed next to verl 0.9.1, so the server runs from its own environment:
 ``reward.reward_model.rollout.server_python`` is that environment's python (the command is
@@ -70,17 +71,30 @@ class VLLMServer:
         self.proc.terminate()
 
 
-def launch_judge_servers(reward_cfg, resource_pool) -> list[str]:
-    """One server per device of the reward pool (TP=1 replicas); returns their base URLs."""
+def judge_placement_group(reward_cfg, timeout_s: float = 600.0):
+    """The reward pool for vLLM judges: ``n_gpus_per_node / TP x nnodes`` bundles of TP devices (+1 CPU)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    rm = reward_cfg.reward_model
+    tp = int(rm.rollout.tensor_model_parallel_size)
+    replicas = int(rm.n_gpus_per_node) // tp * int(rm.nnodes)
+    pg = placement_group([{"GPU": tp, "CPU": 1}] * replicas, strategy="PACK", name="reward_judges")
+    ray.get(pg.ready(), timeout=timeout_s)
+    return pg
+
+
+def launch_judge_servers(reward_cfg, pg) -> list[str]:
+    """One vLLM server per bundle of ``pg``; returns their base URLs once all are healthy."""
     import ray
     from omegaconf import OmegaConf
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     rm = reward_cfg.reward_model
     rollout = OmegaConf.to_container(rm.rollout, resolve=True)
-    bundles = [(pg, b) for pg in resource_pool.get_placement_groups() for b in range(pg.bundle_count)]
+    tp = int(rollout["tensor_model_parallel_size"])
     cls = ray.remote(VLLMServer)
-    servers = [cls.options(num_gpus=1, num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=index)).remote(rollout, rm.model_path)
-        for pg, index in bundles]
+    servers = [cls.options(num_gpus=tp, num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=i)).remote(rollout, rm.model_path)
+        for i in range(pg.bundle_count)]
     return ray.get([s.url.remote() for s in servers])

@@ -70,6 +70,15 @@ def validate(cfg: DictConfig) -> DictConfig:
     modality = arr.model.modality
     _check(modality in ("image", "text"), "actor_rollout_ref.model.modality", f"unknown modality {modality!r}",
            "use image (diffusion) or text (causal LM; --config-name grpo_text_trainer sets it up)")
+    _check(rollout.name in ("transformers", "vllm"), "actor_rollout_ref.rollout.name",
+           f"unknown rollout engine {rollout.name!r}", "use transformers (or vllm for text)")
+    if rollout.name == "vllm":
+        _check(modality == "text", "actor_rollout_ref.rollout.name",
+               "the vLLM rollout serves text models; diffusion rollouts run in the replicas",
+               "set actor_rollout_ref.rollout.name=transformers (or model.modality=text)")
+        _check(arr.model.lora_rank > 0, "actor_rollout_ref.model.lora_rank",
+               "the vLLM rollout takes weight updates as LoRA adapters; full fine-tuning is not synced into vLLM",
+               "set actor_rollout_ref.model.lora_rank=8 (or rollout.name=transformers)")
     if modality == "text":
         _check(rollout.response_length >= 1, "actor_rollout_ref.rollout.response_length", "must be >= 1", "e.g. 32")
         _check(rollout.temperature > 0, "actor_rollout_ref.rollout.temperature", "must be > 0", "e.g. 1.0")
@@ -127,9 +136,10 @@ def validate(cfg: DictConfig) -> DictConfig:
     if rm.enable and rm.rollout.name == "vllm":
         _check(bool(rm.enable_resource_pool), "reward.reward_model.enable_resource_pool",
                "vLLM judge servers run on the dedicated reward pool", "set reward.reward_model.enable_resource_pool=True")
-        _check(rm.rollout.tensor_model_parallel_size == 1, "reward.reward_model.rollout.tensor_model_parallel_size",
-               "vLLM judges run as TP=1 replicas, one per reward-pool device (pool bundles are single devices)",
-               "set it to 1 and raise reward.reward_model.n_gpus_per_node for more replicas")
+        tp = rm.rollout.tensor_model_parallel_size
+        _check(tp >= 1 and rm.n_gpus_per_node % tp == 0, "reward.reward_model.rollout.tensor_model_parallel_size",
+               f"a TP={tp} vLLM server must fit on one node of {rm.n_gpus_per_node} reward devices",
+               "choose a divisor of reward.reward_model.n_gpus_per_node")
     _check(0.0 < rm.rollout.gpu_memory_utilization <= 1.0, "reward.reward_model.rollout.gpu_memory_utilization",
            f"must be in (0, 1], got {rm.rollout.gpu_memory_utilization}", "e.g. 0.5")
     _check(reward.reward_manager.name == "naive", "reward.reward_manager.name",

@@ -114,16 +114,16 @@ class FlowGRPOTrainer:
         self.reward_workers: list = []
         dispatcher_factory = None
         if self.streaming:
-            rm = cfg.reward.reward_model
-            pool = self.pools.get_resource_pool("reward") if rm.enable_resource_pool else None
-            if rm.enable and rm.rollout.name == "vllm":
+            pool = None
+            if self.judge_pg is not None:
                 # The pool's devices go to vLLM judge servers; the reward-loop workers are their CPU clients.
                 from omni_async.reward.vllm_server import launch_judge_servers
 
                 with open_dict(cfg):
-                    cfg.reward.custom_reward_function.reward_kwargs.base_url = launch_judge_servers(cfg.reward, pool)
-                    cfg.reward.custom_reward_function.reward_kwargs.backend = "openai"
-                pool = None
+                    kwargs = cfg.reward.custom_reward_function.reward_kwargs
+                    kwargs.base_url, kwargs.backend = launch_judge_servers(cfg.reward, self.judge_pg), "openai"
+            elif cfg.reward.reward_model.enable_resource_pool:
+                pool = self.pools.get_resource_pool("reward")
             self.reward_workers = create_reward_workers(cfg.reward, pool)
             r = cfg.reward
             dispatcher_factory = partial(RewardDispatcher, self.reward_workers, queue_size=r.queue_size,
@@ -147,7 +147,12 @@ class FlowGRPOTrainer:
 
         t, rm = self.cfg.trainer, self.cfg.reward.reward_model
         spec, mapping = {"actor_rollout": [t.n_gpus_per_node] * t.nnodes}, {"actor": "actor_rollout"}
-        if rm.enable_resource_pool:
+        self.judge_pg = None
+        if rm.enable and rm.rollout.name == "vllm":  # TP-device bundles for vLLM judge servers (see vllm_server)
+            from omni_async.reward.vllm_server import judge_placement_group
+
+            self.judge_pg = judge_placement_group(self.cfg.reward)
+        elif rm.enable_resource_pool:
             spec["reward_pool"], mapping["reward"] = [rm.n_gpus_per_node] * rm.nnodes, "reward_pool"
         # Actor and rollout replicas share the actor/rollout pool (colocated, as in verl): each bundle is one
         # device, split between the actor worker and a replica. The reward pool is separate placement groups.
@@ -166,6 +171,10 @@ class FlowGRPOTrainer:
         self.actor_wg.init_model()
         m, r = self.cfg.actor_rollout_ref.model, self.cfg.actor_rollout_ref.rollout
         bundles = [(pg, b) for pg in pool.get_placement_groups() for b in range(pg.bundle_count)]
+        rollout_server = None
+        if r.name == "vllm":  # text rollout through a vLLM server per replica (see models/vllm_text_policy)
+            rollout_server = {k: r[k] for k in ("server_python", "server_url", "gpu_memory_utilization",
+                                                 "server_args")}
         replica_cls = ray.remote(RolloutReplica)
         self.replicas = [
             replica_cls.options(
@@ -173,7 +182,7 @@ class FlowGRPOTrainer:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=bundles[i % len(bundles)][0],
                                                                      placement_group_bundle_index=bundles[i % len(bundles)][1]),
             ).remote(OmegaConf.to_container(m, resolve=True), vars(sampling_config(self.cfg)),
-                     r.agent.max_batch_size, r.agent.max_wait_ms)
+                     r.agent.max_batch_size, r.agent.max_wait_ms, rollout_server)
             for i in range(r.agent.num_workers)
         ]
 

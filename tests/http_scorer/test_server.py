@@ -156,3 +156,12 @@ def test_200_concurrent_requests_are_batched(limited_server):
     assert items >= 200 and calls < items / 4, (calls, items)  # batching: far fewer scorer calls than items
     assert 'scorer_errors_total{code="401"}' in text and "scorer_request_seconds_bucket" in text
     assert os.environ.get("HTTP_SCORER_CONFIG") is None  # the test process is untouched by the server's config
+
+
+def test_request_timeout_and_worker_processes(server_factory):
+    slow = server_factory("--scorer", "sleep", "--request-timeout-s", "0.5", "--workers", "2")
+    body = {"images": [b64(np.zeros((8, 8, 3), np.uint8))], "prompts": ["p"], "metadata": {"sleep_s": 2.0}}
+    r = httpx.post(f"{slow.url}/v1/score", json=body, timeout=30)
+    assert r.status_code == 504 and "request timeout" in r.json()["error"]
+    body["metadata"]["sleep_s"] = 0.01
+    assert [httpx.post(f"{slow.url}/v1/score", json=body).status_code for _ in range(4)] == [200] * 4

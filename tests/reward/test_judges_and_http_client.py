@@ -21,7 +21,7 @@ from omni_async.reward.http_client import RewardHTTPError
 from omni_async.reward.scorers import jpeg, vlm_judge
 from omni_async.reward.scorers.http import HttpScorer
 from omni_async.reward.scorers.ocr import ocr_similarity
-from omni_async.reward.vllm_server import VLLMServer, server_command
+from omni_async.reward.vllm_server import judge_placement_group, launch_judge_servers, server_command
 from omni_async.reward.worker import RewardLoopWorker, sample_to_proto
 from omni_async.trainer.config import ConfigError, compose, validate
 
@@ -139,7 +139,7 @@ def test_http_client_retry_policy_and_malicious_pickle(fake_servers, tmp_path):
     control.mode = "ok"
 
 
-def test_full_gpu_recipe_config_composes_and_vllm_launcher_fails_clearly():
+def test_full_gpu_recipe_config_composes_and_vllm_judges_get_tp_bundles():
     recipe = ["data.train_files=x.jsonl", "actor_rollout_ref.model.path=/models/Qwen-Image",
               "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.agent.num_workers=4",
               "reward.reward_model.enable=True", "reward.reward_model.model_path=/models/Qwen2.5-VL-7B-Instruct",
@@ -151,11 +151,23 @@ def test_full_gpu_recipe_config_composes_and_vllm_launcher_fails_clearly():
     cmd = server_command(rollout, cfg.reward.reward_model.model_path, 8000)
     assert cmd[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "1" and "/models/Qwen2.5-VL-7B-Instruct" in cmd
-    with pytest.raises(ConfigError, match="TP=1 replicas"):
-        validate(compose(recipe + ["reward.reward_model.rollout.tensor_model_parallel_size=2",
+    with pytest.raises(ConfigError, match="must fit on one node"):
+        validate(compose(recipe + ["reward.reward_model.rollout.tensor_model_parallel_size=3",
                                    "reward.reward_model.n_gpus_per_node=2"]))
     with pytest.raises(ConfigError, match="enable_resource_pool=True"):
         validate(compose(recipe + ["reward.reward_model.enable_resource_pool=False"]))
-    # This environment has no vLLM (it cannot live next to verl): the launcher says so and how to fix it.
-    with pytest.raises(RuntimeError, match="cannot import vllm.*server_python"):
-        VLLMServer({**rollout, "server_python": sys.executable}, "/models/x")
+
+    # TP=2 on a 2-device reward pool: one bundle of 2 (logical) devices, one server actor on it. This
+    # environment has no vLLM (it cannot live next to verl): the server actor says so and how to fix it.
+    tp2 = validate(compose(recipe + ["reward.reward_model.rollout.tensor_model_parallel_size=2",
+                                     "reward.reward_model.n_gpus_per_node=2",
+                                     f"reward.reward_model.rollout.server_python={sys.executable}"]))
+    shutdown_ray()
+    init_ray(num_gpus=2, num_cpus=4)
+    try:
+        pg = judge_placement_group(tp2.reward)
+        assert pg.bundle_count == 1 and ray.util.placement_group_table(pg)["bundles"][0]["GPU"] == 2.0
+        with pytest.raises(Exception, match="cannot import vllm.*server_python"):
+            launch_judge_servers(tp2.reward, pg)
+    finally:
+        shutdown_ray()

@@ -38,8 +38,10 @@ def spans(timeline, phase):
     return [(p["start"], p["end"]) for p in timeline["trainer"] if p["phase"] == phase]
 
 
-@pytest.mark.parametrize("trainer", [["async_reward.one_step_off_policy=true", "trainer.total_training_steps=3"]],
-                         indirect=True)
+@pytest.mark.parametrize("trainer", [
+    ["async_reward.one_step_off_policy=true", "trainer.total_training_steps=3"],
+    ["async_reward.one_step_off_policy=true", "trainer.total_training_steps=3", "reward.streaming=false"],
+], indirect=True, ids=["stream", "sync_reward"])
 def test_one_step_off_policy_overlaps_next_rollout_with_update_and_lags_by_one(trainer):
     rows, timelines = [], []
     for step in range(3):

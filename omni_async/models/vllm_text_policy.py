@@ -13,10 +13,7 @@ it. Full fine-tuning needs weight broadcast into vLLM, which is not built: LoRA 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,30 +39,18 @@ class VLLMTextPolicy:
         self.client = httpx.Client(timeout=self.timeout_s)
 
     def _launch(self, server: dict[str, Any]) -> str:
-        import socket
+        from omni_async.reward.vllm_server import free_port, start_vllm
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
         cmd = [str(server["server_python"]), "-m", "vllm.entrypoints.openai.api_server", "--model", self.path,
                "--served-model-name", "base", "--enable-lora", "--max-lora-rank", str(self.lora["r"]),
                "--gpu-memory-utilization", str(server["gpu_memory_utilization"]), "--host", "127.0.0.1",
                "--port", str(port), *[str(a) for a in server.get("server_args") or []]]
         # Runtime LoRA loading is off in vLLM unless this is set.
-        self.proc = subprocess.Popen(cmd, env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + float(server.get("startup_timeout_s", 900))
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM rollout server exited with code {self.proc.returncode}; check that "
-                                   f"actor_rollout_ref.rollout.server_python={server['server_python']} has vLLM")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                time.sleep(2)
-        self.proc.kill()
-        raise RuntimeError("vLLM rollout server not healthy in time")
+        self.proc = start_vllm(cmd, url, "actor_rollout_ref.rollout.server_python",
+                               {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+        return url
 
     def prompt_ids(self, prompt: str) -> list[int]:
         text = self.tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,

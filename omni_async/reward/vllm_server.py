@@ -33,36 +33,46 @@ def server_command(rollout_cfg: dict[str, Any], model_path: str, port: int) -> l
             "--host", "0.0.0.0", "--port", str(port), *[str(a) for a in rollout_cfg.get("server_args") or []]]
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def start_vllm(cmd: list[str], url: str, config_key: str, env: dict[str, str] | None = None,
+               startup_timeout_s: float = 900.0) -> subprocess.Popen:
+    """Check that ``cmd[0]`` (the configured python) has vLLM, start the server, wait until ``/health`` is OK."""
+    check = subprocess.run([cmd[0], "-c", "import vllm"], capture_output=True, text=True)
+    if check.returncode != 0:
+        raise RuntimeError(
+            f"{config_key}={cmd[0]} cannot import vllm "
+            f"({check.stderr.strip().splitlines()[-1] if check.stderr.strip() else 'no error text'}). Fix: "
+            "install vLLM into its own environment and point server_python at that environment's python")
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
+    deadline = time.time() + startup_timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM server ({config_key}) exited with code {proc.returncode} during start-up")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(2)
+    proc.kill()
+    raise RuntimeError(f"vLLM server ({config_key}) not healthy after {startup_timeout_s:g}s")
+
+
 class VLLMServer:
-    """Ray actor: owns one vLLM server process on the devices Ray gave it."""
+    """Ray actor: owns one vLLM judge server process on the devices Ray gave it."""
 
     def __init__(self, rollout_cfg: dict[str, Any], model_path: str, startup_timeout_s: float = 900.0):
         import ray
 
-        check = subprocess.run([str(rollout_cfg["server_python"]), "-c", "import vllm"], capture_output=True,
-                               text=True)
-        if check.returncode != 0:
-            raise RuntimeError(
-                f"reward.reward_model.rollout.server_python={rollout_cfg['server_python']} cannot import vllm "
-                f"({check.stderr.strip().splitlines()[-1] if check.stderr.strip() else 'no error text'}). Fix: "
-                "install vLLM into its own environment and point server_python at that environment's python")
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            self.port = sock.getsockname()[1]
-        self.host = ray.util.get_node_ip_address()
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(int(g)) for g in ray.get_gpu_ids())}
-        self.proc = subprocess.Popen(server_command(rollout_cfg, model_path, self.port), env=env)
-        deadline = time.time() + startup_timeout_s
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with code {self.proc.returncode} during start-up")
-            try:
-                if httpx.get(f"{self.url()}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(2)
-        self.proc.kill()
-        raise RuntimeError(f"vLLM server not healthy after {startup_timeout_s:g}s")
+        self.port, self.host = free_port(), ray.util.get_node_ip_address()
+        self.proc = start_vllm(server_command(rollout_cfg, model_path, self.port), self.url(),
+                               "reward.reward_model.rollout.server_python",
+                               {"CUDA_VISIBLE_DEVICES": ",".join(str(int(g)) for g in ray.get_gpu_ids())},
+                               startup_timeout_s)
 
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"

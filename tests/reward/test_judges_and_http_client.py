@@ -152,8 +152,8 @@ def test_full_gpu_recipe_config_composes_and_vllm_judges_get_tp_bundles():
     assert cmd[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "1" and "/models/Qwen2.5-VL-7B-Instruct" in cmd
     with pytest.raises(ConfigError, match="must fit on one node"):
-        validate(compose(recipe + ["reward.reward_model.rollout.tensor_model_parallel_size=3",
-                                   "reward.reward_model.n_gpus_per_node=2"]))
+        validate(compose(recipe + ["reward.reward_model.rollout.tensor_model_parallel_size=2",
+                                   "reward.reward_model.nnodes=2"]))  # 2 devices, but one per node
     with pytest.raises(ConfigError, match="enable_resource_pool=True"):
         validate(compose(recipe + ["reward.reward_model.enable_resource_pool=False"]))
 

@@ -113,18 +113,18 @@ class FlowGRPOTrainer:
         self.reward_manager: RewardManager | None = None  # the colocated (sync) reward, built on first use
         self.reward_workers: list = []
         dispatcher_factory = None
-        if self.streaming:
-            pool = None
-            if self.judge_pg is not None:
-                # The pool's devices go to vLLM judge servers; the reward-loop workers are their CPU clients.
-                from omni_async.reward.vllm_server import launch_judge_servers
+        if self.judge_pg is not None:
+            # The reward pool's devices go to vLLM judge servers; reward functions (streamed or colocated) are
+            # their clients.
+            from omni_async.reward.vllm_server import launch_judge_servers
 
-                with open_dict(cfg):
-                    kwargs = cfg.reward.custom_reward_function.reward_kwargs
-                    kwargs.base_url, kwargs.backend = launch_judge_servers(cfg.reward, self.judge_pg), "openai"
-            elif cfg.reward.reward_model.enable_resource_pool:
-                pool = self.pools.get_resource_pool("reward")
-            self.reward_workers = create_reward_workers(cfg.reward, pool)
+            with open_dict(cfg):
+                kwargs = cfg.reward.custom_reward_function.reward_kwargs
+                kwargs.base_url, kwargs.backend = launch_judge_servers(cfg.reward, self.judge_pg), "openai"
+        if self.streaming:
+            own_pool = cfg.reward.reward_model.enable_resource_pool and self.judge_pg is None
+            self.reward_workers = create_reward_workers(cfg.reward,
+                                                        self.pools.get_resource_pool("reward") if own_pool else None)
             r = cfg.reward
             dispatcher_factory = partial(RewardDispatcher, self.reward_workers, queue_size=r.queue_size,
                                          max_inflight_per_worker=r.max_inflight_per_worker, timeout_s=r.timeout_s,

@@ -105,7 +105,8 @@ def test_auth_and_limits(limited_server):
     assert code == 422 and e["field"].startswith("images")
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+# JSON has no NaN / Infinity (httpx refuses to send them); broken JSON comes from the raw-bytes strategy.
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
                            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                                          max_size=4), max_leaves=12)
 png_bytes = encode(np.zeros((8, 8, 3), np.uint8))

@@ -83,21 +83,22 @@ class AgentLoopManager:
         self._thread.start()
         self.dispatcher: RewardDispatcher | None = None
         if dispatcher_factory is not None:
-            self.dispatcher = self.call(self._make(dispatcher_factory))
-        self._generating = self.call(self._make(lambda: asyncio.Semaphore(max_generating or 1 << 30)))
+            self.dispatcher = self.on_loop(dispatcher_factory)
+        self._generating = self.on_loop(lambda: asyncio.Semaphore(max_generating or 1 << 30))
         self.post_process = False
-
-    @staticmethod
-    async def _make(factory):
-        return factory()  # asyncio primitives must be created on the loop that uses them
 
     def call(self, coro):
         """Run a coroutine on the agent loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    @property
-    def streaming(self) -> bool:
-        return self.dispatcher is not None
+    def on_loop(self, fn):
+        """Call ``fn()`` on the agent loop's thread: asyncio primitives must be created (and the dispatcher's state
+        read) on the loop that uses them."""
+
+        async def run():
+            return fn()
+
+        return self.call(run())
 
     def start(self, samples: list[Sample], window: tuple[int, int]) -> Collection:
         """Begin generating (and, when streaming, scoring) ``samples``; returns at once."""

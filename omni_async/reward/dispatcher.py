@@ -137,14 +137,12 @@ class RewardDispatcher:
                 if not self.down[w]:
                     self.down[w] = True
                     asyncio.ensure_future(self._revive(w))
-                await self._give_back(w)
                 if attempt >= self.max_resends:
                     self.counters["dropped"] += 1
                     outcome = RewardOutcome("failed", error=f"reward worker died {attempt + 1} times while scoring "
                                                             f"this sample (reward.max_resends={self.max_resends}): {e}")
-                    self.counters["total_consumed"] += 1
-                    times["scored"] = time.time()
-                    return outcome
+                    break
+                await self._give_back(w)
                 attempt += 1
                 self.counters["retried"] += 1
                 w = await self._take_worker()

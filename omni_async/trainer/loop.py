@@ -205,6 +205,8 @@ class FlowGRPOTrainer:
 
     def start_collection(self, step: int) -> Collection:
         """Draw step ``step``'s prompts and start generating (and, when streaming, scoring) its samples."""
+        # Only the newest states can still be checkpointed (see save_checkpoint); older ones are dropped.
+        self.sampler_state_before = {k: v for k, v in self.sampler_state_before.items() if k >= step - 1}
         self.sampler_state_before[step] = self.sampler.state_dict()
         return self.agent.start(self.make_samples(step, self.sampler.next_batch()), self._window(step))
 
@@ -267,7 +269,7 @@ class FlowGRPOTrainer:
                    "perf/throughput": len(samples) / timing["timing_s/step"],
                    "rollout/policy_version": float(version), "async_reward/policy_version_lag": float(step - version)}
         if self.agent.dispatcher is not None:
-            metrics.update(self.agent.call(_dispatcher_metrics(self.agent.dispatcher)))
+            metrics.update(self.agent.on_loop(self.agent.dispatcher.metrics))
         self.last_timeline = timeline_record(step + 1, collection, samples, timer)
         return metrics, samples
 
@@ -329,6 +331,3 @@ class FlowGRPOTrainer:
             self.agent.shutdown()
         return self.run_dir
 
-
-async def _dispatcher_metrics(dispatcher: RewardDispatcher) -> dict[str, float]:
-    return dispatcher.metrics()

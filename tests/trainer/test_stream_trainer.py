@@ -123,13 +123,9 @@ def test_killed_reward_worker_mid_step_every_sample_scored_once(make_trainer, tm
     assert victim_pid not in {r["pid"] for r in lines}  # the victim finished nothing before dying
     assert trainer.agent.dispatcher.counters["retried"] >= 1
     deadline = time.time() + 60
-    while not trainer.agent.call(_back_in_rotation(trainer.agent.dispatcher)) and time.time() < deadline:
+    while any(trainer.agent.on_loop(lambda: list(trainer.agent.dispatcher.down))) and time.time() < deadline:
         time.sleep(0.1)
     assert ray.get(victim.info.remote())["pid"] != victim_pid  # restarted, and back in the rotation
-
-
-async def _back_in_rotation(dispatcher) -> bool:
-    return not any(dispatcher.down)
 
 
 def test_post_process_sees_whole_groups_and_async_reward_runs_concurrently(make_trainer, tmp_path, monkeypatch):

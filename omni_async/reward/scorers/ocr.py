@@ -64,7 +64,9 @@ def read_text(image: Any, backend: str = "rapidocr", det_model_dir: str | None =
     return " ".join(line[1][0] for page in result if page for line in page)
 
 
-def _frames(solution_image: Any, frame_interval: int) -> list[Any]:
+def sample_frames(solution_image: Any, frame_interval: int = 1) -> list[Any]:
+    """An image as one frame; a video (uint8 [T, H, W, 3] or a list of frames) as every ``frame_interval``-th."""
+    frame_interval = max(1, int(frame_interval))
     if isinstance(solution_image, (list, tuple)):
         return list(solution_image)[::frame_interval]
     arr = np.asarray(solution_image)
@@ -77,7 +79,7 @@ def compute_score(data_source: str, solution_image: Any, ground_truth: Any, extr
                   det_limit_side_len: int = 256, **kwargs) -> dict:
     """OCR score of one image (or the mean over a video's sampled frames), with the recognised text."""
     texts, scores = [], []
-    for frame in _frames(solution_image, max(1, int(frame_interval))):
+    for frame in sample_frames(solution_image, frame_interval):
         text = read_text(frame, backend, det_model_dir, rec_model_dir, det_limit_side_len)
         texts.append(text)
         scores.append(ocr_similarity(text, ground_truth, substring_shortcut))

@@ -32,7 +32,7 @@ from PIL import Image
 
 from omni_async.reward.http_client import ClientStats, RetryPolicy, RewardHTTPError, pooled_client, post_with_retries
 from omni_async.reward.scorers.http import encode_image
-from omni_async.reward.scorers.ocr import ocr_similarity
+from omni_async.reward.scorers.ocr import ocr_similarity, sample_frames
 
 DEFAULT_INSTRUCTION = "Transcribe all text in the image exactly. Answer with the text only."
 
@@ -113,21 +113,14 @@ class OpenAIJudge:
 _openai: dict[str, OpenAIJudge] = {}
 
 
-def _frames(image: Any, frame_interval: int) -> list[Image.Image]:
-    if isinstance(image, Image.Image):
-        return [image]
-    arr = np.asarray(image)
-    frames = arr[:: max(1, int(frame_interval))] if arr.ndim == 4 else [arr]
-    return [Image.fromarray(f.astype(np.uint8)) for f in frames]
-
-
 async def compute_score(data_source: str, solution_image: Any, ground_truth: Any, extra_info: dict | None = None,
                         backend: str = "transformers", model_path: str = "tiny:qwen2_vl",
                         base_url: str | list[str] | None = None, frame_interval: int = 1,
                         substring_shortcut: bool = True, max_new_tokens: int = 32,
                         instruction: str = DEFAULT_INSTRUCTION, **backend_kwargs: Any) -> dict[str, Any]:
     """Score = mean over frames of ``ocr_similarity(judge transcription, ground_truth)``."""
-    frames = _frames(solution_image, frame_interval)
+    frames = [f if isinstance(f, Image.Image) else Image.fromarray(np.asarray(f, dtype=np.uint8))
+              for f in sample_frames(solution_image, frame_interval)]
     if backend == "transformers":
         judge = await asyncio.get_running_loop().run_in_executor(
             None, transformers_judge, model_path, max_new_tokens, instruction)

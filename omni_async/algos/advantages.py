@@ -3,12 +3,20 @@
 For sample i in group g (samples of the same prompt that were scored successfully)::
 
     A_i = (r_i - mean_g(r)) / (std_g(r) + eps)         per-group std (GRPO, default)
-    A_i = (r_i - mean_g(r)) / (std_batch(r) + eps)     global_std=True (batch-wide std of the kept samples)
+    A_i = (r_i - mean_g(r)) / (std_batch(r) + eps)     global_std=True (std of all kept samples of the batch)
     A_i = r_i - mean_g(r)                              norm_by_std=False (Dr. GRPO)
 
-then clipped to ``[-adv_clip_max, adv_clip_max]``. std is the unbiased sample std, as in verl. Masked samples
-(failed rewards) take no part in any statistic; a group left with fewer than 2 kept samples has no baseline and
-is dropped (its samples masked). The per-group arithmetic is verl's ``compute_grpo_outcome_advantage``.
+then clipped to ``[-adv_clip_max, adv_clip_max]``. ``std`` is
+
+- by default the biased (population, ddof=0) std with ``eps = 1e-4``: flow_grpo's ``PerPromptStatTracker``
+  (``np.std(...) + 1e-4``, per prompt or, with ``global_std``, over the batch);
+- with ``std_unbiased=True`` the unbiased (ddof=1) ``torch.std``: verl's ``compute_grpo_outcome_advantage``
+  (which uses ``eps = 1e-6``) and verl-omni's ``compute_flow_grpo_outcome_advantage`` (``eps = 1e-4``).
+
+The centring ``r_i - mean_g(r)`` is verl's ``compute_grpo_outcome_advantage`` (``norm_adv_by_std_in_grpo=False``);
+the std division is done here so that either std can be chosen. Masked samples (failed rewards) take no part in
+any statistic; a group left with fewer than 2 kept samples has no baseline and is dropped (its samples masked).
+A zero-std group gets advantage 0 (even with ``eps = 0``).
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ def group_advantages(
     uids: Sequence[str] | np.ndarray,
     valid: torch.Tensor | None = None,
     *,
-    epsilon: float = 1e-6,
+    epsilon: float = 1e-4,
+    std_unbiased: bool = False,
     norm_by_std: bool = True,
     global_std: bool = False,
     adv_clip_max: float | None = None,
@@ -40,14 +49,18 @@ def group_advantages(
     adv = torch.zeros_like(scores)
     if kept.any():
         idx = kept.nonzero().squeeze(-1)
-        sub = scores[idx].unsqueeze(-1)
-        centred, _ = compute_grpo_outcome_advantage(
-            sub, torch.ones_like(sub), uids[idx.numpy()], epsilon=epsilon,
-            norm_adv_by_std_in_grpo=norm_by_std and not global_std,
-        )
+        sub, sub_uids = scores[idx], uids[idx.numpy()]
+        centred, _ = compute_grpo_outcome_advantage(sub.unsqueeze(-1), torch.ones_like(sub).unsqueeze(-1), sub_uids,
+                                                    norm_adv_by_std_in_grpo=False)
         centred = centred.squeeze(-1)
-        if norm_by_std and global_std:
-            centred = centred / (scores[idx].std() + epsilon)
+        if norm_by_std:
+            ddof = 1 if std_unbiased else 0
+            if global_std:
+                std = sub.std(correction=ddof).expand_as(sub)
+            else:
+                group_std = {u: sub[torch.from_numpy(sub_uids == u)].std(correction=ddof) for u in set(sub_uids)}
+                std = torch.stack([group_std[u] for u in sub_uids])
+            centred = centred / (std + epsilon)
         # A zero-std group has centred scores of exactly 0; with eps=0 that is 0/0. It carries no signal: 0.
         adv[idx] = torch.nan_to_num(centred, nan=0.0)
     if adv_clip_max is not None:

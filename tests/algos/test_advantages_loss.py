@@ -1,21 +1,44 @@
 import math
 
+import numpy as np
 import pytest
 import torch
+from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
 from omni_async.algos.advantages import group_advantages
 from omni_async.algos.loss import flow_grpo_loss
 
 
 def test_group_advantages_hand_computed():
-    scores = torch.tensor([1.0, 3.0, 0.0, 0.0, 5.0])
-    uids = ["a", "a", "b", "b", "c"]
-    adv, kept = group_advantages(scores, uids, epsilon=0.0)
-    sd = math.sqrt(2.0)  # unbiased std of [1, 3]
-    assert torch.allclose(adv[:2], torch.tensor([-1 / sd, 1 / sd]))
-    assert torch.equal(adv[2:4], torch.zeros(2))  # zero-std group: no signal, even with eps=0
-    assert kept.tolist() == [True, True, True, True, False]  # singleton group dropped
+    # Default = flow_grpo's PerPromptStatTracker: biased (population) std, eps 1e-4.
+    scores = torch.tensor([1.0, 3.0, 0.0, 0.0, 5.0, 1.0, 2.0, 6.0])
+    uids = ["a", "a", "b", "b", "c", "d", "d", "d"]
+    adv, kept = group_advantages(scores, uids)
+    # a: mean 2, biased std sqrt(((1-2)^2 + (3-2)^2) / 2) = 1
+    assert adv[:2].tolist() == pytest.approx([-1 / 1.0001, 1 / 1.0001])
+    assert adv[2:4].tolist() == [0.0, 0.0]  # zero-std group: no signal
+    assert kept.tolist() == [True, True, True, True, False, True, True, True]  # singleton group dropped
     assert adv[4] == 0
+    # d: mean 3, deviations (-2, -1, 3), biased variance (4 + 1 + 9) / 3 = 14 / 3
+    sd = math.sqrt(14 / 3)
+    assert adv[5:].tolist() == pytest.approx([-2 / (sd + 1e-4), -1 / (sd + 1e-4), 3 / (sd + 1e-4)], rel=1e-6)
+
+
+def test_zero_std_group_is_zero_even_without_eps():
+    adv, _ = group_advantages(torch.tensor([2.0, 2.0, 1.0, 3.0]), ["a", "a", "b", "b"], epsilon=0.0)
+    assert adv.tolist() == pytest.approx([0.0, 0.0, -1.0, 1.0])
+
+
+def test_unbiased_std_is_verls_grpo():
+    scores = torch.tensor([1.0, 2.0, 6.0, 1.0, 3.0])
+    uids = ["d", "d", "d", "a", "a"]
+    adv, _ = group_advantages(scores, uids, std_unbiased=True, epsilon=1e-6)
+    # d: unbiased variance (4 + 1 + 9) / 2 = 7; a: (1 + 1) / 1 = 2
+    sd, sa = math.sqrt(7.0), math.sqrt(2.0)
+    want = [-2 / (sd + 1e-6), -1 / (sd + 1e-6), 3 / (sd + 1e-6), -1 / (sa + 1e-6), 1 / (sa + 1e-6)]
+    assert adv.tolist() == pytest.approx(want, rel=1e-6)
+    verl_adv, _ = compute_grpo_outcome_advantage(scores[:, None], torch.ones(5, 1), np.array(uids, dtype=object))
+    assert torch.allclose(adv, verl_adv[:, 0])
 
 
 def test_masked_samples_leave_group_stats_and_small_groups_drop():
@@ -24,18 +47,21 @@ def test_masked_samples_leave_group_stats_and_small_groups_drop():
     valid = torch.tensor([True, True, False, True, False])
     adv, kept = group_advantages(scores, uids, valid)
     assert kept.tolist() == [True, True, False, False, False]  # b keeps one sample -> dropped
-    assert torch.allclose(adv[:2], torch.tensor([-1.0, 1.0]) / math.sqrt(2.0), atol=1e-5)
+    assert adv.tolist() == pytest.approx([-1 / 1.0001, 1 / 1.0001, 0.0, 0.0, 0.0])  # a: biased std of [1, 3] = 1
 
 
 def test_global_std_dr_grpo_and_clip():
     scores = torch.tensor([0.0, 2.0, 10.0, 14.0])
     uids = ["a", "a", "b", "b"]
+    # batch mean 6.5, squared deviations 42.25 + 20.25 + 12.25 + 56.25 = 131
     adv, _ = group_advantages(scores, uids, global_std=True, epsilon=0.0)
-    assert torch.allclose(adv, torch.tensor([-1.0, 1.0, -2.0, 2.0]) / scores.std())
+    assert adv.tolist() == pytest.approx([x / math.sqrt(131 / 4) for x in (-1.0, 1.0, -2.0, 2.0)], rel=1e-6)
+    adv, _ = group_advantages(scores, uids, global_std=True, std_unbiased=True, epsilon=0.0)
+    assert adv.tolist() == pytest.approx([x / math.sqrt(131 / 3) for x in (-1.0, 1.0, -2.0, 2.0)], rel=1e-6)
     adv, _ = group_advantages(scores, uids, norm_by_std=False)
-    assert torch.allclose(adv, torch.tensor([-1.0, 1.0, -2.0, 2.0]))
+    assert adv.tolist() == pytest.approx([-1.0, 1.0, -2.0, 2.0])
     adv, _ = group_advantages(scores, uids, norm_by_std=False, adv_clip_max=1.5)
-    assert torch.allclose(adv, torch.tensor([-1.0, 1.0, -1.5, 1.5]))
+    assert adv.tolist() == pytest.approx([-1.0, 1.0, -1.5, 1.5])
 
 
 def test_loss_ratio_one_on_first_inner_step():

@@ -12,13 +12,15 @@ import zlib
 
 import numpy as np
 
+from omni_async.reward.contract import to_pixels
 from omni_async.reward.scorers.jpeg import compute_score as jpeg_score
 
 LOG = os.environ.get("OMNI_ASYNC_TEST_REWARD_LOG")
 
 
 def sample_key(image) -> int:
-    return zlib.crc32(np.ascontiguousarray(image).tobytes())
+    """CRC of the pixels in one layout (HWC), so a sample has one key as a numpy array or a verl-omni tensor."""
+    return zlib.crc32(to_pixels(image).tobytes())
 
 
 def _log(record: dict) -> None:
@@ -92,3 +94,66 @@ class FailingThenRepaired:
 async def slow_constant(data_source, solution_str=None, ground_truth=None, extra_info=None, delay_s=1.0, **kw):
     await asyncio.sleep(delay_s)
     return 1.0
+
+
+# ---- Reward functions written against verl-omni's contract: solution_image is a uint8 torch tensor (C, H, W), or
+# (N, C, H, W) for video frames. They use tensor methods (.permute, .unsqueeze, .ndim) as verl-omni's HTTP scorer
+# client, GenRM-OCR and JPEG-compressibility rewards do, so a numpy (H, W, 3) array makes them fail or lie.
+
+
+def _require_uint8_tensor(solution_image):
+    import torch
+
+    if not isinstance(solution_image, torch.Tensor) or solution_image.dtype != torch.uint8:
+        raise TypeError(f"expected a uint8 torch tensor, got {type(solution_image).__name__} "
+                        f"{getattr(solution_image, 'dtype', '')}")
+
+
+def omni_style_permute_score(data_source, solution_image, ground_truth, extra_info, **kwargs):
+    """Like an HTTP scorer client: the first frame, ``permute(1, 2, 0)`` to HWC, PIL; score = mean red / 255."""
+    from PIL import Image
+
+    _require_uint8_tensor(solution_image)
+    image = solution_image[0] if solution_image.ndim == 4 else solution_image
+    pil = Image.fromarray(image.permute(1, 2, 0).cpu().numpy())
+    return {"score": float(np.asarray(pil)[..., 0].mean()) / 255.0, "width": pil.width}
+
+
+async def omni_style_frames_score(data_source, solution_image, ground_truth, extra_info, **kwargs):
+    """Like GenRM-OCR (async): ``unsqueeze(0)`` an image, ``[::frame_interval]`` a video, each frame ``permute``d;
+    score = mean over frames of the mean pixel / 255; ``frames`` = frames scored."""
+    _require_uint8_tensor(solution_image)
+    frame_interval = (extra_info or {}).get("frame_interval", 1)
+    if solution_image.ndim == 3:
+        solution_image = solution_image.unsqueeze(0)
+    elif solution_image.ndim == 4:
+        solution_image = solution_image[::frame_interval]
+    scores = [float(frame.permute(1, 2, 0).float().mean()) / 255.0 for frame in solution_image]
+    return {"score": sum(scores) / len(scores), "frames": len(scores)}
+
+
+def omni_style_jpeg_score(data_source, solution_image, ground_truth=None, extra_info=None, **kwargs):
+    """Like verl-omni's JPEG compressibility: NCHW -> NHWC, each image saved as JPEG (quality 95), score = -kB/500
+    of the first. It does not check its input: a numpy (H, W, 3) array is iterated row by row and scores the first
+    row (the same wrong score for most images), which is the bug the CHW contract removes."""
+    import io
+
+    import torch
+    from PIL import Image
+
+    images = solution_image
+    if isinstance(images, torch.Tensor):
+        if images.ndim == 3:
+            images = images.unsqueeze(0)
+        images = images.cpu().numpy().transpose(0, 2, 3, 1)
+    sizes = []
+    for image in images:
+        buf = io.BytesIO()
+        Image.fromarray(image).save(buf, format="JPEG", quality=95)
+        sizes.append(buf.tell() / 1000.0)
+    return -sizes[0] / 500.0
+
+
+async def omni_style_http_signature(solution_image, ground_truth, server_url="unused", **kwargs):
+    """verl-omni's HTTP client signature: no data_source / extra_info parameters, ``**kwargs`` takes them."""
+    return omni_style_permute_score(None, solution_image, ground_truth, None)

@@ -12,24 +12,30 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from omni_async.reward.contract import RewardContractError, frames_of, to_pixels
+
 
 def as_pil(image: Any, name: str = "solution_image") -> Image.Image:
-    """Accept a PIL image or a uint8 array [H, W, 3] / [H, W]; anything else is an error naming the argument."""
+    """One image in any form :func:`omni_async.reward.contract.to_pixels` accepts (verl-omni's uint8 tensor
+    ``(C, H, W)``, a uint8 array ``(H, W, 3)`` / ``(H, W)``, a PIL image) as an RGB PIL image; a video is an error
+    naming the argument (score its frames: :func:`omni_async.reward.contract.frames_of`)."""
     if isinstance(image, Image.Image):
         return image.convert("RGB")
-    arr = np.asarray(image)
-    if arr.dtype != np.uint8 or arr.ndim not in (2, 3):
-        raise TypeError(f"{name} must be a PIL image or a uint8 array [H, W, 3]; got {arr.dtype} {arr.shape}")
-    return Image.fromarray(arr).convert("RGB")
+    arr = to_pixels(image, name)
+    if arr.ndim != 3:
+        raise RewardContractError(f"{name} is a video {arr.shape}; expected one image")
+    return Image.fromarray(arr)
 
 
 def jpeg_kb(image: Any, quality: int = 95) -> float:
-    """JPEG size in kB; for a video (uint8 [T, H, W, 3]) the mean over its frames."""
-    if not isinstance(image, Image.Image) and np.asarray(image).ndim == 4:
-        return float(np.mean([jpeg_kb(frame, quality) for frame in np.asarray(image)]))
-    buf = io.BytesIO()
-    as_pil(image).save(buf, format="JPEG", quality=quality)
-    return buf.tell() / 1000.0
+    """JPEG size in kB; for a video (``(N, C, H, W)`` tensor, ``(T, H, W, 3)`` array, list of frames) the mean
+    over its frames."""
+    sizes = []
+    for frame in frames_of(image):
+        buf = io.BytesIO()
+        Image.fromarray(frame).save(buf, format="JPEG", quality=quality)
+        sizes.append(buf.tell() / 1000.0)
+    return float(np.mean(sizes))
 
 
 def compute_score(data_source: str, solution_image: Any, ground_truth: Any = None, extra_info: dict | None = None,

@@ -6,7 +6,9 @@ Score (flow_grpo's rule)::
     score    = 1 - min(edit_distance(pred, gt), len(gt)) / len(gt)
 
 with the *substring shortcut* (on by default, as in flow_grpo): if ``gt`` occurs inside ``pred`` the score is 1.
-Video (a list / array of frames) scores the mean over frames sampled every ``frame_interval``.
+``solution_image`` is verl-omni's uint8 tensor ``(C, H, W)`` (or a numpy ``(H, W, 3)`` array, or a PIL image).
+Video (``(N, C, H, W)`` tensor, ``(T, H, W, 3)`` array or a list of frames) scores the mean over frames sampled
+every ``frame_interval``.
 
 The default engine is ``rapidocr`` (PP-OCR ONNX models shipped in its wheel: works offline); ``backend=paddleocr``
 uses PaddleOCR with local model dirs (``det_model_dir``, ``rec_model_dir``). One engine per process, loaded on
@@ -22,6 +24,7 @@ from typing import Any
 import Levenshtein
 import numpy as np
 
+from omni_async.reward.contract import frames_of
 from omni_async.reward.scorers.jpeg import as_pil
 
 _WS = re.compile(r"\s+")
@@ -64,13 +67,10 @@ def read_text(image: Any, backend: str = "rapidocr", det_model_dir: str | None =
     return " ".join(line[1][0] for page in result if page for line in page)
 
 
-def sample_frames(solution_image: Any, frame_interval: int = 1) -> list[Any]:
-    """An image as one frame; a video (uint8 [T, H, W, 3] or a list of frames) as every ``frame_interval``-th."""
-    frame_interval = max(1, int(frame_interval))
-    if isinstance(solution_image, (list, tuple)):
-        return list(solution_image)[::frame_interval]
-    arr = np.asarray(solution_image)
-    return list(arr[::frame_interval]) if arr.ndim == 4 else [solution_image]
+def sample_frames(solution_image: Any, frame_interval: int = 1) -> list[np.ndarray]:
+    """An image as one uint8 ``(H, W, 3)`` frame; a video (verl-omni's ``(N, C, H, W)`` tensor, a ``(T, H, W, 3)``
+    array or a list of frames) as every ``frame_interval``-th frame (:func:`omni_async.reward.contract.frames_of`)."""
+    return frames_of(solution_image, frame_interval)
 
 
 def compute_score(data_source: str, solution_image: Any, ground_truth: Any, extra_info: dict | None = None,

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from omni_async.reward.contract import to_pixels
 from omni_async.reward.scorers.gsm8k import compute_score_digits
 from omni_async.reward.scorers.jpeg import jpeg_kb
 
@@ -28,7 +29,8 @@ from omni_async.reward.scorers.jpeg import jpeg_kb
 def simulated_latency(solution: Any, min_latency_s: float, max_latency_s: float, latency_scale: float,
                       seed: int) -> float:
     """Seconds to wait for this sample: ``U(min, max) * scale`` drawn from a generator seeded by (seed, sample)."""
-    data = solution.encode() if isinstance(solution, str) else np.ascontiguousarray(np.asarray(solution)).tobytes()
+    # The pixels in one canonical layout (HWC), so the tensor and the numpy form of a sample wait the same time.
+    data = solution.encode() if isinstance(solution, str) else to_pixels(solution).tobytes()
     key = zlib.crc32(data)
     u = np.random.default_rng([int(seed), key]).uniform(min_latency_s, max_latency_s)
     return float(u * latency_scale)

@@ -16,7 +16,9 @@ Backends:
   see :mod:`omni_async.reward.vllm_server`), image as a PNG data URI, temperature 0 by default, async httpx
   with retries (:mod:`omni_async.reward.http_client`); several ``base_url`` s least-loaded.
 
-The judge's text is kept in the extra info (``judge_text``). Video: frames every ``frame_interval``, mean score.
+``solution_image``: verl-omni's uint8 tensor ``(C, H, W)`` / ``(N, C, H, W)``, or numpy ``(H, W, 3)`` /
+``(T, H, W, 3)``, or PIL. The judge's text is kept in the extra info (``judge_text``). Video: frames every
+``frame_interval``, mean score.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from PIL import Image
 
 from omni_async.reward.http_client import ClientStats, RetryPolicy, RewardHTTPError, pooled_client, post_with_retries
 from omni_async.reward.scorers.http import encode_image
+from omni_async.reward.scorers.jpeg import as_pil
 from omni_async.reward.scorers.ocr import ocr_similarity, sample_frames
 
 DEFAULT_INSTRUCTION = "Transcribe all text in the image exactly. Answer with the text only."
@@ -119,8 +122,7 @@ async def compute_score(data_source: str, solution_image: Any, ground_truth: Any
                         substring_shortcut: bool = True, max_new_tokens: int = 32,
                         instruction: str = DEFAULT_INSTRUCTION, **backend_kwargs: Any) -> dict[str, Any]:
     """Score = mean over frames of ``ocr_similarity(judge transcription, ground_truth)``."""
-    frames = [f if isinstance(f, Image.Image) else Image.fromarray(np.asarray(f, dtype=np.uint8))
-              for f in sample_frames(solution_image, frame_interval)]
+    frames = [as_pil(f) for f in sample_frames(solution_image, frame_interval)]
     if backend == "transformers":
         judge = await asyncio.get_running_loop().run_in_executor(
             None, transformers_judge, model_path, max_new_tokens, instruction)

@@ -1,0 +1,316 @@
+"""The reward-function contract with verl / verl-omni: CHW uint8 tensors, data_source dispatch, start-up checks.
+
+The verl-omni-style functions (``tests/reward/rewards_for_tests.py``: ``omni_style_*``) are our own, written to
+the same signatures and behaviours as verl-omni's HTTP scorer client, GenRM-OCR and JPEG compressibility.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from PIL import Image, ImageDraw, ImageFont
+
+from omni_async.reward import contract
+from omni_async.reward.contract import (
+    RewardConfigError,
+    RewardContractError,
+    UnknownDataSourceError,
+    check_reward_function,
+    default_compute_score,
+    to_pixels,
+    to_solution_image,
+)
+from omni_async.reward.manager import RewardManager
+from omni_async.reward.scorers import jpeg, ocr, simulated, vlm_judge
+
+TEST_REWARDS = str(Path(__file__).with_name("rewards_for_tests.py"))
+_spec = importlib.util.spec_from_file_location("rewards_for_tests", TEST_REWARDS)
+rft = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(rft)
+
+
+def noise(seed: int, shape=(24, 32, 3)) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+def text_image(text: str, size=(256, 96)) -> np.ndarray:
+    img = Image.new("RGB", size, "white")
+    ImageDraw.Draw(img).text((16, 24), text, fill="black", font=ImageFont.load_default(size=40))
+    return np.asarray(img)
+
+
+def jpeg_kb_of(hwc: np.ndarray) -> float:
+    buf = io.BytesIO()
+    Image.fromarray(hwc).save(buf, format="JPEG", quality=95)
+    return buf.tell() / 1000.0
+
+
+# ------------------------------------------------------------------------------------------ to_solution_image
+
+
+def test_to_solution_image_is_verl_omni_layout_for_image_and_video():
+    img = noise(0)
+    t = to_solution_image(img)
+    assert isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.is_contiguous()
+    assert tuple(t.shape) == (3, 24, 32)
+    assert torch.equal(t.permute(1, 2, 0), torch.from_numpy(img))
+    video = noise(1, (5, 24, 32, 3))
+    tv = to_solution_image(video)
+    assert tuple(tv.shape) == (5, 3, 24, 32) and tv.is_contiguous()
+    assert torch.equal(tv[3].permute(1, 2, 0), torch.from_numpy(video[3]))
+    # round trip, and the other accepted forms
+    assert np.array_equal(to_pixels(t), img) and np.array_equal(to_pixels(tv), video)
+    assert np.array_equal(to_pixels(Image.fromarray(img)), img)
+    assert np.array_equal(to_pixels(list(video)), video) and np.array_equal(to_pixels(list(tv)), video)
+    assert torch.equal(to_solution_image(t), t)
+    assert tuple(to_solution_image(img[..., 0]).shape) == (3, 24, 32)  # grey made RGB
+
+
+@pytest.mark.parametrize("bad, match", [
+    (np.zeros((8, 8, 3), np.float32), "uint8"),
+    (torch.zeros(3, 8, 8), "uint8 tensor"),
+    (torch.zeros(8, 8, 3, dtype=torch.uint8), "channels-last"),
+    (np.zeros((3, 8, 8), np.uint8), "channels-first"),
+    (np.zeros((2, 2, 8, 8, 3), np.uint8), r"\(H, W, 3\)"),
+])
+def test_wrong_pixel_forms_are_named(bad, match):
+    with pytest.raises(RewardContractError, match=match):
+        to_pixels(bad)
+    with pytest.raises(RewardContractError, match=match):
+        to_solution_image(bad)
+
+
+# --------------------------------------------------------------------------- verl-omni-style reward functions
+
+
+def test_omni_style_functions_run_on_the_tensor_and_fail_on_numpy():
+    img, video = noise(0), noise(1, (6, 24, 32, 3))
+    out = rft.omni_style_permute_score("ds", to_solution_image(img), "gt", {})
+    assert out == {"score": pytest.approx(img[..., 0].mean() / 255), "width": 32}
+    out = rft.omni_style_permute_score("ds", to_solution_image(video), "gt", {})
+    assert out["score"] == pytest.approx(video[0, ..., 0].mean() / 255)
+    out = asyncio.run(rft.omni_style_frames_score("ds", to_solution_image(img), "gt", {}))
+    assert out == {"score": pytest.approx(img.mean() / 255), "frames": 1}
+    out = asyncio.run(rft.omni_style_frames_score("ds", to_solution_image(video), "gt", {"frame_interval": 2}))
+    assert out == {"score": pytest.approx(np.mean([f.mean() for f in video[::2]]) / 255), "frames": 3}
+    # The old contract: a numpy array has no .permute / .unsqueeze.
+    with pytest.raises(TypeError, match="uint8 torch tensor"):
+        rft.omni_style_permute_score("ds", img, "gt", {})
+
+
+def test_omni_style_jpeg_scores_differ_per_image_with_tensors():
+    # Same first row, different content below: the numpy form scores only the first row (the reported bug).
+    a, b = noise(0, (64, 64, 3)), noise(1, (64, 64, 3))
+    b[0] = a[0]
+    b[32:] = 255  # b compresses far better
+    with_numpy = [rft.omni_style_jpeg_score("ds", x) for x in (a, b)]
+    assert with_numpy[0] == with_numpy[1]
+    with_tensor = [rft.omni_style_jpeg_score("ds", to_solution_image(x)) for x in (a, b)]
+    assert with_tensor[0] != with_tensor[1] and with_tensor[1] > with_tensor[0]
+    assert with_tensor == [pytest.approx(-jpeg_kb_of(x) / 500) for x in (a, b)]
+
+
+def _manager_sample(pixels):
+    cfg = OmegaConf.load(Path(contract.__file__).parents[1] / "config/flowgrpo_trainer.yaml").reward
+    cfg.custom_reward_function = {"path": TEST_REWARDS, "name": "omni_style_http_signature",
+                                  "reward_kwargs": {"server_url": "x"}}
+    # Both the manager's old ("image") and new ("solution_image") sample field.
+    sample = {"prompt": "p", "data_source": "d", "ground_truth": "g", "extra_info": {}, "uid": "u",
+              "image": pixels, "solution_image": pixels}
+    return RewardManager(cfg), sample
+
+
+def test_reward_manager_passes_a_tensor_through_to_an_omni_style_function():
+    img = noise(3)
+    manager, sample = _manager_sample(to_solution_image(img))
+    out = asyncio.run(manager.score(sample))
+    assert out.ok, out.error
+    assert out.score == pytest.approx(img[..., 0].mean() / 255)
+
+
+@pytest.mark.xfail(strict=True, reason="the reward manager must call contract.to_solution_image on the pixels")
+def test_reward_manager_gives_numpy_pixels_to_functions_as_chw_tensors():
+    img = noise(3)
+    manager, sample = _manager_sample(img)  # what the diffusion policy produces: uint8 (H, W, 3)
+    out = asyncio.run(manager.score(sample))
+    assert out.ok, out.error
+    assert out.score == pytest.approx(img[..., 0].mean() / 255)
+
+
+# ----------------------------------------------------------------------- our scorers accept every form alike
+
+
+def test_jpeg_and_simulated_scores_equal_for_numpy_tensor_and_pil():
+    img, video = noise(4), noise(5, (3, 24, 32, 3))
+    forms = [img, to_solution_image(img), Image.fromarray(img)]
+    assert len({jpeg.compute_score("d", f) for f in forms}) == 1
+    assert len({jpeg.compute_score_incompressibility("d", f) for f in forms}) == 1
+    assert jpeg.compute_score("d", img) == pytest.approx(-jpeg_kb_of(img))
+    vforms = [video, to_solution_image(video), list(video)]
+    assert len({jpeg.jpeg_kb(f) for f in vforms}) == 1
+    assert jpeg.jpeg_kb(video) == pytest.approx(np.mean([jpeg_kb_of(f) for f in video]))
+
+    async def sim(f):
+        return await simulated.compute_score("d", f, latency_scale=1e-4, seed=7)
+
+    outs = [asyncio.run(sim(f)) for f in forms]
+    assert all(o == outs[0] for o in outs[1:])  # same score and the same simulated latency
+
+
+def test_ocr_scores_equal_for_numpy_and_tensor(no_network):
+    img = text_image("HELLO 42")
+    a = ocr.compute_score("ocr", img, "HELLO 42")
+    b = ocr.compute_score("ocr", to_solution_image(img), "HELLO 42")
+    assert a == b and a["score"] > 0.8
+    video = np.stack([img, text_image("OPEN"), img])
+    va = ocr.compute_score("ocr", video, "HELLO 42", frame_interval=2)
+    vb = ocr.compute_score("ocr", to_solution_image(video), "HELLO 42", frame_interval=2)
+    assert va == vb and va["ocr_text"].count("|") == 1  # frames 0 and 2
+
+
+def test_vlm_judge_sees_the_same_frames_for_numpy_and_tensor(monkeypatch):
+    seen: list[list[bytes]] = []
+
+    class FakeJudge:
+        def transcribe(self, image):
+            assert isinstance(image, Image.Image) and image.mode == "RGB"
+            seen[-1].append(np.asarray(image).tobytes())
+            return "HELLO"
+
+    monkeypatch.setattr(vlm_judge, "transformers_judge", lambda *a: FakeJudge())
+    video = noise(6, (4, 16, 16, 3))
+    results = []
+    for form in (video, to_solution_image(video)):
+        seen.append([])
+        results.append(asyncio.run(vlm_judge.compute_score("d", form, "HELLO", frame_interval=2)))
+    assert results[0] == results[1] and results[0]["score"] == 1.0
+    assert seen[0] == seen[1] == [video[0].tobytes(), video[2].tobytes()]
+
+
+# --------------------------------------------------------------------------------------- default dispatch
+
+
+def test_default_compute_score_text_goes_to_verls_builtin(monkeypatch):
+    assert default_compute_score("openai/gsm8k", solution_str="so #### 42", ground_truth="42") == 1.0
+    assert default_compute_score("openai/gsm8k", solution_str="so #### 41", ground_truth="42") == 0.0
+    from verl.utils import reward_score
+
+    calls = []
+    monkeypatch.setattr(reward_score, "default_compute_score", lambda *a, **k: calls.append((a, k)) or 0.5)
+    assert default_compute_score("openai/gsm8k", solution_str="x", ground_truth="1", extra_info={"i": 1}) == 0.5
+    assert calls == [(("openai/gsm8k", "x", "1", {"i": 1}), {})]
+
+
+def test_default_compute_score_ocr_and_jpeg_sources(no_network):
+    img = text_image("SALE")
+    for source in ("ocr", "flow_grpo/ocr"):
+        out = default_compute_score(source, solution_image=to_solution_image(img), ground_truth="SALE")
+        assert out == ocr.compute_score(source, img, "SALE") and out["score"] > 0.8
+    noisy = noise(8)
+    got = default_compute_score("jpeg_compressibility", solution_image=to_solution_image(noisy))
+    assert got == pytest.approx(-jpeg_kb_of(noisy) / 500)
+    assert got == pytest.approx(rft.omni_style_jpeg_score("jpeg_compressibility", to_solution_image(noisy)))
+
+
+def test_default_compute_score_unknown_source_names_it_the_known_ones_and_the_fix():
+    with pytest.raises(UnknownDataSourceError) as e:
+        default_compute_score("my/aesthetics", solution_image=to_solution_image(noise(0)), ground_truth="")
+    msg = str(e.value)
+    assert "'my/aesthetics'" in msg and "flow_grpo/ocr" in msg and "jpeg_compressibility" in msg
+    assert "reward.custom_reward_function.path" in msg
+    with pytest.raises(UnknownDataSourceError) as e:
+        default_compute_score("my/text_task", solution_str="hi", ground_truth="x")
+    assert "'my/text_task'" in str(e.value) and "openai/gsm8k" in str(e.value)
+    assert "reward.custom_reward_function.path" in str(e.value)
+    with pytest.raises(UnknownDataSourceError, match="image reward, but this sample is text"):
+        default_compute_score("ocr", solution_str="hi", ground_truth="x")
+    assert isinstance(e.value, NotImplementedError)  # what verl raises, for callers that catch it
+
+
+# -------------------------------------------------------------------------------- check_reward_function
+
+
+def test_check_reward_function_loads_every_path_form(tmp_path, monkeypatch):
+    assert check_reward_function("pkg://omni_async.reward.scorers.jpeg", "compute_score") is jpeg.compute_score
+    assert check_reward_function("pkg://omni_async/reward/scorers/ocr", "compute_score") is ocr.compute_score
+    assert check_reward_function(TEST_REWARDS, "Flaky").__name__ == "Flaky"
+    assert check_reward_function("file://" + TEST_REWARDS, "slow_logged").__name__ == "slow_logged"
+    monkeypatch.chdir(Path(TEST_REWARDS).parent)
+    assert callable(check_reward_function("rewards_for_tests.py", "omni_style_jpeg_score"))
+    assert check_reward_function(None, None) is default_compute_score  # no path: dispatch by data_source
+    assert check_reward_function("", "compute_score") is default_compute_score
+
+
+def test_check_reward_function_missing_file_names_key_and_path(tmp_path):
+    missing = str(tmp_path / "nope" / "reward.py")
+    with pytest.raises(RewardConfigError) as e:
+        check_reward_function(missing, "compute_score", "reward.custom_reward_function.path")
+    msg = str(e.value)
+    assert msg.startswith("reward.custom_reward_function.path=") and missing in msg and "file not found" in msg
+    with pytest.raises(RewardConfigError, match=r"reward\.reward_functions\.ocr\.path=.*is a directory"):
+        check_reward_function(str(tmp_path), "compute_score", "reward.reward_functions.ocr")
+
+
+def test_check_reward_function_missing_module_and_broken_dependency(tmp_path, monkeypatch):
+    with pytest.raises(RewardConfigError) as e:
+        check_reward_function("pkg://omni_async.reward.scorers.nope", "compute_score")
+    msg = str(e.value)
+    assert "reward.custom_reward_function.path='pkg://omni_async.reward.scorers.nope'" in msg
+    assert "no module 'omni_async.reward.scorers.nope'" in msg
+    with pytest.raises(RewardConfigError, match="pkg:// takes a dotted module name"):
+        check_reward_function("pkg://omni_async/reward/scorers/jpeg.py", "compute_score")
+    (tmp_path / "needs_dep.py").write_text("import not_installed_dep_xyz\ndef compute_score(**kw):\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardConfigError, match="exists but importing it failed.*not_installed_dep_xyz"):
+        check_reward_function("pkg://needs_dep", "compute_score")
+    with pytest.raises(RewardConfigError, match="loading the file failed.*not_installed_dep_xyz"):
+        check_reward_function(str(tmp_path / "needs_dep.py"), "compute_score")
+
+
+def test_check_reward_function_missing_name_lists_what_exists():
+    with pytest.raises(RewardConfigError) as e:
+        check_reward_function(TEST_REWARDS, "omni_style_jpeg", "reward.reward_functions.jpeg")
+    msg = str(e.value)
+    assert msg.startswith("reward.reward_functions.jpeg.name='omni_style_jpeg'") and TEST_REWARDS in msg
+    for name in ("Flaky", "slow_logged", "omni_style_jpeg_score", "omni_style_permute_score"):
+        assert name in msg
+    assert "did you mean 'omni_style_jpeg_score'" in msg
+    assert "zlib" not in msg and "to_pixels" not in msg  # only what the module defines
+    with pytest.raises(RewardConfigError) as e:
+        check_reward_function("pkg://omni_async.reward.scorers.jpeg", "compute")
+    assert "compute_score, compute_score_incompressibility" in str(e.value)
+    with pytest.raises(RewardConfigError, match="LOG in .* is a NoneType, not a function"):
+        check_reward_function(TEST_REWARDS, "LOG")
+    with pytest.raises(RewardConfigError, match=r"reward\.custom_reward_function\.name is empty"):
+        check_reward_function(TEST_REWARDS, "")
+
+
+def test_check_reward_function_class_and_signature(tmp_path):
+    mod = tmp_path / "r.py"
+    mod.write_text(
+        "class NoScore:\n    pass\n"
+        "class Scorer:\n    def __init__(self, url):\n        self.url = url\n"
+        "    def compute_score(self, data_source, solution_image, ground_truth, extra_info):\n        return 1.0\n"
+        "def strict(data_source, solution_image, ground_truth):\n    return 1.0\n")
+    with pytest.raises(RewardConfigError, match="class NoScore .* has no compute_score"):
+        check_reward_function(str(mod), "NoScore")
+    assert check_reward_function(str(mod), "Scorer", reward_kwargs={"url": "u"}, modality="image").__name__ == \
+        "Scorer"
+    with pytest.raises(RewardConfigError, match=r"class Scorer.*cannot be called with \['uri'\]"):
+        check_reward_function(str(mod), "Scorer", reward_kwargs={"uri": "u"}, modality="image")
+    with pytest.raises(RewardConfigError, match="Scorer.compute_score.*solution_str"):
+        check_reward_function(str(mod), "Scorer", reward_kwargs={"url": "u"}, modality="text")
+    with pytest.raises(RewardConfigError, match="strict.*extra_info"):
+        check_reward_function(str(mod), "strict", modality="image")
+    # verl-omni's HTTP client signature (no data_source / extra_info, **kwargs) and a verl built-in both bind.
+    check_reward_function(TEST_REWARDS, "omni_style_http_signature", reward_kwargs={"server_url": "u"},
+                          modality="image")
+    check_reward_function("pkg://omni_async.reward.contract", "default_compute_score", modality="text")
+    assert contract.check_reward_function is check_reward_function

@@ -195,23 +195,50 @@ class DiffusionPolicy(TrainableModule):
 
     # ---- schedule -------------------------------------------------------------------------------------------
     def _schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sigmas (N+1, ending at 0) and timesteps (N) exactly as the pipeline's own scheduler makes them."""
+        """Sigmas (N+1, ending at 0) and timesteps (N) as the pipeline's own ``__call__`` makes them.
+
+        - QwenImagePipeline: ``set_timesteps(sigmas=linspace(1, 1/N, N), mu=calculate_shift(image_seq_len))``
+          (dynamic shift; also verl-omni's Qwen-Image FlowGRPO schedule).
+        - StableDiffusion3Pipeline: ``set_timesteps(N)``: the scheduler's own grid with its static ``shift``
+          (``mu`` from SD3's ``calculate_shift`` only where the config uses dynamic shifting), as the SD3 pipeline,
+          flow_grpo's ``train_sd3.py`` and verl-omni's SD3 adapter do.
+        - WanPipeline: Wan ships UniPC (``use_flow_sigmas``, ``flow_shift``), whose own grid is
+          ``shift(linspace(1, 1/1000, N+1)[:-1])`` with the first sigma nudged to ``1 - 1e-6`` (a guard of UniPC's
+          multistep solver that would make the SDE's ``sigma / (1 - sigma)`` explode). The SDE step is an Euler
+          step on flow sigmas, so Wan uses ``FlowMatchEuler(shift=flow_shift)`` on ``linspace(1, 1/N, N)``: the
+          same shifted grid up to <0.1%, exactly 1 at the start, and verl-omni's Wan schedule.
+        """
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        sched, n = self.pipe.scheduler, self.sampling.num_inference_steps
-        if not isinstance(sched, FlowMatchEulerDiscreteScheduler):
-            # Wan checkpoints ship UniPC configured for flow matching; the SDE step needs the plain flow sigmas.
-            sched = FlowMatchEulerDiscreteScheduler(shift=sched.config.get("flow_shift") or 1.0)
+        own, n, p = self.pipe.scheduler, self.sampling.num_inference_steps, self.pipe
+        family = type(p).__name__
+        if isinstance(own, FlowMatchEulerDiscreteScheduler):
+            sched = FlowMatchEulerDiscreteScheduler.from_config(own.config)  # a copy: the pipeline's stays as is
+        else:
+            sched = FlowMatchEulerDiscreteScheduler(shift=own.config.get("flow_shift") or 1.0)
+        c = sched.config
         kwargs: dict[str, Any] = {}
-        if sched.config.get("use_dynamic_shifting", False):
-            from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+        if family == "StableDiffusion3Pipeline":
+            if c.get("use_dynamic_shifting", False):
+                from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
-            seq = (self.sampling.height // self.pipe.vae_scale_factor // 2) * (
-                self.sampling.width // self.pipe.vae_scale_factor // 2)
-            c = sched.config
-            kwargs["mu"] = calculate_shift(seq, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                                           c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), device=self.pipe.device, **kwargs)
+                patch = p.transformer.config.patch_size
+                seq = (self.sampling.height // p.vae_scale_factor // patch) * (
+                    self.sampling.width // p.vae_scale_factor // patch)
+                kwargs["mu"] = calculate_shift(seq, c.get("base_image_seq_len", 256),
+                                               c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
+                                               c.get("max_shift", 1.16))
+            sched.set_timesteps(n, device=p.device, **kwargs)
+        else:
+            if c.get("use_dynamic_shifting", False):
+                from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+                seq = (self.sampling.height // p.vae_scale_factor // 2) * (
+                    self.sampling.width // p.vae_scale_factor // 2)
+                kwargs["mu"] = calculate_shift(seq, c.get("base_image_seq_len", 256),
+                                               c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
+                                               c.get("max_shift", 1.15))
+            sched.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), device=p.device, **kwargs)
         return sched.sigmas.float().clone(), sched.timesteps.float().clone()
 
     # ---- sampling and scoring -------------------------------------------------------------------------------

@@ -33,7 +33,13 @@ class TextPolicy(TrainableModule):
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
         self.model.requires_grad_(False)
         self.sampling, self.device = sampling, device
-        self.eos_id = self.model.generation_config.eos_token_id
+        # generation_config.eos_token_id is an int or a list (Qwen2.5/Qwen3-Instruct: [<|im_end|>, <|endoftext|>]);
+        # a response stops at the first of any of them.
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tok.eos_token_id
+        self.eos_ids: list[int] = [int(e) for e in ([] if eos is None else [eos] if isinstance(eos, int) else eos)]
+        self.eos_id = self.eos_ids[0] if self.eos_ids else None
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
         self.init_trainable(self.model, lora_rank, lora_alpha, target_modules or ["q_proj", "v_proj"])
 
@@ -61,7 +67,8 @@ class TextPolicy(TrainableModule):
         ids, mask = self._left_pad(prompt_rows)
         gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
         n, temp = len(prompt_rows), max(float(self.sampling.temperature), 1e-5)
-        done = torch.zeros(n, dtype=torch.bool)
+        done = torch.zeros(n, dtype=torch.bool, device=self.device)
+        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
         tokens, logps = [], []
         past, cur = None, ids
         for _ in range(int(self.sampling.response_length)):
@@ -73,7 +80,7 @@ class TextPolicy(TrainableModule):
             nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
             tokens.append(nxt)
             logps.append(logp.gather(-1, nxt[:, None])[:, 0])
-            done |= nxt == self.eos_id
+            done |= torch.isin(nxt, eos)
             cur = nxt[:, None]
             mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype)], dim=1)
             if done.all():
@@ -82,7 +89,7 @@ class TextPolicy(TrainableModule):
         records = []
         for i in range(n):
             row = tokens[i].tolist()
-            length = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
+            length = next((k + 1 for k, t in enumerate(row) if t in self.eos_ids), len(row))  # cut after 1st EOS
             records.append({"prompt_ids": prompt_rows[i], "response_ids": row[:length],
                             "response": self.tok.decode(row[:length], skip_special_tokens=True),
                             "log_probs": logps[i, :length].clone()})

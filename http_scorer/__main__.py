@@ -29,6 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
     s.add_argument("--max-images", type=int, default=ServerConfig.max_images)
     s.add_argument("--max-pixels", type=int, default=ServerConfig.max_pixels)
+    s.add_argument("--max-inflight-pixels", type=int, default=None,
+                   help="server-wide budget of decoded pixels in flight, shared by the --workers processes "
+                        "(default: min(MemAvailable/8, 2 GiB) / 12 bytes per pixel; see http_scorer/budget.py)")
+    s.add_argument("--inflight-wait-s", type=float, default=ServerConfig.inflight_wait_s,
+                   help="how long a request waits for budget before it is answered 503")
+    s.add_argument("--retry-after-s", type=int, default=ServerConfig.retry_after_s,
+                   help="the Retry-After header of a 503")
     args = p.parse_args(argv)
 
     import uvicorn
@@ -38,7 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     config = ServerConfig(scorer=args.scorer, token=args.token, max_batch=args.max_batch,
                           max_wait_ms=args.max_wait_ms, allow_flow_grpo_pickle=args.allow_flow_grpo_pickle,
                           request_timeout_s=args.request_timeout_s, max_body_bytes=args.max_body_bytes,
-                          max_images=args.max_images, max_pixels=args.max_pixels)
+                          max_images=args.max_images, max_pixels=args.max_pixels,
+                          max_inflight_pixels=args.max_inflight_pixels, inflight_wait_s=args.inflight_wait_s,
+                          retry_after_s=args.retry_after_s, workers=args.workers)
+    if config.max_inflight_pixels is None:  # measured once, here, so every worker process gets the same share
+        from http_scorer.budget import default_inflight_pixels
+
+        config.max_inflight_pixels = default_inflight_pixels()
     try:
         load_scorer(config.scorer)  # fail here, with the message, not inside a worker process
     except (ValueError, ImportError) as e:

@@ -55,37 +55,43 @@ class Batcher:
         finally:
             for it in items:  # a request that timed out gives its items up (they are skipped if not started)
                 it.future.cancel()
+            if any(it.future.cancelled() for it in items):  # and lets go of their images now, not at the next batch
+                mine = {id(it) for it in items}
+                self.pending = [it for it in self.pending if id(it) not in mine]
 
     def queue_depth(self) -> int:
         return len(self.pending)
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             while not self.pending:
                 self._arrived.clear()
                 await self._arrived.wait()
             if len(self.pending) < self.max_batch:
                 await asyncio.sleep(self.max_wait_s)  # let concurrent requests join the batch
-            self.pending = [it for it in self.pending if not it.future.done()]
-            if not self.pending:
-                continue
-            meta = self.pending[0].metadata
-            batch = [it for it in self.pending if it.metadata == meta][: self.max_batch]
-            taken = {id(it) for it in batch}
-            self.pending = [it for it in self.pending if id(it) not in taken]
-            t0 = loop.time()
-            try:
-                raw = await loop.run_in_executor(
-                    self._device, self.scorer, [it.image for it in batch], [it.prompt for it in batch],
-                    [it.ground_truth for it in batch], meta)
-                results = normalize(raw, len(batch), self.spec)
-            except Exception as e:  # a scorer failure fails this batch's requests, not the server
-                for it in batch:
-                    if not it.future.done():
-                        it.future.set_exception(e)
-                continue
-            self.on_batch(len(batch), loop.time() - t0)
-            for it, res in zip(batch, results, strict=True):
+            await self._one_batch()  # its locals (the batch's images) are gone when it returns
+
+    async def _one_batch(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.pending = [it for it in self.pending if not it.future.done()]
+        if not self.pending:
+            return
+        meta = self.pending[0].metadata
+        batch = [it for it in self.pending if it.metadata == meta][: self.max_batch]
+        taken = {id(it) for it in batch}
+        self.pending = [it for it in self.pending if id(it) not in taken]
+        t0 = loop.time()
+        try:
+            raw = await loop.run_in_executor(
+                self._device, self.scorer, [it.image for it in batch], [it.prompt for it in batch],
+                [it.ground_truth for it in batch], meta)
+            results = normalize(raw, len(batch), self.spec)
+        except Exception as e:  # a scorer failure fails this batch's requests, not the server
+            for it in batch:
                 if not it.future.done():
-                    it.future.set_result(res)
+                    it.future.set_exception(e)
+            return
+        self.on_batch(len(batch), loop.time() - t0)
+        for it, res in zip(batch, results, strict=True):
+            if not it.future.done():
+                it.future.set_result(res)

@@ -63,8 +63,27 @@ class Limits:
     max_pixels: int = 4096 * 4096  # per image, checked from the header before decoding
 
 
-def decode_image(raw: bytes, fmt: str, field: str, limits: Limits) -> np.ndarray:
-    """Encoded bytes -> uint8 [H, W, 3]; the pixel count is checked from the header, before any decoding."""
+@dataclass
+class Planned:
+    """A request's images, headers read and checked, nothing decoded: ``items[i]`` is one lazy PIL image or a
+    list of frames; ``kept_pixels`` / ``peak_pixels`` are what the in-flight budget reserves (see budget.py)."""
+
+    items: list[Any]
+    fields: list[Any]
+    kept_pixels: int
+    peak_pixels: int
+
+
+def kept_size(w: int, h: int, max_side: int | None) -> tuple[int, int]:
+    """The size an image is brought to before the scorer sees it: its long side at most ``max_side``."""
+    if not max_side or max(w, h) <= max_side:
+        return w, h
+    s = max_side / max(w, h)
+    return max(1, min(max_side, round(w * s))), max(1, min(max_side, round(h * s)))
+
+
+def open_image(raw: bytes, fmt: str, field: str, limits: Limits) -> Image.Image:
+    """Read the header only (PIL opens lazily): format and pixel count are checked before any decoding."""
     try:
         img = Image.open(io.BytesIO(raw))
     except Exception:
@@ -75,42 +94,107 @@ def decode_image(raw: bytes, fmt: str, field: str, limits: Limits) -> np.ndarray
     if w * h > limits.max_pixels or w <= 0 or h <= 0:
         raise BadRequest(field, f"{field}: {w}x{h} exceeds the server's limit of {limits.max_pixels} pixels per "
                                 "image; send a smaller image", status=413)
+    return img
+
+
+def decode_opened(img: Image.Image, field: str, max_side: int | None = None) -> np.ndarray:
+    """A header-checked lazy image -> uint8 [H, W, 3], brought to ``kept_size`` (JPEG: the decoder itself scales
+    down by 1/2..1/8 first). Only the returned array outlives the call."""
+    w, h = img.size
+    target = kept_size(w, h, max_side)
+    src = img
     try:
-        return np.asarray(img.convert("RGB"))
+        if target != (w, h) and img.format in ("JPEG", "MPO"):
+            img.draft("RGB", target)
+        img.load()
+        if img.mode != "RGB":
+            rgb = img.convert("RGB")
+            img.close()
+            img = rgb
+        if img.size != target:
+            small = img.resize(target, Image.Resampling.BOX, reducing_gap=2.0)
+            img.close()
+            img = small
+        return np.asarray(img)  # a copy of the pixels: the PIL buffers are closed below
     except Exception:
-        raise BadRequest(field, f"{field}: the {fmt} data is truncated or corrupt") from None
+        raise BadRequest(field, f"{field}: the image data is truncated or corrupt") from None
+    finally:
+        img.close()
+        src.close()
 
 
-def decode_b64(item: ImageItem, field: str, limits: Limits) -> np.ndarray:
+def decode_image(raw: bytes, fmt: str, field: str, limits: Limits, max_side: int | None = None) -> np.ndarray:
+    """Encoded bytes -> uint8 [H, W, 3]; the pixel count is checked from the header, before any decoding."""
+    return decode_opened(open_image(raw, fmt, field, limits), field, max_side)
+
+
+def b64_bytes(item: ImageItem, field: str) -> bytes:
     try:
-        raw = base64.b64decode(item.data, validate=True)
+        return base64.b64decode(item.data, validate=True)
     except (binascii.Error, ValueError):
         raise BadRequest(f"{field}.data", f"{field}.data: not valid base64") from None
-    return decode_image(raw, item.format, f"{field}.data", limits)
 
 
-def decode_request(req: ScoreRequest, limits: Limits) -> list[np.ndarray]:
-    """Validate counts and decode every item (a video becomes [T, H, W, 3])."""
-    n = len(req.images)
-    frames = sum(len(x) if isinstance(x, list) else 1 for x in req.images)
-    if n == 0:
+def check_counts(n_items: int, n_frames: int, limits: Limits) -> None:
+    if n_items == 0:
         raise BadRequest("images", "images: empty; send at least one image")
-    if frames > limits.max_images:
-        raise BadRequest("images", f"images: {frames} images (frames included) exceed the limit of "
+    if n_frames > limits.max_images:
+        raise BadRequest("images", f"images: {n_frames} images (frames included) exceed the limit of "
                                    f"{limits.max_images} per request; split the request", status=413)
+
+
+def plan_images(items: list[Any], limits: Limits, max_side: int | None = None) -> Planned:
+    """``items[i]`` = ``(raw, fmt, field)`` or a list of them (a video). Headers only; nothing is decoded."""
+    opened, fields, kept, largest = [], [], 0, 0
+    for i, item in enumerate(items):
+        frames = item if isinstance(item, list) else [item]
+        if not frames:
+            raise BadRequest(f"images[{i}]", f"images[{i}]: a video with no frames")
+        imgs = [open_image(raw, fmt, field, limits) for raw, fmt, field in frames]
+        if len({im.size for im in imgs}) != 1:
+            raise BadRequest(f"images[{i}]", f"images[{i}]: frames of different sizes")
+        w, h = imgs[0].size
+        kw, kh = kept_size(w, h, max_side)
+        kept += kw * kh * len(imgs)
+        largest = max(largest, w * h)
+        opened.append(imgs if isinstance(item, list) else imgs[0])
+        fields.append([f for _, _, f in frames] if isinstance(item, list) else frames[0][2])
+    return Planned(opened, fields, kept, kept + largest)
+
+
+def plan_request(req: ScoreRequest, limits: Limits, max_side: int | None = None) -> Planned:
+    """Validate counts, base64-decode and read every header (a video's frames must share one size)."""
+    n = len(req.images)
+    check_counts(n, sum(len(x) if isinstance(x, list) else 1 for x in req.images), limits)
     if len(req.prompts) != n:
         raise BadRequest("prompts", f"prompts: {len(req.prompts)} prompts for {n} images; send one per image")
     if req.ground_truths is not None and len(req.ground_truths) != n:
         raise BadRequest("ground_truths", f"ground_truths: {len(req.ground_truths)} for {n} images; one per image")
-    out = []
+    items: list[Any] = []
     for i, item in enumerate(req.images):
         if isinstance(item, list):
-            if not item:
-                raise BadRequest(f"images[{i}]", f"images[{i}]: a video with no frames")
-            video = [decode_b64(f, f"images[{i}][{k}]", limits) for k, f in enumerate(item)]
-            if len({v.shape for v in video}) != 1:
-                raise BadRequest(f"images[{i}]", f"images[{i}]: frames of different sizes")
-            out.append(np.stack(video))
+            items.append([(b64_bytes(f, f"images[{i}][{k}]"), f.format, f"images[{i}][{k}].data")
+                          for k, f in enumerate(item)])
         else:
-            out.append(decode_b64(item, f"images[{i}]", limits))
+            items.append((b64_bytes(item, f"images[{i}]"), item.format, f"images[{i}].data"))
+    return plan_images(items, limits, max_side)
+
+
+def decode_planned(plan: Planned, max_side: int | None = None) -> list[np.ndarray]:
+    """Decode a plan's images one after another (a video becomes [T, H, W, 3]); the plan lets go of each lazy
+    image as it is decoded."""
+    out = []
+    for i, item in enumerate(plan.items):
+        if isinstance(item, list):
+            frames = [decode_opened(im, f, max_side) for im, f in zip(item, plan.fields[i], strict=True)]
+            out.append(np.stack(frames))
+            del frames
+        else:
+            out.append(decode_opened(item, plan.fields[i], max_side))
+        plan.items[i] = None
     return out
+
+
+def decode_request(req: ScoreRequest, limits: Limits, max_side: int | None = None) -> list[np.ndarray]:
+    """Validate counts and decode every item (a video becomes [T, H, W, 3])."""
+    return decode_planned(plan_request(req, limits, max_side), max_side)

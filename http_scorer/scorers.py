@@ -6,6 +6,14 @@ A scorer takes a batch and returns one result per item::
         -> list[float | dict]       # a dict needs "score"; its other keys are that item's details
 
 It runs in a worker thread (never on the event loop), one batch at a time per process.
+
+Optional attributes on the function tell the server what the scorer needs:
+
+- ``max_side`` (int): images are downscaled (aspect kept, box filter; JPEG scaled in the decoder) so their long
+  side is at most this before the scorer sees them -- memory and time go to the pixels the model uses. ``ocr``:
+  1024 px (flow_grpo's OCR images are 512-1024 px; PP-OCR's detector works at 736 px or less).
+- ``needs_target`` (bool): every item must carry the target text; a request without it is answered 422 naming
+  the field, instead of being scored 0.
 """
 
 from __future__ import annotations
@@ -24,16 +32,14 @@ def ocr_scorer(images, prompts, ground_truths, metadata):
     """PP-OCR (rapidocr, offline) text vs ground truth, flow_grpo's edit-distance rule; video = mean of frames."""
     from omni_async.reward.scorers import ocr
 
-    out = []
-    for img, gt in zip(images, ground_truths, strict=True):
-        if gt is None:
-            frames = img if img.ndim == 4 else img[None]
-            out.append({"score": 0.0, "ocr_text": " | ".join(ocr.read_text(f) for f in frames),
-                        "note": "no ground truth"})
-        else:
-            out.append(ocr.compute_score("http", img, gt,
-                                         substring_shortcut=bool(metadata.get("substring_shortcut", True))))
-    return out
+    if any(not gt for gt in ground_truths):  # the server answers 422 before this; direct callers get told too
+        raise ValueError("ocr scorer: every item needs its target text (ground truth)")
+    return [ocr.compute_score("http", img, gt, substring_shortcut=bool(metadata.get("substring_shortcut", True)))
+            for img, gt in zip(images, ground_truths, strict=True)]
+
+
+ocr_scorer.max_side = 1024
+ocr_scorer.needs_target = True
 
 
 def jpeg_scorer(images, prompts, ground_truths, metadata):
@@ -62,6 +68,15 @@ def load_scorer(spec: str) -> Scorer:
     if not callable(fn):
         raise ValueError(f"--scorer {spec!r}: {module} has no callable {name}")
     return fn
+
+
+def max_side(scorer: Scorer) -> int | None:
+    side = getattr(scorer, "max_side", None)
+    return int(side) if side else None
+
+
+def needs_target(scorer: Scorer) -> bool:
+    return bool(getattr(scorer, "needs_target", False))
 
 
 def normalize(results: list[Any], n: int, spec: str) -> list[tuple[float, dict[str, Any]]]:

@@ -2,13 +2,19 @@
 choice among several servers.
 
 Retried: connect errors, timeouts, a dropped connection, and HTTP 408 / 429 / 5xx, with exponential backoff and
-full jitter. Not retried: any other 4xx (the request itself is wrong; sending it again cannot help).
+full jitter; a 503 / 429 with ``Retry-After`` (seconds or an HTTP date) waits that long instead (at most
+``RetryPolicy.max_retry_after_s``) plus a little jitter. Not retried: any other 4xx (the request itself is wrong;
+sending it again cannot help). Every retry is counted (``ClientStats`` for the process, an optional
+``RetryTally`` per call: the reward functions return it per sample as ``http_retries`` / ``http_timeouts``), and
+every error names the URL it was sent to.
 """
 
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import random
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,16 +33,43 @@ class RetryPolicy:
     max_retries: int = 3
     backoff_s: float = 0.2
     max_backoff_s: float = 5.0
+    max_retry_after_s: float = 30.0  # a server's Retry-After is honoured up to this
 
-    def delay(self, attempt: int, rng: random.Random) -> float:
-        """Full jitter: uniform in [0, min(max, base * 2^attempt)] (spreads retries of many samples apart)."""
+    def delay(self, attempt: int, rng: random.Random, retry_after_s: float | None = None) -> float:
+        """Full jitter: uniform in [0, min(max, base * 2^attempt)] (spreads retries of many samples apart); with a
+        ``Retry-After``, that wait (capped) plus up to ``backoff_s`` of jitter."""
+        if retry_after_s is not None:
+            return min(self.max_retry_after_s, retry_after_s) + rng.uniform(0.0, self.backoff_s)
         return rng.uniform(0.0, min(self.max_backoff_s, self.backoff_s * (2**attempt)))
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """``Retry-After`` as seconds: delta-seconds or an HTTP date; None when absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time()) if when is not None else None
+
+
+@dataclass
+class RetryTally:
+    """One call's HTTP-level retries (``retries``: attempts after the first) and attempts that timed out."""
+
+    retries: int = 0
+    timeouts: int = 0
 
 
 @dataclass
 class ClientStats:
     calls: int = 0
     retries: int = 0
+    timeouts: int = 0
     errors: int = 0
     inflight: dict[str, int] = field(default_factory=dict)
 
@@ -59,28 +92,49 @@ def least_loaded(urls: list[str], stats: ClientStats) -> str:
 
 
 async def post_with_retries(client: httpx.AsyncClient, urls: list[str], path: str, stats: ClientStats,
-                            policy: RetryPolicy, rng: random.Random, **request: Any) -> httpx.Response:
-    """POST to the least-loaded server; retry what a retry can fix; return a 2xx response or raise."""
-    last = ""
+                            policy: RetryPolicy, rng: random.Random, tally: RetryTally | None = None,
+                            **request: Any) -> httpx.Response:
+    """POST to the least-loaded server; retry what a retry can fix; return a 2xx response or raise
+    :class:`RewardHTTPError` naming the URL. Retries and timeouts are added to ``stats`` and ``tally``."""
+    tally = tally if tally is not None else RetryTally()
+    last, tried = "", []
     for attempt in range(policy.max_retries + 1):
-        url = least_loaded(urls, stats) + path
+        base = least_loaded(urls, stats)
+        url = base + path
+        if url not in tried:
+            tried.append(url)
         stats.calls += 1
-        stats.inflight[url.removesuffix(path)] = stats.inflight.get(url.removesuffix(path), 0) + 1
+        stats.inflight[base] = stats.inflight.get(base, 0) + 1
+        retry_after = None
         try:
             response = await client.post(url, **request)
-        except (httpx.TransportError, httpx.TimeoutException) as e:
-            last = f"{type(e).__name__}: {e}"
+        except httpx.TimeoutException as e:
+            stats.timeouts += 1
+            tally.timeouts += 1
+            last = f"{type(e).__name__} after {_timeout_s(client)} from {url}"
+        except httpx.TransportError as e:
+            last = f"{type(e).__name__}: {e or 'connection failed'} ({url})"
         else:
             if response.status_code < 400:
                 return response
-            last = f"HTTP {response.status_code}: {response.text[:200]}"
+            last = f"HTTP {response.status_code} from {url}: {response.text[:200]}"
             if response.status_code < 500 and response.status_code not in RETRY_STATUS:
                 stats.errors += 1
-                raise RewardHTTPError(f"{url} answered {last} (not retried: the request itself was refused)")
+                raise RewardHTTPError(f"POST {url} answered HTTP {response.status_code}: {response.text[:200]} "
+                                      "(not retried: the request itself was refused)")
+            if response.status_code in (429, 503):
+                retry_after = retry_after_seconds(response.headers.get("retry-after"))
         finally:
-            stats.inflight[url.removesuffix(path)] -= 1
+            stats.inflight[base] -= 1
         if attempt < policy.max_retries:
             stats.retries += 1
-            await asyncio.sleep(policy.delay(attempt, rng))
+            tally.retries += 1
+            await asyncio.sleep(policy.delay(attempt, rng, retry_after))
     stats.errors += 1
-    raise RewardHTTPError(f"{path} failed after {policy.max_retries + 1} attempts; last: {last}")
+    raise RewardHTTPError(f"POST {' / '.join(tried)} failed after {policy.max_retries + 1} attempts; last: {last}. "
+                          "Check that the server is running and reachable at that address.")
+
+
+def _timeout_s(client: httpx.AsyncClient) -> str:
+    t = client.timeout
+    return f"{t.read:g}s" if t.read is not None else "the client's timeout"

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -24,8 +26,11 @@ class Server:
     def __init__(self, *args: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # This directory is importable in the server, so `--scorer scorer_server_helpers:hold_scorer` works.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                          os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen([sys.executable, "-m", "http_scorer", "serve", "--port", str(self.port), *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         deadline = time.time() + 60
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -40,6 +45,28 @@ class Server:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=10)
+
+    def memory_mb(self, key: str = "VmRSS") -> float:
+        """The server process's resident memory now (``VmRSS``) or at its peak so far (``VmHWM``), in MB."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024
+        raise KeyError(key)
+
+
+def hold_scorer(images, prompts, ground_truths, metadata):
+    """A scorer that holds its batch like a model call would (``metadata.hold_s``, default 0.3 s) and returns
+    each image's height, so a test can see what size the scorer was given."""
+    time.sleep(float(metadata.get("hold_s", 0.3)))
+    return [{"score": float(img.shape[-3]), "shape": list(img.shape)} for img in images]
+
+
+def small_side_scorer(images, prompts, ground_truths, metadata):
+    return hold_scorer(images, prompts, ground_truths, {"hold_s": 0})
+
+
+small_side_scorer.max_side = 256
 
 
 def encode(img: np.ndarray | Image.Image, fmt: str = "png") -> bytes:

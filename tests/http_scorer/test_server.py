@@ -168,3 +168,31 @@ def test_request_timeout_and_worker_processes(server_factory):
     time.sleep(2.0)  # the abandoned 2 s batch still holds that worker's scorer thread until it ends
     body["metadata"]["sleep_s"] = 0.01
     assert [httpx.post(f"{slow.url}/v1/score", json=body).status_code for _ in range(4)] == [200] * 4
+
+
+def test_ocr_without_target_text_is_422_and_bare_ground_truth_is_the_target(ocr_server):
+    url = f"{ocr_server.url}/v1/score"
+    hello = b64(text_image("HELLO 42"))
+    r = httpx.post(url, json={"images": [hello], "prompts": ["a sign"]}, timeout=60)
+    assert r.status_code == 422 and r.json()["field"] == "ground_truths"
+    assert "target text" in r.json()["error"] and "ground_truths" in r.json()["error"]
+    r = httpx.post(url, json={"images": [hello, hello], "prompts": ["a sign"] * 2,
+                              "ground_truths": ["HELLO 42", " "]}, timeout=60)
+    assert r.status_code == 422 and r.json()["field"] == "ground_truths[1]"
+    # no ground truth, but the prompt quotes the target (flow_grpo's prompts): scored against it
+    r = httpx.post(url, json={"images": [hello], "prompts": ['a sign that says "HELLO 42"']}, timeout=60)
+    assert r.status_code == 200 and r.json()["scores"][0] > 0.8
+
+    # verl-omni's client sends the sample's bare ground_truth as the prompt: it is the target text
+    req = {"images": [encode(text_image("HELLO 42"), "jpeg"), encode(BLANK, "jpeg")],
+           "prompts": ["HELLO 42", "HELLO 42"], "metadata": {}}
+    r = httpx.post(ocr_server.url + "/", content=pickle.dumps(req), timeout=60)
+    assert r.status_code == 200, pickle.loads(r.content)
+    scores = pickle.loads(r.content)["scores"]
+    assert scores[0] > 0.8 and scores[1] == 0.0
+    # an explicit per-image target in metadata wins over the prompt
+    req = {**req, "metadata": {"ground_truths": ["HELLO 42", "HELLO 42"]}, "prompts": ["x", 'says "nothing"']}
+    assert pickle.loads(httpx.post(ocr_server.url + "/", content=pickle.dumps(req), timeout=60).content)[
+        "scores"][0] > 0.8
+    r = httpx.post(ocr_server.url + "/", content=pickle.dumps({**req, "prompts": ["", "x"], "metadata": {}}))
+    assert r.status_code == 422 and "prompts[0]" in pickle.loads(r.content)["error"]

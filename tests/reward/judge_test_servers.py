@@ -19,8 +19,9 @@ from PIL import Image
 
 class Control:
     def __init__(self):
-        self.mode = "ok"  # ok | fail_then_ok | bad_request | slow | error_body | gadget
+        self.mode = "ok"  # ok | fail_then_ok | busy_then_ok | slow_then_ok | bad_request | slow | error_body | gadget
         self.failures_left = 0
+        self.retry_after = "1"  # busy_then_ok: the 503's Retry-After header
         self.calls = 0
         self.gadget_target = ""
 
@@ -41,6 +42,12 @@ def make_app(control: Control, judge=None) -> FastAPI:
         if control.mode == "fail_then_ok" and control.failures_left > 0:
             control.failures_left -= 1
             return JSONResponse({"error": "overloaded"}, status_code=503)
+        if control.mode == "busy_then_ok" and control.failures_left > 0:
+            control.failures_left -= 1
+            return JSONResponse({"error": "busy"}, status_code=503, headers={"Retry-After": control.retry_after})
+        if control.mode == "slow_then_ok" and control.failures_left > 0:
+            control.failures_left -= 1
+            await asyncio.sleep(5)
         if control.mode == "bad_request":
             return JSONResponse({"error": "bad image"}, status_code=400)
         if control.mode == "slow":

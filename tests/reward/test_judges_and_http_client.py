@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import math
 import re
+import socket
 import sys
+import time
 
 import httpx
 import numpy as np
@@ -17,7 +20,7 @@ from omegaconf import OmegaConf
 from PIL import Image, ImageDraw, ImageFont
 
 from omni_async.cluster import init_ray, shutdown_ray
-from omni_async.reward.http_client import RewardHTTPError
+from omni_async.reward.http_client import RewardHTTPError, retry_after_seconds
 from omni_async.reward.scorers import jpeg, vlm_judge
 from omni_async.reward.scorers.http import HttpScorer
 from omni_async.reward.scorers.ocr import ocr_similarity
@@ -119,7 +122,9 @@ def test_http_client_retry_policy_and_malicious_pickle(fake_servers, tmp_path):
 
     control.mode, control.failures_left, control.calls = "fail_then_ok", 2, 0
     client = HttpScorer([server.url], backoff_s=0.01, max_wait_ms=1)
-    assert call(client)["score"] == 0.5 and client.stats.retries == 2 and control.calls == 3
+    out = call(client)
+    assert out["score"] == 0.5 and client.stats.retries == 2 and control.calls == 3
+    assert out["http_retries"] == 2 and out["http_timeouts"] == 0  # per sample, for reward/http_retries
 
     control.mode, control.calls = "bad_request", 0
     with pytest.raises(RewardHTTPError, match="400"):
@@ -137,6 +142,44 @@ def test_http_client_retry_policy_and_malicious_pickle(fake_servers, tmp_path):
         call(HttpScorer(server.url, protocol="flow_grpo", max_wait_ms=1))
     assert not marker.exists()
     control.mode = "ok"
+
+
+def test_http_client_honours_retry_after_and_counts_retries_and_timeouts(fake_servers):
+    control, server = fake_servers
+    img = np.zeros((16, 16, 3), np.uint8)
+
+    def call(**kw):
+        t0 = time.monotonic()
+        out = asyncio.run(HttpScorer(server.url, backoff_s=0.01, max_wait_ms=1, **kw).compute_score("x", img, "gt"))
+        return out, time.monotonic() - t0
+
+    control.mode, control.failures_left, control.retry_after, control.calls = "busy_then_ok", 2, "1", 0
+    out, wall = call()
+    assert out["score"] == 0.5 and out["http_retries"] == 2 and out["http_timeouts"] == 0 and control.calls == 3
+    assert wall >= 2.0  # waited the server's Retry-After twice (the client's own backoff is 10 ms)
+
+    control.mode, control.failures_left, control.retry_after, control.calls = "busy_then_ok", 1, "3600", 0
+    out, wall = call(max_retry_after_s=0.2)
+    assert out["http_retries"] == 1 and wall < 60  # a huge Retry-After is capped by max_retry_after_s
+
+    control.mode, control.failures_left, control.calls = "slow_then_ok", 1, 0
+    out, _ = call(timeout_s=0.5)
+    assert out["score"] == 0.5 and out["http_timeouts"] == 1 and out["http_retries"] == 1 and control.calls == 2
+    control.mode = "ok"
+
+    assert retry_after_seconds("7") == 7.0 and retry_after_seconds(None) is None
+    assert retry_after_seconds("soon") is None
+    assert 5 <= retry_after_seconds(email.utils.formatdate(time.time() + 10, usegmt=True)) <= 11
+
+
+def test_unreachable_scorer_error_names_the_url():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens here once the socket is closed
+    client = HttpScorer(url, max_retries=1, backoff_s=0.01, max_wait_ms=1)
+    with pytest.raises(RewardHTTPError, match=re.escape(f"{url}/v1/score")) as err:
+        asyncio.run(client.compute_score("x", np.zeros((8, 8, 3), np.uint8), "gt"))
+    assert "ConnectError" in str(err.value) and "failed after 2 attempts" in str(err.value)
 
 
 def test_full_gpu_recipe_config_composes_and_vllm_judges_get_tp_bundles():

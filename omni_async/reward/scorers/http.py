@@ -7,8 +7,13 @@ flow_grpo / verl-omni scorer) for the score.
 
 Samples that arrive together (within ``max_wait_ms``, up to ``max_batch``) go out as one HTTP call; one pooled
 ``httpx.AsyncClient`` per worker and event loop; retries with backoff and jitter on connect errors, timeouts,
-408 / 429 / 5xx, never on another 4xx or on an error inside a 200 body. Several ``server_url`` s are used
-least-loaded first. Keys this client does not know are forwarded to the server as ``metadata``.
+408 / 429 / 5xx (a 503's ``Retry-After`` is honoured, at most ``max_retry_after_s``), never on another 4xx or on
+an error inside a 200 body. Several ``server_url`` s are used least-loaded first. Keys this client does not know
+are forwarded to the server as ``metadata``.
+
+Each result carries ``http_retries`` (HTTP-level retries of the call that carried this sample; a micro-batch's
+retries count for each of its samples) and ``http_timeouts`` (its attempts that timed out), for the trainer's
+per-step ``reward/http_retries`` metric. Errors name the URL.
 
 Protocols: ``v1`` (JSON, images base64 PNG by default, JPEG with ``image_format=jpeg``) and ``flow_grpo``
 (pickled request; the pickled response is read with a restricted unpickler that admits only plain containers,
@@ -29,8 +34,15 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from http_scorer.safe_pickle import UnsafePickleError, safe_loads
-from omni_async.reward.http_client import ClientStats, RetryPolicy, RewardHTTPError, pooled_client, post_with_retries
+from omni_async.reward.http_client import (
+    ClientStats,
+    RetryPolicy,
+    RetryTally,
+    RewardHTTPError,
+    pooled_client,
+    post_with_retries,
+)
+from omni_async.reward.safe_pickle import UnsafePickleError, safe_loads
 
 
 def encode_image(image: Any, fmt: str = "png", quality: int = 95) -> bytes:
@@ -49,7 +61,7 @@ class HttpScorer:
     def __init__(self, server_url: str | list[str], protocol: str = "v1", max_batch: int = 16,
                  max_wait_ms: float = 10.0, timeout_s: float = 60.0, max_retries: int = 3, backoff_s: float = 0.2,
                  image_format: str = "png", jpeg_quality: int = 95, token: str | None = None, seed: int = 0,
-                 **metadata: Any):
+                 max_retry_after_s: float = 30.0, **metadata: Any):
         if protocol not in ("v1", "flow_grpo"):
             raise ValueError(f"http scorer protocol={protocol!r}: use v1 or flow_grpo")
         if image_format not in ("png", "jpeg"):
@@ -57,7 +69,8 @@ class HttpScorer:
         self.urls = [u.rstrip("/") for u in ([server_url] if isinstance(server_url, str) else list(server_url))]
         self.protocol, self.max_batch, self.max_wait_s = protocol, int(max_batch), float(max_wait_ms) / 1000
         self.timeout_s, self.image_format, self.jpeg_quality = float(timeout_s), image_format, int(jpeg_quality)
-        self.policy = RetryPolicy(max_retries=int(max_retries), backoff_s=float(backoff_s))
+        self.policy = RetryPolicy(max_retries=int(max_retries), backoff_s=float(backoff_s),
+                                  max_retry_after_s=float(max_retry_after_s))
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.metadata = metadata
         self.stats = ClientStats()
@@ -74,8 +87,8 @@ class HttpScorer:
             self._flush(loop)
         elif len(pending) == 1:
             loop.call_later(self.max_wait_s, self._flush, loop)
-        score, detail = await item.future
-        return {"score": score, **detail}
+        score, detail, tally = await item.future
+        return {"score": score, **detail, "http_retries": tally.retries, "http_timeouts": tally.timeouts}
 
     def _flush(self, loop) -> None:
         batch = self._pending.get(loop) or []
@@ -88,16 +101,18 @@ class HttpScorer:
         loop.create_task(self._send(batch))
 
     async def _send(self, batch: list[_Pending]) -> None:
+        tally = RetryTally()
         try:
-            results = await (self._send_v1(batch) if self.protocol == "v1" else self._send_flow_grpo(batch))
+            send = self._send_v1 if self.protocol == "v1" else self._send_flow_grpo
+            results = await send(batch, tally)
         except Exception as e:
             for it in batch:
                 if not it.future.done():
                     it.future.set_exception(e)
             return
-        for it, res in zip(batch, results, strict=True):
+        for it, (score, detail) in zip(batch, results, strict=True):
             if not it.future.done():
-                it.future.set_result(res)
+                it.future.set_result((score, detail, tally))
 
     def _image_json(self, image: Any) -> dict | list:
         arr = np.asarray(image)
@@ -106,7 +121,7 @@ class HttpScorer:
         data = encode_image(arr, self.image_format, self.jpeg_quality)
         return {"data": base64.b64encode(data).decode(), "format": self.image_format}
 
-    async def _send_v1(self, batch: list[_Pending]) -> list[tuple[float, dict]]:
+    async def _send_v1(self, batch: list[_Pending], tally: RetryTally) -> list[tuple[float, dict]]:
         gts = [None if it.ground_truth is None else str(it.ground_truth) for it in batch]
         body = {"images": [self._image_json(it.image) for it in batch], "prompts": [it.prompt for it in batch],
                 "metadata": self.metadata}
@@ -114,34 +129,38 @@ class HttpScorer:
             body["ground_truths"] = [g or "" for g in gts]
         client = pooled_client("http-scorer", self.timeout_s)
         response = await post_with_retries(client, self.urls, "/v1/score", self.stats, self.policy, self.rng,
-                                           json=body, headers=self.headers)
+                                           tally, json=body, headers=self.headers)
         try:
             out = response.json()
         except json.JSONDecodeError:
-            raise RewardHTTPError(f"scorer answered 200 with a non-JSON body: {response.text[:120]!r}") from None
-        return self._results(out, len(batch))
+            raise RewardHTTPError(f"scorer at {response.url} answered 200 with a non-JSON body: "
+                                  f"{response.text[:120]!r}") from None
+        return self._results(out, len(batch), str(response.url))
 
-    async def _send_flow_grpo(self, batch: list[_Pending]) -> list[tuple[float, dict]]:
+    async def _send_flow_grpo(self, batch: list[_Pending], tally: RetryTally) -> list[tuple[float, dict]]:
         if any(np.asarray(it.image).ndim == 4 for it in batch):
             raise RewardHTTPError("the flow_grpo protocol carries images only; use protocol=v1 for videos")
+        metadata = dict(self.metadata)
+        if any(it.ground_truth is not None for it in batch):  # this project's server reads them; others ignore them
+            metadata["ground_truths"] = ["" if it.ground_truth is None else str(it.ground_truth) for it in batch]
         body = pickle.dumps({"images": [encode_image(it.image, "jpeg", self.jpeg_quality) for it in batch],
-                             "prompts": [it.prompt for it in batch], "metadata": self.metadata})
+                             "prompts": [it.prompt for it in batch], "metadata": metadata})
         client = pooled_client("http-scorer", self.timeout_s)
         response = await post_with_retries(client, self.urls, "/", self.stats, self.policy, self.rng,
-                                           content=body, headers=self.headers)
+                                           tally, content=body, headers=self.headers)
         try:
             out = safe_loads(response.content)
         except UnsafePickleError as e:
-            raise RewardHTTPError(f"scorer response refused: {e}") from None
-        return self._results(out, len(batch))
+            raise RewardHTTPError(f"scorer response from {response.url} refused: {e}") from None
+        return self._results(out, len(batch), str(response.url))
 
     @staticmethod
-    def _results(out: Any, n: int) -> list[tuple[float, dict]]:
+    def _results(out: Any, n: int, url: str) -> list[tuple[float, dict]]:
         if not isinstance(out, dict) or "error" in out or not isinstance(out.get("scores"), list):
-            raise RewardHTTPError(f"scorer answered 200 with an error or no scores: {str(out)[:160]}")
+            raise RewardHTTPError(f"scorer at {url} answered 200 with an error or no scores: {str(out)[:160]}")
         scores = out["scores"]
         if len(scores) != n:
-            raise RewardHTTPError(f"scorer returned {len(scores)} scores for {n} images")
+            raise RewardHTTPError(f"scorer at {url} returned {len(scores)} scores for {n} images")
         details = out.get("details") if isinstance(out.get("details"), list) else [{}] * n
         return [(float(s), dict(d) if isinstance(d, dict) else {}) for s, d in zip(scores, details, strict=True)]
 

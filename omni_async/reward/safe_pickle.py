@@ -1,4 +1,5 @@
-"""A restricted unpickler for the flow_grpo / verl-omni pickle protocol.
+"""A restricted unpickler for the flow_grpo / verl-omni pickle protocol (used by the HTTP scorer client and by the
+standalone scorer server, which imports it from here: `http_scorer` depends on `omni_async`, never the reverse).
 
 It admits only what pickle's own opcodes build: dicts, lists, tuples, sets, str, bytes, bytearray-free numbers,
 booleans and None. Any global lookup (``find_class``), which is how every pickle gadget (``__reduce__`` to

@@ -10,6 +10,11 @@ vLLM cannot be installed next to verl 0.9.1, so the server runs from its own env
 ``reward.reward_model.rollout.server_python`` is that environment's python (the command is
 ``<server_python> -m vllm.entrypoints.openai.api_server --model ... --tensor-parallel-size ...`` plus
 ``server_args``). Nothing here imports vLLM.
+
+The judge servers serve the base model (no LoRA). ``--max-lora-rank`` accepts only :data:`VLLM_MAX_LORA_RANKS`
+(vLLM's ``MaxLoRARanks``, ``vllm/config/lora.py``; any other value stops the server at argument parsing): a value
+given in ``server_args`` here or in the text rollout's is rounded up to the next allowed one
+(:func:`normalize_server_args`), as the rollout's own ``--max-lora-rank`` is (:func:`vllm_max_lora_rank`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,41 @@ from typing import Any
 import httpx
 
 SERVED_MODEL_NAME = "judge"
+# vLLM's MaxLoRARanks (vllm/config/lora.py); older releases accept a subset (<= 0.6: 8..64, later up to 256).
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(rank: int, config_key: str) -> int:
+    """The smallest ``--max-lora-rank`` vLLM accepts that holds an adapter of ``rank`` (48 -> 64)."""
+    rank = int(rank)
+    for allowed in VLLM_MAX_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"{config_key}={rank}: vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANKS[-1]} "
+                     f"(--max-lora-rank is one of {VLLM_MAX_LORA_RANKS}). Fix: use a rank <= {VLLM_MAX_LORA_RANKS[-1]}")
+
+
+def normalize_server_args(args: list[Any], config_key: str, min_lora_rank: int | None = None) -> list[str]:
+    """``args`` as strings with any ``--max-lora-rank N`` / ``--max-lora-rank=N`` rounded up to an allowed value;
+    with ``min_lora_rank``, a value below it (the adapter would be refused at every sync) is an error."""
+    out = [str(a) for a in args]
+    for i, arg in enumerate(out):
+        if arg == "--max-lora-rank" and i + 1 < len(out):
+            at, value = i + 1, out[i + 1]
+        elif arg.startswith("--max-lora-rank="):
+            at, value = i, arg.split("=", 1)[1]
+        else:
+            continue
+        try:
+            rank = vllm_max_lora_rank(int(value), f"{config_key} --max-lora-rank")
+        except ValueError as e:
+            raise ValueError(f"{config_key}: --max-lora-rank {value!r} is not a valid rank ({e})") from None
+        if min_lora_rank is not None and rank < int(min_lora_rank):
+            raise ValueError(f"{config_key}: --max-lora-rank {value} is below the LoRA rank {min_lora_rank}, so vLLM "
+                             "would refuse every adapter. Fix: drop --max-lora-rank from server_args (it is set "
+                             "from actor_rollout_ref.model.lora_rank)")
+        out[at] = str(rank) if at != i else f"--max-lora-rank={rank}"
+    return out
 
 
 def server_command(rollout_cfg: dict[str, Any], model_path: str, port: int) -> list[str]:
@@ -30,7 +70,8 @@ def server_command(rollout_cfg: dict[str, Any], model_path: str, port: int) -> l
             "--model", str(model_path), "--served-model-name", SERVED_MODEL_NAME,
             "--tensor-parallel-size", str(rollout_cfg["tensor_model_parallel_size"]),
             "--gpu-memory-utilization", str(rollout_cfg["gpu_memory_utilization"]),
-            "--host", "0.0.0.0", "--port", str(port), *[str(a) for a in rollout_cfg.get("server_args") or []]]
+            "--host", "0.0.0.0", "--port", str(port),
+            *normalize_server_args(rollout_cfg.get("server_args") or [], "reward.reward_model.rollout.server_args")]
 
 
 def free_port() -> int:

@@ -5,6 +5,13 @@
 For each scorer it starts ``python -m http_scorer serve`` on a free port, warms it up, then keeps
 ``--concurrency`` requests in flight (one 64x64 PNG each, protocol v1) until ``--requests`` are done, and reports
 requests/s, p50/p99 latency and the mean scorer batch size read from the server's ``/metrics``.
+
+    .venv/bin/python bench/http_scorer.py --memory [--out bench/results/http_scorer_memory.json]
+
+instead floods a server at its default ``--max-inflight-pixels`` with 64 concurrent bomb-like requests (16 copies
+of a ~50 kB 4000x4000 PNG each, a ~1 MB JSON body that decodes to 768 MB) while polling ``/health``, and reports
+the responses by status, the server's peak RSS (``VmHWM``) and the slowest ``/health``. Two scorers: one that
+downscales to 1024 px like ``ocr`` (``max_side``), and one that keeps full-size arrays (4 images per request).
 """
 
 from __future__ import annotations
@@ -35,6 +42,21 @@ def png_b64(text: str) -> str:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return base64.b64encode(buf.getvalue()).decode()
+
+
+def ocr_sized_scorer(images, prompts, ground_truths, metadata):
+    """Downscaled to 1024 px like the ocr scorer, 50 ms per batch, mean pixel value: the bench's stand-in for OCR."""
+    time.sleep(0.05)
+    return [float(img.mean()) for img in images]
+
+
+ocr_sized_scorer.max_side = 1024
+
+
+def full_size_scorer(images, prompts, ground_truths, metadata):
+    """No ``max_side``: the scorer gets full-size arrays (the worst case for memory), 50 ms per batch."""
+    time.sleep(0.05)
+    return [float(img.shape[0]) for img in images]
 
 
 def start(scorer: str, args) -> tuple[subprocess.Popen, str]:
@@ -83,8 +105,12 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--max-wait-ms", type=float, default=10.0)
     p.add_argument("--sleep-s", type=float, default=0.05, help="per-batch latency of the sleep scorer")
-    p.add_argument("--out", type=Path, default=ROOT / "bench/results/http_scorer.json")
+    p.add_argument("--out", type=Path, default=None, help="default: bench/results/http_scorer[_memory].json")
+    p.add_argument("--memory", action="store_true", help="the memory-bound flood instead of throughput")
     args = p.parse_args()
+    if args.memory:
+        return memory(args)
+    args.out = args.out or ROOT / "bench/results/http_scorer.json"
     image = png_b64("HELLO 42")
     results = {}
     for scorer in args.scorers.split(","):
@@ -113,6 +139,69 @@ def main() -> None:
         print(f"{name:8s} {r['requests_per_s']:8.1f} {r['p50_ms']:8.1f} {r['p99_ms']:8.1f} "
               f"{r['mean_batch_size']:6.1f} {r['errors']:6d}")
     print(f"written: {args.out}")
+
+
+def vm(pid: int, key: str) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith(key + ":"))
+
+
+async def flood(url: str, body: dict, n: int) -> tuple[list[int], list[float], float]:
+    health: list[float] = []
+    done = asyncio.Event()
+
+    async def poll():
+        async with httpx.AsyncClient(timeout=30) as own:
+            while not done.is_set():
+                t0 = time.perf_counter()
+                r = await own.get(f"{url}/health")
+                health.append(time.perf_counter() - t0 if r.status_code == 200 else float("inf"))
+                await asyncio.sleep(0.1)
+
+    poller = asyncio.create_task(poll())
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=n)) as client:
+        codes = [r.status_code for r in await asyncio.gather(*(client.post(f"{url}/v1/score", json=body)
+                                                               for _ in range(n)))]
+    wall = time.perf_counter() - t0
+    done.set()
+    await poller
+    return codes, health, wall
+
+
+def memory(args) -> None:
+    from collections import Counter
+
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((4000, 4000, 3), np.uint8)).save(buf, format="PNG")
+    png = base64.b64encode(buf.getvalue()).decode()
+    results = {}
+    for scorer, per_request in (("ocr_sized_scorer", 16), ("full_size_scorer", 4)):
+        proc, url = start(f"bench.http_scorer:{scorer}", args)
+        try:
+            body = {"images": [{"data": png, "format": "png"}] * per_request, "prompts": ["p"] * per_request}
+            small = {"images": [{"data": png_b64("warm"), "format": "png"}], "prompts": ["p"]}
+            asyncio.run(load(url, 2, 1, small))
+            baseline = vm(proc.pid, "VmRSS")
+            budget = httpx.get(f"{url}/health").json()["max_inflight_pixels"]
+            codes, health, wall = asyncio.run(flood(url, body, 64))
+            results[scorer] = {
+                "images_per_request": per_request, "body_bytes": len(json.dumps(body)), "concurrent": 64,
+                "max_inflight_pixels": budget, "responses": dict(Counter(codes)), "wall_s": wall,
+                "rss_baseline_mb": baseline, "rss_peak_mb": vm(proc.pid, "VmHWM"),
+                "rss_after_mb": vm(proc.pid, "VmRSS"), "health_polls": len(health),
+                "health_max_ms": max(health) * 1000}
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+    out = args.out or ROOT / "bench/results/http_scorer_memory.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"scenarios": results}, indent=1))
+    for name, r in results.items():
+        print(f"{name}: {r['responses']} in {r['wall_s']:.1f}s; RSS {r['rss_baseline_mb']:.0f} -> peak "
+              f"{r['rss_peak_mb']:.0f} MB (after {r['rss_after_mb']:.0f}); budget {r['max_inflight_pixels']} px; "
+              f"/health max {r['health_max_ms']:.0f} ms over {r['health_polls']} polls")
+    print(f"written: {out}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import hmac
 import json
 import os
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -130,6 +131,9 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
     total_budget = config.max_inflight_pixels or default_inflight_pixels()
     budget = PixelBudget(max(1, total_budget // max(1, config.workers)))
     return_freed_memory_to_os()
+    # Decoding gets its own few threads: more would only add transient decode buffers and GIL contention with the
+    # event loop (which must keep answering /health), not speed, on a CPU-bound step.
+    decoder = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="decode")
 
     def on_batch(size: int, seconds: float) -> None:
         metrics.batch_size.observe(size)
@@ -142,6 +146,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         batcher.start()
         yield
         await batcher.stop()
+        decoder.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="omni_async scorer server", version="1", lifespan=lifespan,
                   description="Scores images (OCR, JPEG, ...) for RL training. Protocol v1: POST /v1/score.")
@@ -194,7 +199,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         held = plan.peak_pixels
         metrics.inflight_pixels.set(budget.used)
         try:
-            decoding = asyncio.get_running_loop().run_in_executor(None, decode_planned, plan, side)
+            decoding = asyncio.get_running_loop().run_in_executor(decoder, decode_planned, plan, side)
             try:
                 images = await asyncio.shield(decoding)
             except asyncio.CancelledError:  # the thread keeps decoding: its pixels stay reserved until it ends

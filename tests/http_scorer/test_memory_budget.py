@@ -77,7 +77,7 @@ def test_flood_of_bomb_requests_gets_503_and_rss_stays_bounded(server_factory, b
     after = httpx.get(f"{server.url}/health").json()
     assert after["inflight_pixels"] == 0 and after["max_inflight_pixels"] == BUDGET  # every reservation returned
     # decoded arrays are freed (and given back to the OS) once the responses are out
-    assert server.memory_mb("VmRSS") < baseline + 0.25 * (bound - baseline)
+    assert server.memory_mb("VmRSS") < baseline + 0.4 * (bound - baseline)
 
     # A request that could never fit the budget is refused at once with 413, naming the flag.
     r = httpx.post(f"{server.url}/v1/score", json={"images": [{"data": bomb_b64, "format": "png"}] * 3,

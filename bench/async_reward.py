@@ -77,7 +77,7 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
     cfg = compose([*workload(args, data), f"trainer.run_dir={out_dir / name}", *overrides],
                   config_name="grpo_text_trainer" if args.modality == "text" else "flowgrpo_trainer")
     trainer = FlowGRPOTrainer(cfg)
-    trainer.sync_weights(0)
+    trainer.ops.sync_weights(0)
     steps = []
     try:
         for step in range(args.warmup + args.steps):
@@ -85,7 +85,7 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
             if step < args.warmup:
                 continue
             t0 = trainer.last_timeline["t0"]
-            ready = [s.times["generated"] - t0 for s in samples]
+            ready = [s.times.gen_end - t0 for s in samples]
             latency = [s.outcome.extra["simulated_latency_s"] for s in samples]
             parts = {"rollout_s": metrics["timing_s/gen"],
                      "train_s": metrics["timing_s/step"] - metrics["timing_s/collect_wait"] - metrics["timing_s/reward"],

@@ -54,11 +54,9 @@ def worker_runtime_env(torch_threads: int = 1) -> dict[str, Any]:
 
 def logical_devices(cfg: DictConfig) -> dict[str, int]:
     """Devices each pool needs: the actor/rollout pool and, when enabled, the dedicated reward pool."""
-    from omni_async.trainer.config import reward_pool_size
-
     actor = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
     rm = cfg.reward.reward_model
-    reward = reward_pool_size(cfg) if rm.enable_resource_pool else 0
+    reward = int(rm.n_gpus_per_node) * int(rm.nnodes) if rm.enable_resource_pool else 0
     return {"actor_rollout": actor, "reward": reward}
 
 

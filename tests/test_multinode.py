@@ -32,13 +32,13 @@ def test_reward_pool_lands_on_the_other_node(tmp_path):
                        "reward.reward_model.enable_resource_pool=True", "trainer.logger=[jsonl]"])
         trainer = FlowGRPOTrainer(cfg)
         assert len(ray.nodes()) == 2
-        reward_node = ray.get(trainer.reward_workers[0].info.remote())["node_id"]
-        actor_node = ray.get(trainer.replicas[0].__ray_call__.remote(
+        reward_node = ray.get(trainer.reward.workers[0].info.remote())["node_id"]
+        actor_node = ray.get(trainer.placement.rollout_workers[0].__ray_call__.remote(
             lambda self: ray.get_runtime_context().get_node_id()))
         assert reward_node != actor_node
-        trainer.sync_weights(0)
+        trainer.ops.sync_weights(0)
         metrics, samples = trainer.train_step(0)  # and a step runs across the two nodes
-        assert trainer.colocated_reward_calls == 0 and all(s.outcome.ok for s in samples)
+        assert not trainer.reward.colocated_used and all(s.outcome.ok for s in samples)
     finally:
         if trainer is not None:
             trainer.agent.shutdown()

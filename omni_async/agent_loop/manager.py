@@ -1,11 +1,15 @@
 """Agent loop: one asyncio task per sample, streaming each finished sample to the reward queue.
 
-A task asks a rollout replica for its sample (replicas batch concurrent requests on the device), and, in stream
+A task asks a rollout worker for its sample (workers batch concurrent requests on the device), and, in stream
 mode, the moment the image exists it sends a minimal one-row chunk (prompt, uint8 pixels, ground truth,
 data_source, extra_info; never trajectory latents) to the :class:`RewardDispatcher` and awaits the outcome while
 the other samples keep generating. When a whole ``uid`` group is scored, the reward classes'
 ``post_process_scores`` run on it and the group is handed to the trainer (the mini-batch pipeline trains on
 groups as they complete).
+
+A rollout worker that dies with requests in flight is restarted by Ray; its requests are generated again on a
+live worker (same seed, same weights version: the same sample) and counted as ``rollout/regenerated``. A
+restarted worker gets the current weights (``restore_worker``) before it serves again.
 
 The tasks run on an event loop in a background thread, so the trainer's step loop stays plain synchronous code
 and a step's collection can run while the trainer does something else (one-step off-policy).
@@ -18,44 +22,33 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from omni_async.agent_loop.rollout_replica import Generation
 from omni_async.reward.dispatcher import RewardDispatcher
-from omni_async.reward.manager import RewardOutcome
 from omni_async.reward.worker import sample_to_proto
-from omni_async.trainer.dataset import PromptRow
+from omni_async.sample import Sample
+
+# How long a dead rollout worker may take to come back (Ray restart + model load) before it is given up.
+WORKER_RESTART_TIMEOUT_S = 300.0
+RESTART_POLL_S = 0.2
 
 
-@dataclass
-class Sample:
-    index: int
-    uid: str
-    row: PromptRow
-    seed: int
-    generated: dict[str, Any] | None = None
-    outcome: RewardOutcome | None = None
-    times: dict[str, float] = field(default_factory=dict)
-
-    def reward_input(self) -> dict[str, Any]:
-        """The minimal record a reward function sees: never trajectory latents."""
-        out = {"prompt": self.row.prompt, "data_source": self.row.data_source, "uid": self.uid,
-               "ground_truth": self.row.ground_truth, "extra_info": self.row.extra_info}
-        if "image" in self.generated:
-            out["image"] = self.generated["image"]
-        else:
-            out["response"] = self.generated["response"]
-        return out
+class RolloutWorkersLostError(RuntimeError):
+    """Every rollout worker is dead and none came back."""
 
 
 class Collection:
-    """One step's samples in flight. ``groups`` yields each ``uid`` group once all its members are done."""
+    """One step's samples in flight. ``iter_groups`` yields each ``uid`` group once all its members are done."""
 
-    def __init__(self, samples: list[Sample], window: tuple[int, int]):
+    def __init__(self, samples: list[Sample], window: tuple[int, int] | None):
         self.samples, self.window = samples, window
         self.done: Future = Future()
-        self.generated: Future = Future()  # set once every sample's image exists
+        self.all_generated: Future = Future()  # set once every sample's image / response exists
         self.groups: queue.Queue[list[Sample] | None] = queue.Queue()
         self.t_start = time.time()
         self.t_done = float("nan")
@@ -71,21 +64,28 @@ class Collection:
 
 
 class AgentLoopManager:
-    def __init__(self, replicas: list[Any], dispatcher_factory=None, max_generating: int | None = None):
+    def __init__(self, workers: list[Any], dispatcher_factory: Callable[[], RewardDispatcher] | None = None,
+                 max_generating: int | None = None, post_process: bool = False,
+                 restore_worker: Callable[[Any], Awaitable[None]] | None = None):
         """``dispatcher_factory()`` builds the :class:`RewardDispatcher` on the loop (``None``: generate only).
 
         ``max_generating`` bounds the samples between "asked for" and "queued for reward"; with a full reward
-        queue, generation stops there.
+        queue, generation stops there. ``post_process``: run the reward classes' group hook on complete groups.
+        ``restore_worker(handle)`` brings a restarted rollout worker back to the current weights.
         """
-        self.replicas = replicas
+        self.workers = list(workers)
+        self.down = [False] * len(self.workers)
+        self.restore_worker = restore_worker
+        self.post_process = post_process
+        self.regenerated = 0  # per step; reset by reset_step_counters
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="agent-loop", daemon=True)
         self._thread.start()
         self.dispatcher: RewardDispatcher | None = None
         if dispatcher_factory is not None:
             self.dispatcher = self.on_loop(dispatcher_factory)
-        self._generating = self.on_loop(lambda: asyncio.Semaphore(max_generating or 1 << 30))
-        self.post_process = False
+        self._generating = (self.on_loop(lambda: asyncio.Semaphore(max_generating)) if max_generating else None)
+        self._revived: asyncio.Condition = self.on_loop(asyncio.Condition)
 
     def call(self, coro):
         """Run a coroutine on the agent loop and wait for its result."""
@@ -100,15 +100,28 @@ class AgentLoopManager:
 
         return self.call(run())
 
-    def start(self, samples: list[Sample], window: tuple[int, int]) -> Collection:
+    def step_metrics(self) -> dict[str, float]:
+        """This step's rollout and reward-queue counters; resets the per-step ones."""
+
+        def read():
+            m = {"rollout/regenerated": float(self.regenerated), "rollout/workers_down": float(sum(self.down))}
+            self.regenerated = 0
+            if self.dispatcher is not None:
+                m.update(self.dispatcher.metrics())
+                self.dispatcher.reset_step_counters()
+            return m
+
+        return self.on_loop(read)
+
+    def start(self, samples: list[Sample], window: tuple[int, int] | None) -> Collection:
         """Begin generating (and, when streaming, scoring) ``samples``; returns at once."""
         collection = Collection(samples, window)
         fut = asyncio.run_coroutine_threadsafe(self._run(collection), self.loop)
 
         def finish(f):
             collection.t_done = time.time()
-            if not collection.generated.done():
-                collection.generated.set_result(None)
+            if not collection.all_generated.done():
+                collection.all_generated.set_result(None)
             collection.groups.put(None)
             if f.exception() is not None:
                 collection.done.set_exception(f.exception())
@@ -128,7 +141,7 @@ class AgentLoopManager:
         def generated() -> None:
             to_generate[0] -= 1
             if to_generate[0] == 0:
-                collection.generated.set_result(None)
+                collection.all_generated.set_result(None)
 
         async def one(s: Sample) -> None:
             await self._sample(s, collection.window, generated)
@@ -143,23 +156,73 @@ class AgentLoopManager:
 
         await asyncio.gather(*(one(s) for s in collection.samples))
 
-    async def _sample(self, s: Sample, window: tuple[int, int], on_generated) -> None:
-        replica = self.replicas[s.index % len(self.replicas)]
-        await self._generating.acquire()
+    async def _sample(self, s: Sample, window: tuple[int, int] | None, on_generated) -> None:
+        if self._generating is not None:
+            await self._generating.acquire()
         try:
-            s.generated = await replica.generate.remote(s.row.prompt, s.seed, window)
-            s.times.update(gen_start=s.generated["t_gen_start"], generated=s.generated["t_gen_end"])
+            gen = await self._generate(s, window)
+            s.result, s.version = gen.result, gen.version
+            s.times.gen_start, s.times.gen_end = gen.gen_start, gen.gen_end
             on_generated()
             if self.dispatcher is None:
                 return
             # The generation slot is held until the sample is in the reward queue: back-pressure on rollout.
             t0 = time.perf_counter()
             chunk = sample_to_proto(s.reward_input())
-            s.times["serialize_s"] = time.perf_counter() - t0
+            s.times.serialize_s = time.perf_counter() - t0
             scoring = await self.dispatcher.enqueue(chunk, s.times)
         finally:
-            self._generating.release()
+            if self._generating is not None:
+                self._generating.release()
         s.outcome = await scoring
+
+    # ---- rollout workers, and what happens when one dies ------------------------------------------------------
+    async def _live_worker(self, preferred: int) -> int:
+        """``preferred`` if it is up, else another live worker; waits while all are restarting."""
+        async with self._revived:
+            while True:
+                n = len(self.workers)
+                for k in range(n):
+                    if not self.down[(preferred + k) % n]:
+                        return (preferred + k) % n
+                if all(d == "lost" for d in self.down):
+                    raise RolloutWorkersLostError(
+                        f"all {n} rollout workers died and did not come back within {WORKER_RESTART_TIMEOUT_S:g}s "
+                        "(Ray max_restarts exhausted or the node is gone); rerun with trainer.resume_mode=auto")
+                await self._revived.wait()
+
+    async def _generate(self, s: Sample, window: tuple[int, int] | None) -> Generation:
+        w = s.index % len(self.workers)
+        while True:
+            w = await self._live_worker(w)
+            try:
+                return await self.workers[w].generate.remote(s.row.prompt, s.seed, window)
+            except (RayActorError, ActorUnavailableError):
+                # The worker died with this request in flight: generate it again elsewhere (same seed, same
+                # weights version -> the same sample) while Ray restarts the dead one.
+                self.regenerated += 1
+                if not self.down[w]:
+                    self.down[w] = True
+                    asyncio.ensure_future(self._revive(w))
+
+    async def _revive(self, w: int) -> None:
+        """Wait for Ray to restart worker ``w``, give it the current weights, put it back in the rotation."""
+        give_up = time.monotonic() + WORKER_RESTART_TIMEOUT_S
+        state: bool | str = "lost"
+        while time.monotonic() < give_up:
+            try:
+                await self.workers[w].stats.remote()
+                if self.restore_worker is not None:
+                    await self.restore_worker(self.workers[w])
+                state = False
+                break
+            except ActorUnavailableError:  # restarting: Ray refuses calls until it is up again
+                await asyncio.sleep(RESTART_POLL_S)
+            except RayActorError:  # restarts exhausted
+                break
+        async with self._revived:
+            self.down[w] = state
+            self._revived.notify_all()
 
     def shutdown(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

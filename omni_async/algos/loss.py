@@ -6,7 +6,7 @@ For one window step, per sample i with log-probs of the stored transition under 
     L_pg    = mean_i max(-A_i * rho_i, -A_i * clip(rho_i, 1 - eps, 1 + eps))       (eps = clip_ratio)
     L       = L_pg + beta * mean_i KL_i                                            (beta = kl_loss_coef)
 
-with ``KL_i = ||mu_theta - mu_ref||^2 / (2 s^2)`` (see ``sde.kl_to_reference``). Means run over the kept samples
+with ``KL_i = mean_dims (mu_theta - mu_ref)^2 / (2 std_dev_t^2)``, flow_grpo's scale (see ``sde.kl_to_reference``). Means run over the kept samples
 only (``mask``); a masked sample contributes nothing to the loss or to the metrics.
 """
 
@@ -57,4 +57,48 @@ def flow_grpo_loss(
             "actor/ratio_mean": r.mean().item(),
             "actor/ratio_std": r.std().item() if r.numel() > 1 else 0.0,
         })
+    return loss, metrics
+
+
+# verl's dual-clip bound for negative advantages (its ``actor.clip_ratio_c`` default).
+DUAL_CLIP_RATIO_C = 3.0
+# verl's low-variance KL estimator (k3): KL ~= exp(ref - logp) - (ref - logp) - 1, clamped.
+TEXT_KL_ESTIMATOR = "low_var_kl"
+
+
+def grpo_token_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    token_mask: torch.Tensor,
+    *,
+    clip_ratio: float,
+    ref_log_prob: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO for text, token level, with verl's ``core_algos`` (vanilla PPO clip, token-mean aggregation)::
+
+        rho_t = exp(logp_theta_t - logp_old_t)
+        L_pg  = token-mean_t max(-A * rho_t, -A * clip(rho_t, 1 - eps, 1 + eps))   (dual clip at c = 3 for A < 0)
+        L     = L_pg + beta * token-mean_t KL_k3(theta_t || ref_t)
+
+    All inputs are ``[B, T]``; ``advantages`` is the sample's advantage broadcast over its tokens and
+    ``token_mask`` is the response mask times the sample's loss mask (a failed sample contributes nothing).
+    """
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
+
+    loss_cfg = OmegaConf.create({"clip_ratio": clip_ratio, "clip_ratio_low": None, "clip_ratio_high": None,
+                                 "clip_ratio_c": DUAL_CLIP_RATIO_C, "global_batch_info": {}})
+    pg_loss, m = get_policy_loss_fn("vanilla")(old_log_prob, log_prob, advantages, token_mask,
+                                               loss_agg_mode="token-mean", config=loss_cfg)
+    loss = pg_loss
+    metrics = {"actor/pg_loss": float(pg_loss), **{k: float(v) for k, v in m.items()}}
+    if ref_log_prob is not None and kl_coef > 0:
+        kl = agg_loss(kl_penalty(log_prob, ref_log_prob, TEXT_KL_ESTIMATOR), token_mask, "token-mean")
+        loss = loss + kl_coef * kl
+        metrics["actor/kl_loss"] = float(kl)
+    with torch.no_grad():
+        ratio = torch.exp(log_prob - old_log_prob)[token_mask.bool()]
+        metrics["actor/ratio_mean"] = float(ratio.mean()) if ratio.numel() else 1.0
     return loss, metrics

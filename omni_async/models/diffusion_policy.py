@@ -20,6 +20,7 @@ import torch
 from omni_async.algos.sde import SDEStep, sde_step_with_logprob
 from omni_async.models.lora import TrainableModule
 from omni_async.models.tiny import resolve_model_path
+from omni_async.sample import ImageResult
 
 
 @dataclass
@@ -29,6 +30,7 @@ class SamplingConfig:
     num_inference_steps: int = 10
     noise_level: float = 0.7
     sde_type: str = "sde"
+    cps_log_prob: str = "flow_grpo"  # CPS log-prob form (see algos.sde)
     true_cfg_scale: float = 1.0  # Qwen-Image's CFG
     guidance_scale: float = 1.0  # SD3's and Wan's CFG
     num_frames: int = 1  # video models (Wan): frames per sample
@@ -39,7 +41,6 @@ class Rollout:
     images: np.ndarray  # uint8 [B, H, W, 3], or video frames [B, T, H, W, 3]
     window_latents: torch.Tensor  # [B, W + 1, ...]: x before the window's first step, then after each step
     log_probs: torch.Tensor  # [B, W]
-    window: tuple[int, int]  # denoising step indices [start, stop)
 
 
 class _QwenImageAdapter:
@@ -254,6 +255,7 @@ class DiffusionPolicy(TrainableModule):
             v, x, self.sigmas[i], self.sigmas[i + 1],
             noise_level=self.sampling.noise_level if noise_level is None else noise_level,
             sde_type=self.sampling.sde_type, sigma_max=float(self.sigmas[1]), prev_sample=prev_sample, noise=noise,
+            cps_log_prob=self.sampling.cps_log_prob,
         )
 
     @torch.no_grad()
@@ -280,11 +282,10 @@ class DiffusionPolicy(TrainableModule):
         images = images.movedim(1, -1)  # channels last: [B, H, W, 3] or, for video, [B, T, H, W, 3]
         return Rollout(images=images.cpu().numpy(),
                        window_latents=torch.stack(stored, 1) if stored else torch.empty(len(seeds), 0),
-                       log_probs=torch.stack(log_probs, 1) if log_probs else torch.empty(len(seeds), 0),
-                       window=(window.start, window.stop) if len(window) else (0, 0))
+                       log_probs=torch.stack(log_probs, 1) if log_probs else torch.empty(len(seeds), 0))
 
-    def sample_records(self, prompts: list[str], seeds: list[int], window: range | None) -> list[dict[str, Any]]:
-        """:meth:`rollout`, split per sample (the rollout replica's per-request answer)."""
+    def generate(self, prompts: list[str], seeds: list[int], window: range | None = None) -> list[ImageResult]:
+        """:meth:`rollout`, split per sample (a rollout worker answers each request with its own sample)."""
         out = self.rollout(prompts, seeds, window)
-        return [{"image": out.images[i], "window_latents": out.window_latents[i], "log_probs": out.log_probs[i]}
+        return [ImageResult(pixels=out.images[i], window_latents=out.window_latents[i], log_probs=out.log_probs[i])
                 for i in range(len(prompts))]

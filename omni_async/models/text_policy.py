@@ -9,12 +9,12 @@ noise of left padding).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from omni_async.models.lora import TrainableModule
 from omni_async.models.tiny import resolve_model_path
+from omni_async.sample import TextResult
 
 
 @dataclass
@@ -58,12 +58,12 @@ class TextPolicy(TrainableModule):
             mask[i, width - len(r):] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    def sample_records(self, prompts: list[str], seeds: list[int], window: Any = None) -> list[dict[str, Any]]:
+    def generate(self, prompts: list[str], seeds: list[int]) -> list[TextResult]:
         """One response per (prompt, seed): token ids up to and including EOS, text, per-token log-probs."""
         return self.sample_from_ids([self.prompt_ids(p) for p in prompts], seeds)
 
     @torch.no_grad()
-    def sample_from_ids(self, prompt_rows: list[list[int]], seeds: list[int]) -> list[dict[str, Any]]:
+    def sample_from_ids(self, prompt_rows: list[list[int]], seeds: list[int]) -> list[TextResult]:
         ids, mask = self._left_pad(prompt_rows)
         gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
         n, temp = len(prompt_rows), max(float(self.sampling.temperature), 1e-5)
@@ -90,9 +90,9 @@ class TextPolicy(TrainableModule):
         for i in range(n):
             row = tokens[i].tolist()
             length = next((k + 1 for k, t in enumerate(row) if t in self.eos_ids), len(row))  # cut after 1st EOS
-            records.append({"prompt_ids": prompt_rows[i], "response_ids": row[:length],
-                            "response": self.tok.decode(row[:length], skip_special_tokens=True),
-                            "log_probs": logps[i, :length].clone()})
+            records.append(TextResult(prompt_ids=prompt_rows[i], response_ids=row[:length],
+                                      response=self.tok.decode(row[:length], skip_special_tokens=True),
+                                      log_probs=logps[i, :length].clone()))
         return records
 
     def log_probs(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,

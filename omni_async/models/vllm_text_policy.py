@@ -18,7 +18,7 @@ What vLLM does on its own that would make its samples differ from what the actor
   temperature != 1 the client checks the mode once at start and refuses a raw-mode server (π_old would be wrong).
 - **Stopping.** vLLM stops at the tokenizer's EOS *and* the ids of ``generation_config.eos_token_id``; the actor
   stops at the generation config's ids only. Requests send ``ignore_eos`` with those ids as ``stop_token_ids``.
-- **LoRA rank.** ``--max-lora-rank`` accepts only :data:`omni_async.reward.vllm_server.VLLM_MAX_LORA_RANKS`; the
+- **LoRA rank.** ``--max-lora-rank`` accepts only :data:`omni_async.models.vllm_launch.VLLM_MAX_LORA_RANKS`; the
   launch rounds the model's rank up (48 -> 64). The adapter keeps its true rank (vLLM needs rank <= max).
 
 Weight sync: the trainer's LoRA weights are written as a peft adapter directory and loaded with
@@ -93,7 +93,7 @@ class VLLMTextPolicy:
             self.url = self._launch(server)
 
     def _launch(self, server: dict[str, Any]) -> str:
-        from omni_async.reward.vllm_server import free_port, normalize_server_args, start_vllm, vllm_max_lora_rank
+        from omni_async.models.vllm_launch import free_port, normalize_server_args, start_vllm, vllm_max_lora_rank
 
         port = free_port()
         url = f"http://127.0.0.1:{port}"

@@ -27,8 +27,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 from verl import DataProto
 
-from omni_async.reward.manager import RewardOutcome
-from omni_async.reward.worker import outcome_to_result, result_to_outcome
+from omni_async.sample import RewardOutcome, SampleTimes
 
 # A worker enforces reward.timeout_s itself; the dispatcher's own deadline only has to catch a worker that
 # stopped answering (a hung process, a lost node), so it allows transport time on top.
@@ -95,24 +94,24 @@ class RewardDispatcher:
             self.inflight[w] -= 1
             self._freed.notify()
 
-    async def score(self, chunk: DataProto, times: dict[str, float] | None = None) -> RewardOutcome:
+    async def score(self, chunk: DataProto, times: SampleTimes | None = None) -> RewardOutcome:
         """Queue one sample, score it on a worker, return its typed outcome."""
         return await (await self.enqueue(chunk, times))
 
-    async def enqueue(self, chunk: DataProto, times: dict[str, float] | None = None) -> asyncio.Task:
+    async def enqueue(self, chunk: DataProto, times: SampleTimes | None = None) -> asyncio.Task:
         """Take a place in the queue (waits while it is full) and return the task that will hold the outcome.
 
         ``times`` receives the sample's ``queued``, ``sent`` and ``scored`` wall-clock timestamps.
         """
-        times = times if times is not None else {}
+        times = times if times is not None else SampleTimes()
         await self._places.acquire()  # a full queue blocks the producer here
-        times["queued"] = time.time()
+        times.queued = time.time()
         self.counters["total_produced"] += 1
         self.waiting += 1
         self.counters["max_size"] = max(self.counters["max_size"], self.waiting)
         return asyncio.ensure_future(self._dispatch(chunk, times))
 
-    async def _dispatch(self, chunk: DataProto, times: dict[str, float]) -> RewardOutcome:
+    async def _dispatch(self, chunk: DataProto, times: SampleTimes) -> RewardOutcome:
         try:
             w = await self._take_worker()
         finally:
@@ -121,11 +120,11 @@ class RewardDispatcher:
         attempt = 0
         while True:
             t_out = time.perf_counter()
-            ref = self.workers[w].compute_score.remote(chunk)  # serialises the chunk into Ray's object store
-            times.setdefault("sent", time.time())
-            times.setdefault("dispatch_s", time.perf_counter() - t_out)
+            ref = self.workers[w].score.remote(chunk)  # serialises the chunk into Ray's object store
+            if times.sent is None:
+                times.sent, times.dispatch_s = time.time(), time.perf_counter() - t_out
             try:
-                outcome = result_to_outcome(await asyncio.wait_for(ref, self.deadline_s))
+                outcome = await asyncio.wait_for(ref, self.deadline_s)
                 break
             except asyncio.TimeoutError:
                 ray.cancel(ref)
@@ -148,14 +147,13 @@ class RewardDispatcher:
                 w = await self._take_worker()
         await self._give_back(w)
         self.counters["total_consumed"] += 1
-        times["scored"] = time.time()
+        times.scored = time.time()
         return outcome
 
     async def post_process_group(self, outcomes: list[RewardOutcome]) -> list[RewardOutcome]:
         """Run the reward classes' ``post_process_scores`` on one complete group, on the least-loaded worker."""
         w = await self._take_worker()
         try:
-            results = await self.workers[w].post_process_group.remote([outcome_to_result(o) for o in outcomes])
+            return await self.workers[w].post_process_group.remote(outcomes)
         finally:
             await self._give_back(w)
-        return [result_to_outcome(r) for r in results]

@@ -1,9 +1,11 @@
 """Reward manager: turns one generated sample into a typed reward outcome.
 
-Reward functions are plain callables in verl's convention, loaded with verl's ``load_extern_object`` from
-``path`` (a file, or ``pkg://module``) and ``name``::
+Reward functions are plain callables in verl's convention, loaded from ``path`` (a file, or ``pkg://module``)
+and ``name`` (``reward.contract.check_reward_function``; no path = dispatch by ``data_source`` as verl does)::
 
     compute_score(data_source, solution_image | solution_str, ground_truth, extra_info, **reward_kwargs)
+
+``solution_image`` is what verl-omni passes: a uint8 torch tensor ``(C, H, W)``, or ``(N, C, H, W)`` for frames.
 
 A function may be sync (run in a thread, off the event loop), ``async def`` (awaited), or a class (instantiated
 once per manager with the kwargs, then its ``compute_score`` is used). It may return a number, a dict with a
@@ -21,26 +23,19 @@ import asyncio
 import inspect
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-Status = Literal["ok", "failed", "timeout"]
+from omni_async.reward.contract import check_reward_function, to_solution_image
+from omni_async.sample import RewardOutcome
 
-
-@dataclass
-class RewardOutcome:
-    status: Status
-    score: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
-    compute_s: float = 0.0
-    parts: dict[str, float] = field(default_factory=dict)  # each reward function's own score, by key
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
+# verl's reward-function argument for the generated sample, per modality (see ``sample.*Result.reward_fields``).
+SOLUTION_FIELDS = ("solution_image", "solution_str")
+# The argument through which a reward function receives the URLs of the run's vLLM judge servers.
+JUDGE_URLS_ARG = "judge_urls"
 
 
 class RewardFunctionError(TypeError):
@@ -70,14 +65,15 @@ def normalize_result(name: str, result: Any) -> tuple[float, dict[str, Any]]:
 class RewardFunction:
     """One configured reward function, callable as ``await fn(sample)``."""
 
-    def __init__(self, key: str, path: str, name: str, kwargs: dict[str, Any], weight: float = 1.0,
-                 required: bool = True):
-        from verl.utils.import_utils import load_extern_object
-
-        obj = load_extern_object(module_path=path, object_name=name)
+    def __init__(self, key: str, path: str | None, name: str | None, kwargs: dict[str, Any], weight: float = 1.0,
+                 required: bool = True, judge_urls: list[str] | None = None, config_key: str = ""):
+        obj = check_reward_function(path, name, config_key or f"reward.reward_functions.{key}")
         self.key, self.weight, self.required = key, float(weight), bool(required)
-        self.label = f"{name} ({path})"
+        self.label = f"{name} ({path})" if path else "default_compute_score (by data_source)"
         self.instance = None
+        self.takes_judge_urls = bool(judge_urls) and JUDGE_URLS_ARG in inspect.signature(obj).parameters
+        if self.takes_judge_urls:
+            kwargs = {**kwargs, JUDGE_URLS_ARG: list(judge_urls)}
         if inspect.isclass(obj):
             # Stateful reward (e.g. an HTTP client built once): instantiate once, call its compute_score.
             self.instance = obj(**kwargs)
@@ -87,24 +83,60 @@ class RewardFunction:
         self.is_async = inspect.iscoroutinefunction(self.fn)
         self.post_process = getattr(self.instance, "post_process_scores", None)
 
-    async def __call__(self, sample: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    async def __call__(self, sample: dict[str, Any], executor: ThreadPoolExecutor | None = None) -> _Call:
+        """Call the function on one sample (``Sample.reward_input()``); sync functions run on ``executor``."""
         extra_info = dict(sample.get("extra_info") or {})
         extra_info.setdefault("prompt", sample.get("prompt"))  # remote judges and scorers want the prompt too
         kw = dict(data_source=sample["data_source"], ground_truth=sample["ground_truth"], extra_info=extra_info,
                   **self.kwargs)
-        if "image" in sample:
-            kw["solution_image"] = sample["image"]
-        else:
-            kw["solution_str"] = sample["response"]
+        kw.update({k: sample[k] for k in SOLUTION_FIELDS if k in sample})
+        call = _Call(submitted=time.perf_counter())
+
+        def run():
+            call.started = time.perf_counter()
+            try:
+                return self.fn(**kw)
+            finally:
+                call.finished = time.perf_counter()
+
         if self.is_async:
-            result = await self.fn(**kw)
+            call.started = time.perf_counter()
+            try:
+                result = await self.fn(**kw)
+            finally:
+                call.finished = time.perf_counter()
         else:
-            result = await asyncio.get_running_loop().run_in_executor(None, lambda: self.fn(**kw))
-        return normalize_result(self.label, result)
+            result = await asyncio.get_running_loop().run_in_executor(executor, run)
+        call.score, call.extra = normalize_result(self.label, result)
+        return call
 
 
-def build_reward_functions(reward_cfg: DictConfig) -> list[RewardFunction]:
-    """``reward.reward_functions`` if any, else the single ``reward.custom_reward_function``."""
+@dataclass
+class _Call:
+    """One reward-function call: its result and when it was submitted, actually started and finished."""
+
+    submitted: float
+    started: float = float("nan")
+    finished: float = float("nan")
+    score: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def build_reward_functions(reward_cfg: DictConfig, judge_urls: list[str] | None = None) -> list[RewardFunction]:
+    """``reward.reward_functions`` if any, else the single ``reward.custom_reward_function``.
+
+    ``judge_urls`` (the vLLM judge servers on the reward pool) go to every function that takes ``judge_urls``;
+    if there are servers and no function takes them, that is a configuration error.
+    """
+    fns = _build_reward_functions(reward_cfg, judge_urls)
+    if judge_urls and not any(fn.takes_judge_urls for fn in fns):
+        raise ValueError(f"reward.reward_model.rollout.name=vllm started judge servers at {judge_urls}, but no "
+                         f"reward function ({', '.join(f.label for f in fns)}) takes a '{JUDGE_URLS_ARG}' argument; "
+                         "use pkg://omni_async.reward.scorers.vlm_judge or add the argument to yours")
+    return fns
+
+
+def _build_reward_functions(reward_cfg: DictConfig, judge_urls: list[str] | None) -> list[RewardFunction]:
     multi = OmegaConf.to_container(reward_cfg.reward_functions, resolve=True) or {}
     if multi:
         fns = []
@@ -114,11 +146,12 @@ def build_reward_functions(reward_cfg: DictConfig) -> list[RewardFunction]:
                 raise ValueError(f"reward.reward_functions.{key} needs 'path' and 'name'")
             path, name = spec.pop("path"), spec.pop("name")
             weight, required = spec.pop("weight", 1.0), spec.pop("required", True)
-            fns.append(RewardFunction(key, path, name, spec, weight, required))
+            fns.append(RewardFunction(key, path, name, spec, weight, required, judge_urls))
         return fns
     c = reward_cfg.custom_reward_function
     kwargs = OmegaConf.to_container(c.reward_kwargs, resolve=True) or {}
-    return [RewardFunction("score", c.path, c.name, kwargs)]
+    return [RewardFunction("score", c.path, c.name, kwargs, judge_urls=judge_urls,
+                           config_key="reward.custom_reward_function")]
 
 
 def scorer_names(reward_cfg: DictConfig) -> str:
@@ -133,18 +166,28 @@ def scorer_names(reward_cfg: DictConfig) -> str:
 class RewardManager:
     """Scores samples with the configured function(s); never raises for a sample, returns a typed outcome."""
 
-    def __init__(self, reward_cfg: DictConfig):
-        self.functions = build_reward_functions(reward_cfg)
+    def __init__(self, reward_cfg: DictConfig, judge_urls: list[str] | None = None):
+        self.functions = build_reward_functions(reward_cfg, judge_urls)
         self.timeout_s = float(reward_cfg.timeout_s)
         self.multi = len(reward_cfg.reward_functions) > 0
+        # Sync (blocking) functions get a thread per in-flight call: the event loop's default pool has only
+        # min(32, cpu + 4) threads, which would cap a blocking judge at ~6 concurrent calls on this box.
+        self.executor = ThreadPoolExecutor(max_workers=int(reward_cfg.max_inflight_per_worker),
+                                           thread_name_prefix="reward-fn")
 
     @property
     def scorer_names(self) -> str:
         return ", ".join(f.label for f in self.functions)
 
     async def _score(self, sample: dict[str, Any]) -> RewardOutcome:
-        results = await asyncio.gather(*(fn(sample) for fn in self.functions), return_exceptions=True)
+        if "solution_image" in sample:  # verl-omni's form: uint8 torch (C, H, W), or (N, C, H, W) frames
+            sample = {**sample, "solution_image": to_solution_image(sample["solution_image"])}
+        results = await asyncio.gather(*(fn(sample, self.executor) for fn in self.functions), return_exceptions=True)
         out = RewardOutcome("ok")
+        calls = [r for r in results if isinstance(r, _Call)]
+        if calls:  # the function calls themselves, and the wait for a thread before they ran
+            out.compute_s = max(c.finished - c.started for c in calls)
+            out.wait_s = max(c.started - c.submitted for c in calls)
         for fn, res in zip(self.functions, results, strict=True):
             if isinstance(res, BaseException):
                 if fn.required and out.ok:  # the sample fails; the other parts are kept for post-processing
@@ -152,8 +195,8 @@ class RewardManager:
                 elif not fn.required:
                     out.extra[f"reward/{fn.key}_failed"] = f"{type(res).__name__}: {res}"
                 continue
-            out.parts[fn.key], fn_extra = res
-            out.extra.update(fn_extra)
+            out.parts[fn.key] = res.score
+            out.extra.update(res.extra)
         if out.ok:
             self._combine(out)
         return out
@@ -200,12 +243,10 @@ class RewardManager:
         """Score one sample within ``reward.timeout_s``."""
         t0 = time.perf_counter()
         try:
-            out = await asyncio.wait_for(self._score(sample), timeout=self.timeout_s)
+            return await asyncio.wait_for(self._score(sample), timeout=self.timeout_s)
         except asyncio.TimeoutError:
-            out = RewardOutcome("timeout", error=f"{self.scorer_names}: no result within reward.timeout_s="
-                                                 f"{self.timeout_s:g}s")
-        out.compute_s = time.perf_counter() - t0
-        return out
+            return RewardOutcome("timeout", error=f"{self.scorer_names}: no result within reward.timeout_s="
+                                                  f"{self.timeout_s:g}s", compute_s=time.perf_counter() - t0)
 
     def score_batch(self, samples: list[dict[str, Any]]) -> list[RewardOutcome]:
         """All samples concurrently, in one call (the sync baseline's colocated reward); groups post-processed."""

@@ -18,9 +18,13 @@ from omegaconf import DictConfig, OmegaConf
 from omni_async.reward.worker import RewardLoopWorker
 
 WORKER_MAX_RESTARTS = 4
+# Ray admits this many calls beyond the dispatcher's scoring slots (info probes, group post-processing), so a
+# control call never waits behind reward.max_inflight_per_worker scoring calls.
+CONTROL_CALL_SLOTS = 8
 
 
-def create_reward_workers(reward_cfg: DictConfig, resource_pool: Any | None = None) -> list[Any]:
+def create_reward_workers(reward_cfg: DictConfig, resource_pool: Any | None = None,
+                          judge_urls: list[str] | None = None) -> list[Any]:
     """Start ``reward.num_workers`` reward-loop workers, on ``resource_pool`` (a verl ``RayResourcePool``) if given."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -31,12 +35,12 @@ def create_reward_workers(reward_cfg: DictConfig, resource_pool: Any | None = No
                if resource_pool is not None else [])
     for i in range(int(reward_cfg.num_workers)):
         opts: dict[str, Any] = dict(num_cpus=1, max_restarts=WORKER_MAX_RESTARTS, max_task_retries=0,
-                                    max_concurrency=1000)
+                                    max_concurrency=int(reward_cfg.max_inflight_per_worker) + CONTROL_CALL_SLOTS)
         if bundles:
             pg, index = bundles[i % len(bundles)]
             opts.update(num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=index))
-        workers.append(cls.options(**opts).remote(cfg_dict, i))
+        workers.append(cls.options(**opts).remote(cfg_dict, i, list(judge_urls or [])))
     # Fail at start, not mid-step, if a reward function cannot be loaded (bad path, missing dependency).
     ray.get([w.info.remote() for w in workers])
     return workers

@@ -11,6 +11,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from omni_async.reward.wiring import streaming_enabled
+
+__all__ = ["ConfigError", "compose", "streaming_enabled", "validate"]
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 
 
@@ -32,18 +36,33 @@ def _check(ok: bool, key: str, problem: str, fix: str) -> None:
         raise ConfigError(f"{key}: {problem}. Fix: {fix}")
 
 
-def streaming_enabled(cfg: DictConfig) -> bool:
-    """verl's rule: stream rewards whenever there is no reward model, or the reward model has its own pool."""
-    mode = str(cfg.reward.streaming).lower()
-    if mode == "auto":
-        rm = cfg.reward.reward_model
-        return (not rm.enable) or bool(rm.enable_resource_pool)
-    return mode == "true"
-
-
 def reward_pool_size(cfg: DictConfig) -> int:
     rm = cfg.reward.reward_model
     return int(rm.n_gpus_per_node) * int(rm.nnodes)
+
+
+def _check_reward_functions(reward: DictConfig, modality: str) -> None:
+    """Load every configured reward function here, on the driver, so a wrong path or name fails at once with the
+    config key (not inside a Ray actor half a minute later). No path: dispatch by ``data_source``, as verl does."""
+    from omni_async.reward.contract import RewardConfigError, check_reward_function
+
+    multi = OmegaConf.to_container(reward.reward_functions, resolve=True) or {}
+    specs = {f"reward.reward_functions.{k}": dict(v) for k, v in multi.items()}
+    if not specs:
+        c = reward.custom_reward_function
+        specs["reward.custom_reward_function"] = {"path": c.path, "name": c.name,
+                                                  **(OmegaConf.to_container(c.reward_kwargs, resolve=True) or {})}
+    for key, spec in specs.items():
+        path, name = spec.pop("path", None), spec.pop("name", None)
+        if key.startswith("reward.reward_functions."):
+            _check(bool(path) and bool(name), key, "needs 'path' and 'name'",
+                   f"set {key}.path=<file or pkg://module> and {key}.name=<function>")
+        for k in ("weight", "required"):
+            spec.pop(k, None)
+        try:
+            check_reward_function(path, name, key, spec, modality)
+        except RewardConfigError as e:
+            raise ConfigError(str(e)) from e
 
 
 def validate(cfg: DictConfig) -> DictConfig:
@@ -85,6 +104,8 @@ def validate(cfg: DictConfig) -> DictConfig:
     algo = rollout.algo
     _check(algo.sde_type in ("sde", "cps"), "actor_rollout_ref.rollout.algo.sde_type",
            f"unknown SDE type {algo.sde_type!r}", "use sde or cps")
+    _check(algo.cps_log_prob in ("flow_grpo", "gaussian"), "actor_rollout_ref.rollout.algo.cps_log_prob",
+           f"unknown form {algo.cps_log_prob!r}", "use flow_grpo (the references' form) or gaussian")
     _check(algo.noise_level >= 0, "actor_rollout_ref.rollout.algo.noise_level", "must be >= 0", "e.g. 0.7")
     steps = rollout.num_inference_steps
     lo, hi = (int(v) for v in algo.sde_window_range)
@@ -110,10 +131,7 @@ def validate(cfg: DictConfig) -> DictConfig:
            f"unknown policy {reward.on_failure!r}", "use mask (default) or raise")
     _check(0.0 <= reward.max_failure_ratio <= 1.0, "reward.max_failure_ratio",
            f"must be in [0, 1], got {reward.max_failure_ratio}", "e.g. 0.25")
-    has_custom = bool(reward.custom_reward_function.path)
-    _check(has_custom or len(reward.reward_functions) > 0, "reward.custom_reward_function.path",
-           "no reward function is configured",
-           "set reward.custom_reward_function.path=pkg://omni_async.reward.scorers.ocr (or add reward.reward_functions)")
+    _check_reward_functions(reward, modality)
 
     rm = reward.reward_model
     if rm.enable_resource_pool:
@@ -142,9 +160,15 @@ def validate(cfg: DictConfig) -> DictConfig:
                "choose a divisor of reward.reward_model.n_gpus_per_node")
     _check(0.0 < rm.rollout.gpu_memory_utilization <= 1.0, "reward.reward_model.rollout.gpu_memory_utilization",
            f"must be in (0, 1], got {rm.rollout.gpu_memory_utilization}", "e.g. 0.5")
-    _check(reward.reward_manager.name == "naive", "reward.reward_manager.name",
-           f"unknown reward manager {reward.reward_manager.name!r}", "use naive")
+    _check(reward.reward_manager.name in ("naive", "MultiVisualRewardManager"), "reward.reward_manager.name",
+           f"unknown reward manager {reward.reward_manager.name!r}",
+           "use naive (one reward function) or MultiVisualRewardManager (weighted reward.reward_functions)")
+    if reward.reward_manager.name == "MultiVisualRewardManager":
+        _check(len(reward.reward_functions) > 0, "reward.reward_functions",
+               "MultiVisualRewardManager combines several weighted reward functions, but none is configured",
+               "add reward.reward_functions.<key>={path,name,weight} entries (or use reward_manager.name=naive)")
 
+    _check(cfg.algorithm.adv_std_eps >= 0, "algorithm.adv_std_eps", "must be >= 0", "flow_grpo uses 1e-4")
     _check(cfg.algorithm.adv_estimator == "grpo", "algorithm.adv_estimator",
            f"{cfg.algorithm.adv_estimator!r} is not supported by FlowGRPO", "use grpo")
     a = cfg.async_reward
@@ -160,6 +184,8 @@ def validate(cfg: DictConfig) -> DictConfig:
         _check(streaming_enabled(cfg), "async_reward.update_pipeline",
                "needs streamed rewards (groups complete one by one); with reward.streaming=false the whole batch "
                "is scored at once", "set reward.streaming=auto (or true)")
+    _check(cfg.trainer.max_ckpt_to_keep != 0, "trainer.max_ckpt_to_keep", "0 would delete every checkpoint",
+           "keep at least 1 (or -1 for all)")
     _check(cfg.trainer.resume_mode in ("auto", "disable"), "trainer.resume_mode",
            f"unknown mode {cfg.trainer.resume_mode!r}", "use auto or disable")
     _check(cfg.trainer.total_training_steps >= 1, "trainer.total_training_steps", "must be >= 1", "e.g. 4")

@@ -14,23 +14,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from omni_async.sample import PromptRow
+
 
 class DatasetError(ValueError):
     """A dataset row that cannot be used; the message names the file, row and field."""
-
-
-@dataclass(frozen=True)
-class PromptRow:
-    prompt: str
-    data_source: str
-    ground_truth: Any
-    extra_info: dict = field(default_factory=dict)
 
 
 def _prompt_text(value: Any, where: str) -> str:

@@ -1,24 +1,30 @@
-"""Per-step metrics to the console (progress bar), ``{run_dir}/metrics.jsonl`` and tensorboard; sample grids."""
+"""Per-step metrics to the console (progress bar), ``{run_dir}/metrics.jsonl`` and tensorboard.
+
+On resume from step ``s``, rows of ``metrics.jsonl`` for steps after ``s`` (written by the run that died after its
+last checkpoint) are dropped first, so each step has exactly one row.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import numpy as np
-from PIL import Image, ImageDraw
-
 _CONSOLE_KEYS = ("critic/rewards/mean", "timing_s/step", "timing_s/gen", "timing_s/reward", "actor/pg_loss")
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, backends: list[str], total_steps: int, start_step: int = 0):
+    def __init__(self, run_dir: str | Path, backends: list[str], total_steps: int, start_step: int = 0,
+                 label: str = "train"):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         unknown = set(backends) - {"console", "jsonl", "tensorboard"}
         if unknown:
             raise ValueError(f"trainer.logger: unknown backend(s) {sorted(unknown)}; use console, jsonl, tensorboard")
-        self.jsonl = (self.run_dir / "metrics.jsonl").open("a") if "jsonl" in backends else None
+        self.jsonl = None
+        if "jsonl" in backends:
+            path = self.run_dir / "metrics.jsonl"
+            _drop_rows_after(path, start_step)
+            self.jsonl = path.open("a")
         self.tb = None
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
@@ -28,7 +34,7 @@ class MetricsLogger:
         if "console" in backends:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="flowgrpo", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, initial=start_step, desc=label, dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.jsonl:
@@ -52,34 +58,10 @@ class MetricsLogger:
             self.bar.close()
 
 
-def save_sample_grid(path: str | Path, images: list[np.ndarray], captions: list[str], cols: int = 4,
-                     max_images: int = 16) -> Path:
-    """A PNG grid of uint8 images, each captioned (e.g. with its reward)."""
-    images, captions = images[:max_images], captions[:max_images]
-    h, w = images[0].shape[:2]
-    cap_h = 14
-    rows = (len(images) + cols - 1) // cols
-    grid = Image.new("RGB", (cols * w, rows * (h + cap_h)), "white")
-    draw = ImageDraw.Draw(grid)
-    for i, (img, cap) in enumerate(zip(images, captions, strict=True)):
-        x, y = (i % cols) * w, (i // cols) * (h + cap_h)
-        grid.paste(Image.fromarray(img), (x, y + cap_h))
-        draw.text((x + 2, y + 1), cap[: max(4, w // 6)], fill="black")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    grid.save(path)
-    return path
-
-
-def save_samples(out_dir: Path, step: int, samples) -> Path:
-    """Images / video first frames: a PNG grid with their rewards. Text: a JSONL of prompt, response, reward."""
-    labels = [f"{s.outcome.score:.3f}" if s.outcome.ok else s.outcome.status for s in samples]
-    if "image" in samples[0].generated:
-        images = [np.asarray(s.generated["image"]) for s in samples]
-        images = [img[0] if img.ndim == 4 else img for img in images]
-        return save_sample_grid(Path(out_dir) / f"step_{step:04d}.png", images, labels)
-    path = Path(out_dir) / f"step_{step:04d}.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"uid": s.uid, "prompt": s.row.prompt, "response": s.generated["response"],
-                                        "reward": label}) + "\n" for s, label in zip(samples, labels, strict=True)))
-    return path
+def _drop_rows_after(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(rows):
+        path.write_text("".join(line + "\n" for line in kept))

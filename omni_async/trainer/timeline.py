@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-SAMPLE_PHASES = (("generate", "gen_start", "generated", "tab:blue"), ("queued", "queued", "sent", "tab:orange"),
+SAMPLE_PHASES = (("generate", "gen_start", "gen_end", "tab:blue"), ("queued", "queued", "sent", "tab:orange"),
                  ("scoring", "sent", "scored", "tab:green"))
 
 
@@ -19,7 +19,7 @@ def timeline_record(step: int, collection, samples, timer) -> dict[str, Any]:
     return {
         "step": step,
         "t0": collection.t_start,
-        "samples": [{"index": s.index, "uid": s.uid, **s.times} for s in samples],
+        "samples": [{"index": s.index, "uid": s.uid, **s.times.as_dict()} for s in samples],
         "trainer": [{"phase": name, "start": a, "end": b} for name, a, b in timer.spans if name != "step"],
     }
 

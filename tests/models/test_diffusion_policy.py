@@ -30,7 +30,7 @@ def test_rollout_shapes_and_logprob_recompute(name, no_network):
     frames = FAMILIES[name].get("num_frames")
     want = (2, frames, 32, 32, 3) if frames else (2, 32, 32, 3)
     assert out.images.shape == want and out.images.dtype == np.uint8
-    assert out.window_latents.shape[1] == 3 and out.log_probs.shape == (2, 2) and out.window == (1, 3)
+    assert out.window_latents.shape[1] == 3 and out.log_probs.shape == (2, 2)
     cond = policy.encode(["a red sign", "a blue sign"])
     for j in range(2):
         again = policy.step(cond, out.window_latents[:, j], 1 + j, prev_sample=out.window_latents[:, j + 1])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 import zlib
 
 import numpy as np
@@ -157,3 +158,10 @@ def omni_style_jpeg_score(data_source, solution_image, ground_truth=None, extra_
 async def omni_style_http_signature(solution_image, ground_truth, server_url="unused", **kwargs):
     """verl-omni's HTTP client signature: no data_source / extra_info parameters, ``**kwargs`` takes them."""
     return omni_style_permute_score(None, solution_image, ground_truth, None)
+
+
+def blocking_sleep(data_source, solution_str=None, solution_image=None, ground_truth=None, extra_info=None,
+                   delay_s=0.5, **kw):
+    """A sync (blocking) reward, like a judge called with a blocking HTTP client: holds a thread for delay_s."""
+    time.sleep(delay_s)
+    return 1.0

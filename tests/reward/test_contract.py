@@ -135,7 +135,6 @@ def test_reward_manager_passes_a_tensor_through_to_an_omni_style_function():
     assert out.score == pytest.approx(img[..., 0].mean() / 255)
 
 
-@pytest.mark.xfail(strict=True, reason="the reward manager must call contract.to_solution_image on the pixels")
 def test_reward_manager_gives_numpy_pixels_to_functions_as_chw_tensors():
     img = noise(3)
     manager, sample = _manager_sample(img)  # what the diffusion policy produces: uint8 (H, W, 3)

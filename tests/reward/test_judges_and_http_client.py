@@ -55,7 +55,7 @@ def test_transformers_judge_scores_through_a_real_reward_worker(judge, no_networ
     shutdown_ray()
     init_ray(num_gpus=0, num_cpus=4)
     try:
-        cfg = {"timeout_s": 120, "reward_functions": {}, "custom_reward_function": {
+        cfg = {"timeout_s": 120, "max_inflight_per_worker": 32, "reward_functions": {}, "custom_reward_function": {
             "path": "pkg://omni_async.reward.scorers.vlm_judge", "name": "compute_score",
             "reward_kwargs": {"backend": "transformers", "model_path": "tiny:qwen2_vl", "max_new_tokens": 16}}}
         worker = ray.remote(RewardLoopWorker).remote(cfg, 0)

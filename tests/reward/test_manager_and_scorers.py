@@ -10,13 +10,14 @@ import pytest
 from omegaconf import OmegaConf
 from PIL import Image, ImageDraw, ImageFont
 
-from omni_async.reward.manager import RewardFunctionError, RewardManager, RewardOutcome, normalize_result
+from omni_async.reward.manager import RewardFunctionError, RewardManager, normalize_result
 from omni_async.reward.scorers import jpeg, ocr
-from omni_async.reward.worker import outcome_to_result, proto_to_sample, result_to_outcome, sample_to_proto
+from omni_async.reward.worker import proto_to_sample, sample_to_proto
+from omni_async.sample import RewardOutcome
 
 
 def reward_cfg(**over):
-    base = {"timeout_s": 5, "custom_reward_function": {"path": "pkg://omni_async.reward.scorers.jpeg",
+    base = {"timeout_s": 5, "max_inflight_per_worker": 32, "custom_reward_function": {"path": "pkg://omni_async.reward.scorers.jpeg",
                                                        "name": "compute_score", "reward_kwargs": {}},
             "reward_functions": {}}
     base.update(over)
@@ -30,7 +31,7 @@ def text_image(text: str, size=(256, 96)) -> np.ndarray:
 
 
 def sample(image, gt="", uid="u"):
-    return {"prompt": "p", "data_source": "test", "ground_truth": gt, "extra_info": {}, "uid": uid, "image": image}
+    return {"prompt": "p", "data_source": "test", "ground_truth": gt, "extra_info": {}, "uid": uid, "solution_image": image}
 
 
 def test_normalize_result_accepts_the_conventions_and_names_bad_returns():
@@ -89,12 +90,13 @@ def test_timeout_is_typed_and_post_process_can_repair(tmp_path):
 def test_worker_wire_format_roundtrip():
     img = np.arange(2 * 4 * 4 * 3, dtype=np.uint8).reshape(2, 4, 4, 3)  # a 2-frame video
     back = proto_to_sample(sample_to_proto(sample(img, gt="HI", uid="3-1")))
-    np.testing.assert_array_equal(back["image"], img)
+    np.testing.assert_array_equal(back["solution_image"], img)
     assert back["ground_truth"] == "HI" and back["uid"] == "3-1"
-    out = RewardOutcome("ok", 0.5, {"ocr_text": "hi"}, compute_s=0.1, parts={"score": 0.5})
-    assert result_to_outcome(outcome_to_result(out)) == out
-    failed = outcome_to_result(RewardOutcome("failed", error="boom"))
+    ok = RewardOutcome("ok", 0.5, parts={"score": 0.5}, extra={"ocr_text": "hi"}, compute_s=0.1).to_verl()
+    assert ok["reward_score"] == 0.5 and ok["reward_extra_info"]["ocr_text"] == "hi"
+    failed = RewardOutcome("failed", error="boom").to_verl()  # verl's form: no score, the status says why
     assert failed["reward_score"] is None and failed["reward_extra_info"]["reward_status"] == "failed"
+    assert failed["reward_extra_info"]["reward_error"] == "boom"
 
 
 def test_jpeg_rewards_images_and_videos():
@@ -122,3 +124,17 @@ def test_ocr_judge_reads_rendered_text(no_network):
     assert blank["score"] == 0.0
     video = np.stack([text_image("HELLO 42"), np.full((96, 256, 3), 255, np.uint8)])
     assert ocr.compute_score("ocr", video, "HELLO 42")["score"] == pytest.approx((out["score"] + 0.0) / 2)
+
+
+def test_judge_urls_reach_the_functions_that_take_them_and_are_refused_otherwise(tmp_path):
+    mod = tmp_path / "j.py"
+    mod.write_text("def judged(data_source, solution_image, ground_truth, extra_info, judge_urls=None):\n"
+                   "    return {'score': float(len(judge_urls)), 'first': judge_urls[0]}\n"
+                   "def plain(data_source, solution_image, ground_truth, extra_info):\n    return 0.0\n")
+    urls = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    cfg = reward_cfg(custom_reward_function={"path": str(mod), "name": "judged", "reward_kwargs": {}})
+    out = asyncio.run(RewardManager(cfg, judge_urls=urls).score(sample(np.zeros((4, 4, 3), np.uint8))))
+    assert out.ok and out.score == 2.0 and out.extra["first"] == urls[0]
+    plain = reward_cfg(custom_reward_function={"path": str(mod), "name": "plain", "reward_kwargs": {}})
+    with pytest.raises(ValueError, match="judge_urls"):
+        RewardManager(plain, judge_urls=urls)

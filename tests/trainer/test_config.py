@@ -64,7 +64,10 @@ def test_missing_train_files():
     (["reward.reward_model.rollout.gpu_memory_utilization=0"], "gpu_memory_utilization", "0.5"),
     (["reward.reward_model.enable_resource_pool=True", "reward.num_workers=3"], "reward.num_workers", "tensor"),
     (["reward.reward_model.enable=True"], "reward.reward_model.model_path", "tiny:qwen2_vl"),
-    (["reward.custom_reward_function.path=null"], "reward.custom_reward_function.path", "scorers.ocr"),
+    (["reward.custom_reward_function.path=does/not/exist.py"], "reward.custom_reward_function.path",
+     "does/not/exist.py"),
+    (["reward.custom_reward_function.name=compute_scor"], "reward.custom_reward_function.name",
+     "did you mean 'compute_score'"),
     (["actor_rollout_ref.rollout.height=60"], "height/width", "64x64"),
 ])
 def test_semantic_errors_name_key_and_fix(overrides, key, fix):

@@ -28,7 +28,7 @@ def trainer(tmp_path, request):
     cfg = compose([f"data.train_files={tmp_path}/train.jsonl", f"trainer.run_dir={tmp_path}/run", *SMALL,
                    *request.param])
     t = FlowGRPOTrainer(cfg)
-    t.sync_weights(0)
+    t.ops.sync_weights(0)
     yield t
     t.agent.shutdown()
     shutdown_ray()
@@ -59,11 +59,19 @@ def test_one_step_off_policy_overlaps_next_rollout_with_update_and_lags_by_one(t
 
 @pytest.mark.parametrize("trainer", [["async_reward.update_pipeline=true"]], indirect=True)
 def test_pipeline_updates_before_the_last_reward_and_uses_every_group_once(trainer):
+    trained_uids: list[list[str]] = []
+    real_step = trainer.ops.optimizer_step
+
+    def recording_step(minibatch, timer):  # the real optimizer step, with a record of which groups it trained
+        trained_uids.append(sorted(set(minibatch.non_tensor_batch["uid"])))
+        return real_step(minibatch, timer)
+
+    trainer.ops.optimizer_step = recording_step
     metrics, samples = trainer.train_step(0)
     timeline = trainer.last_timeline
     first_update = min(start for start, _ in spans(timeline, "update_actor"))
     assert first_update < max(s["scored"] for s in timeline["samples"])
-    used = [uid for mb in trainer.update.minibatch_uids for uid in mb]
+    used = [uid for mb in trained_uids for uid in mb]
     assert sorted(used) == sorted({s.uid for s in samples}) and len(used) == 4
-    assert all(len(mb) == 1 for mb in trainer.update.minibatch_uids)  # ppo_mini_batch_size=1 prompt
+    assert all(len(mb) == 1 for mb in trained_uids)  # ppo_mini_batch_size=1 prompt
     assert metrics["actor/grad_norm"] > 0 and metrics["rollout/policy_version"] == 0.0

@@ -41,7 +41,7 @@ def make_trainer(data_dir, tmp_path):
         cfg = compose([f"data.train_files={data_dir}/train.jsonl", f"trainer.run_dir={tmp_path}/run{len(made)}",
                        *SMALL, *overrides])
         made.append(FlowGRPOTrainer(cfg))
-        made[-1].sync_weights(0)
+        made[-1].ops.sync_weights(0)
         return made[-1]
 
     yield make
@@ -58,9 +58,9 @@ def test_stream_on_reward_pool_matches_sync_and_skips_colocated_reward(make_trai
     stream = make_trainer("reward.streaming=true", "reward.reward_model.enable_resource_pool=True",
                           "reward.reward_model.n_gpus_per_node=1", "reward.num_workers=1")
     # Placement: the reward worker holds a device of the reward pool, not of the actor/rollout pool.
-    reward_pgs = {pg.id.hex() for pg in stream.pools.get_resource_pool("reward").get_placement_groups()}
-    actor_pgs = {pg.id.hex() for pg in stream.pools.get_resource_pool("actor").get_placement_groups()}
-    info = ray.get(stream.reward_workers[0].info.remote())
+    reward_pgs = {pg.id.hex() for pg in stream.placement.pools.get_resource_pool("reward").get_placement_groups()}
+    actor_pgs = {pg.id.hex() for pg in stream.placement.pools.get_resource_pool("actor").get_placement_groups()}
+    info = ray.get(stream.reward.workers[0].info.remote())
     assert info["placement_group_id"] in reward_pgs and info["placement_group_id"] not in actor_pgs
     assert len(info["accelerator_ids"]["GPU"]) == 1
     # Ray's per-placement-group resources: the actor pool's device is exactly used up by the actor (0.5) and the
@@ -71,16 +71,16 @@ def test_stream_on_reward_pool_matches_sync_and_skips_colocated_reward(make_trai
         assert total[f"GPU_group_{pg_id}"] == 1.0 and free.get(f"GPU_group_{pg_id}", 0.0) == 0.0
 
     metrics, samples = stream.train_step(0)
-    assert stream.colocated_reward_calls == 0 and metrics["timing_s/reward"] == 0.0
+    assert not stream.reward.colocated_used and metrics["timing_s/reward"] == 0.0
     # Streaming: with device batches of 2, the first reward is sent while later samples are still generating.
-    assert min(s.times["sent"] for s in samples) < max(s.times["generated"] for s in samples)
+    assert min(s.times.sent for s in samples) < max(s.times.gen_end for s in samples)
     assert metrics["reward_queue/total_produced"] == metrics["reward_queue/total_consumed"] == 8
     assert metrics["timing_s/reward_wait"] >= 0.0 and "timing_s/reward_compute/p95" in metrics
     stream_scores = scores(samples)
 
     sync = make_trainer("reward.streaming=false")
     metrics, samples = sync.train_step(0)
-    assert sync.colocated_reward_calls == 1 and metrics["timing_s/reward"] > 0.0
+    assert sync.reward.colocated_used and metrics["timing_s/reward"] > 0.0
     assert scores(samples) == pytest.approx(stream_scores, abs=1e-9)
 
 
@@ -107,12 +107,12 @@ def test_killed_reward_worker_mid_step_every_sample_scored_once(make_trainer, tm
     trainer = make_trainer(f"reward.custom_reward_function.path={TEST_REWARDS}",
                            "reward.custom_reward_function.name=slow_logged", "+reward.custom_reward_function."
                            "reward_kwargs.delay_s=1.0", "reward.num_workers=2", "reward.streaming=true")
-    victim = trainer.reward_workers[0]
+    victim = trainer.reward.workers[0]
     victim_pid = ray.get(victim.info.remote())["pid"]
-    samples = trainer.make_samples(0, trainer.sampler.next_batch())
+    samples = trainer.ops.make_samples(0, trainer.sampler.next_batch())
     collection = trainer.agent.start(samples, (0, 2))
     deadline = time.time() + 60
-    while not any("sent" in s.times for s in samples) and time.time() < deadline:
+    while not any(s.times.sent is not None for s in samples) and time.time() < deadline:
         time.sleep(0.01)
     ray.kill(victim, no_restart=False)  # Ray restarts it; the dispatcher re-sends its samples
     collection.wait()
@@ -140,7 +140,7 @@ def test_post_process_sees_whole_groups_and_async_reward_runs_concurrently(make_
         assert sum(s.outcome.score for s in samples if s.uid == uid) == pytest.approx(0.0, abs=1e-9)
     assert all(s.outcome.extra["tag"] == "ok" for s in samples)
     # 8 calls of 1 s each on one worker: concurrent, so the scoring span is about one latency, not eight.
-    span = max(s.times["scored"] for s in samples) - min(s.times["sent"] for s in samples)
+    span = max(s.times.scored for s in samples) - min(s.times.sent for s in samples)
     assert metrics["timing_s/reward_compute/mean"] >= 1.0
     assert span < 0.5 * 8 * 1.0, span
 

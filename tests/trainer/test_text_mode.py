@@ -14,7 +14,6 @@ import ray
 from omni_async.cluster import init_ray, shutdown_ray
 from omni_async.reward.dispatcher import RewardDispatcher
 from omni_async.reward.worker import RewardLoopWorker, sample_to_proto
-from omni_async.trainer.batch import samples_to_batch
 from omni_async.trainer.config import compose
 from omni_async.trainer.loop import FlowGRPOTrainer
 
@@ -43,7 +42,7 @@ def make(arith, tmp_path, *overrides) -> FlowGRPOTrainer:
     cfg = compose([f"data.train_files={arith}/train.jsonl", f"trainer.run_dir={tmp_path}/run", *SMALL, *overrides],
                   config_name="grpo_text_trainer")
     trainer = FlowGRPOTrainer(cfg)
-    trainer.sync_weights(0)
+    trainer.ops.sync_weights(0)
     return trainer
 
 
@@ -56,11 +55,11 @@ def test_text_stream_scores_land_on_last_token_and_match_sync(arith, tmp_path):
     stream = make(arith, tmp_path, "reward.streaming=true", *DIGITS)
     try:
         metrics, samples = stream.train_step(0)
-        assert stream.colocated_reward_calls == 0 and metrics["timing_s/reward"] == 0.0
-        batch = samples_to_batch(samples, (0, 0))
+        assert not stream.reward.colocated_used and metrics["timing_s/reward"] == 0.0
+        batch = stream.ops.build_batch(samples, None)
         rm, mask = batch.batch["rm_scores"], batch.batch["response_mask"]
         for i, s in enumerate(samples):
-            last = len(s.generated["response_ids"]) - 1
+            last = len(s.result.response_ids) - 1
             assert mask[i].sum() == last + 1 and rm[i, last] == pytest.approx(s.outcome.score)
             assert rm[i].sum() == pytest.approx(s.outcome.score)  # and nowhere else
         stream_scores = [s.outcome.score for s in samples]
@@ -69,7 +68,7 @@ def test_text_stream_scores_land_on_last_token_and_match_sync(arith, tmp_path):
     sync = make(arith, tmp_path, "reward.streaming=false", *DIGITS)
     try:
         _, samples = sync.train_step(0)
-        assert sync.colocated_reward_calls == 1
+        assert sync.reward.colocated_used
         assert [s.outcome.score for s in samples] == pytest.approx(stream_scores)
     finally:
         close(sync)
@@ -99,14 +98,14 @@ def test_text_class_post_process_and_tuple_rewards(arith, tmp_path, streaming):
     finally:
         close(trainer)
     for s in samples:
-        o, n = s.outcome, len(s.generated["response"])
-        assert o.ok and o.extra["judge_text"] == s.generated["response"][:5]
+        o, n = s.outcome, len(s.result.response)
+        assert o.ok and o.extra["judge_text"] == s.result.response[:5]
         assert o.parts["tuple"] == n % 3
         if n % 2:  # scored directly
             assert o.parts["repaired"] == pytest.approx(1 + n / 100)
         else:  # failed, then repaired with its group's mean
             group = [m.outcome.parts["repaired"] for m in samples if m.uid == s.uid
-                     and len(m.generated["response"]) % 2]
+                     and len(m.result.response) % 2]
             assert o.extra.get("reward/post_process_repaired") == 1.0
             assert o.parts["repaired"] == pytest.approx(np.mean(group) if group else 0.0)
         assert o.score == pytest.approx(o.parts["repaired"] + 0.5 * o.parts["tuple"])
@@ -117,12 +116,12 @@ def test_500_concurrent_slow_async_scores_take_about_one_latency():
     shutdown_ray()
     init_ray(num_gpus=0, num_cpus=4)
     try:
-        cfg = {"timeout_s": 30, "reward_functions": {}, "custom_reward_function": {
+        cfg = {"timeout_s": 30, "max_inflight_per_worker": 1000, "reward_functions": {}, "custom_reward_function": {
             "path": TEST_REWARDS, "name": "slow_constant", "reward_kwargs": {"delay_s": 1.0}}}
         worker = ray.remote(RewardLoopWorker).options(max_concurrency=1000).remote(cfg, 0)
         ray.get(worker.info.remote())
         chunks = [sample_to_proto({"prompt": "q", "data_source": "x", "ground_truth": "1", "extra_info": {},
-                                   "uid": str(i), "response": f"answer {i}"}) for i in range(500)]
+                                   "uid": str(i), "solution_str": f"answer {i}"}) for i in range(500)]
 
         async def run():
             dispatcher = RewardDispatcher([worker], queue_size=1000, max_inflight_per_worker=1000, timeout_s=30)

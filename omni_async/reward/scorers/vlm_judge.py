@@ -120,8 +120,15 @@ async def compute_score(data_source: str, solution_image: Any, ground_truth: Any
                         backend: str = "transformers", model_path: str = "tiny:qwen2_vl",
                         base_url: str | list[str] | None = None, frame_interval: int = 1,
                         substring_shortcut: bool = True, max_new_tokens: int = 32,
-                        instruction: str = DEFAULT_INSTRUCTION, **backend_kwargs: Any) -> dict[str, Any]:
-    """Score = mean over frames of ``ocr_similarity(judge transcription, ground_truth)``."""
+                        instruction: str = DEFAULT_INSTRUCTION, judge_urls: list[str] | None = None,
+                        **backend_kwargs: Any) -> dict[str, Any]:
+    """Score = mean over frames of ``ocr_similarity(judge transcription, ground_truth)``.
+
+    ``judge_urls``: the run's vLLM judge servers (``reward.reward_model.rollout.name=vllm``), handed over by the
+    reward manager; when given they are the OpenAI-compatible backend's servers.
+    """
+    if judge_urls:
+        backend, base_url = "openai", list(judge_urls)
     frames = [as_pil(f) for f in sample_frames(solution_image, frame_interval)]
     if backend == "transformers":
         judge = await asyncio.get_running_loop().run_in_executor(

@@ -1,0 +1,112 @@
+"""Images and video: a diffusion policy trained with FlowGRPO over the stored SDE window.
+
+Batch tensors per sample: ``window_latents`` [W+1, ...] (x before the window, then after each SDE step),
+``old_log_probs`` [W] (the rollout's, pi_old in bypass mode) and ``rm_scores`` [1] (verl's outcome-reward form).
+The loss runs window step by window step with gradients accumulated, so one step's graph is alive at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+from omni_async.algos.loss import flow_grpo_loss
+from omni_async.algos.sde import kl_to_reference
+from omni_async.modality.base import REF_TIME_KEY, rm_score, score_labels
+from omni_async.sample import ImageResult, Sample, is_video
+
+GRID_COLUMNS, GRID_MAX_IMAGES, CAPTION_HEIGHT_PX = 4, 16, 14
+
+
+class ImageModality:
+    name = "image"
+    uses_window = True
+
+    def sampling_config(self, cfg: Any):
+        from omni_async.models.diffusion_policy import SamplingConfig
+
+        r = cfg.actor_rollout_ref.rollout
+        return SamplingConfig(height=r.height, width=r.width, num_inference_steps=r.num_inference_steps,
+                              noise_level=r.algo.noise_level, sde_type=r.algo.sde_type,
+                              cps_log_prob=r.algo.cps_log_prob,
+                              true_cfg_scale=float(r.pipeline.true_cfg_scale),
+                              guidance_scale=float(r.pipeline.guidance_scale), num_frames=int(r.num_frames))
+
+    def build_policy(self, model: dict[str, Any], sampling: dict[str, Any], device: str = "cpu",
+                     rollout_server: dict[str, Any] | None = None):
+        if rollout_server is not None:
+            raise ValueError("actor_rollout_ref.rollout.name=vllm serves text models; diffusion rolls out in-process")
+        from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
+
+        return DiffusionPolicy(model["path"], SamplingConfig(**sampling), lora_rank=model["lora_rank"],
+                               lora_alpha=model["lora_alpha"], target_modules=list(model["target_modules"]),
+                               device=device)
+
+    def batch_tensors(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
+        results: list[ImageResult] = [s.result for s in samples]
+        return {"window_latents": torch.stack([r.window_latents for r in results]),
+                "old_log_probs": torch.stack([r.log_probs for r in results]),
+                "rm_scores": torch.tensor([[rm_score(s)] for s in samples])}
+
+    @staticmethod
+    def _window_steps(policy, cond, latents: torch.Tensor, start: int):
+        """The SDE window's transitions, scored under the current weights: one ``SDEStep`` per step."""
+        for j in range(latents.shape[1] - 1):
+            yield j, policy.step(cond, latents[:, j], start + j, prev_sample=latents[:, j + 1])
+
+    def log_probs(self, policy, batch) -> torch.Tensor:
+        cond = policy.encode(list(batch.non_tensor_batch["prompt"]))
+        start = int(batch.meta_info["window_start"])
+        return torch.stack([out.log_prob for _, out in self._window_steps(policy, cond, batch.batch["window_latents"],
+                                                                          start)], 1)
+
+    def backward(self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any) -> dict[str, list[float]]:
+        start = int(batch.meta_info["window_start"])
+        cond = policy.encode(list(batch.non_tensor_batch["prompt"]))
+        latents, old_lp, adv = batch.batch["window_latents"], batch.batch["old_log_probs"], batch.batch["advantages"]
+        n_steps = latents.shape[1] - 1
+        metrics: dict[str, list[float]] = defaultdict(list)
+        ref_s = 0.0
+        for j, out in self._window_steps(policy, cond, latents, start):
+            kl = None
+            if actor_cfg.kl_loss_coef > 0:
+                t0 = time.perf_counter()
+                with torch.no_grad(), policy.reference():
+                    ref = policy.step(cond, latents[:, j], start + j, prev_sample=latents[:, j + 1])
+                ref_s += time.perf_counter() - t0
+                kl = kl_to_reference(out.mean, ref.mean, out.std_dev_t)
+            loss, m = flow_grpo_loss(out.log_prob, old_lp[:, j], adv, loss_mask, clip_ratio=actor_cfg.clip_ratio,
+                                     kl=kl, kl_coef=actor_cfg.kl_loss_coef)
+            (loss / n_steps).backward()  # the window's steps are averaged
+            for k, v in m.items():
+                metrics[k].append(v)
+        metrics[REF_TIME_KEY] = [ref_s]
+        return metrics
+
+    def save_samples(self, out_dir: Path, step: int, samples: list[Sample]) -> Path:
+        """A PNG grid of the images (a video's first frame), each captioned with its reward."""
+        frames = [s.result.pixels[0] if is_video(s.result.pixels) else s.result.pixels for s in samples]
+        return save_sample_grid(Path(out_dir) / f"step_{step:04d}.png", frames, score_labels(samples))
+
+
+def save_sample_grid(path: str | Path, images: list[np.ndarray], captions: list[str]) -> Path:
+    """A PNG grid of uint8 images, each captioned (e.g. with its reward)."""
+    images, captions = images[:GRID_MAX_IMAGES], captions[:GRID_MAX_IMAGES]
+    h, w = images[0].shape[:2]
+    rows = (len(images) + GRID_COLUMNS - 1) // GRID_COLUMNS
+    grid = Image.new("RGB", (GRID_COLUMNS * w, rows * (h + CAPTION_HEIGHT_PX)), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, (img, cap) in enumerate(zip(images, captions, strict=True)):
+        x, y = (i % GRID_COLUMNS) * w, (i // GRID_COLUMNS) * (h + CAPTION_HEIGHT_PX)
+        grid.paste(Image.fromarray(img), (x, y + CAPTION_HEIGHT_PX))
+        draw.text((x + 2, y + 1), cap[: max(4, w // 6)], fill="black")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(path)
+    return path

@@ -1,0 +1,98 @@
+"""Text: a causal LM trained with GRPO on token log-probs.
+
+Batch tensors per sample: left-padded ``prompt_ids`` / ``prompt_mask``, right-padded ``response_ids`` /
+``response_mask``, ``old_log_probs`` per response token, and verl's token-level ``rm_scores``: the score at the
+last valid response token, zeros elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omni_async.algos.loss import grpo_token_loss
+from omni_async.modality.base import REF_TIME_KEY, rm_score, score_labels
+from omni_async.sample import Sample, TextResult
+
+
+def _pad(rows: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        sl = slice(width - len(r), width) if left else slice(0, len(r))
+        ids[i, sl], mask[i, sl] = torch.tensor(r, dtype=torch.long), 1
+    return ids, mask
+
+
+class TextModality:
+    name = "text"
+    uses_window = False
+    pad_id = 0  # padding is masked everywhere; any id works
+
+    def sampling_config(self, cfg: Any):
+        from omni_async.models.text_policy import TextSamplingConfig
+
+        r = cfg.actor_rollout_ref.rollout
+        return TextSamplingConfig(response_length=int(r.response_length), temperature=float(r.temperature))
+
+    def build_policy(self, model: dict[str, Any], sampling: dict[str, Any], device: str = "cpu",
+                     rollout_server: dict[str, Any] | None = None):
+        """The trainable policy; with ``rollout_server`` (``rollout.name=vllm``) a rollout-only client of a vLLM
+        server instead (it samples and takes LoRA weights, it does not train)."""
+        from omni_async.models.text_policy import TextPolicy, TextSamplingConfig
+
+        if rollout_server is not None:
+            from omni_async.models.vllm_text_policy import VLLMTextPolicy
+
+            return VLLMTextPolicy(model["path"], TextSamplingConfig(**sampling), server=rollout_server,
+                                  lora_rank=model["lora_rank"], lora_alpha=model["lora_alpha"],
+                                  target_modules=list(model["target_modules"]))
+        return TextPolicy(model["path"], TextSamplingConfig(**sampling), lora_rank=model["lora_rank"],
+                          lora_alpha=model["lora_alpha"], target_modules=list(model["target_modules"]),
+                          device=device)
+
+    def batch_tensors(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
+        results: list[TextResult] = [s.result for s in samples]
+        prompt_ids, prompt_mask = _pad([r.prompt_ids for r in results], self.pad_id, left=True)
+        response_ids, response_mask = _pad([r.response_ids for r in results], self.pad_id, left=False)
+        old = torch.zeros(response_ids.shape)
+        for i, r in enumerate(results):
+            old[i, : len(r.log_probs)] = r.log_probs
+        rm = torch.zeros(response_ids.shape)
+        last = (response_mask.sum(-1) - 1).clamp(min=0)
+        rm[torch.arange(len(samples)), last] = torch.tensor([rm_score(s) for s in samples])
+        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+                "response_mask": response_mask, "old_log_probs": old, "rm_scores": rm}
+
+    def log_probs(self, policy, batch) -> torch.Tensor:
+        b = batch.batch
+        return policy.log_probs(b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"])
+
+    def backward(self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any) -> dict[str, list[float]]:
+        b = batch.batch
+        token_mask = b["response_mask"].float() * loss_mask[:, None].float()
+        log_prob = self.log_probs(policy, batch)
+        ref, t0 = None, time.perf_counter()
+        if actor_cfg.kl_loss_coef > 0:
+            with torch.no_grad(), policy.reference():
+                ref = self.log_probs(policy, batch)
+        ref_s = time.perf_counter() - t0
+        loss, metrics = grpo_token_loss(log_prob, b["old_log_probs"], b["advantages"][:, None].expand_as(token_mask),
+                                        token_mask, clip_ratio=actor_cfg.clip_ratio, ref_log_prob=ref,
+                                        kl_coef=actor_cfg.kl_loss_coef)
+        loss.backward()
+        return {**{k: [v] for k, v in metrics.items()}, REF_TIME_KEY: [ref_s]}
+
+    def save_samples(self, out_dir: Path, step: int, samples: list[Sample]) -> Path:
+        """A JSONL of prompt, response and reward per sample."""
+        path = Path(out_dir) / f"step_{step:04d}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"uid": s.uid, "prompt": s.row.prompt, "response": s.result.response,
+                                            "reward": label}) + "\n"
+                                for s, label in zip(samples, score_labels(samples), strict=True)))
+        return path

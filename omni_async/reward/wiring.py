@@ -1,0 +1,69 @@
+"""The reward side of a run, wired once: judge servers, reward-loop workers + the dispatcher, the colocated manager.
+
+- ``reward.streaming`` (verl's rule under ``auto``: stream when there is no reward model, or it has its own pool)
+  decides whether rollout streams each sample to reward-loop workers, or the trainer scores the whole batch
+  after rollout in one colocated call (the sync baseline).
+- With ``reward.reward_model.rollout.name=vllm`` the reward pool's devices host vLLM judge servers; their URLs
+  are handed to the reward functions that take a ``judge_urls`` argument (see ``reward.manager``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import ray
+from omegaconf import DictConfig
+
+from omni_async.reward.dispatcher import RewardDispatcher
+from omni_async.reward.manager import RewardManager, scorer_names
+from omni_async.reward.pool import create_reward_workers
+
+
+def streaming_enabled(cfg: DictConfig) -> bool:
+    """verl's rule: stream rewards whenever there is no reward model, or the reward model has its own pool."""
+    mode = str(cfg.reward.streaming).lower()
+    if mode == "auto":
+        rm = cfg.reward.reward_model
+        return (not rm.enable) or bool(rm.enable_resource_pool)
+    return mode == "true"
+
+
+class RewardSide:
+    def __init__(self, cfg: DictConfig, reward_pool: Any | None, judge_pg: Any | None):
+        """``reward_pool``: verl's dedicated ``RayResourcePool`` (or ``None``: CPU actors); ``judge_pg``: the
+        placement group of vLLM judge servers (or ``None``)."""
+        self.cfg = cfg.reward
+        self.streaming = streaming_enabled(cfg)
+        self.scorer_names = scorer_names(cfg.reward)
+        self.judge_urls: list[str] = []
+        if judge_pg is not None:
+            from omni_async.reward.vllm_server import launch_judge_servers
+
+            self.judge_urls = launch_judge_servers(cfg.reward, judge_pg)
+        self.workers: list[Any] = []
+        self.post_process = False
+        if self.streaming:
+            self.workers = create_reward_workers(cfg.reward, reward_pool, self.judge_urls)
+            self.post_process = ray.get(self.workers[0].has_post_process.remote())
+        self._colocated: RewardManager | None = None
+
+    def dispatcher_factory(self):
+        """Builds the reward queue on the agent loop (``None`` in sync mode: nothing is streamed)."""
+        if not self.streaming:
+            return None
+        r = self.cfg
+        return partial(RewardDispatcher, self.workers, queue_size=r.queue_size,
+                       max_inflight_per_worker=r.max_inflight_per_worker, timeout_s=r.timeout_s,
+                       max_resends=r.max_resends)
+
+    @property
+    def colocated(self) -> RewardManager:
+        """The sync baseline's reward manager, in the trainer process; built on first use."""
+        if self._colocated is None:
+            self._colocated = RewardManager(self.cfg, self.judge_urls)
+        return self._colocated
+
+    @property
+    def colocated_used(self) -> bool:
+        return self._colocated is not None

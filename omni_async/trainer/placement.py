@@ -1,0 +1,84 @@
+"""Where every role runs: verl resource pools, the actor worker group, the rollout workers.
+
+- ``actor_rollout`` pool: ``trainer.n_gpus_per_node x nnodes`` devices. The actor worker group has one verl
+  ``Worker`` per device. Rollout replicas (``RolloutReplica``) share the devices' bundles with the actors
+  (``ACTOR_ROLLOUT_COLOCATE``) and take weights from them after each update.
+- ``reward_pool`` (``reward.reward_model.enable_resource_pool``): the reward-loop workers' own devices; or TP
+  bundles for vLLM judge servers (``reward.reward_model.rollout.name=vllm``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from omegaconf import DictConfig, OmegaConf
+
+from omni_async.modality import get_modality
+from omni_async.trainer.actor_worker import ActorWorker
+
+# Roles sharing one actor/rollout device bundle: the actor worker and a rollout replica; each takes this share.
+ACTOR_ROLLOUT_COLOCATE = 2
+DEVICE_SHARE = 1.0 / ACTOR_ROLLOUT_COLOCATE
+ROLLOUT_MAX_RESTARTS = 4
+
+
+@dataclass
+class Placement:
+    pools: Any  # verl ResourcePoolManager
+    actor_wg: Any  # verl RayWorkerGroup of ActorWorker
+    rollout_workers: list[Any]  # Ray actor handles serving generate(prompt, seed, window)
+    reward_pool: Any | None  # verl RayResourcePool for reward-loop workers, or None
+    judge_pg: Any | None  # placement group of vLLM judge servers, or None
+
+
+def place(cfg: DictConfig) -> Placement:
+    from verl.single_controller.ray import ResourcePoolManager
+
+    t, rm = cfg.trainer, cfg.reward.reward_model
+    spec, mapping = {"actor_rollout": [t.n_gpus_per_node] * t.nnodes}, {"actor": "actor_rollout"}
+    judge_pg = None
+    if rm.enable and rm.rollout.name == "vllm":  # TP-device bundles for vLLM judge servers (see vllm_server)
+        from omni_async.reward.vllm_server import judge_placement_group
+
+        judge_pg = judge_placement_group(cfg.reward)
+    elif rm.enable_resource_pool:
+        spec["reward_pool"], mapping["reward"] = [rm.n_gpus_per_node] * rm.nnodes, "reward_pool"
+    pools = ResourcePoolManager(resource_pool_spec=spec, mapping=mapping, max_colocate_count=ACTOR_ROLLOUT_COLOCATE)
+    pools.create_resource_pool()
+    actor_wg = _actor_worker_group(cfg, pools.get_resource_pool("actor"))
+    reward_pool = pools.get_resource_pool("reward") if "reward" in mapping else None
+    return Placement(pools, actor_wg, _rollout_replicas(cfg, pools.get_resource_pool("actor")), reward_pool, judge_pg)
+
+
+def _actor_worker_group(cfg: DictConfig, pool: Any) -> Any:
+    from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(ray.remote(ActorWorker), config=cfg_dict), name_prefix="actor")
+    wg.init_model()
+    return wg
+
+
+def _rollout_replicas(cfg: DictConfig, pool: Any) -> list[Any]:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from omni_async.agent_loop.rollout_replica import RolloutReplica
+
+    m, r = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
+    modality = get_modality(m.modality)
+    bundles = [(pg, b) for pg in pool.get_placement_groups() for b in range(pg.bundle_count)]
+    rollout_server = None
+    if r.name == "vllm":  # text rollout through a vLLM server per replica (see models/vllm_text_policy)
+        rollout_server = {k: r[k] for k in ("server_python", "server_url", "gpu_memory_utilization", "server_args")}
+    replica_cls = ray.remote(RolloutReplica)
+    replicas = []
+    for i in range(r.agent.num_workers):
+        pg, index = bundles[i % len(bundles)]
+        replicas.append(replica_cls.options(
+            num_cpus=1, num_gpus=DEVICE_SHARE, max_restarts=ROLLOUT_MAX_RESTARTS, max_task_retries=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index),
+        ).remote(m.modality, OmegaConf.to_container(m, resolve=True), vars(modality.sampling_config(cfg)),
+                 r.agent.max_batch_size, r.agent.max_wait_ms, rollout_server))
+    return replicas

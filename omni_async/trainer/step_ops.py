@@ -1,0 +1,174 @@
+"""The operations a training step is made of. The strategies (``trainer.strategies``) compose them into modes.
+
+``StepOps`` owns what the operations share (config, prompt sampler, agent loop, reward side, actor workers) and
+is the one place where a batch is split into mini-batches and epochs (:func:`minibatches`,
+:meth:`StepOps.train_epochs`), so every mode does the same optimisation math.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from omegaconf import DictConfig
+from ray.exceptions import RayActorError
+from verl import DataProto
+
+from omni_async.agent_loop.manager import AgentLoopManager, Collection
+from omni_async.agent_loop.rollout_replica import SEED_WINDOW, sample_seed
+from omni_async.algos.advantages import group_advantages
+from omni_async.algos.sde import sde_window
+from omni_async.modality import REF_TIME_KEY, Modality
+from omni_async.reward.wiring import RewardSide
+from omni_async.sample import Sample
+from omni_async.trainer.dataset import PromptSampler
+from omni_async.trainer.timer import Timer
+
+
+class RewardFailureError(RuntimeError):
+    """More than ``reward.max_failure_ratio`` of a step's samples failed to get a reward."""
+
+
+class ActorRankDiedError(RuntimeError):
+    """An actor rank's process died: the optimizer state is gone, the run must resume from a checkpoint."""
+
+
+def minibatches(batch: DataProto, prompts_per_minibatch: int) -> list[DataProto]:
+    """Split a batch into mini-batches of whole ``uid`` groups, in order of first appearance."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, u in enumerate(batch.non_tensor_batch["uid"]):
+        groups[u].append(i)
+    order = list(groups)
+    return [batch.select_idxs(np.array([i for u in order[k:k + prompts_per_minibatch] for i in groups[u]]))
+            for k in range(0, len(order), prompts_per_minibatch)]
+
+
+class StepOps:
+    def __init__(self, cfg: DictConfig, modality: Modality, sampler: PromptSampler, agent: AgentLoopManager,
+                 reward: RewardSide, actor_wg: Any, rollout_workers: list[Any], last_checkpoint=lambda: None):
+        self.cfg, self.modality, self.sampler, self.agent, self.reward = cfg, modality, sampler, agent, reward
+        self.actor_wg, self.rollout_workers = actor_wg, rollout_workers
+        self.last_checkpoint = last_checkpoint  # for the error when an actor rank dies
+        self.sampler_state_before: dict[int, dict] = {}  # sampler state before each step's prompts were drawn
+        self._weights: tuple[Any, int] | None = None  # (object ref of the newest weights, version)
+
+    # ---- rollout ------------------------------------------------------------------------------------------------
+    def window(self, step: int) -> tuple[int, int] | None:
+        """Step ``step``'s SDE window (shared by all its samples), or ``None`` for a modality without one."""
+        if not self.modality.uses_window:
+            return None
+        r = self.cfg.actor_rollout_ref.rollout
+        gen = torch.Generator().manual_seed(sample_seed(self.cfg.trainer.seed, step, 0, SEED_WINDOW))
+        w = sde_window(r.num_inference_steps, r.algo.sde_window_size, tuple(r.algo.sde_window_range), gen)
+        return w.start, w.stop
+
+    def make_samples(self, step: int, rows: list) -> list[Sample]:
+        n = self.cfg.actor_rollout_ref.rollout.n
+        return [Sample(index=p * n + k, uid=f"{step}-{p}", row=row,
+                       seed=sample_seed(self.cfg.trainer.seed, step, p * n + k))
+                for p, row in enumerate(rows) for k in range(n)]
+
+    def start_collection(self, step: int) -> Collection:
+        """Draw step ``step``'s prompts and start generating (and, when streaming, scoring) its samples."""
+        # Only the newest states can still be checkpointed (see the trainer's save_checkpoint).
+        self.sampler_state_before = {k: v for k, v in self.sampler_state_before.items() if k >= step - 1}
+        self.sampler_state_before[step] = self.sampler.state_dict()
+        return self.agent.start(self.make_samples(step, self.sampler.next_batch()), self.window(step))
+
+    def collect(self, collection: Collection, timer: Timer) -> list[Sample]:
+        """Wait for a step's samples. Streamed ones arrive scored; the wait after the last one is the reward tail."""
+        with timer("collect_wait"):
+            samples = collection.wait()
+        last_generated = max(s.times.gen_end for s in samples)
+        timer.timing["timing_s/gen"] += max(0.0, last_generated - collection.t_start)
+        timer.timing["timing_s/reward_wait"] += max(0.0, collection.t_done - max(last_generated, collection.t_start))
+        return samples
+
+    def sync_weights(self, version: int) -> None:
+        """Push rank 0's trainable weights to the rollout workers: one object in Ray's store, read by all."""
+        ref = self.actor_wg.workers[0].get_weights.remote()
+        self._weights = (ref, version)
+        ray.get([w.set_weights.remote(ref, version) for w in self.rollout_workers])
+
+    async def restore_worker(self, worker: Any) -> None:
+        """Give a restarted rollout worker the newest weights (it came back with the initial ones)."""
+        if self._weights is not None:
+            await worker.set_weights.remote(*self._weights)
+
+    # ---- reward -------------------------------------------------------------------------------------------------
+    def score_colocated(self, samples: list[Sample], timer: Timer) -> None:
+        """The sync baseline's reward phase: one call over the whole batch, after rollout."""
+        with timer("reward"):
+            outcomes = self.reward.colocated.score_batch([s.reward_input() for s in samples])
+        now = time.time()
+        for s, o in zip(samples, outcomes, strict=True):
+            s.outcome, s.times.scored = o, now
+
+    def check_failures(self, samples: list[Sample], step: int, total: int, failed_so_far: int | None = None) -> None:
+        """The failure policy: raise once more than ``reward.max_failure_ratio`` of the step's samples failed."""
+        r = self.cfg.reward
+        failed = failed_so_far if failed_so_far is not None else sum(not s.outcome.ok for s in samples)
+        ratio = failed / total
+        if ratio > r.max_failure_ratio or (r.on_failure == "raise" and failed):
+            errors = sorted({s.outcome.error for s in samples if s.outcome is not None and not s.outcome.ok})
+            raise RewardFailureError(
+                f"step {step}: {ratio:.0%} of samples got no reward (reward.max_failure_ratio={r.max_failure_ratio}, "
+                f"on_failure={r.on_failure}) from scorer {self.reward.scorer_names}; first errors: {errors[:3]}")
+
+    # ---- update -------------------------------------------------------------------------------------------------
+    def build_batch(self, samples: list[Sample], window: tuple[int, int] | None) -> DataProto:
+        """Scored samples -> the actor's batch, with group advantages and the ``loss_mask`` (failed samples out)."""
+        algo = self.cfg.algorithm
+        batch = DataProto.from_dict(
+            tensors=self.modality.batch_tensors(samples),
+            non_tensors={"prompt": np.array([s.row.prompt for s in samples], dtype=object),
+                         "uid": np.array([s.uid for s in samples], dtype=object)},
+            meta_info={"window_start": window[0] if window is not None else 0},
+        )
+        adv, loss_mask = group_advantages(batch.batch["rm_scores"].sum(-1), [s.uid for s in samples],
+                                          torch.tensor([s.outcome.ok for s in samples]),
+                                          epsilon=algo.adv_std_eps, std_unbiased=algo.adv_std_unbiased,
+                                          norm_by_std=algo.norm_adv_by_std_in_grpo, global_std=algo.global_std,
+                                          adv_clip_max=algo.adv_clip_max)
+        batch.batch["advantages"], batch.batch["loss_mask"] = adv, loss_mask
+        return batch
+
+    def recompute_old_log_probs(self, batch: DataProto, timer: Timer) -> None:
+        """pi_old: the rollout's log-probs (bypass mode) or recomputed under the current weights."""
+        with timer("old_log_prob"):
+            if not self.cfg.algorithm.rollout_correction.bypass_mode:
+                batch.batch["old_log_probs"] = self._actor_call("compute_log_prob", batch)
+
+    def optimizer_step(self, minibatch: DataProto, timer: Timer) -> dict[str, float]:
+        """One optimizer step of the actor on one mini-batch; nothing when no sample of it is in the loss."""
+        if not minibatch.batch["loss_mask"].any():
+            return {}
+        with timer("update_actor"):
+            metrics = self._actor_call("update_minibatch", minibatch)
+        timer.timing[REF_TIME_KEY] += metrics.pop(REF_TIME_KEY, 0.0)  # part of update_actor, also shown alone
+        return metrics
+
+    def train_epochs(self, batches: list[DataProto], timer: Timer, epochs: range) -> dict[str, list[float]]:
+        """``ppo_epochs`` passes: for each epoch in ``epochs``, one optimizer step per mini-batch of each batch."""
+        sums: dict[str, list[float]] = defaultdict(list)
+        per_mb = int(self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
+        for _ in epochs:
+            for batch in batches:
+                for mb in minibatches(batch, per_mb):
+                    for k, v in self.optimizer_step(mb, timer).items():
+                        sums[k].append(v)
+        return sums
+
+    def _actor_call(self, method: str, data: DataProto):
+        try:
+            return getattr(self.actor_wg, method)(data)[0]
+        except RayActorError as e:
+            ckpt = self.last_checkpoint()
+            raise ActorRankDiedError(
+                f"an actor rank died during {method} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); its "
+                f"optimizer state is lost. Last checkpoint: {ckpt or 'none yet'}. Rerun the same command with "
+                "trainer.resume_mode=auto to continue from it") from e

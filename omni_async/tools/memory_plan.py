@@ -24,6 +24,7 @@ Method (nothing is downloaded, no weights exist; every figure below is counted o
   ``S x S`` fp32 score matrix; a CUDA GPU in bf16 without a mask takes the flash kernel. :func:`flash_sdpa`
   routes SDPA to ``aten._scaled_dot_product_flash_attention`` (its meta kernel and autograd formula are
   PyTorch's), and to the memory-efficient kernel when a mask is given, so the figures are those of a GPU.
+* **Optimizer.** A steady-state ``torch.optim.AdamW`` (foreach) step on the meta LoRA params, same tracker.
 * **Rollout, text encoder, VAE.** Forward under ``torch.no_grad`` with the same tracker: the peak of live
   intermediates is measured, not estimated from one layer. VAE decode is measured plain and tiled.
 * **Not modelled:** allocator fragmentation and the CUDA context. The budget adds :data:`RUNTIME_RESERVE_GB`
@@ -275,6 +276,21 @@ def measure_train(model: str, resolution: int, batch: int, checkpointing: bool, 
     return {"held_gb": held / GB, "saved_gb": sum(saved.values()) / GB, "peak_gb": mem.peak / GB}
 
 
+def measure_optimizer_step(model: str, rank: int) -> float:
+    """Transient GB of a steady-state AdamW step (foreach) on the LoRA params: the second step, after the first
+    allocated the exp_avg / exp_avg_sq state already counted in the LoRA line."""
+    module, _ = lora_transformer(model, rank)
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    optimizer.step()
+    with LiveMemory() as mem:
+        optimizer.step()
+    module.zero_grad(set_to_none=True)
+    return mem.peak / GB
+
+
 def measure_no_grad(fn) -> float:
     """Peak GB of live intermediates of ``fn()`` under ``torch.no_grad`` on meta tensors."""
     with torch.no_grad(), flash_sdpa(), LiveMemory() as mem:
@@ -319,6 +335,7 @@ def plan_model(model: str, resolutions, lora_rank: int = 64, micro_batch: int = 
         "lora": {"rank": lora_rank, "targets": MODELS[model]["lora_targets"], "params": lora_params,
                  "gb": 16 * lora_params / GB},  # fp32 param + grad + AdamW exp_avg + exp_avg_sq
         "text_encoder_forward_gb": measure_text_encoder(model, micro_batch),
+        "optimizer_step_gb": measure_optimizer_step(model, lora_rank),
         "resolutions": {},
     }
     for res in resolutions:
@@ -341,7 +358,8 @@ def device_peak(plan: dict, res: int, cfg: bool, ckpt: bool, offload_encoders: b
 
     Resident in both phases: transformer (bf16) + LoRA params/grads/AdamW (fp32) + runtime reserve. Rollout adds the
     text encoder + VAE and the largest of (text-encoder forward, denoising forward, VAE decode); the update adds
-    the encoders only when they are not offloaded to CPU, plus the training micro-batch peak.
+    the encoders only when they are not offloaded to CPU, plus the larger of the training micro-batch peak and the
+    AdamW step's transient (they do not overlap: the step runs after the last micro-batch's backward).
     ``micro_scale`` scales the measured training activations linearly (they are proportional to the batch); the
     rollout phase stays at the measured batch (``--micro-batch`` prompts, x2 with CFG)."""
     w, entry = plan["weights"], plan["resolutions"][str(res)]
@@ -351,7 +369,7 @@ def device_peak(plan: dict, res: int, cfg: bool, ckpt: bool, offload_encoders: b
     vae = entry["vae_decode_gb"]["tiled" if vae_tiled else "plain"]
     rollout = resident + encoders + max(plan["text_encoder_forward_gb"], entry["rollout_gb"][tag], vae)
     train = entry["train"][f"{tag}/{'ckpt' if ckpt else 'no_ckpt'}"]["peak_gb"] * micro_scale
-    update = resident + (0.0 if offload_encoders else encoders) + train
+    update = resident + (0.0 if offload_encoders else encoders) + max(train, plan.get("optimizer_step_gb", 0.0))
     return {"rollout_gb": rollout, "update_gb": update, "peak_gb": max(rollout, update)}
 
 
@@ -403,7 +421,8 @@ def format_table(report: dict) -> str:
             lines.append(f"  {part:<13} {w[part]['params'] / 1e9:7.3f} B params  {w[part]['gb']:7.2f} GB")
         lines.append(f"  LoRA r{lora['rank']:<7} {lora['params'] / 1e6:7.1f} M params  {lora['gb']:7.2f} GB "
                      "(fp32 param+grad+AdamW)")
-        lines.append(f"  text-encoder forward (no grad): {plan['text_encoder_forward_gb']:.2f} GB")
+        lines.append(f"  text-encoder forward (no grad): {plan['text_encoder_forward_gb']:.2f} GB; AdamW step "
+                     f"transient: {plan['optimizer_step_gb']:.2f} GB")
         lines.append("  res   CFG ckpt | train held  saved   peak | rollout | VAE plain tiled | device peak "
                      "(encoders on GPU / offloaded in update)")
         for res, entry in plan["resolutions"].items():

@@ -7,8 +7,11 @@ One call, :func:`init_ray`, for the trainer, the tests and the benchmarks:
   actor/rollout pool plus one per device of the dedicated reward pool, so verl's ``RayResourcePool``
   (which asks for ``GPU`` bundles) places actors exactly as it would on a GPU cluster. Logical CPUs are
   over-declared too, since verl bundles reserve several CPUs each.
+- otherwise start a local one. On a box with CUDA devices Ray detects them all (no ``num_gpus`` is passed).
 - Every Ray worker process caps torch (and BLAS) threads, via a process setup hook and env vars: with 2
-  physical cores, a few actors each spawning one thread per core would wreck every timing.
+  physical cores, a few actors each spawning one thread per core would wreck every timing. A worker that owns a
+  GPU is not capped to 1 (its CPU threads feed the device): :func:`configure_worker` gives it
+  ``trainer.ray.gpu_worker_torch_threads`` (null: torch's default) and places its model on ``cuda``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import ray
 from omegaconf import DictConfig
 
 THREADS_ENV = "OMNI_ASYNC_TORCH_THREADS"
+GPU_THREADS_ENV = "OMNI_ASYNC_GPU_WORKER_TORCH_THREADS"
 
 
 def setup_worker_process() -> None:
@@ -34,13 +38,31 @@ def setup_worker_process() -> None:
         pass
 
 
-def worker_runtime_env(torch_threads: int = 1) -> dict[str, Any]:
+def configure_worker() -> str:
+    """Called in a Ray actor's ``__init__``: its torch threads and the device its model goes on.
+
+    A worker Ray assigned a GPU (Ray sets ``CUDA_VISIBLE_DEVICES`` to it, so it is ``cuda:0`` in the process) gets
+    ``trainer.ray.gpu_worker_torch_threads`` threads (unset: torch's default); a CPU worker keeps the cap.
+    """
+    import ray
+    import torch
+
+    if ray.get_gpu_ids() and torch.cuda.is_available():
+        if os.environ.get(GPU_THREADS_ENV):
+            torch.set_num_threads(int(os.environ[GPU_THREADS_ENV]))
+        return "cuda:0"
+    torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
+    return "cpu"
+
+
+def worker_runtime_env(torch_threads: int = 1, gpu_worker_threads: int | None = None) -> dict[str, Any]:
     from omni_async.models.tiny import cache_root
 
     threads = str(torch_threads)
     return {
         "env_vars": {
             THREADS_ENV: threads,
+            **({GPU_THREADS_ENV: str(gpu_worker_threads)} if gpu_worker_threads else {}),
             "OMP_NUM_THREADS": threads,
             "MKL_NUM_THREADS": threads,
             "OPENBLAS_NUM_THREADS": threads,
@@ -60,27 +82,37 @@ def logical_devices(cfg: DictConfig) -> dict[str, int]:
     return {"actor_rollout": actor, "reward": reward}
 
 
+# verl reserves several CPUs per device bundle; a CPU box declares enough logical CPUs for every actor.
+LOGICAL_CPUS_PER_DEVICE, LOGICAL_CPUS_BASE, MIN_LOGICAL_CPUS = 8, 8, 16
+
+
+def logical_cpus(devices: int) -> int:
+    return max(MIN_LOGICAL_CPUS, LOGICAL_CPUS_PER_DEVICE * max(devices, 1) + LOGICAL_CPUS_BASE)
+
+
 def init_ray(cfg: DictConfig | None = None, *, num_gpus: int | None = None, num_cpus: int | None = None,
              torch_threads: int = 1) -> dict[str, Any]:
     """Start (or join) Ray once per process; return the cluster's resources. Idempotent."""
     if ray.is_initialized():
         return ray.cluster_resources()
-    address = None
+    address, gpu_threads = None, None
     if cfg is not None:
+        gpu_threads = cfg.trainer.ray.gpu_worker_torch_threads
         address = cfg.trainer.ray.address
         num_cpus = num_cpus if num_cpus is not None else cfg.trainer.ray.num_cpus
         if num_gpus is None:
             num_gpus = sum(logical_devices(cfg).values())
-    kwargs: dict[str, Any] = dict(runtime_env=worker_runtime_env(torch_threads), include_dashboard=False,
+    kwargs: dict[str, Any] = dict(runtime_env=worker_runtime_env(torch_threads, gpu_threads), include_dashboard=False,
                                   logging_level="warning", log_to_driver=True)
     if address:
         ray.init(address=address, **kwargs)
     else:
         import torch
 
-        if torch.cuda.is_available():
-            num_gpus = None  # real devices: let Ray detect them
-        kwargs.update(num_gpus=num_gpus or 0, num_cpus=num_cpus or max(16, 8 * (num_gpus or 1) + 8))
+        if torch.cuda.is_available():  # real devices: Ray detects them all
+            kwargs["num_cpus"] = num_cpus  # None: Ray counts the machine's cores
+        else:  # logical devices, so verl's GPU bundles place actors as they would on a GPU cluster
+            kwargs.update(num_gpus=num_gpus or 0, num_cpus=num_cpus or logical_cpus(num_gpus or 0))
         ray.init(**kwargs)
     return ray.cluster_resources()
 

@@ -50,3 +50,23 @@ def test_pools_threads_and_clean_shutdown():
     assert not psutil.pid_exists(worker_pid) or psutil.Process(worker_pid).status() == psutil.STATUS_ZOMBIE
     after = {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
     assert after <= before, f"stray processes after shutdown: {after - before}"
+
+
+def test_gpu_box_lets_ray_detect_its_devices(monkeypatch):
+    """On a machine that reports CUDA, a local Ray is started without num_gpus (Ray counts the real devices)
+    instead of the logical-device count a CPU box declares; the GPU workers' thread setting travels along."""
+    import torch
+
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {})
+    cfg = compose(["data.train_files=x.jsonl", "trainer.n_gpus_per_node=4", "trainer.ray.gpu_worker_torch_threads=4"])
+    init_ray(cfg)
+    assert "num_gpus" not in seen and seen["num_cpus"] is None
+    assert seen["runtime_env"]["env_vars"]["OMNI_ASYNC_GPU_WORKER_TORCH_THREADS"] == "4"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same config on a CPU box
+    seen.clear()
+    init_ray(cfg)
+    assert seen["num_gpus"] == 4 and seen["num_cpus"] >= 16

@@ -103,10 +103,15 @@ class RolloutReplica:
     """A generation-only copy of the policy (split layout); Ray restarts it if its process dies."""
 
     def __init__(self, modality: str, model: dict[str, Any], sampling: dict[str, Any], max_batch_size: int = 8,
-                 max_wait_ms: float = 5.0, rollout_server: dict[str, Any] | None = None):
+                 max_wait_ms: float = 5.0, rollout_server: dict[str, Any] | None = None,
+                 dtype_name: str | None = None):
+        from omni_async.cluster import configure_worker
         from omni_async.modality import get_modality
+        from omni_async.modality.base import model_dtype
 
-        self.policy = get_modality(modality).build_policy(model, sampling, rollout_server=rollout_server)
+        device = configure_worker()
+        self.policy = get_modality(modality).build_policy(model, sampling, device, rollout_server,
+                                                          dtype=model_dtype(dtype_name, device))
         self.version = 0
         device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-device")
         self.batcher = GenerationBatcher(self.policy.generate, lambda: self.version, device, max_batch_size,

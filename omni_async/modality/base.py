@@ -18,8 +18,9 @@ class Modality(Protocol):
         """The policy's sampling settings from the trainer config (a dataclass; shipped to workers as a dict)."""
 
     def build_policy(self, model: dict[str, Any], sampling: dict[str, Any], device: str = "cpu",
-                     rollout_server: dict[str, Any] | None = None) -> Any:
-        """The trainable policy on ``device`` (or a client of an inference server, for a rollout worker)."""
+                     rollout_server: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32) -> Any:
+        """The trainable policy on ``device`` with frozen weights in ``dtype`` (or, for a rollout worker, a client
+        of an inference server)."""
 
     def batch_tensors(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         """The actor's tensors for scored samples, including verl's ``rm_scores``."""
@@ -36,6 +37,19 @@ class Modality(Protocol):
 
 # A backward's seconds spent in the reference policy (KL): reported as the step's timing_s/ref.
 REF_TIME_KEY = "timing_s/ref"
+
+
+MODEL_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def model_dtype(name: str | None, device: str) -> torch.dtype:
+    """verl-omni's ``actor.fsdp_config.model_dtype``: the frozen weights' dtype; ``None`` = bf16 on CUDA, fp32 on CPU."""
+    if name is None:
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if str(name) not in MODEL_DTYPES:
+        raise ValueError(f"actor_rollout_ref.actor.fsdp_config.model_dtype={name!r}: use bf16, fp16 or fp32")
+    return MODEL_DTYPES[str(name)]
 
 
 def score_labels(samples: list[Sample]) -> list[str]:

@@ -39,14 +39,14 @@ class ImageModality:
                               guidance_scale=float(r.pipeline.guidance_scale), num_frames=int(r.num_frames))
 
     def build_policy(self, model: dict[str, Any], sampling: dict[str, Any], device: str = "cpu",
-                     rollout_server: dict[str, Any] | None = None):
+                     rollout_server: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32):
         if rollout_server is not None:
             raise ValueError("actor_rollout_ref.rollout.name=vllm serves text models; diffusion rolls out in-process")
         from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
 
         return DiffusionPolicy(model["path"], SamplingConfig(**sampling), lora_rank=model["lora_rank"],
                                lora_alpha=model["lora_alpha"], target_modules=list(model["target_modules"]),
-                               device=device)
+                               device=device, dtype=dtype)
 
     def batch_tensors(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         results: list[ImageResult] = [s.result for s in samples]

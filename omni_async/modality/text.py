@@ -41,7 +41,7 @@ class TextModality:
         return TextSamplingConfig(response_length=int(r.response_length), temperature=float(r.temperature))
 
     def build_policy(self, model: dict[str, Any], sampling: dict[str, Any], device: str = "cpu",
-                     rollout_server: dict[str, Any] | None = None):
+                     rollout_server: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32):
         """The trainable policy; with ``rollout_server`` (``rollout.name=vllm``) a rollout-only client of a vLLM
         server instead (it samples and takes LoRA weights, it does not train)."""
         from omni_async.models.text_policy import TextPolicy, TextSamplingConfig
@@ -54,7 +54,7 @@ class TextModality:
                                   target_modules=list(model["target_modules"]))
         return TextPolicy(model["path"], TextSamplingConfig(**sampling), lora_rank=model["lora_rank"],
                           lora_alpha=model["lora_alpha"], target_modules=list(model["target_modules"]),
-                          device=device)
+                          device=device, dtype=dtype)
 
     def batch_tensors(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         results: list[TextResult] = [s.result for s in samples]

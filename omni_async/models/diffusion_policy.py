@@ -176,10 +176,13 @@ class DiffusionPolicy(TrainableModule):
     """Load a pipeline, add LoRA to its transformer, sample with the SDE window, recompute log-probs."""
 
     def __init__(self, model_path: str, sampling: SamplingConfig, *, lora_rank: int = 8, lora_alpha: int = 16,
-                 target_modules: list[str] | None = None, device: str = "cpu"):
+                 target_modules: list[str] | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        """``dtype``: the frozen weights' dtype (``fsdp_config.model_dtype``). Trainable weights are fp32 (LoRA, or
+        the whole transformer for a full fine-tune); latents, the SDE step, log-probs and KL are fp32 too, and
+        tensors are cast to the transformer's dtype only at its input (``step``)."""
         from diffusers import DiffusionPipeline
 
-        self.pipe = DiffusionPipeline.from_pretrained(resolve_model_path(model_path), dtype=torch.float32)
+        self.pipe = DiffusionPipeline.from_pretrained(resolve_model_path(model_path), dtype=dtype)
         self.pipe.to(device)
         self.pipe.set_progress_bar_config(disable=True)
         family = type(self.pipe).__name__
@@ -192,6 +195,8 @@ class DiffusionPolicy(TrainableModule):
             module.requires_grad_(False)
         self.transformer = self.pipe.transformer
         self.init_trainable(self.transformer, lora_rank, lora_alpha, target_modules or ["to_q", "to_k", "to_v"])
+        # The transformer's input dtype: the frozen weights' (LoRA casts its fp32 branch itself), fp32 when all train.
+        self.compute_dtype = dtype if lora_rank > 0 else torch.float32
         self.sigmas, self.timesteps = self._schedule()
 
     # ---- schedule -------------------------------------------------------------------------------------------
@@ -250,7 +255,10 @@ class DiffusionPolicy(TrainableModule):
     def step(self, cond: dict[str, torch.Tensor], x: torch.Tensor, i: int, *, prev_sample: torch.Tensor | None = None,
              noise: torch.Tensor | None = None, noise_level: float | None = None) -> SDEStep:
         """Denoising step ``i`` (0-based) from ``x``: scores ``prev_sample`` or draws with ``noise``."""
-        v = self.adapter.velocity(x, self.timesteps[i], cond)
+        cd = self.compute_dtype
+        cond = {k: v.to(cd) if v.is_floating_point() else v for k, v in cond.items()}
+        v = self.adapter.velocity(x.to(cd), self.timesteps[i], cond).float()
+        x = x.float()
         return sde_step_with_logprob(
             v, x, self.sigmas[i], self.sigmas[i + 1],
             noise_level=self.sampling.noise_level if noise_level is None else noise_level,

@@ -25,6 +25,9 @@ class TrainableModule:
                                           target_modules=list(target_modules)))
         else:
             module.requires_grad_(True)
+        # Trainable weights (and so AdamW's state) are fp32 whatever the frozen weights' dtype.
+        for p in self.trainable_parameters():
+            p.data = p.data.float()
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.trainable.parameters() if p.requires_grad]

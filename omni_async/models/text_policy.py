@@ -25,12 +25,12 @@ class TextSamplingConfig:
 
 class TextPolicy(TrainableModule):
     def __init__(self, model_path: str, sampling: TextSamplingConfig, *, lora_rank: int = 8, lora_alpha: int = 16,
-                 target_modules: list[str] | None = None, device: str = "cpu"):
+                 target_modules: list[str] | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = resolve_model_path(model_path)
         self.tok = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         self.model.requires_grad_(False)
         self.sampling, self.device = sampling, device
         # generation_config.eos_token_id is an int or a list (Qwen2.5/Qwen3-Instruct: [<|im_end|>, <|endoftext|>]);

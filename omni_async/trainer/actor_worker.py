@@ -19,15 +19,16 @@ from verl import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
-from omni_async.cluster import THREADS_ENV
+from omni_async.cluster import configure_worker
 from omni_async.modality import REF_TIME_KEY, get_modality
+from omni_async.modality.base import model_dtype
 
 
 class ActorWorker(Worker):
     def __init__(self, config: dict[str, Any]):
         super().__init__()
         self.cfg = OmegaConf.create(config)
-        torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
+        self.device = configure_worker()
         self.modality = get_modality(self.cfg.actor_rollout_ref.model.modality)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -35,7 +36,9 @@ class ActorWorker(Worker):
         m, a = self.cfg.actor_rollout_ref.model, self.cfg.actor_rollout_ref.actor
         torch.manual_seed(int(self.cfg.trainer.seed))
         sampling = vars(self.modality.sampling_config(self.cfg))
-        self.policy = self.modality.build_policy(OmegaConf.to_container(m, resolve=True), sampling)
+        dtype = model_dtype(a.fsdp_config.model_dtype, self.device)
+        self.policy = self.modality.build_policy(OmegaConf.to_container(m, resolve=True), sampling, self.device,
+                                                 dtype=dtype)
         self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=a.optim.lr,
                                            weight_decay=a.optim.weight_decay)
 

@@ -80,5 +80,6 @@ def _rollout_replicas(cfg: DictConfig, pool: Any) -> list[Any]:
             num_cpus=1, num_gpus=DEVICE_SHARE, max_restarts=ROLLOUT_MAX_RESTARTS, max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index),
         ).remote(m.modality, OmegaConf.to_container(m, resolve=True), vars(modality.sampling_config(cfg)),
-                 r.agent.max_batch_size, r.agent.max_wait_ms, rollout_server))
+                 r.agent.max_batch_size, r.agent.max_wait_ms, rollout_server,
+                 cfg.actor_rollout_ref.actor.fsdp_config.model_dtype))
     return replicas

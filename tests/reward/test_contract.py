@@ -313,3 +313,16 @@ def test_check_reward_function_class_and_signature(tmp_path):
                           modality="image")
     check_reward_function("pkg://omni_async.reward.contract", "default_compute_score", modality="text")
     assert contract.check_reward_function is check_reward_function
+
+
+def test_http_scorer_client_encodes_the_tensor_form_reward_functions_receive():
+    """The shipped HTTP client gets verl-omni's (C, H, W) / (N, C, H, W) tensors from the manager; it must send the
+    same image as for the channels-last array (the soak benchmark found it failing on every sample)."""
+    from omni_async.reward.scorers.http import HttpScorer, encode_image
+
+    img = noise(3)
+    assert encode_image(to_solution_image(img)) == encode_image(img)
+    client = HttpScorer("http://127.0.0.1:9")
+    assert client._image_json(to_solution_image(img)) == client._image_json(img)
+    video = np.stack([img, img[::-1]])
+    assert client._image_json(to_solution_image(video)) == client._image_json(video)

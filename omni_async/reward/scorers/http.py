@@ -31,9 +31,9 @@ import random
 import weakref
 from typing import Any
 
-import numpy as np
 from PIL import Image
 
+from omni_async.reward.contract import to_pixels
 from omni_async.reward.http_client import (
     ClientStats,
     RetryPolicy,
@@ -43,11 +43,12 @@ from omni_async.reward.http_client import (
     post_with_retries,
 )
 from omni_async.reward.safe_pickle import UnsafePickleError, safe_loads
+from omni_async.sample import is_video
 
 
 def encode_image(image: Any, fmt: str = "png", quality: int = 95) -> bytes:
     buf = io.BytesIO()
-    pil = image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image, dtype=np.uint8))
+    pil = image if isinstance(image, Image.Image) else Image.fromarray(to_pixels(image))
     pil.convert("RGB").save(buf, format="PNG" if fmt == "png" else "JPEG", quality=quality)
     return buf.getvalue()
 
@@ -115,8 +116,8 @@ class HttpScorer:
                 it.future.set_result((score, detail, tally))
 
     def _image_json(self, image: Any) -> dict | list:
-        arr = np.asarray(image)
-        if arr.ndim == 4:  # a video: its frames
+        arr = to_pixels(image)  # verl-omni's CHW tensor, our HWC array or PIL -> uint8 (T,) H, W, 3
+        if is_video(arr):  # a video: its frames
             return [self._image_json(frame) for frame in arr]
         data = encode_image(arr, self.image_format, self.jpeg_quality)
         return {"data": base64.b64encode(data).decode(), "format": self.image_format}
@@ -138,7 +139,7 @@ class HttpScorer:
         return self._results(out, len(batch), str(response.url))
 
     async def _send_flow_grpo(self, batch: list[_Pending], tally: RetryTally) -> list[tuple[float, dict]]:
-        if any(np.asarray(it.image).ndim == 4 for it in batch):
+        if any(is_video(to_pixels(it.image)) for it in batch):
             raise RewardHTTPError("the flow_grpo protocol carries images only; use protocol=v1 for videos")
         metadata = dict(self.metadata)
         if any(it.ground_truth is not None for it in batch):  # this project's server reads them; others ignore them

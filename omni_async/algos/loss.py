@@ -93,11 +93,11 @@ def grpo_token_loss(
     pg_loss, m = get_policy_loss_fn("vanilla")(old_log_prob, log_prob, advantages, token_mask,
                                                loss_agg_mode="token-mean", config=loss_cfg)
     loss = pg_loss
-    metrics = {"actor/pg_loss": float(pg_loss), **{k: float(v) for k, v in m.items()}}
+    metrics = {"actor/pg_loss": pg_loss.item(), **{k: float(v) for k, v in m.items()}}
     if ref_log_prob is not None and kl_coef > 0:
         kl = agg_loss(kl_penalty(log_prob, ref_log_prob, TEXT_KL_ESTIMATOR), token_mask, "token-mean")
         loss = loss + kl_coef * kl
-        metrics["actor/kl_loss"] = float(kl)
+        metrics["actor/kl_loss"] = kl.item()
     with torch.no_grad():
         ratio = torch.exp(log_prob - old_log_prob)[token_mask.bool()]
         metrics["actor/ratio_mean"] = float(ratio.mean()) if ratio.numel() else 1.0

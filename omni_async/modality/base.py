@@ -28,8 +28,12 @@ class Modality(Protocol):
     def log_probs(self, policy: Any, batch: Any) -> torch.Tensor:
         """Log-probs of the stored trajectories under the policy's current weights."""
 
-    def backward(self, policy: Any, batch: Any, loss_mask: torch.Tensor, actor_cfg: Any) -> dict[str, list[float]]:
-        """Accumulate one mini-batch's gradients; return its metrics."""
+    def loss_units(self, batch: Any) -> int:
+        """What the loss averages over in ``batch``: kept samples (images) or kept response tokens (text)."""
+
+    def backward(self, policy: Any, batch: Any, loss_mask: torch.Tensor, actor_cfg: Any,
+                 loss_scale: float = 1.0) -> dict[str, list[float]]:
+        """Accumulate ``loss_scale`` x the gradient of the batch's loss; return its metrics."""
 
     def save_samples(self, out_dir: Path, step: int, samples: list[Sample]) -> Path:
         """Something a person can look at: an image grid, or a JSONL of responses."""
@@ -50,6 +54,12 @@ def model_dtype(name: str | None, device: str) -> torch.dtype:
     if str(name) not in MODEL_DTYPES:
         raise ValueError(f"actor_rollout_ref.actor.fsdp_config.model_dtype={name!r}: use bf16, fp16 or fp32")
     return MODEL_DTYPES[str(name)]
+
+
+def gradient_checkpointing(model: dict[str, Any], device: str) -> bool:
+    """verl's ``model.enable_gradient_checkpointing``; ``None`` = on for CUDA (memory), off on CPU (speed)."""
+    flag = model.get("enable_gradient_checkpointing")
+    return device.startswith("cuda") if flag is None else bool(flag)
 
 
 def score_labels(samples: list[Sample]) -> list[str]:

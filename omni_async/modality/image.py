@@ -18,7 +18,7 @@ from PIL import Image, ImageDraw
 
 from omni_async.algos.loss import flow_grpo_loss
 from omni_async.algos.sde import kl_to_reference
-from omni_async.modality.base import REF_TIME_KEY, rm_score, score_labels
+from omni_async.modality.base import REF_TIME_KEY, gradient_checkpointing, rm_score, score_labels
 from omni_async.sample import ImageResult, Sample, is_video
 
 GRID_COLUMNS, GRID_MAX_IMAGES, CAPTION_HEIGHT_PX = 4, 16, 14
@@ -46,7 +46,8 @@ class ImageModality:
 
         return DiffusionPolicy(model["path"], SamplingConfig(**sampling), lora_rank=model["lora_rank"],
                                lora_alpha=model["lora_alpha"], target_modules=list(model["target_modules"]),
-                               device=device, dtype=dtype)
+                               device=device, dtype=dtype,
+                               gradient_checkpointing=gradient_checkpointing(model, device))
 
     def batch_tensors(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         results: list[ImageResult] = [s.result for s in samples]
@@ -66,7 +67,11 @@ class ImageModality:
         return torch.stack([out.log_prob for _, out in self._window_steps(policy, cond, batch.batch["window_latents"],
                                                                           start)], 1)
 
-    def backward(self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any) -> dict[str, list[float]]:
+    def loss_units(self, batch) -> int:
+        return int(batch.batch["loss_mask"].bool().sum())
+
+    def backward(self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any,
+                 loss_scale: float = 1.0) -> dict[str, list[float]]:
         start = int(batch.meta_info["window_start"])
         cond = policy.encode(list(batch.non_tensor_batch["prompt"]))
         latents, old_lp, adv = batch.batch["window_latents"], batch.batch["old_log_probs"], batch.batch["advantages"]
@@ -83,7 +88,7 @@ class ImageModality:
                 kl = kl_to_reference(out.mean, ref.mean, out.std_dev_t)
             loss, m = flow_grpo_loss(out.log_prob, old_lp[:, j], adv, loss_mask, clip_ratio=actor_cfg.clip_ratio,
                                      kl=kl, kl_coef=actor_cfg.kl_loss_coef)
-            (loss / n_steps).backward()  # the window's steps are averaged
+            (loss * loss_scale / n_steps).backward()  # the window's steps are averaged
             for k, v in m.items():
                 metrics[k].append(v)
         metrics[REF_TIME_KEY] = [ref_s]

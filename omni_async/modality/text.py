@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from omni_async.algos.loss import grpo_token_loss
-from omni_async.modality.base import REF_TIME_KEY, rm_score, score_labels
+from omni_async.modality.base import REF_TIME_KEY, gradient_checkpointing, rm_score, score_labels
 from omni_async.sample import Sample, TextResult
 
 
@@ -54,7 +54,8 @@ class TextModality:
                                   target_modules=list(model["target_modules"]))
         return TextPolicy(model["path"], TextSamplingConfig(**sampling), lora_rank=model["lora_rank"],
                           lora_alpha=model["lora_alpha"], target_modules=list(model["target_modules"]),
-                          device=device, dtype=dtype)
+                          device=device, dtype=dtype,
+                          gradient_checkpointing=gradient_checkpointing(model, device))
 
     def batch_tensors(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         results: list[TextResult] = [s.result for s in samples]
@@ -73,7 +74,12 @@ class TextModality:
         b = batch.batch
         return policy.log_probs(b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"])
 
-    def backward(self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any) -> dict[str, list[float]]:
+    def loss_units(self, batch) -> int:
+        b = batch.batch
+        return int((b["response_mask"].bool() & b["loss_mask"].bool()[:, None]).sum())
+
+    def backward(self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any,
+                 loss_scale: float = 1.0) -> dict[str, list[float]]:
         b = batch.batch
         token_mask = b["response_mask"].float() * loss_mask[:, None].float()
         log_prob = self.log_probs(policy, batch)
@@ -85,7 +91,7 @@ class TextModality:
         loss, metrics = grpo_token_loss(log_prob, b["old_log_probs"], b["advantages"][:, None].expand_as(token_mask),
                                         token_mask, clip_ratio=actor_cfg.clip_ratio, ref_log_prob=ref,
                                         kl_coef=actor_cfg.kl_loss_coef)
-        loss.backward()
+        (loss * loss_scale).backward()
         return {**{k: [v] for k, v in metrics.items()}, REF_TIME_KEY: [ref_s]}
 
     def save_samples(self, out_dir: Path, step: int, samples: list[Sample]) -> Path:

@@ -176,7 +176,8 @@ class DiffusionPolicy(TrainableModule):
     """Load a pipeline, add LoRA to its transformer, sample with the SDE window, recompute log-probs."""
 
     def __init__(self, model_path: str, sampling: SamplingConfig, *, lora_rank: int = 8, lora_alpha: int = 16,
-                 target_modules: list[str] | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32):
+                 target_modules: list[str] | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 gradient_checkpointing: bool = False):
         """``dtype``: the frozen weights' dtype (``fsdp_config.model_dtype``). Trainable weights are fp32 (LoRA, or
         the whole transformer for a full fine-tune); latents, the SDE step, log-probs and KL are fp32 too, and
         tensors are cast to the transformer's dtype only at its input (``step``)."""
@@ -197,6 +198,8 @@ class DiffusionPolicy(TrainableModule):
         self.init_trainable(self.transformer, lora_rank, lora_alpha, target_modules or ["to_q", "to_k", "to_v"])
         # The transformer's input dtype: the frozen weights' (LoRA casts its fp32 branch itself), fp32 when all train.
         self.compute_dtype = dtype if lora_rank > 0 else torch.float32
+        if gradient_checkpointing:  # recompute each block's activations in backward instead of keeping them
+            self.transformer.enable_gradient_checkpointing()
         self.sigmas, self.timesteps = self._schedule()
 
     # ---- schedule -------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ class TextSamplingConfig:
 
 class TextPolicy(TrainableModule):
     def __init__(self, model_path: str, sampling: TextSamplingConfig, *, lora_rank: int = 8, lora_alpha: int = 16,
-                 target_modules: list[str] | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32):
+                 target_modules: list[str] | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 gradient_checkpointing: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = resolve_model_path(model_path)
@@ -42,6 +43,8 @@ class TextPolicy(TrainableModule):
         self.eos_id = self.eos_ids[0] if self.eos_ids else None
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
         self.init_trainable(self.model, lora_rank, lora_alpha, target_modules or ["q_proj", "v_proj"])
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     # ---- sampling -------------------------------------------------------------------------------------------
     def prompt_ids(self, prompt: str) -> list[int]:

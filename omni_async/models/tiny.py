@@ -160,6 +160,18 @@ def build_qwen_image(out: Path) -> None:
     pipe.save_pretrained(out)
 
 
+def build_qwen_image_text(out: Path) -> None:
+    """Qwen-Image (same classes as ``build_qwen_image``) pre-trained to draw short strings such as ``Text "K47"``.
+
+    Not built here: the weights ship in ``models/weights/tiny_qwen_image_text`` (made, and reproducible, by
+    ``examples/pretrain/tiny_text_renderer.py``; its ``prompts.json`` lists the held-out strings). 64x64 images.
+    """
+    src = Path(__file__).parent / "weights" / "tiny_qwen_image_text"
+    if not (src / "model_index.json").exists():
+        raise FileNotFoundError(f"{src} is missing; run examples/pretrain/tiny_text_renderer.py to make it")
+    shutil.copytree(src, out, dirs_exist_ok=True)
+
+
 def build_sd3(out: Path) -> None:
     from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
@@ -297,6 +309,7 @@ def build_qwen2(out: Path) -> None:
 
 TINY_BUILDERS: dict[str, Callable[[Path], None]] = {
     "qwen_image": build_qwen_image,
+    "qwen_image_text": build_qwen_image_text,
     "sd3": build_sd3,
     "wan": build_wan,
     "qwen2_vl": build_qwen2_vl,

@@ -20,8 +20,26 @@ from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
 from omni_async.cluster import configure_worker
-from omni_async.modality import REF_TIME_KEY, get_modality
+from omni_async.modality import REF_TIME_KEY, Modality, get_modality
 from omni_async.modality.base import model_dtype
+
+
+def accumulate_gradients(modality: Modality, policy: Any, data: DataProto, actor_cfg: Any) -> dict[str, list[float]]:
+    """Gradients of one mini-batch's loss, in micro-batches of ``actor_cfg.ppo_micro_batch_size_per_gpu`` samples.
+
+    A micro-batch's loss is a mean over its own loss units (kept samples, or kept tokens), so its gradient is
+    weighted by ``units_micro / units_minibatch``: the sum equals the gradient of the un-micro-batched loss.
+    """
+    metrics: dict[str, list[float]] = defaultdict(list)
+    micro = data.split(int(actor_cfg.ppo_micro_batch_size_per_gpu or len(data)))
+    units = [float(modality.loss_units(mb)) for mb in micro]
+    for mb, n in zip(micro, units, strict=True):
+        if n == 0:
+            continue
+        for k, v in modality.backward(policy, mb, mb.batch["loss_mask"].bool(), actor_cfg,
+                                      loss_scale=n / sum(units)).items():
+            metrics[k].extend(v)
+    return metrics
 
 
 class ActorWorker(Worker):
@@ -48,17 +66,23 @@ class ActorWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def compute_log_prob(self, data: DataProto) -> torch.Tensor:
-        """Log-probs of the stored trajectories under the current weights (pi_old when not bypassed)."""
+        """Log-probs of the stored trajectories under the current weights (pi_old when not bypassed), in
+        micro-batches of ``rollout.log_prob_micro_batch_size_per_gpu`` samples."""
+        size = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu or len(data)
         with torch.no_grad():
-            return self.modality.log_probs(self.policy, data)
+            return torch.cat([self.modality.log_probs(self.policy, mb) for mb in data.split(int(size))])
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def update_minibatch(self, data: DataProto) -> dict[str, float]:
-        """One optimizer step on one mini-batch (``loss_mask`` marks the samples in the loss)."""
+        """One optimizer step on one mini-batch (``loss_mask`` marks the samples in the loss).
+
+        The mini-batch runs in micro-batches of ``actor.ppo_micro_batch_size_per_gpu`` samples with gradients
+        accumulated; each micro-batch's loss (a mean over its own loss units) is weighted by its share of the
+        mini-batch's units, so the step equals the un-micro-batched one.
+        """
         a = self.cfg.actor_rollout_ref.actor
-        loss_mask = data.batch["loss_mask"].bool()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics: dict[str, list[float]] = defaultdict(list, self.modality.backward(self.policy, data, loss_mask, a))
+        metrics = accumulate_gradients(self.modality, self.policy, data, a)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), a.grad_clip)
         self.optimizer.step()
         metrics["actor/grad_norm"].append(float(grad_norm))

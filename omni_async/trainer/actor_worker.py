@@ -42,6 +42,16 @@ def accumulate_gradients(modality: Modality, policy: Any, data: DataProto, actor
     return metrics
 
 
+def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], grad_clip: float) -> float | None:
+    """Clip the gradient norm and step; as verl's actor, a non-finite norm skips the step (``None``) instead of
+    writing NaN into the weights."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    if not torch.isfinite(grad_norm):
+        return None
+    optimizer.step()
+    return float(grad_norm)
+
+
 class ActorWorker(Worker):
     def __init__(self, config: dict[str, Any]):
         super().__init__()
@@ -83,9 +93,9 @@ class ActorWorker(Worker):
         a = self.cfg.actor_rollout_ref.actor
         self.optimizer.zero_grad(set_to_none=True)
         metrics = accumulate_gradients(self.modality, self.policy, data, a)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), a.grad_clip)
-        self.optimizer.step()
-        metrics["actor/grad_norm"].append(float(grad_norm))
+        grad_norm = clipped_step(self.optimizer, self.policy.trainable_parameters(), a.grad_clip)
+        metrics["actor/skipped_steps"].append(0.0 if grad_norm is not None else 1.0)
+        metrics["actor/grad_norm"].append(grad_norm if grad_norm is not None else 0.0)
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
         out[REF_TIME_KEY] = float(np.sum(metrics[REF_TIME_KEY]))
         return out

@@ -77,8 +77,12 @@ class OneStepOffPolicy:
             self.ops.sync_weights(step + 1)
 
 
+# Per-optimizer-step counters reported as the step's total, not its mean.
+SUMMED_ACTOR_METRICS = ("actor/skipped_steps",)
+
+
 def _mean(sums: dict[str, list[float]]) -> dict[str, float]:
-    return {k: float(np.mean(v)) for k, v in sums.items()}
+    return {k: float(np.sum(v) if k in SUMMED_ACTOR_METRICS else np.mean(v)) for k, v in sums.items()}
 
 
 class FullBatchUpdate:

@@ -84,3 +84,15 @@ def test_gradient_checkpointing_gives_the_same_gradient():
         step.log_prob.sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in policy.trainable_parameters()]))
     assert grads[0].abs().max() > 0 and (grads[0] - grads[1]).abs().max() < 1e-6
+
+
+def test_non_finite_gradient_norm_skips_the_optimizer_step():
+    from omni_async.trainer.actor_worker import clipped_step
+
+    w = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([w], lr=0.1)
+    (w * torch.tensor([1.0, float("nan"), 1.0])).sum().backward()
+    assert clipped_step(optimizer, [w], 1.0) is None and torch.equal(w.detach(), torch.ones(3))
+    optimizer.zero_grad()
+    (w * 2).sum().backward()
+    assert clipped_step(optimizer, [w], 1.0) == pytest.approx(2 * 3 ** 0.5) and not torch.equal(w.detach(), torch.ones(3))

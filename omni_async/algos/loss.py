@@ -66,16 +66,9 @@ DUAL_CLIP_RATIO_C = 3.0
 TEXT_KL_ESTIMATOR = "low_var_kl"
 
 
-def grpo_token_loss(
-    log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    token_mask: torch.Tensor,
-    *,
-    clip_ratio: float,
-    ref_log_prob: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
+def grpo_token_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                    token_mask: torch.Tensor, *, clip_ratio: float, ref_log_prob: torch.Tensor | None = None,
+                    kl_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO for text, token level, with verl's ``core_algos`` (vanilla PPO clip, token-mean aggregation)::
 
         rho_t = exp(logp_theta_t - logp_old_t)

@@ -62,6 +62,13 @@ def gradient_checkpointing(model: dict[str, Any], device: str) -> bool:
     return device.startswith("cuda") if flag is None else bool(flag)
 
 
+def trainable_kwargs(model: dict[str, Any], device: str, dtype: torch.dtype) -> dict[str, Any]:
+    """The policy constructors' shared arguments, from ``actor_rollout_ref.model`` and the worker's device."""
+    return dict(lora_rank=model["lora_rank"], lora_alpha=model["lora_alpha"],
+                target_modules=list(model["target_modules"]), device=device, dtype=dtype,
+                gradient_checkpointing=gradient_checkpointing(model, device))
+
+
 def score_labels(samples: list[Sample]) -> list[str]:
     return [f"{s.outcome.score:.3f}" if s.outcome.ok else s.outcome.status for s in samples]
 

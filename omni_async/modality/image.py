@@ -18,7 +18,7 @@ from PIL import Image, ImageDraw
 
 from omni_async.algos.loss import flow_grpo_loss
 from omni_async.algos.sde import kl_to_reference
-from omni_async.modality.base import REF_TIME_KEY, gradient_checkpointing, rm_score, score_labels
+from omni_async.modality.base import REF_TIME_KEY, rm_score, score_labels, trainable_kwargs
 from omni_async.sample import ImageResult, Sample, is_video
 
 GRID_COLUMNS, GRID_MAX_IMAGES, CAPTION_HEIGHT_PX = 4, 16, 14
@@ -44,10 +44,7 @@ class ImageModality:
             raise ValueError("actor_rollout_ref.rollout.name=vllm serves text models; diffusion rolls out in-process")
         from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
 
-        return DiffusionPolicy(model["path"], SamplingConfig(**sampling), lora_rank=model["lora_rank"],
-                               lora_alpha=model["lora_alpha"], target_modules=list(model["target_modules"]),
-                               device=device, dtype=dtype,
-                               gradient_checkpointing=gradient_checkpointing(model, device))
+        return DiffusionPolicy(model["path"], SamplingConfig(**sampling), **trainable_kwargs(model, device, dtype))
 
     def batch_tensors(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         results: list[ImageResult] = [s.result for s in samples]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from omni_async.algos.loss import grpo_token_loss
-from omni_async.modality.base import REF_TIME_KEY, gradient_checkpointing, rm_score, score_labels
+from omni_async.modality.base import REF_TIME_KEY, rm_score, score_labels, trainable_kwargs
 from omni_async.sample import Sample, TextResult
 
 
@@ -52,10 +52,7 @@ class TextModality:
             return VLLMTextPolicy(model["path"], TextSamplingConfig(**sampling), server=rollout_server,
                                   lora_rank=model["lora_rank"], lora_alpha=model["lora_alpha"],
                                   target_modules=list(model["target_modules"]))
-        return TextPolicy(model["path"], TextSamplingConfig(**sampling), lora_rank=model["lora_rank"],
-                          lora_alpha=model["lora_alpha"], target_modules=list(model["target_modules"]),
-                          device=device, dtype=dtype,
-                          gradient_checkpointing=gradient_checkpointing(model, device))
+        return TextPolicy(model["path"], TextSamplingConfig(**sampling), **trainable_kwargs(model, device, dtype))
 
     def batch_tensors(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         results: list[TextResult] = [s.result for s in samples]

@@ -25,11 +25,11 @@ from omni_async.sample import ImageResult
 
 @dataclass
 class SamplingConfig:
-    height: int = 64
+    height: int = 64  # pixels
     width: int = 64
-    num_inference_steps: int = 10
-    noise_level: float = 0.7
-    sde_type: str = "sde"
+    num_inference_steps: int = 10  # denoising steps (the SDE window is some of them)
+    noise_level: float = 0.7  # SDE noise scale inside the window
+    sde_type: str = "sde"  # sde | cps
     cps_log_prob: str = "flow_grpo"  # CPS log-prob form (see algos.sde)
     true_cfg_scale: float = 1.0  # Qwen-Image's CFG
     guidance_scale: float = 1.0  # SD3's and Wan's CFG

@@ -259,7 +259,7 @@ class DiffusionPolicy(TrainableModule):
              noise: torch.Tensor | None = None, noise_level: float | None = None) -> SDEStep:
         """Denoising step ``i`` (0-based) from ``x``: scores ``prev_sample`` or draws with ``noise``."""
         cd = self.compute_dtype
-        cond = {k: v.to(cd) if v.is_floating_point() else v for k, v in cond.items()}
+        cond = {k: v.to(cd) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in cond.items()}
         v = self.adapter.velocity(x.to(cd), self.timesteps[i], cond).float()
         x = x.float()
         return sde_step_with_logprob(

@@ -60,7 +60,7 @@ def test_transformers_judge_scores_through_a_real_reward_worker(judge, no_networ
             "reward_kwargs": {"backend": "transformers", "model_path": "tiny:qwen2_vl", "max_new_tokens": 16}}}
         worker = ray.remote(RewardLoopWorker).remote(cfg, 0)
         sample = {"prompt": 'a sign "HELLO 42"', "data_source": "ocr", "ground_truth": "HELLO 42",
-                  "extra_info": {}, "uid": "0", "image": HELLO}
+                  "extra_info": {}, "uid": "0", "solution_image": HELLO}
         out = ray.get(worker.compute_score.remote(sample_to_proto(sample)))
     finally:
         shutdown_ray()

@@ -122,3 +122,28 @@ def test_resume_keeps_one_metrics_row_per_step(tmp_path, resume_at):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5][:5] and len(rows) == 5
     assert [r["x"] for r in rows[resume_at:]] == [10.0 + s for s in range(resume_at + 1, 6)]
+
+
+def test_dead_actor_rank_stops_the_run_naming_the_last_checkpoint_and_old_checkpoints_are_pruned(tmp_path):
+    """The actor's optimizer state dies with its process: the step raises at once, naming the last checkpoint and
+    how to resume; checkpoints beyond trainer.max_ckpt_to_keep are deleted, newest kept."""
+    from omni_async.trainer.step_ops import ActorRankDiedError
+
+    rows = [{"prompt": f"p{i}", "data_source": "x", "reward_model": {"ground_truth": ""}} for i in range(4)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    shutdown_ray()
+    trainer = RLTrainer(compose([f"data.train_files={tmp_path}/train.jsonl", f"trainer.run_dir={tmp_path}/run",
+                                 *SMALL, "trainer.max_ckpt_to_keep=2"]))
+    try:
+        for step in (1, 2, 3):
+            trainer.save_checkpoint(step)
+        kept = sorted(p.name for p in (tmp_path / "run/checkpoints").iterdir())
+        assert kept == ["step_000002", "step_000003"]
+        trainer.ops.sync_weights(0)
+        ray.kill(trainer.placement.actor_wg.workers[0], no_restart=True)
+        with pytest.raises(ActorRankDiedError) as exc:
+            trainer.train_step(0)
+        assert "step_000003" in str(exc.value) and "trainer.resume_mode=auto" in str(exc.value)
+    finally:
+        trainer.agent.shutdown()
+        shutdown_ray()

@@ -38,7 +38,7 @@ def sample_to_proto(sample: dict[str, Any]) -> DataProto:
             col = np.empty(1, dtype=object)
             col[0] = sample[key]
             non_tensors[key] = col
-    tensors = {PIXELS: torch.as_tensor(np.asarray(sample[PIXELS]))[None]} if PIXELS in sample else None
+    tensors = {PIXELS: torch.tensor(np.asarray(sample[PIXELS]))[None]} if PIXELS in sample else None
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
 
 

@@ -16,13 +16,17 @@ One call, :func:`init_ray`, for the trainer, the tests and the benchmarks:
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
 from omegaconf import DictConfig
 
 THREADS_ENV = "OMNI_ASYNC_TORCH_THREADS"
+RESTART_POLL_S = 0.2  # how often a restarting actor is probed
 GPU_THREADS_ENV = "OMNI_ASYNC_GPU_WORKER_TORCH_THREADS"
 
 
@@ -74,11 +78,34 @@ def worker_runtime_env(torch_threads: int = 1, gpu_worker_threads: int | None = 
     }
 
 
+def reward_pool_size(cfg: DictConfig) -> int:
+    """Devices of the dedicated reward pool: ``reward.reward_model.n_gpus_per_node x nnodes``."""
+    rm = cfg.reward.reward_model
+    return int(rm.n_gpus_per_node) * int(rm.nnodes)
+
+
+async def wait_for_restart(probe: Callable[[], Awaitable[Any]], timeout_s: float) -> bool:
+    """After a Ray actor with ``max_restarts`` died: poll ``probe()`` (a call on it) until Ray has restarted it and
+    the call succeeds (``True``), or give up (``False``) when restarts are exhausted, the call fails otherwise, or
+    ``timeout_s`` passes. Ray refuses calls with ``ActorUnavailableError`` while it restarts the actor."""
+    from ray.exceptions import ActorUnavailableError
+
+    give_up = time.monotonic() + timeout_s
+    while (left := give_up - time.monotonic()) > 0:
+        try:
+            await asyncio.wait_for(probe(), left)
+            return True
+        except ActorUnavailableError:
+            await asyncio.sleep(RESTART_POLL_S)
+        except Exception:  # restarts exhausted, no answer in time, or the probe itself failed
+            return False
+    return False
+
+
 def logical_devices(cfg: DictConfig) -> dict[str, int]:
     """Devices each pool needs: the actor/rollout pool and, when enabled, the dedicated reward pool."""
     actor = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
-    rm = cfg.reward.reward_model
-    reward = int(rm.n_gpus_per_node) * int(rm.nnodes) if rm.enable_resource_pool else 0
+    reward = reward_pool_size(cfg) if cfg.reward.reward_model.enable_resource_pool else 0
     return {"actor_rollout": actor, "reward": reward}
 
 

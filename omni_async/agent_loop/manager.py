@@ -29,13 +29,13 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from omni_async.agent_loop.rollout_replica import Generation
+from omni_async.cluster import wait_for_restart
 from omni_async.reward.dispatcher import RewardDispatcher
 from omni_async.reward.worker import sample_to_proto
 from omni_async.sample import Sample
 
 # How long a dead rollout worker may take to come back (Ray restart + model load) before it is given up.
 WORKER_RESTART_TIMEOUT_S = 300.0
-RESTART_POLL_S = 0.2
 
 
 class RolloutWorkersLostError(RuntimeError):
@@ -207,21 +207,14 @@ class AgentLoopManager:
 
     async def _revive(self, w: int) -> None:
         """Wait for Ray to restart worker ``w``, give it the current weights, put it back in the rotation."""
-        give_up = time.monotonic() + WORKER_RESTART_TIMEOUT_S
-        state: bool | str = "lost"
-        while time.monotonic() < give_up:
-            try:
-                await self.workers[w].stats.remote()
-                if self.restore_worker is not None:
-                    await self.restore_worker(self.workers[w])
-                state = False
-                break
-            except ActorUnavailableError:  # restarting: Ray refuses calls until it is up again
-                await asyncio.sleep(RESTART_POLL_S)
-            except RayActorError:  # restarts exhausted
-                break
+        async def back_with_current_weights():
+            await self.workers[w].stats.remote()
+            if self.restore_worker is not None:
+                await self.restore_worker(self.workers[w])
+
+        revived = await wait_for_restart(back_with_current_weights, WORKER_RESTART_TIMEOUT_S)
         async with self._revived:
-            self.down[w] = state
+            self.down[w] = False if revived else "lost"
             self._revived.notify_all()
 
     def shutdown(self) -> None:

@@ -27,6 +27,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 from verl import DataProto
 
+from omni_async.cluster import wait_for_restart
 from omni_async.sample import RewardOutcome, SampleTimes
 
 # A worker enforces reward.timeout_s itself; the dispatcher's own deadline only has to catch a worker that
@@ -74,17 +75,8 @@ class RewardDispatcher:
 
     async def _revive(self, w: int) -> None:
         """Keep a dead worker out of the rotation until Ray has restarted it and it answers again."""
-        give_up = time.monotonic() + self.deadline_s
-        while True:
-            try:
-                await asyncio.wait_for(self.workers[w].info.remote(), self.deadline_s)
-                break
-            except ActorUnavailableError:  # restarting: Ray refuses calls until it is up again
-                if time.monotonic() > give_up:
-                    return
-                await asyncio.sleep(0.2)
-            except Exception:  # restarts exhausted or no answer in time: it stays out of the rotation
-                return
+        if not await wait_for_restart(self.workers[w].info.remote, self.deadline_s):
+            return  # restarts exhausted or no answer in time: it stays out of the rotation
         async with self._freed:
             self.down[w] = False
             self._freed.notify_all()

@@ -62,14 +62,51 @@ def normalize_result(name: str, result: Any) -> tuple[float, dict[str, Any]]:
     return float(score), extra
 
 
+@dataclass(frozen=True)
+class RewardSpec:
+    """One reward function as the config gives it: ``reward.reward_functions.<key>`` or the single
+    ``reward.custom_reward_function`` (key ``score``)."""
+
+    key: str
+    config_key: str  # where it is configured, for error messages
+    path: str | None
+    name: str | None
+    kwargs: dict[str, Any]
+    weight: float = 1.0
+    required: bool = True
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.path})" if self.path else "default_compute_score (by data_source)"
+
+
+def reward_specs(reward_cfg: DictConfig) -> list[RewardSpec]:
+    """``reward.reward_functions`` if any, else the single ``reward.custom_reward_function``: the one parser of
+    the reward config, for the config check at start, the managers and error messages."""
+    multi = OmegaConf.to_container(reward_cfg.reward_functions, resolve=True) or {}
+    specs = []
+    for key, spec in multi.items():
+        spec, config_key = dict(spec), f"reward.reward_functions.{key}"
+        if not spec.get("path") or not spec.get("name"):
+            raise ValueError(f"{config_key} needs 'path' and 'name'. Fix: set {config_key}.path=<file or "
+                             f"pkg://module> and {config_key}.name=<function>")
+        path, name = spec.pop("path"), spec.pop("name")
+        weight, required = spec.pop("weight", 1.0), spec.pop("required", True)
+        specs.append(RewardSpec(key, config_key, path, name, spec, float(weight), bool(required)))
+    if specs:
+        return specs
+    c = reward_cfg.custom_reward_function
+    return [RewardSpec("score", "reward.custom_reward_function", c.path, c.name,
+                       OmegaConf.to_container(c.reward_kwargs, resolve=True) or {})]
+
+
 class RewardFunction:
     """One configured reward function, callable as ``await fn(sample)``."""
 
-    def __init__(self, key: str, path: str | None, name: str | None, kwargs: dict[str, Any], weight: float = 1.0,
-                 required: bool = True, judge_urls: list[str] | None = None, config_key: str = ""):
-        obj = check_reward_function(path, name, config_key or f"reward.reward_functions.{key}")
-        self.key, self.weight, self.required = key, float(weight), bool(required)
-        self.label = f"{name} ({path})" if path else "default_compute_score (by data_source)"
+    def __init__(self, spec: RewardSpec, judge_urls: list[str] | None = None):
+        obj = check_reward_function(spec.path, spec.name, spec.config_key)
+        kwargs = dict(spec.kwargs)
+        self.key, self.weight, self.required, self.label = spec.key, spec.weight, spec.required, spec.label
         self.instance = None
         self.takes_judge_urls = bool(judge_urls) and JUDGE_URLS_ARG in inspect.signature(obj).parameters
         if self.takes_judge_urls:
@@ -128,7 +165,7 @@ def build_reward_functions(reward_cfg: DictConfig, judge_urls: list[str] | None 
     ``judge_urls`` (the vLLM judge servers on the reward pool) go to every function that takes ``judge_urls``;
     if there are servers and no function takes them, that is a configuration error.
     """
-    fns = _build_reward_functions(reward_cfg, judge_urls)
+    fns = [RewardFunction(spec, judge_urls) for spec in reward_specs(reward_cfg)]
     if judge_urls and not any(fn.takes_judge_urls for fn in fns):
         raise ValueError(f"reward.reward_model.rollout.name=vllm started judge servers at {judge_urls}, but no "
                          f"reward function ({', '.join(f.label for f in fns)}) takes a '{JUDGE_URLS_ARG}' argument; "
@@ -136,31 +173,12 @@ def build_reward_functions(reward_cfg: DictConfig, judge_urls: list[str] | None 
     return fns
 
 
-def _build_reward_functions(reward_cfg: DictConfig, judge_urls: list[str] | None) -> list[RewardFunction]:
-    multi = OmegaConf.to_container(reward_cfg.reward_functions, resolve=True) or {}
-    if multi:
-        fns = []
-        for key, spec in multi.items():
-            spec = dict(spec)
-            if "path" not in spec or "name" not in spec:
-                raise ValueError(f"reward.reward_functions.{key} needs 'path' and 'name'")
-            path, name = spec.pop("path"), spec.pop("name")
-            weight, required = spec.pop("weight", 1.0), spec.pop("required", True)
-            fns.append(RewardFunction(key, path, name, spec, weight, required, judge_urls))
-        return fns
-    c = reward_cfg.custom_reward_function
-    kwargs = OmegaConf.to_container(c.reward_kwargs, resolve=True) or {}
-    return [RewardFunction("score", c.path, c.name, kwargs, judge_urls=judge_urls,
-                           config_key="reward.custom_reward_function")]
-
-
 def scorer_names(reward_cfg: DictConfig) -> str:
     """The configured reward functions, as error messages name them."""
-    multi = OmegaConf.to_container(reward_cfg.reward_functions, resolve=True) or {}
-    if multi:
-        return ", ".join(f"{k}={v.get('name')} ({v.get('path')})" for k, v in multi.items())
-    c = reward_cfg.custom_reward_function
-    return f"{c.name} ({c.path})"
+    specs = reward_specs(reward_cfg)
+    if len(reward_cfg.reward_functions) > 0:
+        return ", ".join(f"{s.key}={s.label}" for s in specs)
+    return specs[0].label
 
 
 class RewardManager:

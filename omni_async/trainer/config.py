@@ -11,6 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from omni_async.cluster import reward_pool_size
 from omni_async.reward.wiring import streaming_enabled
 
 __all__ = ["ConfigError", "compose", "streaming_enabled", "validate"]
@@ -36,33 +37,17 @@ def _check(ok: bool, key: str, problem: str, fix: str) -> None:
         raise ConfigError(f"{key}: {problem}. Fix: {fix}")
 
 
-def reward_pool_size(cfg: DictConfig) -> int:
-    rm = cfg.reward.reward_model
-    return int(rm.n_gpus_per_node) * int(rm.nnodes)
-
-
 def _check_reward_functions(reward: DictConfig, modality: str) -> None:
     """Load every configured reward function here, on the driver, so a wrong path or name fails at once with the
     config key (not inside a Ray actor half a minute later). No path: dispatch by ``data_source``, as verl does."""
-    from omni_async.reward.contract import RewardConfigError, check_reward_function
+    from omni_async.reward.contract import check_reward_function
+    from omni_async.reward.manager import reward_specs
 
-    multi = OmegaConf.to_container(reward.reward_functions, resolve=True) or {}
-    specs = {f"reward.reward_functions.{k}": dict(v) for k, v in multi.items()}
-    if not specs:
-        c = reward.custom_reward_function
-        specs["reward.custom_reward_function"] = {"path": c.path, "name": c.name,
-                                                  **(OmegaConf.to_container(c.reward_kwargs, resolve=True) or {})}
-    for key, spec in specs.items():
-        path, name = spec.pop("path", None), spec.pop("name", None)
-        if key.startswith("reward.reward_functions."):
-            _check(bool(path) and bool(name), key, "needs 'path' and 'name'",
-                   f"set {key}.path=<file or pkg://module> and {key}.name=<function>")
-        for k in ("weight", "required"):
-            spec.pop(k, None)
-        try:
-            check_reward_function(path, name, key, spec, modality)
-        except RewardConfigError as e:
-            raise ConfigError(str(e)) from e
+    try:
+        for spec in reward_specs(reward):
+            check_reward_function(spec.path, spec.name, spec.config_key, spec.kwargs, modality)
+    except ValueError as e:  # a RewardConfigError, or a reward_functions entry without path / name
+        raise ConfigError(str(e)) from e
 
 
 def validate(cfg: DictConfig) -> DictConfig:

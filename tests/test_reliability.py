@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
@@ -11,22 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
+from helpers import SMALL_IMAGE_TRAINER, score_on_one_worker
 
-from omni_async.cluster import init_ray, shutdown_ray
-from omni_async.reward.dispatcher import RewardDispatcher
-from omni_async.reward.worker import RewardLoopWorker, sample_to_proto
+from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
 from omni_async.trainer.loop import RLTrainer
 from omni_async.trainer.metrics_logger import MetricsLogger
 
-ROOT = Path(__file__).resolve().parents[1]
-TEST_REWARDS = str(ROOT / "tests/reward/rewards_for_tests.py")
-SMALL = ["actor_rollout_ref.model.path=tiny:sd3", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
-         "actor_rollout_ref.actor.ppo_mini_batch_size=1", "actor_rollout_ref.rollout.num_inference_steps=4",
-         "actor_rollout_ref.rollout.height=32", "actor_rollout_ref.rollout.width=32",
-         "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]", "actor_rollout_ref.rollout.agent.max_batch_size=2",
-         "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.jpeg", "trainer.logger=[jsonl]",
-         "trainer.resume_mode=disable", "data.shuffle=false", "reward.streaming=true"]
+SMALL = [*SMALL_IMAGE_TRAINER, "reward.streaming=true"]
 
 
 def make_trainer(tmp_path: Path, name: str) -> RLTrainer:
@@ -84,25 +75,7 @@ def test_rollout_worker_killed_mid_step_regenerates_the_same_samples(tmp_path):
 def test_blocking_reward_runs_at_the_workers_full_concurrency():
     """16 blocking 0.5 s calls on one reward worker with max_inflight_per_worker=32 take ~0.5 s, not 16 x 0.5 s
     (nor the ~2 s of the event loop's default pool of min(32, cpu + 4) = 6 threads on this 2-core box)."""
-    shutdown_ray()
-    init_ray(num_gpus=0, num_cpus=4)
-    try:
-        cfg = {"timeout_s": 30, "max_inflight_per_worker": 32, "reward_functions": {}, "custom_reward_function": {
-            "path": TEST_REWARDS, "name": "blocking_sleep", "reward_kwargs": {"delay_s": 0.5}}}
-        worker = ray.remote(RewardLoopWorker).options(max_concurrency=40).remote(cfg, 0)
-        ray.get(worker.info.remote())
-        chunks = [sample_to_proto({"prompt": "q", "data_source": "x", "ground_truth": "1", "extra_info": {},
-                                   "uid": str(i), "solution_str": f"answer {i}"}) for i in range(16)]
-
-        async def run():
-            dispatcher = RewardDispatcher([worker], queue_size=64, max_inflight_per_worker=32, timeout_s=30)
-            t0 = time.perf_counter()
-            outcomes = await asyncio.gather(*(dispatcher.score(c) for c in chunks))
-            return outcomes, time.perf_counter() - t0
-
-        outcomes, elapsed = asyncio.run(run())
-    finally:
-        shutdown_ray()
+    outcomes, elapsed = score_on_one_worker("blocking_sleep", {"delay_s": 0.5}, samples=16, max_inflight=32)
     assert all(o.ok for o in outcomes)
     assert elapsed < 2.0, elapsed
     # The metric measures the call itself (0.5 s), not the wait for a thread.

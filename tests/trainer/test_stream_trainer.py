@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
+from helpers import SMALL_IMAGE_TRAINER
 
 from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
@@ -16,12 +17,7 @@ from omni_async.trainer.loop import FlowGRPOTrainer, RewardFailureError
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_REWARDS = str(ROOT / "tests/reward/rewards_for_tests.py")
-SMALL = ["actor_rollout_ref.model.path=tiny:sd3", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
-         "actor_rollout_ref.actor.ppo_mini_batch_size=1", "actor_rollout_ref.rollout.num_inference_steps=4",
-         "actor_rollout_ref.rollout.height=32", "actor_rollout_ref.rollout.width=32",
-         "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]", "actor_rollout_ref.rollout.agent.max_batch_size=2",
-         "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.jpeg", "trainer.logger=[jsonl]",
-         "trainer.resume_mode=disable", "data.shuffle=false"]
+SMALL = SMALL_IMAGE_TRAINER
 
 
 @pytest.fixture

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
+from helpers import score_on_one_worker
 
-from omni_async.cluster import init_ray, shutdown_ray
-from omni_async.reward.dispatcher import RewardDispatcher
-from omni_async.reward.worker import RewardLoopWorker, sample_to_proto
+from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
 from omni_async.trainer.loop import FlowGRPOTrainer
 
@@ -113,25 +109,7 @@ def test_text_class_post_process_and_tuple_rewards(arith, tmp_path, streaming):
 
 
 def test_500_concurrent_slow_async_scores_take_about_one_latency():
-    shutdown_ray()
-    init_ray(num_gpus=0, num_cpus=4)
-    try:
-        cfg = {"timeout_s": 30, "max_inflight_per_worker": 1000, "reward_functions": {}, "custom_reward_function": {
-            "path": TEST_REWARDS, "name": "slow_constant", "reward_kwargs": {"delay_s": 1.0}}}
-        worker = ray.remote(RewardLoopWorker).options(max_concurrency=1000).remote(cfg, 0)
-        ray.get(worker.info.remote())
-        chunks = [sample_to_proto({"prompt": "q", "data_source": "x", "ground_truth": "1", "extra_info": {},
-                                   "uid": str(i), "solution_str": f"answer {i}"}) for i in range(500)]
-
-        async def run():
-            dispatcher = RewardDispatcher([worker], queue_size=1000, max_inflight_per_worker=1000, timeout_s=30)
-            t0 = time.perf_counter()
-            outcomes = await asyncio.gather(*(dispatcher.score(c) for c in chunks))
-            return outcomes, time.perf_counter() - t0
-
-        outcomes, elapsed = asyncio.run(run())
-    finally:
-        shutdown_ray()
+    outcomes, elapsed = score_on_one_worker("slow_constant", {"delay_s": 1.0}, samples=500, max_inflight=1000)
     assert all(o.ok and o.score == 1.0 for o in outcomes)
     assert elapsed < 0.01 * 500 * 1.0, elapsed  # 500 one-second calls: about one latency, far from 500
 

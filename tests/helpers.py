@@ -1,0 +1,53 @@
+"""Shared test fixtures that are plain code: the small image-trainer config, and one reward worker scoring text
+samples concurrently through a real dispatcher (``tests/`` is on ``sys.path`` through its ``conftest.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import ray
+
+from omni_async.cluster import init_ray, shutdown_ray
+from omni_async.reward.dispatcher import RewardDispatcher
+from omni_async.reward.worker import RewardLoopWorker, sample_to_proto
+from omni_async.sample import RewardOutcome
+
+ROOT = Path(__file__).resolve().parents[1]
+TEST_REWARDS = str(ROOT / "tests/reward/rewards_for_tests.py")
+
+# tiny:sd3 at 32x32, 4 denoising steps, 2 prompts x 4 samples per step: a trainer step in seconds on CPU.
+SMALL_IMAGE_TRAINER = [
+    "actor_rollout_ref.model.path=tiny:sd3", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=1", "actor_rollout_ref.rollout.num_inference_steps=4",
+    "actor_rollout_ref.rollout.height=32", "actor_rollout_ref.rollout.width=32",
+    "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]", "actor_rollout_ref.rollout.agent.max_batch_size=2",
+    "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.jpeg", "trainer.logger=[jsonl]",
+    "trainer.resume_mode=disable", "data.shuffle=false"]
+
+
+def score_on_one_worker(fn_name: str, reward_kwargs: dict, samples: int,
+                        max_inflight: int) -> tuple[list[RewardOutcome], float]:
+    """``samples`` text samples scored by ``rewards_for_tests.<fn_name>`` on one real reward-loop worker through a
+    real dispatcher, all at once; returns the outcomes and the wall time of the whole batch."""
+    shutdown_ray()
+    init_ray(num_gpus=0, num_cpus=4)
+    try:
+        cfg = {"timeout_s": 30, "max_inflight_per_worker": max_inflight, "reward_functions": {},
+               "custom_reward_function": {"path": TEST_REWARDS, "name": fn_name, "reward_kwargs": reward_kwargs}}
+        worker = ray.remote(RewardLoopWorker).options(max_concurrency=max_inflight + 8).remote(cfg, 0)
+        ray.get(worker.info.remote())
+        chunks = [sample_to_proto({"prompt": "q", "data_source": "x", "ground_truth": "1", "extra_info": {},
+                                   "uid": str(i), "solution_str": f"answer {i}"}) for i in range(samples)]
+
+        async def run():
+            dispatcher = RewardDispatcher([worker], queue_size=max(64, samples), max_inflight_per_worker=max_inflight,
+                                          timeout_s=30)
+            t0 = time.perf_counter()
+            outcomes = await asyncio.gather(*(dispatcher.score(c) for c in chunks))
+            return outcomes, time.perf_counter() - t0
+
+        return asyncio.run(run())
+    finally:
+        shutdown_ray()

@@ -45,6 +45,10 @@ class ImageResult:
     pixels: np.ndarray  # uint8 [H, W, 3] or video [T, H, W, 3]
     window_latents: torch.Tensor  # [W + 1, ...]: x before the window's first step, then after each step
     log_probs: torch.Tensor  # [W]: log-prob of each window transition under the generating policy
+    # The prompt encodings it was denoised with (diffusers' argument names: prompt_embeds, pooled_prompt_embeds,
+    # negative_* with CFG), unpadded: the update reuses them instead of running the text encoder again. Training
+    # data only: they never enter a reward chunk (reward_fields).
+    conditioning: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def reward_fields(self) -> dict[str, Any]:
         return {"solution_image": self.pixels}

@@ -1,7 +1,9 @@
 """Images and video: a diffusion policy trained with FlowGRPO over the stored SDE window.
 
 Batch tensors per sample: ``window_latents`` [W+1, ...] (x before the window, then after each SDE step),
-``old_log_probs`` [W] (the rollout's, pi_old in bypass mode) and ``rm_scores`` [1] (verl's outcome-reward form).
+``old_log_probs`` [W] (the rollout's, pi_old in bypass mode), ``rm_scores`` [1] (verl's outcome-reward form) and
+the prompt encodings made at rollout (``prompt_embeds`` [S, D], ..., see ``models.diffusion_policy.COND_KEYS``),
+so the update and the log-prob recompute never run the text encoder.
 The loss runs window step by window step with gradients accumulated, so one step's graph is alive at a time.
 """
 
@@ -36,7 +38,8 @@ class ImageModality:
                               noise_level=r.algo.noise_level, sde_type=r.algo.sde_type,
                               cps_log_prob=r.algo.cps_log_prob,
                               true_cfg_scale=float(r.pipeline.true_cfg_scale),
-                              guidance_scale=float(r.pipeline.guidance_scale), num_frames=int(r.num_frames))
+                              guidance_scale=float(r.pipeline.guidance_scale), num_frames=int(r.num_frames),
+                              vae_slicing=bool(r.pipeline.vae_slicing), vae_tiling=r.pipeline.vae_tiling)
 
     def build_policy(self, model: dict[str, Any], sampling: dict[str, Any], device: str = "cpu",
                      rollout_server: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32):
@@ -47,10 +50,13 @@ class ImageModality:
         return DiffusionPolicy(model["path"], SamplingConfig(**sampling), **trainable_kwargs(model, device, dtype))
 
     def batch_tensors(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
+        from omni_async.models.diffusion_policy import collate_conditioning
+
         results: list[ImageResult] = [s.result for s in samples]
         return {"window_latents": torch.stack([r.window_latents for r in results]),
                 "old_log_probs": torch.stack([r.log_probs for r in results]),
-                "rm_scores": torch.tensor([[rm_score(s)] for s in samples])}
+                "rm_scores": torch.tensor([[rm_score(s)] for s in samples]),
+                **collate_conditioning([r.conditioning for r in results])}
 
     @staticmethod
     def _window_steps(policy, cond, latents: torch.Tensor, start: int):
@@ -59,10 +65,10 @@ class ImageModality:
             yield j, policy.step(cond, latents[:, j], start + j, prev_sample=latents[:, j + 1])
 
     def log_probs(self, policy, batch) -> torch.Tensor:
-        cond = policy.encode(list(batch.non_tensor_batch["prompt"]))
+        cond = policy.conditioning_from(batch.batch)
         start = int(batch.meta_info["window_start"])
-        return torch.stack([out.log_prob for _, out in self._window_steps(policy, cond, batch.batch["window_latents"],
-                                                                          start)], 1)
+        latents = batch.batch["window_latents"].to(policy.device)
+        return torch.stack([out.log_prob for _, out in self._window_steps(policy, cond, latents, start)], 1).cpu()
 
     def loss_units(self, batch) -> int:
         return int(batch.batch["loss_mask"].bool().sum())
@@ -70,8 +76,10 @@ class ImageModality:
     def backward(self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any,
                  loss_scale: float = 1.0) -> dict[str, list[float]]:
         start = int(batch.meta_info["window_start"])
-        cond = policy.encode(list(batch.non_tensor_batch["prompt"]))
-        latents, old_lp, adv = batch.batch["window_latents"], batch.batch["old_log_probs"], batch.batch["advantages"]
+        cond = policy.conditioning_from(batch.batch)
+        latents, old_lp, adv = (batch.batch[k].to(policy.device) for k in ("window_latents", "old_log_probs",
+                                                                            "advantages"))
+        loss_mask = loss_mask.to(policy.device)
         n_steps = latents.shape[1] - 1
         metrics: dict[str, list[float]] = defaultdict(list)
         ref_s = 0.0

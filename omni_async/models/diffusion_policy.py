@@ -34,6 +34,8 @@ class SamplingConfig:
     true_cfg_scale: float = 1.0  # Qwen-Image's CFG
     guidance_scale: float = 1.0  # SD3's and Wan's CFG
     num_frames: int = 1  # video models (Wan): frames per sample
+    vae_slicing: bool = True  # decode a batch one sample at a time (the same pixels, 1/B of the peak)
+    vae_tiling: bool | None = None  # decode in overlapping spatial tiles; None = on for video (see vae_tiling)
 
 
 @dataclass
@@ -41,6 +43,53 @@ class Rollout:
     images: np.ndarray  # uint8 [B, H, W, 3], or video frames [B, T, H, W, 3]
     window_latents: torch.Tensor  # [B, W + 1, ...]: x before the window's first step, then after each step
     log_probs: torch.Tensor  # [B, W]
+    conditioning: dict[str, torch.Tensor]  # the prompt encodings it was denoised with (COND_KEYS), batch-first
+
+
+# The prompt encodings a denoising step takes, under the names of the diffusers pipelines' own arguments. They are
+# made once per sample at rollout and carried to the update, which never runs the text encoder.
+COND_KEYS = ("prompt_embeds", "prompt_embeds_mask", "pooled_prompt_embeds", "negative_prompt_embeds",
+             "negative_prompt_embeds_mask", "negative_pooled_prompt_embeds")
+
+
+def split_conditioning(cond: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
+    """One sample's prompt encodings per row, on the CPU, each an own copy (a view would pickle the whole batch's
+    storage into every sample). A masked sequence (Qwen-Image) is cut to its valid tokens and its mask dropped, so
+    the record holds no padding and does not depend on the prompts it shared a batch with;
+    :func:`collate_conditioning` pads again and rebuilds the mask."""
+    rows: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+    for key, value in cond.items():
+        if value is None or key.endswith("_mask"):
+            continue
+        mask = cond.get(f"{key}_mask")
+        for i, row in enumerate(rows):
+            v = value[i]
+            if mask is not None:
+                valid = mask[i].bool()
+                length = int(valid.sum())
+                if not valid[:length].all():
+                    raise ValueError(f"{key}: the text mask is not a prefix of valid tokens; cannot trim it")
+                v = v[:length]
+            row[key] = v.detach().cpu().clone()
+    return rows
+
+
+def collate_conditioning(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Batch tensors from :func:`split_conditioning` rows. Sequences of different lengths are right-padded with
+    zeros and get a ``<key>_mask`` (1 = token, 0 = padding), as ``QwenImagePipeline.encode_prompt`` pads a batch;
+    sequences of one length get no mask (the pipeline's "all valid" ``None``). SD3's and Wan's encoders give
+    fixed-length sequences, so only Qwen-Image's ever get a mask."""
+    out: dict[str, torch.Tensor] = {}
+    for key in rows[0]:
+        values = [r[key] for r in rows]
+        lengths = [v.shape[0] for v in values]
+        if values[0].ndim < 2 or len(set(lengths)) == 1:
+            out[key] = torch.stack(values)
+            continue
+        longest = max(lengths)
+        out[key] = torch.stack([torch.nn.functional.pad(v, (0, 0, 0, longest - len(v))) for v in values])
+        out[f"{key}_mask"] = (torch.arange(longest)[None] < torch.tensor(lengths)[:, None]).long()
+    return out
 
 
 class _QwenImageAdapter:
@@ -51,10 +100,10 @@ class _QwenImageAdapter:
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         emb, mask = self.pipe.encode_prompt(prompt=prompts, device=self.pipe.device)
-        cond = {"emb": emb, "mask": mask}
+        cond = {"prompt_embeds": emb, "prompt_embeds_mask": mask}
         if self.cfg.true_cfg_scale > 1:
-            cond["neg_emb"], cond["neg_mask"] = self.pipe.encode_prompt(prompt=[" "] * len(prompts),
-                                                                        device=self.pipe.device)
+            cond["negative_prompt_embeds"], cond["negative_prompt_embeds_mask"] = self.pipe.encode_prompt(
+                prompt=[" "] * len(prompts), device=self.pipe.device)
         return cond
 
     def init_latents(self, generators: list[torch.Generator]) -> torch.Tensor:
@@ -70,9 +119,9 @@ class _QwenImageAdapter:
                                      img_shapes=shapes, return_dict=False)[0]
 
     def velocity(self, x, t, cond):
-        v = self._forward(x, t, cond["emb"], cond["mask"])
-        if "neg_emb" in cond:  # Qwen-Image's norm-preserving true CFG
-            neg = self._forward(x, t, cond["neg_emb"], cond["neg_mask"])
+        v = self._forward(x, t, cond["prompt_embeds"], cond.get("prompt_embeds_mask"))
+        if "negative_prompt_embeds" in cond:  # Qwen-Image's norm-preserving true CFG
+            neg = self._forward(x, t, cond["negative_prompt_embeds"], cond.get("negative_prompt_embeds_mask"))
             comb = neg + self.cfg.true_cfg_scale * (v - neg)
             v = comb * (v.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))
         return v
@@ -97,9 +146,9 @@ class _SD3Adapter:
         pe, npe, ppe, nppe = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None,
                                                      device=self.pipe.device, do_classifier_free_guidance=do_cfg,
                                                      negative_prompt=[""] * len(prompts) if do_cfg else None)
-        cond = {"emb": pe, "pooled": ppe}
+        cond = {"prompt_embeds": pe, "pooled_prompt_embeds": ppe}
         if do_cfg:
-            cond["neg_emb"], cond["neg_pooled"] = npe, nppe
+            cond["negative_prompt_embeds"], cond["negative_pooled_prompt_embeds"] = npe, nppe
         return cond
 
     def init_latents(self, generators: list[torch.Generator]) -> torch.Tensor:
@@ -112,9 +161,9 @@ class _SD3Adapter:
                                      pooled_projections=pooled, return_dict=False)[0]
 
     def velocity(self, x, t, cond):
-        v = self._forward(x, t, cond["emb"], cond["pooled"])
-        if "neg_emb" in cond:
-            neg = self._forward(x, t, cond["neg_emb"], cond["neg_pooled"])
+        v = self._forward(x, t, cond["prompt_embeds"], cond["pooled_prompt_embeds"])
+        if "negative_prompt_embeds" in cond:
+            neg = self._forward(x, t, cond["negative_prompt_embeds"], cond["negative_pooled_prompt_embeds"])
             v = neg + self.cfg.guidance_scale * (v - neg)
         return v
 
@@ -138,7 +187,7 @@ class _WanAdapter:
         do_cfg = self.cfg.guidance_scale > 1
         emb, neg = self.pipe.encode_prompt(prompt=prompts, negative_prompt=[""] * len(prompts) if do_cfg else None,
                                            do_classifier_free_guidance=do_cfg, device=self.pipe.device)
-        return {"emb": emb, "neg_emb": neg} if do_cfg else {"emb": emb}
+        return {"prompt_embeds": emb, "negative_prompt_embeds": neg} if do_cfg else {"prompt_embeds": emb}
 
     def init_latents(self, generators: list[torch.Generator]) -> torch.Tensor:
         p = self.pipe
@@ -150,9 +199,9 @@ class _WanAdapter:
                                      return_dict=False)[0]
 
     def velocity(self, x, t, cond):
-        v = self._forward(x, t, cond["emb"])
-        if "neg_emb" in cond:
-            neg = self._forward(x, t, cond["neg_emb"])
+        v = self._forward(x, t, cond["prompt_embeds"])
+        if "negative_prompt_embeds" in cond:
+            neg = self._forward(x, t, cond["negative_prompt_embeds"])
             v = neg + self.cfg.guidance_scale * (v - neg)
         return v
 
@@ -200,7 +249,37 @@ class DiffusionPolicy(TrainableModule):
         self.compute_dtype = dtype if lora_rank > 0 else torch.float32
         if gradient_checkpointing:  # recompute each block's activations in backward instead of keeping them
             self.transformer.enable_gradient_checkpointing()
+        self.configure_vae()
         self.sigmas, self.timesteps = self._schedule()
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    def configure_vae(self) -> None:
+        """diffusers' own VAE memory switches (``enable_slicing`` / ``enable_tiling``, on AutoencoderKL,
+        AutoencoderKLQwenImage and AutoencoderKLWan), set from the sampling config.
+
+        Slicing decodes a batch one sample at a time: the same pixels, the decode peak of one sample instead of B
+        (the memory plan measures 3.6 GB per 1024² Qwen-Image image, 5.2 GB per 33-frame 512² Wan video). Tiling
+        decodes overlapping spatial tiles (256 px for Qwen-Image / Wan) and blends their seams, so its pixels differ
+        slightly from a plain decode; it is what makes video fit (20.8 GB -> 2.0 GB per 1024² Wan video), hence
+        ``vae_tiling=None`` = on for video, off for images. Frames no larger than a tile decode plainly either way.
+        """
+        vae, cfg = self.pipe.vae, self.sampling
+        tiling = cfg.num_frames > 1 if cfg.vae_tiling is None else cfg.vae_tiling
+        vae.enable_slicing() if cfg.vae_slicing else vae.disable_slicing()
+        vae.enable_tiling() if tiling else vae.disable_tiling()
+
+    def conditioning_from(self, tensors) -> dict[str, torch.Tensor]:
+        """The prompt encodings a batch carries (``ImageModality.batch_tensors`` from each sample's
+        ``ImageResult.conditioning``), on the policy's device: the update and the log-prob recompute take these
+        instead of running the text encoder again."""
+        keys = tensors.keys()
+        if "prompt_embeds" not in keys:
+            raise KeyError("the batch carries no prompt_embeds: image batches are built by "
+                           "ImageModality.batch_tensors from ImageResult.conditioning (made at rollout)")
+        return {k: tensors[k].to(self.device) for k in COND_KEYS if k in keys}
 
     # ---- schedule -------------------------------------------------------------------------------------------
     def _schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,10 +372,14 @@ class DiffusionPolicy(TrainableModule):
         images = images.movedim(1, -1)  # channels last: [B, H, W, 3] or, for video, [B, T, H, W, 3]
         return Rollout(images=images.cpu().numpy(),
                        window_latents=torch.stack(stored, 1) if stored else torch.empty(len(seeds), 0),
-                       log_probs=torch.stack(log_probs, 1) if log_probs else torch.empty(len(seeds), 0))
+                       log_probs=torch.stack(log_probs, 1) if log_probs else torch.empty(len(seeds), 0),
+                       conditioning={k: v for k, v in cond.items() if v is not None})
 
     def generate(self, prompts: list[str], seeds: list[int], window: range | None = None) -> list[ImageResult]:
-        """:meth:`rollout`, split per sample (a rollout worker answers each request with its own sample)."""
+        """:meth:`rollout`, split per sample (a rollout worker answers each request with its own sample). Each
+        sample's tensors are its own CPU copies: a row view would carry the whole batch's storage when pickled."""
         out = self.rollout(prompts, seeds, window)
-        return [ImageResult(pixels=out.images[i], window_latents=out.window_latents[i], log_probs=out.log_probs[i])
+        conds = split_conditioning(out.conditioning, len(prompts))
+        return [ImageResult(pixels=out.images[i], window_latents=out.window_latents[i].cpu().clone(),
+                            log_probs=out.log_probs[i].cpu().clone(), conditioning=conds[i])
                 for i in range(len(prompts))]

@@ -35,7 +35,7 @@ def test_bf16_policy_samples_recomputes_log_probs_and_trains(name, no_network):
     assert torch.isfinite(out.log_probs).all() and out.images.dtype == np.uint8
     batch = DataProto.from_dict(
         tensors={"window_latents": out.window_latents, "old_log_probs": out.log_probs,
-                 "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])},
+                 "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]), **out.conditioning},
         non_tensors={"prompt": np.array(PROMPTS, dtype=object)}, meta_info={"window_start": 1})
     modality = ImageModality()
     with torch.no_grad():

@@ -24,7 +24,8 @@ def image_case():
     policy = DiffusionPolicy("tiny:sd3", SamplingConfig(height=32, width=32, num_inference_steps=4), lora_rank=4,
                              lora_alpha=8, target_modules=["to_q", "to_v"])
     out = policy.rollout(PROMPTS, [1, 2, 3, 4], window=range(1, 3))
-    tensors = {"window_latents": out.window_latents, "old_log_probs": out.log_probs + 0.01 * torch.arange(4.0)[:, None]}
+    tensors = {"window_latents": out.window_latents, "old_log_probs": out.log_probs + 0.01 * torch.arange(4.0)[:, None],
+               **out.conditioning}
     return policy, get_modality("image"), tensors, {"window_start": 1}
 
 

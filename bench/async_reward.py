@@ -25,6 +25,10 @@ of the same workload (same prompts and seeds, hence the same per-sample latencie
     stream+one_step_off:  max(rollout, train, work)                 (steady state: each period generates, trains and
     all:                  max(rollout, train, work)                  scores one batch, overlapped)
 
+The overlapped bounds assume rollout and training run on different devices: the one-step-off recipe's split
+layout (``--layout split``, the default here: ``actor_rollout_ref.hybrid_engine=False``). With ``--layout hybrid``
+one process per device does both, so on one device generation and update take turns.
+
 For one-step off-policy, one step's "rollout + reward tail" is not a bound here: the look-ahead collection starts
 when the previous step starts, so its reward tail may run into the next period; what remains is throughput.
 ``hidden_fraction = (T_sync - T_mode) / (T_sync - bound_mode)`` on mean step times: the share of the hideable
@@ -65,6 +69,7 @@ def workload(args, data: Path) -> list[str]:
         f"+reward.custom_reward_function.reward_kwargs.capacity={args.scorer_capacity}", "reward.num_workers=1",
         f"trainer.seed={args.seed}", f"trainer.total_training_steps={args.warmup + args.steps}",
         "trainer.logger=[jsonl]", "trainer.resume_mode=disable",
+        f"actor_rollout_ref.hybrid_engine={args.layout == 'hybrid'}",
     ]
 
 
@@ -151,6 +156,8 @@ def main() -> None:
     p.add_argument("--latency-scale", type=float, default=1 / 40)
     p.add_argument("--scorer-capacity", type=int, default=8, help="requests the scorer serves at once (0 = no limit)")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--layout", choices=["split", "hybrid"], default="split",
+                   help="split: rollout replicas beside the actor (hybrid_engine=False); hybrid: one process per device")
     p.add_argument("--modes", default=",".join(MODE_OVERRIDES))
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/async_reward.json")
     args = p.parse_args()

@@ -204,7 +204,9 @@ def main() -> None:
                       "reward.custom_reward_function.name=HttpScorer"] if fixed else
                      [f"reward.custom_reward_function.path={ROOT / 'bench/soak.py'}",
                       "reward.custom_reward_function.name=PixelsHttpScorer"])
-        overrides = [*SMALL, f"data.train_files={tmp}/train.jsonl", f"trainer.run_dir={tmp}/run",
+        # The rollout worker it kills is a replica Ray restarts: the split layout (hybrid: an actor rank, fatal).
+        overrides = [*SMALL, "actor_rollout_ref.hybrid_engine=false", f"data.train_files={tmp}/train.jsonl",
+                     f"trainer.run_dir={tmp}/run",
                      f"trainer.total_training_steps={args.steps}", f"trainer.seed={args.seed}",
                      f"reward.num_workers={args.reward_workers}", f"reward.timeout_s={args.reward_timeout_s}",
                      *reward_fn,

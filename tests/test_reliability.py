@@ -18,14 +18,16 @@ from omni_async.trainer.loop import RLTrainer
 from omni_async.trainer.metrics_logger import MetricsLogger
 
 SMALL = [*SMALL_IMAGE_TRAINER, "reward.streaming=true"]
+# A rollout worker that Ray restarts is a replica of the split layout; in the hybrid layout it is an actor rank.
+SPLIT = ["actor_rollout_ref.hybrid_engine=false"]
 
 
-def make_trainer(tmp_path: Path, name: str) -> RLTrainer:
+def make_trainer(tmp_path: Path, name: str, *overrides: str) -> RLTrainer:
     rows = [{"prompt": f"p{i}", "data_source": "x", "reward_model": {"ground_truth": ""}} for i in range(4)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     shutdown_ray()
     trainer = RLTrainer(compose([f"data.train_files={tmp_path}/train.jsonl", f"trainer.run_dir={tmp_path}/{name}",
-                                 *SMALL]))
+                                 *SMALL, *overrides]))
     trainer.ops.sync_weights(0)
     return trainer
 
@@ -34,7 +36,7 @@ def test_rollout_worker_killed_mid_step_regenerates_the_same_samples(tmp_path):
     """kill -9 of the only rollout replica once its first batch is done: Ray restarts it, it gets the current
     weights back, its in-flight requests are generated again, the step completes with every sample scored and
     trained once, and each sample equals the one an uninterrupted run makes (same seed and weights version)."""
-    trainer = make_trainer(tmp_path, "killed")
+    trainer = make_trainer(tmp_path, "killed", *SPLIT)
     replica = trainer.placement.rollout_workers[0]
     trained: list[str] = []
     real_step = trainer.ops.optimizer_step
@@ -62,7 +64,7 @@ def test_rollout_worker_killed_mid_step_regenerates_the_same_samples(tmp_path):
         killed_pixels = [s.result.pixels for s in samples]
     finally:
         trainer.agent.shutdown()
-    clean = make_trainer(tmp_path, "clean")
+    clean = make_trainer(tmp_path, "clean", *SPLIT)
     try:
         _, reference = clean.train_step(0)
     finally:

@@ -45,8 +45,8 @@ class RolloutWorkersLostError(RuntimeError):
 class Collection:
     """One step's samples in flight. ``iter_groups`` yields each ``uid`` group once all its members are done."""
 
-    def __init__(self, samples: list[Sample], window: tuple[int, int] | None):
-        self.samples, self.window = samples, window
+    def __init__(self, samples: list[Sample], window: tuple[int, int] | None, sampling: dict | None = None):
+        self.samples, self.window, self.sampling = samples, window, sampling
         self.done: Future = Future()
         self.all_generated: Future = Future()  # set once every sample's image / response exists
         self.groups: queue.Queue[list[Sample] | None] = queue.Queue()
@@ -66,16 +66,18 @@ class Collection:
 class AgentLoopManager:
     def __init__(self, workers: list[Any], dispatcher_factory: Callable[[], RewardDispatcher] | None = None,
                  max_generating: int | None = None, post_process: bool = False,
-                 restore_worker: Callable[[Any], Awaitable[None]] | None = None):
+                 restore_worker: Callable[[Any], Awaitable[None]] | None = None, restartable: bool = True):
         """``dispatcher_factory()`` builds the :class:`RewardDispatcher` on the loop (``None``: generate only).
 
         ``max_generating`` bounds the samples between "asked for" and "queued for reward"; with a full reward
         queue, generation stops there. ``post_process``: run the reward classes' group hook on complete groups.
         ``restore_worker(handle)`` brings a restarted rollout worker back to the current weights.
+        ``restartable=False`` (hybrid layout: the rollout workers are actor ranks, never restarted with their
+        optimizer state) gives a dead worker up at once instead of waiting for Ray to restart it.
         """
         self.workers = list(workers)
         self.down = [False] * len(self.workers)
-        self.restore_worker = restore_worker
+        self.restore_worker, self.restartable = restore_worker, restartable
         self.post_process = post_process
         self.regenerated = 0  # per step; reset by reset_step_counters
         self.loop = asyncio.new_event_loop()
@@ -104,7 +106,7 @@ class AgentLoopManager:
         """This step's rollout and reward-queue counters; resets the per-step ones."""
 
         def read():
-            m = {"rollout/regenerated": float(self.regenerated), "rollout/workers_down": float(sum(self.down))}
+            m = {"rollout/regenerated": float(self.regenerated), "rollout/workers_down": float(sum(bool(d) for d in self.down))}
             self.regenerated = 0
             if self.dispatcher is not None:
                 m.update(self.dispatcher.metrics())
@@ -113,9 +115,11 @@ class AgentLoopManager:
 
         return self.on_loop(read)
 
-    def start(self, samples: list[Sample], window: tuple[int, int] | None) -> Collection:
-        """Begin generating (and, when streaming, scoring) ``samples``; returns at once."""
-        collection = Collection(samples, window)
+    def start(self, samples: list[Sample], window: tuple[int, int] | None, *,
+              sampling: dict | None = None) -> Collection:
+        """Begin generating (and, when streaming, scoring) ``samples``; returns at once. ``sampling``: settings
+        that differ from the policy's own (validation's ``rollout.val_kwargs``), passed to every request."""
+        collection = Collection(samples, window, sampling)
         fut = asyncio.run_coroutine_threadsafe(self._run(collection), self.loop)
 
         def finish(f):
@@ -144,7 +148,7 @@ class AgentLoopManager:
                 collection.all_generated.set_result(None)
 
         async def one(s: Sample) -> None:
-            await self._sample(s, collection.window, generated)
+            await self._sample(s, collection.window, generated, collection.sampling)
             remaining[s.uid] -= 1
             if remaining[s.uid] == 0:
                 group = members[s.uid]
@@ -156,11 +160,12 @@ class AgentLoopManager:
 
         await asyncio.gather(*(one(s) for s in collection.samples))
 
-    async def _sample(self, s: Sample, window: tuple[int, int] | None, on_generated) -> None:
+    async def _sample(self, s: Sample, window: tuple[int, int] | None, on_generated,
+                      sampling: dict | None = None) -> None:
         if self._generating is not None:
             await self._generating.acquire()
         try:
-            gen = await self._generate(s, window)
+            gen = await self._generate(s, window, sampling)
             s.result, s.version = gen.result, gen.version
             s.times.gen_start, s.times.gen_end = gen.gen_start, gen.gen_end
             on_generated()
@@ -191,19 +196,21 @@ class AgentLoopManager:
                         "(Ray max_restarts exhausted or the node is gone); rerun with trainer.resume_mode=auto")
                 await self._revived.wait()
 
-    async def _generate(self, s: Sample, window: tuple[int, int] | None) -> Generation:
+    async def _generate(self, s: Sample, window: tuple[int, int] | None, sampling: dict | None = None) -> Generation:
+        kwargs = {"sampling": sampling} if sampling else {}  # training requests use the policy's own settings
         w = s.index % len(self.workers)
         while True:
             w = await self._live_worker(w)
             try:
-                return await self.workers[w].generate.remote(s.row.prompt, s.seed, window)
+                return await self.workers[w].generate.remote(s.row.prompt, s.seed, window, **kwargs)
             except (RayActorError, ActorUnavailableError):
                 # The worker died with this request in flight: generate it again elsewhere (same seed, same
                 # weights version -> the same sample) while Ray restarts the dead one.
                 self.regenerated += 1
                 if not self.down[w]:
-                    self.down[w] = True
-                    asyncio.ensure_future(self._revive(w))
+                    self.down[w] = True if self.restartable else "lost"
+                    if self.restartable:
+                        asyncio.ensure_future(self._revive(w))
 
     async def _revive(self, w: int) -> None:
         """Wait for Ray to restart worker ``w``, give it the current weights, put it back in the rotation."""

@@ -5,8 +5,13 @@ reference policy for KL (the same module with the adapter switched off)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
+
+# The adapter the rollout reads in the hybrid layout when an update may run while it generates (one-step
+# off-policy, the mini-batch pipeline): a frozen copy of the live ("default") adapter at the last published version.
+LIVE_ADAPTER, ROLLOUT_ADAPTER = "default", "rollout"
 
 
 class TrainableModule:
@@ -26,11 +31,40 @@ class TrainableModule:
         else:
             module.requires_grad_(True)
         # Trainable weights (and so AdamW's state) are fp32 whatever the frozen weights' dtype.
-        for p in self.trainable_parameters():
+        self._trainable = [p for p in self.trainable.parameters() if p.requires_grad]
+        for p in self._trainable:
             p.data = p.data.float()
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.trainable.parameters() if p.requires_grad]
+        # Fixed at init: peft's set_adapter flips requires_grad, so it is no longer a test of "trained".
+        return self._trainable
+
+    def snapshot_for_rollout(self) -> None:
+        """Copy the live LoRA adapter into the rollout adapter (created on first use): a device-local copy of the
+        adapter, the hybrid layout's weight sync when updates overlap generation."""
+        if not self.lora:
+            raise RuntimeError("a rollout snapshot needs LoRA (actor_rollout_ref.model.lora_rank > 0); a full "
+                               "fine-tune overlapping rollout needs actor_rollout_ref.hybrid_engine=False")
+        from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+
+        module = self.trainable
+        if ROLLOUT_ADAPTER not in module.peft_config:
+            module.add_adapter(copy.deepcopy(module.peft_config[LIVE_ADAPTER]), adapter_name=ROLLOUT_ADAPTER)
+            module.set_adapter(LIVE_ADAPTER)  # add_adapter activates the new one
+            for name, p in module.named_parameters():
+                if f".{ROLLOUT_ADAPTER}." in name:
+                    p.data = p.data.float()
+        set_peft_model_state_dict(module, get_peft_model_state_dict(module, adapter_name=LIVE_ADAPTER),
+                                  adapter_name=ROLLOUT_ADAPTER)
+
+    @contextlib.contextmanager
+    def rollout_adapter(self):
+        """Generate with the rollout snapshot; the live adapter (and its requires_grad) is restored after."""
+        self.trainable.set_adapter(ROLLOUT_ADAPTER)
+        try:
+            yield
+        finally:
+            self.trainable.set_adapter(LIVE_ADAPTER)
 
     def weights_state_dict(self) -> dict[str, torch.Tensor]:
         """The trainable weights only (LoRA adapter, or the full module): what a weight sync ships."""

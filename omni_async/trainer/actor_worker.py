@@ -4,12 +4,22 @@ It owns the trainable copy of the policy and the optimizer. The trainer splits a
 (``trainer.step_ops.minibatches``: whole ``uid`` groups, every epoch) and calls :meth:`ActorWorker.update_minibatch`
 once per optimizer step; what a trajectory is and how its loss is computed is the modality's
 (``omni_async.modality``).
+
+In the hybrid layout (``actor_rollout_ref.hybrid_engine=True``, verl's default) the same process is also its
+device's rollout worker: :meth:`ActorWorker.generate` serves the agent loop's per-sample requests with the model it
+trains, batched by a :class:`GenerationBatcher`, so one device holds one pipeline and a weight sync is a version
+bump. Every model call (generation batches, updates, checkpoints) runs on one device thread in call order, so they
+never interleave inside a forward. When an update may run while the rollout generates (one-step off-policy, the
+mini-batch pipeline) the rollout reads a frozen snapshot of the LoRA adapter (``TrainableModule.rollout_adapter``)
+taken at each sync, so the samples of version k never see the update that version k's batch is driving.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -19,6 +29,7 @@ from verl import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
+from omni_async.agent_loop.rollout_replica import Generation, GenerationBatcher
 from omni_async.cluster import configure_worker
 from omni_async.modality import REF_TIME_KEY, Modality, get_modality
 from omni_async.modality.base import model_dtype
@@ -58,24 +69,69 @@ class ActorWorker(Worker):
         self.cfg = OmegaConf.create(config)
         self.device = configure_worker()
         self.modality = get_modality(self.cfg.actor_rollout_ref.model.modality)
+        self._device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actor-device")
+        self.rollout_version = 0
+        self.weights_shipped = 0  # get_weights calls: the split layout's transfers (stays 0 in the hybrid one)
+
+    async def _on_device(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._device_thread, fn, *args)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
-        m, a = self.cfg.actor_rollout_ref.model, self.cfg.actor_rollout_ref.actor
-        torch.manual_seed(int(self.cfg.trainer.seed))
-        sampling = vars(self.modality.sampling_config(self.cfg))
+    async def init_model(self) -> None:
+        await self._on_device(self._init_model)
+
+    def _init_model(self) -> None:
+        cfg = self.cfg
+        m, a, r = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+        torch.manual_seed(int(cfg.trainer.seed))
+        sampling = vars(self.modality.sampling_config(cfg))
         dtype = model_dtype(a.fsdp_config.model_dtype, self.device)
         self.policy = self.modality.build_policy(OmegaConf.to_container(m, resolve=True), sampling, self.device,
                                                  dtype=dtype)
         self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=a.optim.lr,
                                            weight_decay=a.optim.weight_decay)
+        overlap = cfg.async_reward.one_step_off_policy or cfg.async_reward.update_pipeline
+        self.snapshot = bool(cfg.actor_rollout_ref.hybrid_engine and overlap)
+        self.batcher = GenerationBatcher(self._generate, lambda: self.rollout_version, self._device_thread,
+                                         r.agent.max_batch_size, r.agent.max_wait_ms)
+
+    # ---- rollout (hybrid layout) --------------------------------------------------------------------------------
+    def _generate(self, *args):
+        if not self.snapshot:
+            return self.policy.generate(*args)
+        with self.policy.rollout_adapter():
+            return self.policy.generate(*args)
+
+    async def generate(self, prompt: str, seed: int, window: tuple[int, int] | None) -> Generation:
+        """One sample, the contract of ``RolloutReplica.generate``: the agent loop streams to either layout."""
+        return await self.batcher.submit(prompt, seed, window)
+
+    async def set_rollout_version(self, version: int) -> int:
+        """The hybrid layout's weight sync: later samples report ``version`` (and read a fresh adapter snapshot
+        when updates overlap generation). Nothing leaves the device."""
+        def publish() -> int:
+            if self.snapshot:
+                self.policy.snapshot_for_rollout()
+            self.rollout_version = int(version)
+            return self.rollout_version
+
+        return await self._on_device(publish)
+
+    async def stats(self) -> dict[str, Any]:
+        return {"batch_sizes": list(self.batcher.batch_sizes), "version": self.rollout_version, "pid": os.getpid(),
+                "weights_shipped": self.weights_shipped}
+
+    # ---- training -----------------------------------------------------------------------------------------------
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    async def get_weights(self) -> dict[str, torch.Tensor]:
+        self.weights_shipped += 1
+        return await self._on_device(self.policy.weights_state_dict)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def get_weights(self) -> dict[str, torch.Tensor]:
-        return self.policy.weights_state_dict()
+    async def compute_log_prob(self, data: DataProto) -> torch.Tensor:
+        return await self._on_device(self._compute_log_prob, data)
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def compute_log_prob(self, data: DataProto) -> torch.Tensor:
+    def _compute_log_prob(self, data: DataProto) -> torch.Tensor:
         """Log-probs of the stored trajectories under the current weights (pi_old when not bypassed), in
         micro-batches of ``rollout.log_prob_micro_batch_size_per_gpu`` samples."""
         size = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu or len(data)
@@ -83,7 +139,10 @@ class ActorWorker(Worker):
             return torch.cat([self.modality.log_probs(self.policy, mb) for mb in data.split(int(size))])
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def update_minibatch(self, data: DataProto) -> dict[str, float]:
+    async def update_minibatch(self, data: DataProto) -> dict[str, float]:
+        return await self._on_device(self._update_minibatch, data)
+
+    def _update_minibatch(self, data: DataProto) -> dict[str, float]:
         """One optimizer step on one mini-batch (``loss_mask`` marks the samples in the loss).
 
         The mini-batch runs in micro-batches of ``actor.ppo_micro_batch_size_per_gpu`` samples with gradients
@@ -101,13 +160,19 @@ class ActorWorker(Worker):
         return out
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, path: str) -> None:
+    async def save_checkpoint(self, path: str) -> None:
+        await self._on_device(self._save_checkpoint, path)
+
+    def _save_checkpoint(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
         torch.save({"weights": self.policy.weights_state_dict(), "optimizer": self.optimizer.state_dict()},
                    os.path.join(path, "actor.pt"))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, path: str) -> None:
+    async def load_checkpoint(self, path: str) -> None:
+        await self._on_device(self._load_checkpoint, path)
+
+    def _load_checkpoint(self, path: str) -> None:
         state = torch.load(os.path.join(path, "actor.pt"), weights_only=True)
         self.policy.load_weights_state_dict(state["weights"])
         self.optimizer.load_state_dict(state["optimizer"])

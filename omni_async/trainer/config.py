@@ -7,6 +7,7 @@ checked here, at start, before any Ray actor exists, and each error names the ke
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -14,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omni_async.cluster import reward_pool_size
 from omni_async.reward.wiring import streaming_enabled
 
-__all__ = ["ConfigError", "compose", "streaming_enabled", "validate"]
+__all__ = ["ConfigError", "compose", "streaming_enabled", "total_training_steps", "validate"]
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 
@@ -32,6 +33,15 @@ def compose(overrides: list[str] | None = None, config_name: str = "flowgrpo_tra
         return hydra_compose(config_name=config_name, overrides=list(overrides or []))
 
 
+def total_training_steps(cfg: DictConfig, train_rows: int) -> int:
+    """verl's rule: ``trainer.total_training_steps`` when set, else ``trainer.total_epochs`` passes over the training
+    data, each ``train_rows // data.train_batch_size`` steps (the last partial batch is dropped, as verl's loader)."""
+    t = cfg.trainer
+    if t.total_training_steps is not None:
+        return int(t.total_training_steps)
+    return int(t.total_epochs) * (int(train_rows) // int(cfg.data.train_batch_size))
+
+
 def _check(ok: bool, key: str, problem: str, fix: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {problem}. Fix: {fix}")
@@ -41,11 +51,12 @@ def _check_reward_functions(reward: DictConfig, modality: str) -> None:
     """Load every configured reward function here, on the driver, so a wrong path or name fails at once with the
     config key (not inside a Ray actor half a minute later). No path: dispatch by ``data_source``, as verl does."""
     from omni_async.reward.contract import check_reward_function
-    from omni_async.reward.manager import reward_specs
+    from omni_async.reward.manager import check_judge_model_kwargs, reward_specs
 
     try:
         for spec in reward_specs(reward):
-            check_reward_function(spec.path, spec.name, spec.config_key, spec.kwargs, modality)
+            check_judge_model_kwargs(spec, check_reward_function(spec.path, spec.name, spec.config_key, spec.kwargs,
+                                                                 modality))
     except ValueError as e:  # a RewardConfigError, or a reward_functions entry without path / name
         raise ConfigError(str(e)) from e
 
@@ -74,6 +85,9 @@ def validate(cfg: DictConfig) -> DictConfig:
     modality = arr.model.modality
     _check(modality in ("image", "text"), "actor_rollout_ref.model.modality", f"unknown modality {modality!r}",
            "use image (diffusion) or text (causal LM; --config-name grpo_text_trainer sets it up)")
+    _check(rollout.name != "vllm_omni", "actor_rollout_ref.rollout.name",
+           "vllm_omni is verl-omni's diffusion server; here diffusion rolls out in-process (diffusers) in each "
+           "rollout worker", "set actor_rollout_ref.rollout.name=transformers")
     _check(rollout.name in ("transformers", "vllm"), "actor_rollout_ref.rollout.name",
            f"unknown rollout engine {rollout.name!r}", "use transformers (or vllm for text)")
     if rollout.name == "vllm":
@@ -173,11 +187,98 @@ def validate(cfg: DictConfig) -> DictConfig:
            "keep at least 1 (or -1 for all)")
     _check(cfg.trainer.resume_mode in ("auto", "disable"), "trainer.resume_mode",
            f"unknown mode {cfg.trainer.resume_mode!r}", "use auto or disable")
-    _check(cfg.trainer.total_training_steps >= 1, "trainer.total_training_steps", "must be >= 1", "e.g. 4")
+    _check(cfg.trainer.total_training_steps is None or cfg.trainer.total_training_steps >= 1,
+           "trainer.total_training_steps", "must be >= 1 (or null: trainer.total_epochs passes over the data)", "e.g. 4")
+    _check_verl_keys(cfg)
     _check(cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes >= 1, "trainer.n_gpus_per_node",
            "the actor/rollout pool has no devices", "set trainer.n_gpus_per_node=1 (or more)")
+    _check_layout(cfg)
     _check(rollout.agent.num_workers <= cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes,
            "actor_rollout_ref.rollout.agent.num_workers",
            f"{rollout.agent.num_workers} rollout replicas do not fit {cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes}"
            " actor/rollout devices", "lower it or raise trainer.n_gpus_per_node")
     return cfg
+
+
+def _check_layout(cfg: DictConfig) -> None:
+    """The hybrid layout (one process per device trains and generates) has its own rules."""
+    arr, a = cfg.actor_rollout_ref, cfg.async_reward
+    if not arr.hybrid_engine:
+        return
+    devices = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    workers = arr.rollout.agent.num_workers
+    _check(workers == devices, "actor_rollout_ref.rollout.agent.num_workers",
+           f"the hybrid layout has one rollout worker per actor device ({devices}), got {workers}",
+           f"set it to {devices} (trainer.n_gpus_per_node x nnodes), or actor_rollout_ref.hybrid_engine=False for "
+           "rollout replicas separate from the actor")
+    _check(arr.rollout.name == "transformers", "actor_rollout_ref.hybrid_engine",
+           f"rollout.name={arr.rollout.name} generates in its own server process, not in the actor",
+           "set actor_rollout_ref.hybrid_engine=False")
+    if (a.one_step_off_policy or a.update_pipeline) and arr.model.lora_rank == 0:
+        key = "async_reward.one_step_off_policy" if a.one_step_off_policy else "async_reward.update_pipeline"
+        _check(False, "actor_rollout_ref.hybrid_engine",
+               f"{key}=true runs updates while the rollout generates; with a full fine-tune (lora_rank=0) in the "
+               "hybrid layout the rollout would read weights the update is changing in place (wrong pi_old), and "
+               "only a LoRA adapter is cheap to snapshot on the device",
+               "set actor_rollout_ref.hybrid_engine=False (rollout replicas on their own copy) or lora_rank > 0")
+
+
+def _check_verl_keys(cfg: DictConfig) -> None:
+    """verl / verl-omni keys that this project implements only in some values: anything else is refused here,
+    naming the key and what this project uses instead (no key is accepted and then ignored)."""
+    arr, data, t = cfg.actor_rollout_ref, cfg.data, cfg.trainer
+    rollout, actor, judge = arr.rollout, arr.actor, cfg.reward.reward_model.rollout
+    algorithm = {"image": "flow_grpo", "text": "grpo"}[arr.model.modality]
+    _check(arr.model.algorithm == algorithm, "actor_rollout_ref.model.algorithm",
+           f"{arr.model.algorithm!r} is not implemented for model.modality={arr.model.modality}",
+           f"use {algorithm} (verl-omni's other diffusion algorithms are not part of this project)")
+    _check(data.max_prompt_length is None or data.max_prompt_length >= 1, "data.max_prompt_length",
+           "must be >= 1 tokens", "e.g. 256, or null for no limit")
+    _check(rollout.tensor_model_parallel_size == 1, "actor_rollout_ref.rollout.tensor_model_parallel_size",
+           f"each rollout worker holds one device (TP={rollout.tensor_model_parallel_size} rollout is not "
+           "implemented)", "set it to 1 and scale out with actor_rollout_ref.rollout.agent.num_workers")
+    _check(rollout.load_format in ("safetensors", "hf", "auto"), "actor_rollout_ref.rollout.load_format",
+           f"{rollout.load_format!r}: rollout workers load model.path's weights from disk and then take only the "
+           "trainable weights from the actor, so the frozen ones (VAE, text encoder, base) cannot be dummy",
+           "set actor_rollout_ref.rollout.load_format=safetensors")
+    _check(not (rollout.layered_summon and arr.model.lora_rank == 0), "actor_rollout_ref.rollout.layered_summon",
+           "a full fine-tune's weight sync sends the transformer's state in one piece; layer-by-layer gathering is "
+           "not implemented (with LoRA a sync moves only the adapter, which is what layered summon saves)",
+           "set actor_rollout_ref.rollout.layered_summon=False, or train LoRA (model.lora_rank > 0)")
+    ref_mb = arr.ref.log_prob_micro_batch_size_per_gpu
+    actor_mb = actor.ppo_micro_batch_size_per_gpu or actor.ppo_mini_batch_size * rollout.n
+    _check(ref_mb is None or ref_mb >= actor_mb, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+           f"the reference (adapter-off) forward runs inside each actor micro-batch of {actor_mb} samples, so its "
+           f"batch cannot be limited to {ref_mb}", "lower actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu "
+           "(it bounds both), or set this key >= it (or null)")
+    _check(not judge.free_cache_engine, "reward.reward_model.rollout.free_cache_engine",
+           "the vLLM judge servers own the reward pool's devices, nothing else runs there between steps, so their "
+           "KV cache stays resident (vLLM sleep mode is not used)", "set it to False")
+    _check_validation(cfg)
+    _check(t.total_epochs >= 1, "trainer.total_epochs", f"must be >= 1, got {t.total_epochs}", "e.g. 1")
+    _check(t.log_val_generations >= 0, "trainer.log_val_generations", "must be >= 0", "e.g. 8, or 0 for none")
+    backends = list(t.logger)
+    unknown = sorted(set(backends) - {"console", "jsonl", "tensorboard", "wandb"})
+    _check(not unknown, "trainer.logger", f"unknown backend(s) {unknown}", "use console, jsonl, tensorboard, wandb")
+    _check("wandb" not in backends or importlib.util.find_spec("wandb") is not None, "trainer.logger",
+           "wandb is listed but not installed", "pip install wandb (then wandb login), or remove wandb from "
+           "trainer.logger (e.g. trainer.logger=[console,jsonl,tensorboard])")
+
+
+def _check_validation(cfg: DictConfig) -> None:
+    """``actor_rollout_ref.rollout.val_kwargs``: the validation sampling settings (null = the training value)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    v = rollout.val_kwargs
+    _check(v.n >= 1, "actor_rollout_ref.rollout.val_kwargs.n", f"must be >= 1, got {v.n}", "e.g. 1")
+    steps = v.pipeline.num_inference_steps or rollout.num_inference_steps
+    _check(steps >= 1, "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps", "must be >= 1", "e.g. 50")
+    h, w = v.pipeline.height or rollout.height, v.pipeline.width or rollout.width
+    _check(h % 16 == 0 and w % 16 == 0, "actor_rollout_ref.rollout.val_kwargs.pipeline.height/width",
+           f"{h}x{w} is not a multiple of 16", "use e.g. 64x64 or 512x512")
+    _check(v.algo.noise_level >= 0, "actor_rollout_ref.rollout.val_kwargs.algo.noise_level", "must be >= 0", "0.0")
+    if v.algo.noise_level > 0:
+        size, hi = rollout.algo.sde_window_size, int(rollout.algo.sde_window_range[1])
+        _check(hi - 1 + size <= steps, "actor_rollout_ref.rollout.val_kwargs.algo.noise_level",
+               f"validation SDE noise runs on a window of algo.sde_window_size={size} steps within "
+               f"algo.sde_window_range, which passes the {steps} validation steps",
+               "raise val_kwargs.pipeline.num_inference_steps, or set val_kwargs.algo.noise_level=0.0 (ODE)")

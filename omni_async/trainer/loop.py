@@ -25,16 +25,18 @@ import time
 from pathlib import Path
 
 import numpy as np
-from omegaconf import DictConfig
+import torch
+from omegaconf import DictConfig, OmegaConf
 
 from omni_async.agent_loop.manager import AgentLoopManager
 from omni_async.agent_loop.rollout_replica import SEED_VALIDATION, sample_seed
+from omni_async.algos.sde import sde_window
 from omni_async.cluster import init_ray
 from omni_async.modality import get_modality
 from omni_async.reward.wiring import RewardSide
 from omni_async.sample import Sample
-from omni_async.trainer.config import validate
-from omni_async.trainer.dataset import PromptSampler, load_prompts
+from omni_async.trainer.config import total_training_steps, validate
+from omni_async.trainer.dataset import PromptSampler, check_prompt_lengths, load_prompts
 from omni_async.trainer.metrics import reward_metrics
 from omni_async.trainer.metrics_logger import MetricsLogger
 from omni_async.trainer.placement import place
@@ -48,6 +50,9 @@ __all__ = ["RLTrainer", "FlowGRPOTrainer", "RewardFailureError"]
 # Samples in flight per rollout worker between "asked for" and "queued for reward": one device batch generating
 # and one forming. More only grows the queue in front of a slow reward; fewer idles the device between batches.
 GENERATING_BATCHES_PER_WORKER = 2
+# Validation draws its samples' seeds from (SEED_VALIDATION, step 0) and, with val_kwargs.algo.noise_level > 0, its
+# SDE window from (SEED_VALIDATION, step 1): fixed for the run, so every validation is comparable.
+VALIDATION_WINDOW_STEP = 1
 
 
 class RLTrainer:
@@ -56,20 +61,24 @@ class RLTrainer:
         init_ray(cfg)
         self.modality = get_modality(cfg.actor_rollout_ref.model.modality)
         self.run_dir = Path(cfg.trainer.run_dir)
-        self.sampler = PromptSampler(load_prompts(cfg.data.train_files), cfg.data.train_batch_size,
-                                     cfg.data.shuffle, cfg.data.seed)
+        train_rows = load_prompts(cfg.data.train_files)
         self.val_rows = load_prompts(cfg.data.val_files)[: cfg.data.val_batch_size] if cfg.data.val_files else []
+        check_prompt_lengths(train_rows + self.val_rows, cfg.data.max_prompt_length,
+                             lambda prompts: self.modality.prompt_lengths(cfg.actor_rollout_ref.model.path, prompts))
+        self.sampler = PromptSampler(train_rows, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
+        self.total_steps = total_training_steps(cfg, len(train_rows))
         self.placement = place(cfg)
         self.reward = RewardSide(cfg, self.placement.reward_pool, self.placement.judge_pg)
         agent = cfg.actor_rollout_ref.rollout.agent
         self.agent = AgentLoopManager(self.placement.rollout_workers, self.reward.dispatcher_factory(),
                                       agent.num_workers * agent.max_batch_size * GENERATING_BATCHES_PER_WORKER,
-                                      self.reward.post_process, restore_worker=lambda w: self.ops.restore_worker(w))
+                                      self.reward.post_process, restore_worker=lambda w: self.ops.restore_worker(w),
+                                      restartable=not self.placement.hybrid)
         self.ops = StepOps(cfg, self.modality, self.sampler, self.agent, self.reward, self.placement.actor_wg,
-                           self.placement.rollout_workers, last_checkpoint=self.latest_checkpoint)
+                           self.placement.rollout_workers, self.placement.hybrid,
+                           last_checkpoint=self.latest_checkpoint)
         a = cfg.async_reward
-        total = cfg.trainer.total_training_steps
-        self.source = OneStepOffPolicy(self.ops, total) if a.one_step_off_policy else OnPolicy(self.ops)
+        self.source = OneStepOffPolicy(self.ops, self.total_steps) if a.one_step_off_policy else OnPolicy(self.ops)
         self.update = (PipelinedUpdate if a.update_pipeline else FullBatchUpdate)(self.ops)
         self.last_timeline: dict | None = None
         self._last_save = time.monotonic()
@@ -92,15 +101,35 @@ class RLTrainer:
         return metrics, samples
 
     # ---- validation, checkpoints ----------------------------------------------------------------------------
-    def validate_step(self) -> dict[str, float]:
-        """Deterministic (noise_level 0 everywhere, ODE) samples of the validation prompts, scored."""
-        samples = [Sample(index=i, uid=f"val-{i}", row=row, seed=sample_seed(self.cfg.trainer.seed, 0, i, SEED_VALIDATION))
-                   for i, row in enumerate(self.val_rows)]
-        samples = self.agent.start(samples, (0, 0) if self.modality.uses_window else None).wait()
+    def validate_step(self, step: int = 0) -> dict[str, float]:
+        """``rollout.val_kwargs.n`` samples per validation prompt with the validation sampling settings (the rest of
+        ``val_kwargs``; at noise level 0 deterministic ODE), scored; the first ``trainer.log_val_generations`` are
+        written to ``{run_dir}/validation/step_XXXX.{png,jsonl}``."""
+        n = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
+        samples = [Sample(index=i * n + k, uid=f"val-{i}", row=row,
+                          seed=sample_seed(self.cfg.trainer.seed, 0, i * n + k, SEED_VALIDATION))
+                   for i, row in enumerate(self.val_rows) for k in range(n)]
+        sampling = self.modality.validation_sampling(self.cfg)
+        window = self._validation_window(sampling) if self.modality.uses_window else None
+        samples = self.agent.start(samples, window, sampling=sampling).wait()
         if any(s.outcome is None for s in samples):
             self.ops.score_colocated(samples, Timer())
+        if self.cfg.trainer.log_val_generations > 0:
+            self.modality.save_samples(self.run_dir / "validation", step,
+                                       samples[: int(self.cfg.trainer.log_val_generations)])
         scores = [s.outcome.score for s in samples if s.outcome.ok]
         return {"val/reward/mean": float(np.mean(scores)) if scores else float("nan")}
+
+    def _validation_window(self, sampling: dict) -> tuple[int, int]:
+        """No SDE step at noise level 0; else a window as training draws one, fixed for the run."""
+        if not sampling.get("noise_level"):
+            return 0, 0
+        r = self.cfg.actor_rollout_ref.rollout
+        gen = torch.Generator().manual_seed(sample_seed(self.cfg.trainer.seed, VALIDATION_WINDOW_STEP, 0,
+                                                        SEED_VALIDATION))
+        w = sde_window(sampling.get("num_inference_steps", r.num_inference_steps), r.algo.sde_window_size,
+                       tuple(r.algo.sde_window_range), gen)
+        return w.start, w.stop
 
     def _ckpt_dir(self, step: int) -> Path:
         return self.run_dir / "checkpoints" / f"step_{step:06d}"
@@ -135,7 +164,7 @@ class RLTrainer:
 
     def _checkpoint_due(self, done: int) -> bool:
         t = self.cfg.trainer
-        if done == t.total_training_steps or (t.save_freq > 0 and done % t.save_freq == 0):
+        if done == self.total_steps or (t.save_freq > 0 and done % t.save_freq == 0):
             return True
         return t.save_interval_min > 0 and time.monotonic() - self._last_save >= 60.0 * t.save_interval_min
 
@@ -144,14 +173,16 @@ class RLTrainer:
         t = self.cfg.trainer
         start = self.resume()
         self.ops.sync_weights(start)
-        logger = MetricsLogger(self.run_dir, list(t.logger), t.total_training_steps, start,
-                               label=self.cfg.trainer.experiment_name)
+        logger = MetricsLogger(self.run_dir, list(t.logger), self.total_steps, start, label=t.experiment_name,
+                               project=t.project_name, config=OmegaConf.to_container(self.cfg, resolve=True))
         try:
-            for step in range(start, t.total_training_steps):
+            if t.val_before_train and self.val_rows:  # logged at the starting step, as verl does
+                logger.log(start, self.validate_step(start), advance=False)
+            for step in range(start, self.total_steps):
                 metrics, samples = self.train_step(step)
                 done = step + 1
                 if t.test_freq > 0 and self.val_rows and done % t.test_freq == 0:
-                    metrics.update(self.validate_step())
+                    metrics.update(self.validate_step(done))
                 logger.log(done, metrics)
                 if t.log_timeline_freq > 0 and done % t.log_timeline_freq == 0:
                     save_timeline(self.run_dir, self.last_timeline)

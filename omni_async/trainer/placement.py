@@ -1,8 +1,12 @@
 """Where every role runs: verl resource pools, the actor worker group, the rollout workers.
 
 - ``actor_rollout`` pool: ``trainer.n_gpus_per_node x nnodes`` devices. The actor worker group has one verl
-  ``Worker`` per device. Rollout replicas (``RolloutReplica``) share the devices' bundles with the actors
-  (``ACTOR_ROLLOUT_COLOCATE``) and take weights from them after each update.
+  ``Worker`` per device.
+  - hybrid layout (``actor_rollout_ref.hybrid_engine=True``): each actor worker is also its device's rollout worker
+    (one pipeline per device); the rollout workers *are* the actor workers.
+  - split layout (``hybrid_engine=False``): rollout replicas (``RolloutReplica``) with their own copy of the
+    policy share the devices' bundles with the actors (``ACTOR_ROLLOUT_COLOCATE``) and take weights from them
+    after each update.
 - ``reward_pool`` (``reward.reward_model.enable_resource_pool``): the reward-loop workers' own devices; or TP
   bundles for vLLM judge servers (``reward.reward_model.rollout.name=vllm``).
 """
@@ -18,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from omni_async.modality import get_modality
 from omni_async.trainer.actor_worker import ActorWorker
 
-# Roles sharing one actor/rollout device bundle: the actor worker and a rollout replica; each takes this share.
+# Split layout: roles sharing one actor/rollout device bundle, the actor worker and a rollout replica; each takes
+# this share. The hybrid layout has one process per device.
 ACTOR_ROLLOUT_COLOCATE = 2
 DEVICE_SHARE = 1.0 / ACTOR_ROLLOUT_COLOCATE
 ROLLOUT_MAX_RESTARTS = 4
@@ -29,6 +34,7 @@ class Placement:
     pools: Any  # verl ResourcePoolManager
     actor_wg: Any  # verl RayWorkerGroup of ActorWorker
     rollout_workers: list[Any]  # Ray actor handles serving generate(prompt, seed, window)
+    hybrid: bool  # rollout_workers are the actor workers (hybrid_engine)
     reward_pool: Any | None  # verl RayResourcePool for reward-loop workers, or None
     judge_pg: Any | None  # placement group of vLLM judge servers, or None
 
@@ -45,11 +51,14 @@ def place(cfg: DictConfig) -> Placement:
         judge_pg = judge_placement_group(cfg.reward)
     elif rm.enable_resource_pool:
         spec["reward_pool"], mapping["reward"] = [rm.n_gpus_per_node] * rm.nnodes, "reward_pool"
-    pools = ResourcePoolManager(resource_pool_spec=spec, mapping=mapping, max_colocate_count=ACTOR_ROLLOUT_COLOCATE)
+    hybrid = bool(cfg.actor_rollout_ref.hybrid_engine)
+    pools = ResourcePoolManager(resource_pool_spec=spec, mapping=mapping,
+                                max_colocate_count=1 if hybrid else ACTOR_ROLLOUT_COLOCATE)
     pools.create_resource_pool()
     actor_wg = _actor_worker_group(cfg, pools.get_resource_pool("actor"))
     reward_pool = pools.get_resource_pool("reward") if "reward" in mapping else None
-    return Placement(pools, actor_wg, _rollout_replicas(cfg, pools.get_resource_pool("actor")), reward_pool, judge_pg)
+    rollout = list(actor_wg.workers) if hybrid else _rollout_replicas(cfg, pools.get_resource_pool("actor"))
+    return Placement(pools, actor_wg, rollout, hybrid, reward_pool, judge_pg)
 
 
 def _actor_worker_group(cfg: DictConfig, pool: Any) -> Any:

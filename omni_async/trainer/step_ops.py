@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from ray.exceptions import RayActorError
 from verl import DataProto
 
-from omni_async.agent_loop.manager import AgentLoopManager, Collection
+from omni_async.agent_loop.manager import AgentLoopManager, Collection, RolloutWorkersLostError
 from omni_async.agent_loop.rollout_replica import SEED_WINDOW, sample_seed
 from omni_async.algos.advantages import group_advantages
 from omni_async.algos.sde import sde_window
@@ -49,9 +49,10 @@ def minibatches(batch: DataProto, prompts_per_minibatch: int) -> list[DataProto]
 
 class StepOps:
     def __init__(self, cfg: DictConfig, modality: Modality, sampler: PromptSampler, agent: AgentLoopManager,
-                 reward: RewardSide, actor_wg: Any, rollout_workers: list[Any], last_checkpoint=lambda: None):
+                 reward: RewardSide, actor_wg: Any, rollout_workers: list[Any], hybrid: bool = False,
+                 last_checkpoint=lambda: None):
         self.cfg, self.modality, self.sampler, self.agent, self.reward = cfg, modality, sampler, agent, reward
-        self.actor_wg, self.rollout_workers = actor_wg, rollout_workers
+        self.actor_wg, self.rollout_workers, self.hybrid = actor_wg, rollout_workers, hybrid
         self.last_checkpoint = last_checkpoint  # for the error when an actor rank dies
         self.sampler_state_before: dict[int, dict] = {}  # sampler state before each step's prompts were drawn
         self._weights: tuple[Any, int] | None = None  # (object ref of the newest weights, version)
@@ -82,14 +83,28 @@ class StepOps:
     def collect(self, collection: Collection, timer: Timer) -> list[Sample]:
         """Wait for a step's samples. Streamed ones arrive scored; the wait after the last one is the reward tail."""
         with timer("collect_wait"):
-            samples = collection.wait()
+            try:
+                samples = collection.wait()
+            except RolloutWorkersLostError as e:
+                if self.hybrid:  # the rollout workers are the actor ranks
+                    raise self._rank_died("rollout", e) from e
+                raise
         last_generated = max(s.times.gen_end for s in samples)
         timer.timing["timing_s/gen"] += max(0.0, last_generated - collection.t_start)
         timer.timing["timing_s/reward_wait"] += max(0.0, collection.t_done - max(last_generated, collection.t_start))
         return samples
 
     def sync_weights(self, version: int) -> None:
-        """Push rank 0's trainable weights to the rollout workers: one object in Ray's store, read by all."""
+        """Make ``version`` the rollout's weights.
+
+        Hybrid layout: the rollout generates with the model it trains, so this is a version bump (and a device-local
+        LoRA snapshot when updates overlap generation). Split layout: rank 0's trainable weights go into Ray's
+        object store once and every rollout replica reads them from there.
+        """
+        if self.hybrid:
+            ray.get([w.set_rollout_version.remote(version) for w in self.rollout_workers])
+            self._weights = (None, version)
+            return
         ref = self.actor_wg.workers[0].get_weights.remote()
         self._weights = (ref, version)
         ray.get([w.set_weights.remote(ref, version) for w in self.rollout_workers])
@@ -167,8 +182,11 @@ class StepOps:
         try:
             return getattr(self.actor_wg, method)(data)[0]
         except RayActorError as e:
-            ckpt = self.last_checkpoint()
-            raise ActorRankDiedError(
-                f"an actor rank died during {method} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); its "
-                f"optimizer state is lost. Last checkpoint: {ckpt or 'none yet'}. Rerun the same command with "
-                "trainer.resume_mode=auto to continue from it") from e
+            raise self._rank_died(method, e) from e
+
+    def _rank_died(self, during: str, e: Exception) -> ActorRankDiedError:
+        ckpt = self.last_checkpoint()
+        return ActorRankDiedError(
+            f"an actor rank died during {during} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); its "
+            f"optimizer state is lost. Last checkpoint: {ckpt or 'none yet'}. Rerun the same command with "
+            "trainer.resume_mode=auto to continue from it")

@@ -20,7 +20,9 @@ from omni_async.trainer.config import compose
 from omni_async.trainer.loop import FlowGRPOTrainer
 from omni_async.trainer.strategies import MODE_OVERRIDES
 
+# Full fine-tune: the overlap modes need the split layout (rollout replicas with their own copy of the weights).
 LEARN = ["actor_rollout_ref.model.path=tiny:sd3", "actor_rollout_ref.model.lora_rank=0",
+         "actor_rollout_ref.hybrid_engine=false",
          "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.actor.clip_ratio=0.2",
          "data.train_batch_size=4", "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
          "actor_rollout_ref.rollout.num_inference_steps=10", "actor_rollout_ref.rollout.algo.sde_window_size=2",

@@ -19,6 +19,7 @@ import torch
 
 from omni_async.algos.sde import SDEStep, sde_step_with_logprob
 from omni_async.models.lora import TrainableModule
+from omni_async.models.offload import OFFLOAD_DEVICE, place
 from omni_async.models.tiny import resolve_model_path
 from omni_async.sample import ImageResult
 
@@ -224,15 +225,20 @@ def sample_generators(seeds: list[int]) -> list[torch.Generator]:
 class DiffusionPolicy(TrainableModule):
     """Load a pipeline, add LoRA to its transformer, sample with the SDE window, recompute log-probs."""
 
-    def __init__(self, model_path: str, sampling: SamplingConfig, *, lora_rank: int = 8, lora_alpha: int = 16,
+    def __init__(self, model_path: Any, sampling: SamplingConfig, *, lora_rank: int = 8, lora_alpha: int = 16,
                  target_modules: list[str] | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  gradient_checkpointing: bool = False):
-        """``dtype``: the frozen weights' dtype (``fsdp_config.model_dtype``). Trainable weights are fp32 (LoRA, or
-        the whole transformer for a full fine-tune); latents, the SDE step, log-probs and KL are fp32 too, and
-        tensors are cast to the transformer's dtype only at its input (``step``)."""
+        """``model_path``: a local directory, hub id or ``tiny:<name>``, or an already built pipeline whose weights
+        are in ``dtype`` (``bench/gpu_step.py`` builds the real Qwen-Image architecture with random weights, which
+        no directory holds). ``dtype``: the frozen weights' dtype (``fsdp_config.model_dtype``). Trainable weights are
+        fp32 (LoRA, or the whole transformer for a full fine-tune); latents, the SDE step, log-probs and KL are fp32
+        too, and tensors are cast to the transformer's dtype only at its input (``step``)."""
         from diffusers import DiffusionPipeline
 
-        self.pipe = DiffusionPipeline.from_pretrained(resolve_model_path(model_path), dtype=dtype)
+        if isinstance(model_path, DiffusionPipeline):
+            self.pipe = model_path
+        else:
+            self.pipe = DiffusionPipeline.from_pretrained(resolve_model_path(model_path), dtype=dtype)
         self.pipe.to(device)
         self.pipe.set_progress_bar_config(disable=True)
         family = type(self.pipe).__name__
@@ -250,6 +256,7 @@ class DiffusionPolicy(TrainableModule):
         if gradient_checkpointing:  # recompute each block's activations in backward instead of keeping them
             self.transformer.enable_gradient_checkpointing()
         self.configure_vae()
+        self.frozen_offloaded = False  # param_offload: text encoder(s) and VAE on the CPU (offload_frozen)
         self.sigmas, self.timesteps = self._schedule()
 
     @property
@@ -280,6 +287,20 @@ class DiffusionPolicy(TrainableModule):
             raise KeyError("the batch carries no prompt_embeds: image batches are built by "
                            "ImageModality.batch_tensors from ImageResult.conditioning (made at rollout)")
         return {k: tensors[k].to(self.device) for k in COND_KEYS if k in keys}
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        """The pipeline's modules besides the transformer: text encoder(s) and VAE. Only generation uses them (the
+        update takes the carried prompt encodings), so they are what ``param_offload`` moves."""
+        return [m for m in self.pipe.components.values()
+                if isinstance(m, torch.nn.Module) and m is not self.transformer]
+
+    def offload_frozen(self, offload: bool = True) -> None:
+        """``param_offload``: move the frozen modules to the CPU (``offload=True``, before an update) or back to the
+        transformer's device (``False``; :meth:`rollout` does it, so generation never finds them away). Moves only
+        on a change, so consecutive updates, or a worker that never generates, move nothing more."""
+        if offload != self.frozen_offloaded:
+            place(self.frozen_modules(), OFFLOAD_DEVICE if offload else self.device)
+            self.frozen_offloaded = offload
 
     # ---- schedule -------------------------------------------------------------------------------------------
     def _schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,6 +372,7 @@ class DiffusionPolicy(TrainableModule):
     @torch.no_grad()
     def rollout(self, prompts: list[str], seeds: list[int], window: range | None) -> Rollout:
         """Generate one image per (prompt, seed); steps in ``window`` are SDE (stored), the rest ODE."""
+        self.offload_frozen(False)  # the text encoder and VAE are back on the device if an update offloaded them
         gens = sample_generators(seeds)
         cond = self.adapter.encode(list(prompts))
         x = self.adapter.init_latents(gens)

@@ -2,7 +2,10 @@
 
 * prompt encodings made once at rollout and carried to the update: the log-prob recompute and the loss never run the
   text encoder, give the rollout's log-probs, and the encodings never reach a reward chunk;
-* VAE decode in slices (the same pixels) and, for video, in tiles.
+* VAE decode in slices (the same pixels) and, for video, in tiles;
+* ``param_offload`` / ``optimizer_offload`` through the actor's Ray-free core. On CPU the offload device is the
+  compute device, so memory does not change: the tests check that the moves happen at the right times (spies) and
+  that the update's result is unchanged.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ from omegaconf import OmegaConf
 from verl import DataProto
 
 from omni_async.modality.image import ImageModality
+from omni_async.models import diffusion_policy, offload
 from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
 from omni_async.reward.worker import sample_to_proto
 from omni_async.sample import PromptRow, RewardOutcome, Sample
+from omni_async.trainer.actor_core import TensorBatch, update_minibatch
 
 # Byte-level tiny tokenizer: prompts of different lengths, so Qwen-Image pads a batch and needs its text mask.
 PROMPTS = ["a red sign", "a very much longer prompt about a blue sign", "hi", "a sign that says 12"]
@@ -30,11 +35,16 @@ def policy():
                            lora_rank=4, lora_alpha=8, target_modules=["to_q", "to_v"])
 
 
-def test_update_path_uses_the_carried_encodings_and_never_the_text_encoder(policy, monkeypatch, no_network):
+@pytest.fixture(scope="module")
+def samples(policy):
     # Two rollout batches: each pads to its own longest prompt; the training batch mixes them.
     results = policy.generate(PROMPTS[:2], [1, 2], range(1, 3)) + policy.generate(PROMPTS[2:], [3, 4], range(1, 3))
-    samples = [Sample(i, f"u{i // 2}", PromptRow(p, "x", ""), i, result=r, outcome=RewardOutcome("ok", 1.0))
-               for i, (p, r) in enumerate(zip(PROMPTS, results, strict=True))]
+    return [Sample(i, f"u{i // 2}", PromptRow(p, "x", ""), i, result=r, outcome=RewardOutcome("ok", 1.0))
+            for i, (p, r) in enumerate(zip(PROMPTS, results, strict=True))]
+
+
+def test_update_path_uses_the_carried_encodings_and_never_the_text_encoder(policy, samples, monkeypatch, no_network):
+    results = [s.result for s in samples]
 
     one = results[0].conditioning
     assert set(one) == {"prompt_embeds", "negative_prompt_embeds"}  # CFG > 1: the negative prompt's too
@@ -91,3 +101,45 @@ def test_vae_decodes_in_slices_with_the_same_pixels_and_tiles_video(policy, monk
     assert not vae.use_tiling
     monkeypatch.undo()
     policy.configure_vae()
+
+
+def test_param_and_optimizer_offload_move_at_the_right_times_and_change_nothing(policy, samples, monkeypatch):
+    modality = ImageModality()
+    batch = TensorBatch({**modality.batch_tensors(samples[:2]), "advantages": torch.tensor([1.0, -1.0]),
+                         "loss_mask": torch.tensor([True, True])}, {"window_start": 1})
+    cfg = OmegaConf.create({"clip_ratio": 0.2, "kl_loss_coef": 0.0, "grad_clip": 1.0,
+                            "ppo_micro_batch_size_per_gpu": None})
+    start = policy.weights_state_dict()
+
+    def two_updates(**offloads):
+        policy.load_weights_state_dict(start)
+        optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-2)
+        for _ in range(2):
+            update_minibatch(modality, policy, optimizer, batch, cfg, **offloads)
+            if offloads:  # between steps the AdamW moments are on the CPU (on this box: where they were)
+                moments = [v for st in optimizer.state.values() for k, v in st.items() if k != "step"]
+                assert moments and all(v.device == offload.OFFLOAD_DEVICE for v in moments)
+        return policy.weights_state_dict()
+
+    plain = two_updates()
+    moves, state_moves, offloaded_at_forward = [], [], []
+    real_place, real_move = diffusion_policy.place, offload.move_optimizer_state
+    monkeypatch.setattr(diffusion_policy, "place", lambda mods, dev: moves.append((len(mods), str(dev)))
+                        or real_place(mods, dev))
+    monkeypatch.setattr(offload, "move_optimizer_state", lambda opt, dev: state_moves.append(dev)
+                        or real_move(opt, dev))
+    hook = policy.transformer.register_forward_pre_hook(lambda *_: offloaded_at_forward.append(policy.frozen_offloaded))
+    try:
+        offloaded = two_updates(param_offload=True, optimizer_offload=True)
+        n_update_forwards = len(offloaded_at_forward)
+        assert moves == [(2, "cpu")]  # the text encoder and the VAE, once for both updates
+        assert {id(m) for m in policy.frozen_modules()} == {id(policy.pipe.text_encoder), id(policy.pipe.vae)}
+        assert state_moves == [None, offload.OFFLOAD_DEVICE] * 2  # to the params' device for each step, then back
+        policy.generate(PROMPTS[:1], [9], range(1, 2))  # generation brings them back first
+    finally:
+        hook.remove()
+    assert all(offloaded_at_forward[:n_update_forwards]) and not any(offloaded_at_forward[n_update_forwards:])
+    assert moves[1:] == [(2, str(policy.device))] and not policy.frozen_offloaded
+    assert max((plain[k] - offloaded[k]).abs().max().item() for k in plain) < 1e-6
+    assert max((plain[k] - start[k]).abs().max().item() for k in plain) > 1e-5  # the updates did something
+    policy.load_weights_state_dict(start)

@@ -1,0 +1,98 @@
+"""The actor's Ray-free core: one optimizer step on a mini-batch and the log-prob recompute.
+
+``ActorWorker`` (a verl ``Worker`` under Ray) calls these; so does ``bench/gpu_step.py`` on a bare GPU machine
+that has PyTorch, diffusers, transformers and peft but neither Ray nor verl. That is why this module imports
+neither: a batch is anything shaped like verl's ``DataProto`` (``.batch`` a mapping of batch-first tensors,
+``.meta_info``, ``.split(n)``, ``len()``), e.g. :class:`TensorBatch`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_async.modality import REF_TIME_KEY, Modality
+from omni_async.models.offload import optimizer_state_on_device
+
+
+@dataclass
+class TensorBatch:
+    """The part of ``DataProto`` the modalities' losses read, without verl (whose import starts with Ray's)."""
+
+    batch: dict[str, torch.Tensor]
+    meta_info: dict[str, Any] = field(default_factory=dict)
+    non_tensor_batch: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(next(iter(self.batch.values())))
+
+    def split(self, size: int) -> list[TensorBatch]:
+        return [TensorBatch({k: v[i:i + size] for k, v in self.batch.items()}, dict(self.meta_info),
+                            {k: v[i:i + size] for k, v in self.non_tensor_batch.items()})
+                for i in range(0, len(self), size)]
+
+
+def accumulate_gradients(modality: Modality, policy: Any, data: Any, actor_cfg: Any) -> dict[str, list[float]]:
+    """Gradients of one mini-batch's loss, in micro-batches of ``actor_cfg.ppo_micro_batch_size_per_gpu`` samples.
+
+    A micro-batch's loss is a mean over its own loss units (kept samples, or kept tokens), so its gradient is
+    weighted by ``units_micro / units_minibatch``: the sum equals the gradient of the un-micro-batched loss.
+    """
+    metrics: dict[str, list[float]] = defaultdict(list)
+    micro = data.split(int(actor_cfg.ppo_micro_batch_size_per_gpu or len(data)))
+    units = [float(modality.loss_units(mb)) for mb in micro]
+    for mb, n in zip(micro, units, strict=True):
+        if n == 0:
+            continue
+        for k, v in modality.backward(policy, mb, mb.batch["loss_mask"].bool(), actor_cfg,
+                                      loss_scale=n / sum(units)).items():
+            metrics[k].extend(v)
+    return metrics
+
+
+def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], grad_clip: float) -> float | None:
+    """Clip the gradient norm and step; as verl's actor, a non-finite norm skips the step (``None``) instead of
+    writing NaN into the weights."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    if not torch.isfinite(grad_norm):
+        return None
+    optimizer.step()
+    return float(grad_norm)
+
+
+def offload_frozen(policy: Any, offload: bool) -> None:
+    """``param_offload`` for a policy that has frozen parts to move (a diffusion pipeline's text encoder and VAE); a
+    causal LM trains its one model, so the worker refuses the key for text at start."""
+    if offload:
+        policy.offload_frozen(True)
+
+
+def update_minibatch(modality: Modality, policy: Any, optimizer: torch.optim.Optimizer, data: Any, actor_cfg: Any, *,
+                     param_offload: bool = False, optimizer_offload: bool = False) -> dict[str, float]:
+    """One optimizer step on one mini-batch (``loss_mask`` marks the samples in the loss): micro-batched backward
+    (:func:`accumulate_gradients`), gradient clip, optimizer step. With ``param_offload`` the frozen text encoder and
+    VAE are on the CPU meanwhile; with ``optimizer_offload`` the optimizer state is on the device only for the step.
+    """
+    offload_frozen(policy, param_offload)
+    optimizer.zero_grad(set_to_none=True)
+    metrics = accumulate_gradients(modality, policy, data, actor_cfg)
+    with optimizer_state_on_device(optimizer, optimizer_offload):
+        grad_norm = clipped_step(optimizer, policy.trainable_parameters(), actor_cfg.grad_clip)
+    metrics["actor/skipped_steps"].append(0.0 if grad_norm is not None else 1.0)
+    metrics["actor/grad_norm"].append(grad_norm if grad_norm is not None else 0.0)
+    out = {k: float(np.mean(v)) for k, v in metrics.items()}
+    out[REF_TIME_KEY] = float(np.sum(metrics[REF_TIME_KEY]))
+    return out
+
+
+def compute_log_prob(modality: Modality, policy: Any, data: Any, micro_batch_size: int | None = None, *,
+                     param_offload: bool = False) -> torch.Tensor:
+    """Log-probs of the stored trajectories under the current weights, in micro-batches of ``micro_batch_size``
+    samples (``rollout.log_prob_micro_batch_size_per_gpu``; ``None`` = all at once)."""
+    offload_frozen(policy, param_offload)
+    with torch.no_grad():
+        return torch.cat([modality.log_probs(policy, mb) for mb in data.split(int(micro_batch_size or len(data)))])

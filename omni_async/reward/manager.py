@@ -36,6 +36,9 @@ from omni_async.sample import RewardOutcome
 SOLUTION_FIELDS = ("solution_image", "solution_str")
 # The argument through which a reward function receives the URLs of the run's vLLM judge servers.
 JUDGE_URLS_ARG = "judge_urls"
+# The argument through which a reward function receives the judge model, reward.reward_model.model_path: the one
+# key for it (the vLLM judge servers serve the same path), so reward kwargs may not name another model.
+JUDGE_MODEL_ARG = "judge_model_path"
 
 
 class RewardFunctionError(TypeError):
@@ -79,6 +82,26 @@ class RewardSpec:
     def label(self) -> str:
         return f"{self.name} ({self.path})" if self.path else "default_compute_score (by data_source)"
 
+    def kwarg_key(self, kwarg: str) -> str:
+        """The config key of one of the function's extra arguments."""
+        single = self.config_key == "reward.custom_reward_function"  # its extra arguments sit under reward_kwargs
+        return f"{self.config_key}.{'reward_kwargs.' if single else ''}{kwarg}"
+
+
+def check_judge_model_kwargs(spec: RewardSpec, obj: Any) -> None:
+    """A function that takes the judge model (``judge_model_path``) gets ``reward.reward_model.model_path``; a
+    model path in its own kwargs would be a second key for the same model, so it is refused."""
+    try:
+        takes = JUDGE_MODEL_ARG in inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        return
+    for kwarg in ("model_path", JUDGE_MODEL_ARG):
+        if takes and kwarg in spec.kwargs:
+            raise ValueError(f"{spec.kwarg_key(kwarg)}: {spec.label} takes its judge model from "
+                             "reward.reward_model.model_path (the one key for the judge model; vLLM judge servers "
+                             f"serve it too). Fix: set reward.reward_model.model_path={spec.kwargs[kwarg]} and drop "
+                             f"{spec.kwarg_key(kwarg)}")
+
 
 def reward_specs(reward_cfg: DictConfig) -> list[RewardSpec]:
     """``reward.reward_functions`` if any, else the single ``reward.custom_reward_function``: the one parser of
@@ -103,14 +126,18 @@ def reward_specs(reward_cfg: DictConfig) -> list[RewardSpec]:
 class RewardFunction:
     """One configured reward function, callable as ``await fn(sample)``."""
 
-    def __init__(self, spec: RewardSpec, judge_urls: list[str] | None = None):
+    def __init__(self, spec: RewardSpec, judge_urls: list[str] | None = None, judge_model_path: str | None = None):
         obj = check_reward_function(spec.path, spec.name, spec.config_key)
+        check_judge_model_kwargs(spec, obj)
         kwargs = dict(spec.kwargs)
         self.key, self.weight, self.required, self.label = spec.key, spec.weight, spec.required, spec.label
         self.instance = None
-        self.takes_judge_urls = bool(judge_urls) and JUDGE_URLS_ARG in inspect.signature(obj).parameters
+        params = inspect.signature(obj).parameters
+        self.takes_judge_urls = bool(judge_urls) and JUDGE_URLS_ARG in params
         if self.takes_judge_urls:
             kwargs = {**kwargs, JUDGE_URLS_ARG: list(judge_urls)}
+        if JUDGE_MODEL_ARG in params:
+            kwargs[JUDGE_MODEL_ARG] = judge_model_path
         if inspect.isclass(obj):
             # Stateful reward (e.g. an HTTP client built once): instantiate once, call its compute_score.
             self.instance = obj(**kwargs)
@@ -163,9 +190,11 @@ def build_reward_functions(reward_cfg: DictConfig, judge_urls: list[str] | None 
     """``reward.reward_functions`` if any, else the single ``reward.custom_reward_function``.
 
     ``judge_urls`` (the vLLM judge servers on the reward pool) go to every function that takes ``judge_urls``;
-    if there are servers and no function takes them, that is a configuration error.
+    if there are servers and no function takes them, that is a configuration error. ``reward.reward_model.
+    model_path`` goes to every function that takes ``judge_model_path``.
     """
-    fns = [RewardFunction(spec, judge_urls) for spec in reward_specs(reward_cfg)]
+    model_path = OmegaConf.select(reward_cfg, "reward_model.model_path", default=None)
+    fns = [RewardFunction(spec, judge_urls, model_path) for spec in reward_specs(reward_cfg)]
     if judge_urls and not any(fn.takes_judge_urls for fn in fns):
         raise ValueError(f"reward.reward_model.rollout.name=vllm started judge servers at {judge_urls}, but no "
                          f"reward function ({', '.join(f.label for f in fns)}) takes a '{JUDGE_URLS_ARG}' argument; "

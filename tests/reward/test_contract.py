@@ -188,7 +188,8 @@ def test_vlm_judge_sees_the_same_frames_for_numpy_and_tensor(monkeypatch):
     results = []
     for form in (video, to_solution_image(video)):
         seen.append([])
-        results.append(asyncio.run(vlm_judge.compute_score("d", form, "HELLO", frame_interval=2)))
+        results.append(asyncio.run(vlm_judge.compute_score("d", form, "HELLO", frame_interval=2,
+                                                           judge_model_path="tiny:qwen2_vl")))
     assert results[0] == results[1] and results[0]["score"] == 1.0
     assert seen[0] == seen[1] == [video[0].tobytes(), video[2].tobytes()]
 

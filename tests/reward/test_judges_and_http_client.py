@@ -57,7 +57,8 @@ def test_transformers_judge_scores_through_a_real_reward_worker(judge, no_networ
     try:
         cfg = {"timeout_s": 120, "max_inflight_per_worker": 32, "reward_functions": {}, "custom_reward_function": {
             "path": "pkg://omni_async.reward.scorers.vlm_judge", "name": "compute_score",
-            "reward_kwargs": {"backend": "transformers", "model_path": "tiny:qwen2_vl", "max_new_tokens": 16}}}
+            "reward_kwargs": {"backend": "transformers", "max_new_tokens": 16}},
+            "reward_model": {"model_path": "tiny:qwen2_vl"}}  # the judge model's one key
         worker = ray.remote(RewardLoopWorker).remote(cfg, 0)
         sample = {"prompt": 'a sign "HELLO 42"', "data_source": "ocr", "ground_truth": "HELLO 42",
                   "extra_info": {}, "uid": "0", "solution_image": HELLO}

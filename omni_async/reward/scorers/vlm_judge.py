@@ -4,8 +4,11 @@ against the ground truth with the OCR rule (edit distance, :func:`omni_async.rew
     reward.custom_reward_function.path=pkg://omni_async.reward.scorers.vlm_judge
     reward.custom_reward_function.name=compute_score
     +reward.custom_reward_function.reward_kwargs.backend=transformers      # or openai
-    +reward.custom_reward_function.reward_kwargs.model_path=tiny:qwen2_vl  # transformers: a local dir / tiny:
+    reward.reward_model.model_path=tiny:qwen2_vl                           # transformers: a local dir / tiny:
     +reward.custom_reward_function.reward_kwargs.base_url=http://judge:8000   # openai: the server(s)
+
+The judge model has one key, ``reward.reward_model.model_path`` (the vLLM judge servers serve the same path); the
+reward manager hands it over as ``judge_model_path``, and a ``model_path`` in the reward kwargs is refused at start.
 
 Backends:
 
@@ -117,7 +120,7 @@ _openai: dict[str, OpenAIJudge] = {}
 
 
 async def compute_score(data_source: str, solution_image: Any, ground_truth: Any, extra_info: dict | None = None,
-                        backend: str = "transformers", model_path: str = "tiny:qwen2_vl",
+                        backend: str = "transformers", judge_model_path: str | None = None,
                         base_url: str | list[str] | None = None, frame_interval: int = 1,
                         substring_shortcut: bool = True, max_new_tokens: int = 32,
                         instruction: str = DEFAULT_INSTRUCTION, judge_urls: list[str] | None = None,
@@ -125,14 +128,18 @@ async def compute_score(data_source: str, solution_image: Any, ground_truth: Any
     """Score = mean over frames of ``ocr_similarity(judge transcription, ground_truth)``.
 
     ``judge_urls``: the run's vLLM judge servers (``reward.reward_model.rollout.name=vllm``), handed over by the
-    reward manager; when given they are the OpenAI-compatible backend's servers.
+    reward manager; when given they are the OpenAI-compatible backend's servers. ``judge_model_path``:
+    ``reward.reward_model.model_path``, handed over by the reward manager (the transformers backend loads it).
     """
     if judge_urls:
         backend, base_url = "openai", list(judge_urls)
     frames = [as_pil(f) for f in sample_frames(solution_image, frame_interval)]
     if backend == "transformers":
+        if not judge_model_path:
+            raise ValueError("vlm_judge backend=transformers needs the judge model: set "
+                             "reward.reward_model.model_path (a local dir, or tiny:qwen2_vl on CPU)")
         judge = await asyncio.get_running_loop().run_in_executor(
-            None, transformers_judge, model_path, max_new_tokens, instruction)
+            None, transformers_judge, judge_model_path, max_new_tokens, instruction)
         loop = asyncio.get_running_loop()
         texts = [await loop.run_in_executor(None, judge.transcribe, f) for f in frames]
     elif backend == "openai":

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf
 from verl import DataProto
@@ -31,36 +29,9 @@ from verl.single_controller.base.decorator import Dispatch, register
 
 from omni_async.agent_loop.rollout_replica import Generation, GenerationBatcher
 from omni_async.cluster import configure_worker
-from omni_async.modality import REF_TIME_KEY, Modality, get_modality
+from omni_async.modality import get_modality
 from omni_async.modality.base import model_dtype
-
-
-def accumulate_gradients(modality: Modality, policy: Any, data: DataProto, actor_cfg: Any) -> dict[str, list[float]]:
-    """Gradients of one mini-batch's loss, in micro-batches of ``actor_cfg.ppo_micro_batch_size_per_gpu`` samples.
-
-    A micro-batch's loss is a mean over its own loss units (kept samples, or kept tokens), so its gradient is
-    weighted by ``units_micro / units_minibatch``: the sum equals the gradient of the un-micro-batched loss.
-    """
-    metrics: dict[str, list[float]] = defaultdict(list)
-    micro = data.split(int(actor_cfg.ppo_micro_batch_size_per_gpu or len(data)))
-    units = [float(modality.loss_units(mb)) for mb in micro]
-    for mb, n in zip(micro, units, strict=True):
-        if n == 0:
-            continue
-        for k, v in modality.backward(policy, mb, mb.batch["loss_mask"].bool(), actor_cfg,
-                                      loss_scale=n / sum(units)).items():
-            metrics[k].extend(v)
-    return metrics
-
-
-def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], grad_clip: float) -> float | None:
-    """Clip the gradient norm and step; as verl's actor, a non-finite norm skips the step (``None``) instead of
-    writing NaN into the weights."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    if not torch.isfinite(grad_norm):
-        return None
-    optimizer.step()
-    return float(grad_norm)
+from omni_async.trainer.actor_core import compute_log_prob, update_minibatch
 
 
 class ActorWorker(Worker):
@@ -90,6 +61,9 @@ class ActorWorker(Worker):
                                                  dtype=dtype)
         self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=a.optim.lr,
                                            weight_decay=a.optim.weight_decay)
+        if a.fsdp_config.param_offload and not hasattr(self.policy, "offload_frozen"):
+            raise ValueError("actor_rollout_ref.actor.fsdp_config.param_offload=True offloads a diffusion pipeline's "
+                             "frozen text encoder and VAE; a text policy trains its one model: set it to False")
         overlap = cfg.async_reward.one_step_off_policy or cfg.async_reward.update_pipeline
         self.snapshot = bool(cfg.actor_rollout_ref.hybrid_engine and overlap)
         self.batcher = GenerationBatcher(self._generate, lambda: self.rollout_version, self._device_thread,
@@ -133,10 +107,10 @@ class ActorWorker(Worker):
 
     def _compute_log_prob(self, data: DataProto) -> torch.Tensor:
         """Log-probs of the stored trajectories under the current weights (pi_old when not bypassed), in
-        micro-batches of ``rollout.log_prob_micro_batch_size_per_gpu`` samples."""
-        size = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu or len(data)
-        with torch.no_grad():
-            return torch.cat([self.modality.log_probs(self.policy, mb) for mb in data.split(int(size))])
+        micro-batches of ``rollout.log_prob_micro_batch_size_per_gpu`` samples (``trainer.actor_core``)."""
+        arr = self.cfg.actor_rollout_ref
+        return compute_log_prob(self.modality, self.policy, data, arr.rollout.log_prob_micro_batch_size_per_gpu,
+                                param_offload=arr.actor.fsdp_config.param_offload)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     async def update_minibatch(self, data: DataProto) -> dict[str, float]:
@@ -147,17 +121,14 @@ class ActorWorker(Worker):
 
         The mini-batch runs in micro-batches of ``actor.ppo_micro_batch_size_per_gpu`` samples with gradients
         accumulated; each micro-batch's loss (a mean over its own loss units) is weighted by its share of the
-        mini-batch's units, so the step equals the un-micro-batched one.
+        mini-batch's units, so the step equals the un-micro-batched one. ``fsdp_config.param_offload`` keeps the
+        frozen text encoder and VAE on the CPU meanwhile, ``optimizer_offload`` the AdamW state between steps
+        (``trainer.actor_core``, ``models.offload``).
         """
         a = self.cfg.actor_rollout_ref.actor
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics = accumulate_gradients(self.modality, self.policy, data, a)
-        grad_norm = clipped_step(self.optimizer, self.policy.trainable_parameters(), a.grad_clip)
-        metrics["actor/skipped_steps"].append(0.0 if grad_norm is not None else 1.0)
-        metrics["actor/grad_norm"].append(grad_norm if grad_norm is not None else 0.0)
-        out = {k: float(np.mean(v)) for k, v in metrics.items()}
-        out[REF_TIME_KEY] = float(np.sum(metrics[REF_TIME_KEY]))
-        return out
+        return update_minibatch(self.modality, self.policy, self.optimizer, data, a,
+                                param_offload=a.fsdp_config.param_offload,
+                                optimizer_offload=a.fsdp_config.optimizer_offload)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     async def save_checkpoint(self, path: str) -> None:

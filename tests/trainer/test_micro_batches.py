@@ -14,7 +14,7 @@ from verl import DataProto
 from omni_async.modality import get_modality
 from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
 from omni_async.models.text_policy import TextPolicy, TextSamplingConfig
-from omni_async.trainer.actor_worker import accumulate_gradients
+from omni_async.trainer.actor_core import accumulate_gradients
 
 PROMPTS = ["a red sign", "a blue sign", "say 12", "ok"]
 
@@ -88,7 +88,7 @@ def test_gradient_checkpointing_gives_the_same_gradient():
 
 
 def test_non_finite_gradient_norm_skips_the_optimizer_step():
-    from omni_async.trainer.actor_worker import clipped_step
+    from omni_async.trainer.actor_core import clipped_step
 
     w = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.AdamW([w], lr=0.1)

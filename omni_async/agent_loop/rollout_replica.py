@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -51,12 +52,20 @@ class _Request:
     seed: int
     window: tuple[int, int] | None
     future: asyncio.Future
+    sampling: tuple | None = None  # sorted (field, value) pairs overriding the policy's sampling settings
+
+    @property
+    def settings(self) -> tuple:
+        """Requests with equal settings can share a device batch."""
+        return self.window, self.sampling
 
 
 class GenerationBatcher:
     """Collects concurrent requests into device batches and runs ``generate(prompts, seeds, window)`` on ``device``.
 
     ``version()`` is read when a batch starts, so every sample of a batch reports the weights it was made with.
+    A request with ``sampling`` (e.g. validation's settings) is batched only with requests of equal settings and
+    runs as ``generate(prompts, seeds, window, sampling=sampling)``.
     """
 
     def __init__(self, generate: Callable[..., list[Result]], version: Callable[[], int], device: ThreadPoolExecutor,
@@ -67,10 +76,12 @@ class GenerationBatcher:
         self._worker: asyncio.Task | None = None
         self.batch_sizes: list[int] = []
 
-    async def submit(self, prompt: str, seed: int, window: tuple[int, int] | None) -> Generation:
+    async def submit(self, prompt: str, seed: int, window: tuple[int, int] | None, *,
+                     sampling: dict[str, Any] | None = None) -> Generation:
         fut = asyncio.get_running_loop().create_future()
         window = (int(window[0]), int(window[1])) if window is not None else None
-        self._pending.append(_Request(prompt, int(seed), window, fut))
+        settings = tuple(sorted(sampling.items())) if sampling else None
+        self._pending.append(_Request(prompt, int(seed), window, fut, settings))
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
         return await fut
@@ -80,15 +91,16 @@ class GenerationBatcher:
         while self._pending:
             if len(self._pending) < self.max_batch_size:
                 await asyncio.sleep(self.max_wait_s)  # let concurrent requests join the batch
-            window = self._pending[0].window
-            batch = [r for r in self._pending if r.window == window][: self.max_batch_size]
+            window, sampling = self._pending[0].settings
+            batch = [r for r in self._pending if r.settings == (window, sampling)][: self.max_batch_size]
             self._pending = [r for r in self._pending if r not in batch]
             args = ([r.prompt for r in batch], [r.seed for r in batch])
             if window is not None:
                 args += (range(*window),)
+            call = partial(self.generate, sampling=dict(sampling)) if sampling else self.generate
             version, t0 = self.version(), time.time()
             try:
-                results = await loop.run_in_executor(self.device, self.generate, *args)
+                results = await loop.run_in_executor(self.device, call, *args)
             except Exception as e:  # a failed batch fails its requests, not the worker
                 for r in batch:
                     r.future.set_exception(e)
@@ -126,6 +138,8 @@ class RolloutReplica:
     def stats(self) -> dict[str, Any]:
         return {"batch_sizes": list(self.batcher.batch_sizes), "version": self.version, "pid": os.getpid()}
 
-    async def generate(self, prompt: str, seed: int, window: tuple[int, int] | None) -> Generation:
-        """One sample (image + SDE-window latents and log-probs, or response tokens + log-probs)."""
-        return await self.batcher.submit(prompt, seed, window)
+    async def generate(self, prompt: str, seed: int, window: tuple[int, int] | None, *,
+                       sampling: dict[str, Any] | None = None) -> Generation:
+        """One sample (image + SDE-window latents and log-probs, or response tokens + log-probs); ``sampling``
+        overrides the policy's sampling settings for this request (validation: ``rollout.val_kwargs``)."""
+        return await self.batcher.submit(prompt, seed, window, sampling=sampling)

@@ -17,6 +17,12 @@ class Modality(Protocol):
     def sampling_config(self, cfg: Any) -> Any:
         """The policy's sampling settings from the trainer config (a dataclass; shipped to workers as a dict)."""
 
+    def validation_sampling(self, cfg: Any) -> dict[str, Any] | None:
+        """The sampling settings validation overrides (``rollout.val_kwargs``), or ``None``: the training ones."""
+
+    def prompt_lengths(self, model_path: str, prompts: list[str]) -> list[int]:
+        """Each prompt's length in tokens, as ``data.max_prompt_length`` counts them."""
+
     def build_policy(self, model: dict[str, Any], sampling: dict[str, Any], device: str = "cpu",
                      rollout_server: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32) -> Any:
         """The trainable policy on ``device`` with frozen weights in ``dtype`` (or, for a rollout worker, a client

@@ -39,7 +39,27 @@ class ImageModality:
                               cps_log_prob=r.algo.cps_log_prob,
                               true_cfg_scale=float(r.pipeline.true_cfg_scale),
                               guidance_scale=float(r.pipeline.guidance_scale), num_frames=int(r.num_frames),
+                              max_sequence_length=r.pipeline.max_sequence_length,
                               vae_slicing=bool(r.pipeline.vae_slicing), vae_tiling=r.pipeline.vae_tiling)
+
+    def validation_sampling(self, cfg: Any) -> dict[str, Any]:
+        """The sampling fields validation changes (``rollout.val_kwargs``; a null value keeps the training one)."""
+        v = cfg.actor_rollout_ref.rollout.val_kwargs
+        p = v.pipeline
+        fields = {"num_inference_steps": p.num_inference_steps, "height": p.height, "width": p.width,
+                  "true_cfg_scale": p.true_cfg_scale, "guidance_scale": p.guidance_scale,
+                  "max_sequence_length": p.max_sequence_length, "noise_level": v.algo.noise_level}
+        return {k: val for k, val in fields.items() if val is not None}
+
+    def prompt_lengths(self, model_path: str, prompts: list[str]) -> list[int]:
+        """Tokens per prompt for ``data.max_prompt_length``: the pipeline's text tokenizer (``tokenizer/``) on the raw
+        prompt, without the pipeline's own template."""
+        from transformers import AutoTokenizer
+
+        from omni_async.models.tiny import resolve_model_path
+
+        tok = AutoTokenizer.from_pretrained(resolve_model_path(model_path), subfolder="tokenizer")
+        return [len(ids) for ids in tok(list(prompts))["input_ids"]]
 
     def build_policy(self, model: dict[str, Any], sampling: dict[str, Any], device: str = "cpu",
                      rollout_server: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32):

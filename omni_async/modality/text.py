@@ -40,6 +40,21 @@ class TextModality:
         r = cfg.actor_rollout_ref.rollout
         return TextSamplingConfig(response_length=int(r.response_length), temperature=float(r.temperature))
 
+    def validation_sampling(self, cfg: Any) -> None:
+        """Text validation samples with the training settings (``rollout.val_kwargs.{pipeline,algo}`` are the
+        diffusion ones)."""
+        return None
+
+    def prompt_lengths(self, model_path: str, prompts: list[str]) -> list[int]:
+        """Tokens per prompt for ``data.max_prompt_length``: the chat-templated prompt, as the policy feeds it."""
+        from transformers import AutoTokenizer
+
+        from omni_async.models.text_policy import chat_prompt_ids
+        from omni_async.models.tiny import resolve_model_path
+
+        tok = AutoTokenizer.from_pretrained(resolve_model_path(model_path))
+        return [len(chat_prompt_ids(tok, p)) for p in prompts]
+
     def build_policy(self, model: dict[str, Any], sampling: dict[str, Any], device: str = "cpu",
                      rollout_server: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32):
         """The trainable policy; with ``rollout_server`` (``rollout.name=vllm``) a rollout-only client of a vLLM

@@ -11,7 +11,8 @@ Sampling is reproducible per sample: sample ``i`` draws its initial noise and ev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ class SamplingConfig:
     true_cfg_scale: float = 1.0  # Qwen-Image's CFG
     guidance_scale: float = 1.0  # SD3's and Wan's CFG
     num_frames: int = 1  # video models (Wan): frames per sample
+    max_sequence_length: int | None = None  # text-encoder tokens kept for prompt encoding; None = pipeline default
     vae_slicing: bool = True  # decode a batch one sample at a time (the same pixels, 1/B of the peak)
     vae_tiling: bool | None = None  # decode in overlapping spatial tiles; None = on for video (see vae_tiling)
 
@@ -100,11 +102,11 @@ class _QwenImageAdapter:
         self.pipe, self.cfg = pipe, cfg
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        emb, mask = self.pipe.encode_prompt(prompt=prompts, device=self.pipe.device)
+        emb, mask = self.pipe.encode_prompt(prompt=prompts, device=self.pipe.device, **_seq_len(self.cfg))
         cond = {"prompt_embeds": emb, "prompt_embeds_mask": mask}
         if self.cfg.true_cfg_scale > 1:
             cond["negative_prompt_embeds"], cond["negative_prompt_embeds_mask"] = self.pipe.encode_prompt(
-                prompt=[" "] * len(prompts), device=self.pipe.device)
+                prompt=[" "] * len(prompts), device=self.pipe.device, **_seq_len(self.cfg))
         return cond
 
     def init_latents(self, generators: list[torch.Generator]) -> torch.Tensor:
@@ -146,7 +148,8 @@ class _SD3Adapter:
         do_cfg = self.cfg.guidance_scale > 1
         pe, npe, ppe, nppe = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None,
                                                      device=self.pipe.device, do_classifier_free_guidance=do_cfg,
-                                                     negative_prompt=[""] * len(prompts) if do_cfg else None)
+                                                     negative_prompt=[""] * len(prompts) if do_cfg else None,
+                                                     **_seq_len(self.cfg))
         cond = {"prompt_embeds": pe, "pooled_prompt_embeds": ppe}
         if do_cfg:
             cond["negative_prompt_embeds"], cond["negative_pooled_prompt_embeds"] = npe, nppe
@@ -187,7 +190,8 @@ class _WanAdapter:
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         do_cfg = self.cfg.guidance_scale > 1
         emb, neg = self.pipe.encode_prompt(prompt=prompts, negative_prompt=[""] * len(prompts) if do_cfg else None,
-                                           do_classifier_free_guidance=do_cfg, device=self.pipe.device)
+                                           do_classifier_free_guidance=do_cfg, device=self.pipe.device,
+                                           **_seq_len(self.cfg))
         return {"prompt_embeds": emb, "negative_prompt_embeds": neg} if do_cfg else {"prompt_embeds": emb}
 
     def init_latents(self, generators: list[torch.Generator]) -> torch.Tensor:
@@ -216,6 +220,15 @@ class _WanAdapter:
 
 _ADAPTERS = {"QwenImagePipeline": _QwenImageAdapter, "StableDiffusion3Pipeline": _SD3Adapter,
              "WanPipeline": _WanAdapter}
+
+
+# What a :meth:`DiffusionPolicy.with_sampling` view has of its own; everything else is the policy's.
+_VIEW_STATE = ("sampling", "adapter", "sigmas", "timesteps")
+
+
+def _seq_len(cfg: SamplingConfig) -> dict[str, int]:
+    """``encode_prompt``'s ``max_sequence_length`` (verl-omni's ``rollout.pipeline.max_sequence_length``)."""
+    return {"max_sequence_length": int(cfg.max_sequence_length)} if cfg.max_sequence_length else {}
 
 
 def sample_generators(seeds: list[int]) -> list[torch.Generator]:
@@ -397,10 +410,27 @@ class DiffusionPolicy(TrainableModule):
                        log_probs=torch.stack(log_probs, 1) if log_probs else torch.empty(len(seeds), 0),
                        conditioning={k: v for k, v in cond.items() if v is not None})
 
-    def generate(self, prompts: list[str], seeds: list[int], window: range | None = None) -> list[ImageResult]:
+    def with_sampling(self, **overrides: Any) -> DiffusionPolicy:
+        """This policy (the same pipeline, transformer and adapter) sampling with other settings, e.g. validation's
+        ``num_inference_steps`` / ``noise_level`` (``rollout.val_kwargs``): a shallow copy with its own sampling
+        config, adapter view and schedule; the original is untouched."""
+        if not overrides:
+            return self
+        view = copy.copy(self)  # its own: _VIEW_STATE; the rest (modules, device placement flags) is shared
+        view.sampling = replace(self.sampling, **overrides)
+        view.adapter = type(self.adapter)(self.pipe, view.sampling)
+        view.sigmas, view.timesteps = view._schedule()
+        return view
+
+    def generate(self, prompts: list[str], seeds: list[int], window: range | None = None, *,
+                 sampling: dict[str, Any] | None = None) -> list[ImageResult]:
         """:meth:`rollout`, split per sample (a rollout worker answers each request with its own sample). Each
-        sample's tensors are its own CPU copies: a row view would carry the whole batch's storage when pickled."""
-        out = self.rollout(prompts, seeds, window)
+        sample's tensors are its own CPU copies: a row view would carry the whole batch's storage when pickled.
+        ``sampling``: :class:`SamplingConfig` fields that differ for these samples (:meth:`with_sampling`)."""
+        policy = self.with_sampling(**(sampling or {}))
+        out = policy.rollout(prompts, seeds, window)
+        if policy is not self:  # state the rollout changed on the view (e.g. where the frozen modules are) is ours
+            self.__dict__.update({k: v for k, v in vars(policy).items() if k not in _VIEW_STATE})
         conds = split_conditioning(out.conditioning, len(prompts))
         return [ImageResult(pixels=out.images[i], window_latents=out.window_latents[i].cpu().clone(),
                             log_probs=out.log_probs[i].cpu().clone(), conditioning=conds[i])

@@ -17,6 +17,12 @@ from omni_async.models.tiny import resolve_model_path
 from omni_async.sample import TextResult
 
 
+def chat_prompt_ids(tok, prompt: str) -> list[int]:
+    """The token ids the policy is prompted with: the user turn in the tokenizer's chat template."""
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
 @dataclass
 class TextSamplingConfig:
     response_length: int = 32  # max new tokens
@@ -48,9 +54,7 @@ class TextPolicy(TrainableModule):
 
     # ---- sampling -------------------------------------------------------------------------------------------
     def prompt_ids(self, prompt: str) -> list[int]:
-        text = self.tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                            add_generation_prompt=True)
-        return self.tok(text, add_special_tokens=False)["input_ids"]
+        return chat_prompt_ids(self.tok, prompt)
 
     def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(r) for r in rows)

@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 import torch
 
-from omni_async.models.text_policy import TextSamplingConfig
+from omni_async.models.text_policy import TextSamplingConfig, chat_prompt_ids
 from omni_async.models.tiny import resolve_model_path
 from omni_async.sample import TextResult
 
@@ -122,9 +122,7 @@ class VLLMTextPolicy:
                 "start it with --logprobs-mode processed_logprobs (vLLM >= 0.10.2)")
 
     def prompt_ids(self, prompt: str) -> list[int]:
-        text = self.tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                            add_generation_prompt=True)
-        return self.tok(text, add_special_tokens=False)["input_ids"]
+        return chat_prompt_ids(self.tok, prompt)
 
     def request_body(self, prompt_ids: list[int], seed: int) -> dict[str, Any]:
         return {"model": self.model_name, "prompt": prompt_ids, "max_tokens": int(self.sampling.response_length),

@@ -9,7 +9,8 @@ requests over their URLs least-loaded.
 vLLM cannot be installed next to verl 0.9.1, so the server runs from its own environment:
 ``reward.reward_model.rollout.server_python`` is that environment's python (the command is
 ``<server_python> -m vllm.entrypoints.openai.api_server --model ... --tensor-parallel-size ...`` plus
-``server_args``). Nothing here imports vLLM.
+``server_args``; ``enforce_eager=True`` adds ``--enforce-eager``). Nothing here imports vLLM. ``free_cache_engine``
+is only ``False``: a judge owns its reward-pool devices, so its KV cache stays resident between steps.
 
 The judge servers serve the base model (no LoRA). ``--max-lora-rank`` accepts only :data:`VLLM_MAX_LORA_RANKS`
 (vLLM's ``MaxLoRARanks``, ``vllm/config/lora.py``; any other value stops the server at argument parsing): a value
@@ -36,6 +37,7 @@ def server_command(rollout_cfg: dict[str, Any], model_path: str, port: int) -> l
             "--tensor-parallel-size", str(rollout_cfg["tensor_model_parallel_size"]),
             "--gpu-memory-utilization", str(rollout_cfg["gpu_memory_utilization"]),
             "--host", "0.0.0.0", "--port", str(port),
+            *(["--enforce-eager"] if rollout_cfg.get("enforce_eager") else []),  # no CUDA graphs
             *normalize_server_args(rollout_cfg.get("server_args") or [], "reward.reward_model.rollout.server_args")]
 
 

@@ -1,4 +1,7 @@
-"""Per-step metrics to the console (progress bar), ``{run_dir}/metrics.jsonl`` and tensorboard.
+"""Per-step metrics to the console (progress bar), ``{run_dir}/metrics.jsonl``, tensorboard and wandb.
+
+wandb (``trainer.logger`` containing ``wandb``) is imported only when listed; the run goes to project
+``trainer.project_name``, named ``trainer.experiment_name``, with its files under ``{run_dir}/wandb``.
 
 On resume from step ``s``, rows of ``metrics.jsonl`` for steps after ``s`` (written by the run that died after its
 last checkpoint) are dropped first, so each step has exactly one row.
@@ -14,12 +17,21 @@ _CONSOLE_KEYS = ("critic/rewards/mean", "timing_s/step", "timing_s/gen", "timing
 
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, backends: list[str], total_steps: int, start_step: int = 0,
-                 label: str = "train"):
+                 label: str = "train", project: str = "omni_async", config: dict | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        unknown = set(backends) - {"console", "jsonl", "tensorboard"}
+        unknown = set(backends) - {"console", "jsonl", "tensorboard", "wandb"}
         if unknown:
-            raise ValueError(f"trainer.logger: unknown backend(s) {sorted(unknown)}; use console, jsonl, tensorboard")
+            raise ValueError(f"trainer.logger: unknown backend(s) {sorted(unknown)}; use console, jsonl, tensorboard, "
+                             "wandb")
+        self.wandb = None
+        if "wandb" in backends:
+            try:
+                import wandb
+            except ImportError:
+                raise ValueError("trainer.logger lists wandb, which is not installed. Fix: pip install wandb, or "
+                                 "remove wandb from trainer.logger") from None
+            self.wandb = wandb.init(project=project, name=label, dir=str(self.run_dir), config=config or {})
         self.jsonl = None
         if "jsonl" in backends:
             path = self.run_dir / "metrics.jsonl"
@@ -36,7 +48,11 @@ class MetricsLogger:
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc=label, dynamic_ncols=True)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
+        """One row of ``metrics`` at ``step``; ``advance=False`` (validation before training) leaves the progress
+        bar where it is."""
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
         if self.jsonl:
             self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
             self.jsonl.flush()
@@ -44,7 +60,7 @@ class MetricsLogger:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)
             self.tb.flush()
-        if self.bar:
+        if self.bar and advance:
             self.bar.set_postfix({k.split("/")[-1] if k != "timing_s/step" else "step_s": f"{metrics[k]:.3g}"
                                   for k in _CONSOLE_KEYS if k in metrics})
             self.bar.update(1)
@@ -54,6 +70,8 @@ class MetricsLogger:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
         if self.bar:
             self.bar.close()
 

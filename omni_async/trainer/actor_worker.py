@@ -70,15 +70,16 @@ class ActorWorker(Worker):
                                          r.agent.max_batch_size, r.agent.max_wait_ms)
 
     # ---- rollout (hybrid layout) --------------------------------------------------------------------------------
-    def _generate(self, *args):
+    def _generate(self, *args, **kwargs):
         if not self.snapshot:
-            return self.policy.generate(*args)
+            return self.policy.generate(*args, **kwargs)
         with self.policy.rollout_adapter():
-            return self.policy.generate(*args)
+            return self.policy.generate(*args, **kwargs)
 
-    async def generate(self, prompt: str, seed: int, window: tuple[int, int] | None) -> Generation:
+    async def generate(self, prompt: str, seed: int, window: tuple[int, int] | None, *,
+                       sampling: dict[str, Any] | None = None) -> Generation:
         """One sample, the contract of ``RolloutReplica.generate``: the agent loop streams to either layout."""
-        return await self.batcher.submit(prompt, seed, window)
+        return await self.batcher.submit(prompt, seed, window, sampling=sampling)
 
     async def set_rollout_version(self, version: int) -> int:
         """The hybrid layout's weight sync: later samples report ``version`` (and read a fresh adapter snapshot

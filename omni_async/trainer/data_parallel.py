@@ -1,0 +1,338 @@
+"""Data-parallel training across the actor ranks: the process group, the split of a batch, the loss weighting,
+the gradient sync (explicit all-reduce for LoRA, FSDP2 for a full fine-tune) and the one-writer checkpoints.
+
+How a mini-batch becomes one optimizer step of the whole group:
+
+1. The trainer hands the mini-batch to the worker group; :func:`dispatch_by_groups` splits it by whole ``uid``
+   groups, balanced by sample count (:func:`split_groups`, deterministic). Advantages were computed before.
+2. A mini-batch's loss is a mean over its kept loss units (samples for images, response tokens for text). Each
+   rank weights a micro-batch's loss by ``units_micro / units_global`` (:func:`loss_scales`: the denominator is
+   all-reduced first), so the *sum* over ranks of the accumulated gradients is the single-rank gradient, however
+   the ranks' valid units differ (a masked sample on one rank only changes only the counts).
+3. Gradients are summed across ranks: one bucketed all-reduce of the trainable (LoRA) gradients
+   (:meth:`DataParallel.all_reduce_grads`), or FSDP2's reduce-scatter with the divide factor 1 (a sum) for the
+   sharded full fine-tune. Every rank then clips the same norm and takes the same AdamW step, so replicated
+   (LoRA) weights stay identical on every rank.
+
+FSDP2 and generation. Forwards of a sharded module are collectives (each block all-gathers its parameters), but
+a rank generates alone. After every optimizer step :func:`full_params` all-gathers the parameters once and keeps
+them (``reshard_after_forward=False``), so generation and the log-prob recompute run locally on full weights;
+:func:`sharded_params` drops them before the next update, which reshards after each block's forward. Cost: one
+all-gather of the trainable weights per optimizer step, and the full weights resident between updates (the
+optimizer state, gradients and master weights stay sharded: 12 of AdamW's 16 bytes per fp32 parameter). Inside an
+update every rank runs the same number of forward/backward passes (:func:`lockstep`), padding with zero-weighted
+passes, because each one is a collective.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from verl import DataProto
+
+from omni_async.modality import REF_TIME_KEY
+
+DP_INDEX_KEY = "dp_index"  # meta_info of a rank's share: its rows' indices in the dispatched batch (-1: padding)
+SAMPLES_KEY = "perf/samples_per_rank"  # the most samples a rank trained on in a mini-batch
+GRAD_BUCKET_ELEMENTS = 1 << 24  # gradients all-reduced in flat buckets of at most this many elements (64 MB fp32)
+PROCESS_GROUP_TIMEOUT_S = 1800.0
+LORA_CKPT, FSDP_CKPT = "actor.pt", "actor_dcp"
+
+
+# ---- the split (driver side, pure) ----------------------------------------------------------------------------
+def split_groups(uids: Sequence[str], ranks: int) -> list[np.ndarray]:
+    """Row indices per rank: whole ``uid`` groups, largest first to the rank holding the fewest samples (ties:
+    lowest rank, then first appearance), each rank's rows in batch order. Deterministic."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, u in enumerate(uids):
+        groups[u].append(i)
+    load, rows = [0] * ranks, [[] for _ in range(ranks)]
+    for u in sorted(groups, key=lambda u: -len(groups[u])):  # stable: ties keep first appearance
+        r = int(np.argmin(load))
+        rows[r].extend(groups[u])
+        load[r] += len(groups[u])
+    return [np.array(sorted(r), dtype=np.int64) for r in rows]
+
+
+def shard_batch(data: DataProto, ranks: int) -> list[DataProto]:
+    """Each rank's share of ``data`` (:func:`split_groups`), its original indices in ``meta_info[DP_INDEX_KEY]``.
+
+    A rank left without a group (fewer groups than ranks) gets one padding row: a copy of row 0 with
+    ``loss_mask`` False and index -1, so it still takes part in every collective and contributes nothing."""
+    shares = []
+    for idx in split_groups(list(data.non_tensor_batch["uid"]), ranks):
+        index = idx
+        if len(idx) == 0:
+            idx, index = np.zeros(1, dtype=np.int64), np.full(1, -1, dtype=np.int64)
+        share = data.select_idxs(idx)
+        if index[0] < 0 and "loss_mask" in share.batch.keys():
+            share.batch["loss_mask"] = torch.zeros_like(share.batch["loss_mask"])
+        share.meta_info = {**data.meta_info, DP_INDEX_KEY: index}
+        shares.append(share)
+    return shares
+
+
+def dispatch_by_groups(worker_group: Any, *args, **kwargs):
+    """verl dispatch function: every ``DataProto`` argument split by :func:`shard_batch`, the rest replicated."""
+    n = worker_group.world_size
+
+    def split(a):
+        return shard_batch(a, n) if isinstance(a, DataProto) else [a] * n
+
+    return tuple(split(a) for a in args), {k: split(v) for k, v in kwargs.items()}
+
+
+def rows_result(data: DataProto, value: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """What a rank returns for per-row results: its rows' indices in the dispatched batch, and the values."""
+    return np.asarray(data.meta_info.get(DP_INDEX_KEY, np.arange(len(data)))), value
+
+
+def collect_rows(worker_group: Any, outputs: list[tuple[np.ndarray, torch.Tensor]]) -> torch.Tensor:
+    """verl collect function: the ranks' per-row results back in the dispatched batch's order (padding dropped)."""
+    n = sum(int((idx >= 0).sum()) for idx, _ in outputs)
+    first = outputs[0][1]
+    out = first.new_empty((n, *first.shape[1:]))
+    for idx, value in outputs:
+        keep = idx >= 0
+        out[torch.as_tensor(idx[keep])] = value[torch.as_tensor(keep)]
+    return out
+
+
+# Metrics that are the same on every rank (taken from rank 0), summed wall times (the slowest rank's).
+SHARED_METRICS = ("actor/grad_norm", "actor/skipped_steps")
+
+
+def merge_rank_metrics(outputs: list[dict[str, list[float]]], time_keys: Sequence[str] = ()) -> dict[str, float]:
+    """One mini-batch's metrics from every rank's raw lists: a loss metric is the mean over all ranks' entries (as
+    one rank would report the same micro-batches), a wall time the slowest rank's total, the optimizer's own
+    numbers rank 0's, :data:`SAMPLES_KEY` the most loaded rank's."""
+    out: dict[str, float] = {}
+    for k in outputs[0]:
+        values = [o.get(k, []) for o in outputs]
+        if k in time_keys:
+            out[k] = float(max(np.sum(v) for v in values))
+        elif k in SHARED_METRICS:
+            out[k] = float(np.mean(values[0]))
+        elif k == SAMPLES_KEY:
+            out[k] = float(max(np.sum(v) for v in values))
+        else:
+            flat = [x for v in values for x in v]
+            if flat:
+                out[k] = float(np.mean(flat))
+    return out
+
+
+def collect_metrics(worker_group: Any, outputs: list[dict[str, list[float]]]) -> dict[str, float]:
+    """verl collect function of ``update_minibatch``: :func:`merge_rank_metrics` (``timing_s/ref`` a wall time)."""
+    return merge_rank_metrics(outputs, time_keys=(REF_TIME_KEY,))
+
+
+# ``register(dispatch_mode=...)`` of the actor's data-parallel methods: per-row results, or one mini-batch's metrics.
+BY_GROUPS_ROWS = {"dispatch_fn": dispatch_by_groups, "collect_fn": collect_rows}
+BY_GROUPS_METRICS = {"dispatch_fn": dispatch_by_groups, "collect_fn": collect_metrics}
+
+
+def trained_samples(data: DataProto) -> float:
+    """Real (not padding) samples in a rank's share."""
+    return float((np.asarray(data.meta_info.get(DP_INDEX_KEY, np.arange(len(data)))) >= 0).sum())
+
+
+# ---- the group (worker side) ----------------------------------------------------------------------------------
+class DataParallel:
+    """This actor rank's view of the data-parallel group, from the environment verl's ``RayWorkerGroup`` gives
+    each worker (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): ``nccl`` on CUDA, ``gloo`` on CPU.
+    With one rank nothing is initialised and every collective is the identity."""
+
+    def __init__(self, device: str = "cpu", timeout_s: float = PROCESS_GROUP_TIMEOUT_S):
+        self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        self.device = torch.device(device)
+        self.sharded = False  # set by shard_module (FSDP2 full fine-tune)
+        if self.world > 1 and not dist.is_initialized():
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, rank=self.rank, world_size=self.world,
+                                    timeout=timedelta(seconds=timeout_s))
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    def sum(self, x: float) -> float:
+        if not self.active:
+            return float(x)
+        t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t.item())
+
+    def max(self, x: float) -> float:
+        if not self.active:
+            return float(x)
+        t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def broadcast_(self, params: Sequence[torch.Tensor]) -> None:
+        """Rank 0's values into every rank's tensors (the initial LoRA weights: one starting point)."""
+        if self.active:
+            for flat, group in _buckets(list(params)):
+                dist.broadcast(flat, src=0)
+                _unflatten_into(flat, group)
+
+    def all_reduce_grads(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Sum every trainable gradient over the ranks (bucketed; a rank without a gradient sends zeros)."""
+        if not self.active:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for flat, grads in _buckets([p.grad for p in params]):
+            dist.all_reduce(flat)
+            _unflatten_into(flat, grads)
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+
+def _buckets(tensors: list[torch.Tensor]):
+    """Flat copies of consecutive same-dtype tensors, at most :data:`GRAD_BUCKET_ELEMENTS` elements each."""
+    group: list[torch.Tensor] = []
+    for t in tensors:
+        if group and (group[0].dtype != t.dtype or sum(g.numel() for g in group) + t.numel() > GRAD_BUCKET_ELEMENTS):
+            yield torch.cat([g.reshape(-1) for g in group]), group
+            group = []
+        group.append(t)
+    if group:
+        yield torch.cat([g.reshape(-1) for g in group]), group
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        t.data.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+# ---- the loss weighting ---------------------------------------------------------------------------------------
+def loss_scales(units: Sequence[float], dp: DataParallel | None) -> list[float]:
+    """Each micro-batch's loss weight: its loss units over the mini-batch's units on *all* ranks (all-reduced), so
+    the gradients summed over micro-batches and ranks are the gradient of the whole mini-batch's mean loss."""
+    local = float(sum(units))
+    total = dp.sum(local) if dp is not None else local
+    return [float(n) / total if total > 0 else 0.0 for n in units]
+
+
+def lockstep(micro: list[DataProto], scales: list[float], dp: DataParallel) -> tuple[list[DataProto], list[float]]:
+    """FSDP2: every rank runs as many micro-batches as the busiest one (each pass is a collective); the extra
+    ones repeat the rank's first micro-batch at weight 0."""
+    n = int(dp.max(len(micro)))
+    pad = n - len(micro)
+    return micro + [micro[0]] * pad, list(scales) + [0.0] * pad
+
+
+# ---- FSDP2 (full fine-tune) -----------------------------------------------------------------------------------
+def fsdp_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def shard_module(module: torch.nn.Module, dp: DataParallel) -> None:
+    """FSDP2 (``fully_shard``) on each transformer block (the model's ``_no_split_modules``), then the root, over
+    all ranks; gradients reduce-scattered as a sum (the loss is already weighted by :func:`loss_scales`). Leaves the
+    module sharded: build the optimizer over its (sharded) parameters, then gather them with :func:`full_params`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(dp.device.type, (dp.world,))
+    blocks = set(getattr(module, "_no_split_modules", None) or [])
+    for m in list(module.modules()):
+        if m is not module and type(m).__name__ in blocks:
+            fully_shard(m, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    for m in fsdp_modules(module):
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    dp.sharded = True
+
+
+def full_params(module: torch.nn.Module) -> None:
+    """All-gather the (fresh) parameters and keep them: forwards then run locally (generation, log-probs).
+    A collective: every rank calls it at the same point."""
+    mods = fsdp_modules(module)
+    for m in mods:
+        m.reshard()  # drop a stale gathered copy: the optimizer step updated the shards
+    module.set_reshard_after_forward(False)
+    for m in mods:
+        m.unshard()
+
+
+def sharded_params(module: torch.nn.Module) -> None:
+    """Drop the gathered parameters; training forwards gather block by block and reshard after each."""
+    for m in fsdp_modules(module):
+        m.reshard()
+    module.set_reshard_after_forward(True)
+
+
+def local_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's full weights on this rank without a collective: while :func:`full_params` holds them, the
+    parameters registered on the module are the gathered tensors. (Not ``state_dict()``: FSDP2's hook gives the
+    shards and frees the gathered storage under the registered parameters.) Keys as ``state_dict``'s."""
+    out = {k: p.detach().clone() for k, p in module.named_parameters(remove_duplicate=False)}
+    for name, m in module.named_modules(remove_duplicate=False):
+        for b, buf in m._buffers.items():
+            if buf is not None and b not in m._non_persistent_buffers_set:
+                out[f"{name}.{b}" if name else b] = buf.detach().clone()
+    return out
+
+
+def grad_norm_value(norm: torch.Tensor) -> torch.Tensor:
+    """``clip_grad_norm_``'s total norm as a plain tensor (a replicated DTensor for FSDP2 parameters)."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------------------
+def save_actor(path: str | Path, policy: Any, optimizer: torch.optim.Optimizer, dp: DataParallel) -> None:
+    """One checkpoint set per save. Replicated (LoRA, or one rank): rank 0 writes ``actor.pt`` (the trainable
+    weights and the optimizer state, the same on every rank). Sharded (FSDP2): every rank writes its shard into one
+    ``torch.distributed.checkpoint`` directory, ``actor_dcp/``. Called on every rank."""
+    path = Path(path)
+    if dp.sharded:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        sharded_params(policy.trainable)
+        model_state, optim_state = get_state_dict(policy.trainable, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path / FSDP_CKPT))
+        full_params(policy.trainable)
+    elif dp.rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save({"weights": policy.weights_state_dict(), "optimizer": optimizer.state_dict()}, path / LORA_CKPT)
+    dp.barrier()
+
+
+def load_actor(path: str | Path, policy: Any, optimizer: torch.optim.Optimizer, dp: DataParallel) -> None:
+    """Every rank reads the checkpoint: ``actor.pt`` whatever the number of ranks that wrote it, or its shard of
+    ``actor_dcp/`` (resharded by ``torch.distributed.checkpoint`` if the rank count changed)."""
+    path = Path(path)
+    if dp.sharded:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        sharded_params(policy.trainable)
+        model_state, optim_state = get_state_dict(policy.trainable, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=str(path / FSDP_CKPT))
+        set_state_dict(policy.trainable, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        full_params(policy.trainable)
+        return
+    state = torch.load(path / LORA_CKPT, weights_only=True, map_location=dp.device)
+    policy.load_weights_state_dict(state["weights"])
+    optimizer.load_state_dict(state["optimizer"])

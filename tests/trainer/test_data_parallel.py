@@ -1,0 +1,234 @@
+"""Data parallelism without Ray: the split by uid groups, the loss weighting that makes the ranks' summed gradient
+the single-rank one (a masked sample on one rank only included), the metric merge, and the collectives on two
+gloo processes (LoRA-style all-reduce, FSDP2 with full parameters kept for generation, checkpoints)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+from verl import DataProto
+
+from omni_async.trainer import data_parallel as dpm
+from omni_async.trainer.data_parallel import (
+    DP_INDEX_KEY,
+    collect_rows,
+    loss_scales,
+    merge_rank_metrics,
+    shard_batch,
+    split_groups,
+)
+
+
+def test_split_keeps_groups_whole_balances_samples_and_is_deterministic():
+    uids = ["a"] * 4 + ["b"] * 2 + ["c"] * 2 + ["d"] * 4 + ["e"] * 1
+    parts = split_groups(uids, 2)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(len(uids)))  # every row once
+    for p in parts:
+        assert list(p) == sorted(p)  # batch order inside a rank
+        for u in {uids[i] for i in p}:  # whole groups
+            assert {i for i, v in enumerate(uids) if v == u} <= set(p.tolist())
+    assert sorted(len(p) for p in parts) == [6, 7]
+    assert all((a == b).all() for a, b in zip(parts, split_groups(uids, 2), strict=True))
+    assert [len(p) for p in split_groups(["x", "x"], 3)] == [2, 0, 0]
+
+
+def test_shards_round_trip_and_an_idle_rank_gets_a_masked_padding_row():
+    uids = np.array(["a", "b", "a", "b", "c", "c"], dtype=object)
+    data = DataProto.from_dict(tensors={"v": torch.arange(6.0), "loss_mask": torch.ones(6, dtype=torch.bool)},
+                               non_tensors={"uid": uids}, meta_info={"window_start": 1})
+    shares = shard_batch(data, 2)
+    assert [s.meta_info["window_start"] for s in shares] == [1, 1]
+    out = collect_rows(None, [(s.meta_info[DP_INDEX_KEY], s.batch["v"] * 10) for s in shares])
+    assert torch.equal(out, torch.arange(6.0) * 10)
+    one_group = data.select_idxs(np.array([0, 2]))
+    shares = shard_batch(one_group, 2)
+    assert [len(s) for s in shares] == [2, 1]
+    assert shares[1].meta_info[DP_INDEX_KEY].tolist() == [-1] and not shares[1].batch["loss_mask"].any()
+    assert dpm.trained_samples(shares[1]) == 0
+    out = collect_rows(None, [(s.meta_info[DP_INDEX_KEY], s.batch["v"]) for s in shares])
+    assert out.tolist() == [0.0, 2.0]
+
+
+class _Ranks:
+    """``DataParallel.sum`` of a group whose every rank's local value is known (no process group needed)."""
+
+    def __init__(self, locals_: list[float]):
+        self.total = sum(locals_)
+
+    def sum(self, x: float) -> float:
+        return self.total
+
+
+def test_weighted_rank_gradients_sum_to_the_single_rank_gradient_with_a_sample_masked_on_one_rank():
+    torch.manual_seed(0)
+    x, y = torch.randn(7, 3), torch.randn(7)
+    keep = torch.tensor([1, 1, 0, 1, 1, 1, 1], dtype=torch.bool)  # sample 2 failed: only rank 0 holds a masked one
+    w0 = torch.randn(3)
+
+    def grad(rows, micro, dp):
+        """Accumulated gradient of the mean kept loss over ``rows`` in micro-batches, weighted by loss_scales."""
+        w = w0.clone().requires_grad_(True)
+        chunks = [rows[i:i + micro] for i in range(0, len(rows), micro)]
+        units = [float(keep[c].sum()) for c in chunks]
+        for c, n, s in zip(chunks, units, loss_scales(units, dp), strict=True):
+            if n:
+                m = keep[c].float()
+                (((x[c] @ w - y[c]) ** 2 * m).sum() / m.sum() * s).backward()
+        return w.grad
+
+    single = grad(list(range(7)), 7, None)
+    ranks = [[0, 1, 2], [3, 4, 5, 6]]
+    dp = _Ranks([float(keep[r].sum()) for r in ranks])  # 2 and 4 kept units
+    summed = grad(ranks[0], 2, dp) + grad(ranks[1], 3, dp)
+    assert torch.allclose(summed, single, atol=1e-6)
+    plain_mean = (grad(ranks[0], 3, None) + grad(ranks[1], 4, None)) / 2  # what naive DDP averaging would give
+    assert not torch.allclose(plain_mean, single, atol=1e-3)
+
+
+def test_rank_metrics_merge():
+    merged = merge_rank_metrics([{"actor/pg_loss": [1.0, 2.0], "actor/grad_norm": [5.0], "timing_s/ref": [1.0, 2.0],
+                                  dpm.SAMPLES_KEY: [4.0]},
+                                 {"actor/pg_loss": [6.0], "actor/grad_norm": [5.0], "timing_s/ref": [0.5],
+                                  dpm.SAMPLES_KEY: [3.0]}], time_keys=("timing_s/ref",))
+    assert merged == {"actor/pg_loss": 3.0, "actor/grad_norm": 5.0, "timing_s/ref": 3.0, dpm.SAMPLES_KEY: 4.0}
+
+
+# ---- two gloo processes -----------------------------------------------------------------------------------------
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class Net(torch.nn.Module):
+    _no_split_modules = ["Block"]
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(Block(), Block())
+        self.head = torch.nn.Linear(6, 1)
+
+    def forward(self, x):
+        return self.head(self.blocks(x)).squeeze(-1)
+
+
+class Policy:  # the part of a policy the checkpoint helpers use
+    def __init__(self, module):
+        self.trainable = module
+
+    def weights_state_dict(self):
+        return {k: v.detach().clone() for k, v in self.trainable.state_dict().items()}
+
+    def load_weights_state_dict(self, state):
+        self.trainable.load_state_dict(state)
+
+
+X, Y = torch.linspace(-1, 1, 42).reshape(7, 6), torch.linspace(0, 1, 7)
+KEEP = torch.tensor([1, 1, 0, 1, 1, 1, 1], dtype=torch.bool)
+
+
+def _train(net, rows, micro, dp, steps=2, sharded=False):
+    """``steps`` SGD steps on the mean kept squared error over ``rows`` (micro-batched, as the actor worker)."""
+    params = [p for p in net.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    for _ in range(steps):
+        if sharded:
+            dpm.sharded_params(net)
+        opt.zero_grad(set_to_none=True)
+        chunks = [rows[i:i + micro] for i in range(0, len(rows), micro)]
+        units = [float(KEEP[c].sum()) for c in chunks]
+        scales = loss_scales(units, dp)
+        if sharded:
+            chunks, scales = dpm.lockstep(chunks, scales, dp)
+        for c, s in zip(chunks, scales, strict=True):
+            if s or sharded:
+                m = KEEP[c].float()
+                (((net(X[c]) - Y[c]) ** 2 * m).sum() / m.sum().clamp(min=1) * s).backward()
+        if dp is not None and not sharded:
+            dp.all_reduce_grads(params)
+        opt.step()
+        if sharded:
+            dpm.full_params(net)
+    return opt
+
+
+def _worker(rank, world, port, tmp, q):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dp = dpm.DataParallel("cpu", timeout_s=60)
+        rows = [[0, 1, 2], [3, 4, 5, 6]][rank]  # rank 0 holds the masked sample, and a different micro-batch count
+        torch.manual_seed(0)
+        replicated = Net()
+        dp.broadcast_(list(replicated.parameters()))
+        _train(replicated, rows, 2 if rank == 0 else 1, dp)
+        torch.manual_seed(0)
+        sharded = Net()
+        dpm.shard_module(sharded, dp)
+        opt = _train(sharded, rows, 2 if rank == 0 else 1, dp, sharded=True)
+        with torch.no_grad():  # generation: forwards on one rank alone (no collective) on the full weights
+            for _ in range(3 if rank == 0 else 1):
+                sharded(X)
+        full = dpm.local_state_dict(sharded)
+        dpm.save_actor(tmp, Policy(sharded), opt, dp)
+        torch.manual_seed(1)
+        other = Net()
+        dpm.shard_module(other, dp)
+        opt2 = torch.optim.SGD(other.parameters(), lr=0.1)
+        dpm.full_params(other)
+        dpm.load_actor(tmp, Policy(other), opt2, dp)
+        reloaded = dpm.local_state_dict(other)
+        def plain(state):  # by value: a tensor through the queue would be shared with a process about to exit
+            return {k: v.detach().numpy().copy() for k, v in state.items()}
+
+        q.put((rank, plain(replicated.state_dict()), plain(full), plain(reloaded), sorted(os.listdir(tmp))))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        q.put((rank, repr(e), None, None, None))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_ranks_train_as_one_replicated_and_fsdp2_sharded(tmp_path):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, str(tmp_path), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((r[0], r[1:]) for r in (q.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=30)
+    for r, res in results.items():
+        assert not isinstance(res[0], str), (r, res[0])
+    torch.manual_seed(0)
+    single = Net()
+    _train(single, list(range(7)), 7, None)
+    expected = single.state_dict()
+    for r in (0, 1):
+        replicated, full, reloaded, files = results[r]
+        for k, v in expected.items():
+            assert np.allclose(replicated[k], v.numpy(), atol=1e-6), (r, k)
+            assert np.allclose(full[k], v.numpy(), atol=1e-6), (r, k)
+            assert (reloaded[k] == full[k]).all(), (r, k)
+        assert files == [dpm.FSDP_CKPT]  # one checkpoint set, no rank's own copy
+
+
+def test_one_rank_is_the_plain_path(monkeypatch, tmp_path):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    dp = dpm.DataParallel("cpu")
+    assert not dp.active and dp.sum(3.0) == 3.0 and loss_scales([1, 3], dp) == [0.25, 0.75]
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters())
+    dpm.save_actor(tmp_path, Policy(net), opt, dp)
+    assert sorted(os.listdir(tmp_path)) == [dpm.LORA_CKPT]

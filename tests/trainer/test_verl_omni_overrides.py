@@ -92,9 +92,6 @@ VERL_OMNI = {
     "trainer.total_training_steps": "300",
 }
 
-# Keys owned by other work in progress: used as verl-omni sets them once our config has them.
-NOT_YET = ("actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload")
-
 # What one CPU step on tiny models changes, and why; every other value is verl-omni's.
 ON_CPU = {
     "data.train_files": ("{data}/train.jsonl", "a tiny local prompt set"),
@@ -122,22 +119,7 @@ OURS = ["actor_rollout_ref.rollout.height=64", "actor_rollout_ref.rollout.width=
 
 
 def verl_omni_overrides(data_dir, run_dir) -> list[str]:
-    have = OmegaConf.to_container(compose([]), resolve=False)
-
-    def exists(key: str) -> bool:
-        node = have
-        for part in key.split("."):
-            if not isinstance(node, dict) or part not in node:
-                return False
-            node = node[part]
-        return True
-
-    out = []
-    for key, value in VERL_OMNI.items():
-        if key in NOT_YET and not exists(key):
-            continue
-        value = ON_CPU[key][0].format(data=data_dir) if key in ON_CPU else value
-        out.append(f"{key}={value}")
+    out = [f"{key}={ON_CPU[key][0].format(data=data_dir) if key in ON_CPU else value}" for key, value in VERL_OMNI.items()]
     return [*out, *OURS, f"trainer.run_dir={run_dir}"]
 
 
@@ -156,13 +138,14 @@ def data_dir(tmp_path):
 
 def test_the_script_has_56_overrides_and_each_cpu_change_is_one_of_them():
     assert len(VERL_OMNI) == 56
-    assert set(ON_CPU) <= set(VERL_OMNI) and set(NOT_YET) <= set(VERL_OMNI)
+    assert set(ON_CPU) <= set(VERL_OMNI)
 
 
 def test_verl_omni_override_list_composes_validates_and_trains_one_step(data_dir, tmp_path):
     cfg = validate(compose(verl_omni_overrides(data_dir, tmp_path / "run")))
     assert cfg.actor_rollout_ref.rollout.val_kwargs.algo.noise_level == 0.0
     assert cfg.trainer.total_epochs == 15 and cfg.data.max_prompt_length == 256
+    assert cfg.actor_rollout_ref.actor.fsdp_config.param_offload and cfg.actor_rollout_ref.actor.fsdp_config.optimizer_offload
     shutdown_ray()
     try:
         run_dir = RLTrainer(cfg).fit()

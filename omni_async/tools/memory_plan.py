@@ -57,7 +57,7 @@ WAN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # self- and cross-attention 
 
 # Source of every number: the public config.json of the named checkpoint (HF hub paths given in "source").
 _QWEN_IMAGE = {
-    "source": "Qwen/Qwen-Image: transformer/, text_encoder/, vae/ config.json",
+    "source": "Qwen/Qwen-Image: transformer/, text_encoder/, vae/ config.json, scheduler/scheduler_config.json",
     "transformer": ("diffusers", "QwenImageTransformer2DModel", {
         "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
         "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False,
@@ -77,6 +77,11 @@ _QWEN_IMAGE = {
         "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
         "temperal_downsample": [False, True, True], "dropout": 0.0}),
     "vae_dtype": BF16,
+    # No memory of its own; bench/gpu_step.py samples with it (dynamic shift, as QwenImagePipeline).
+    "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler", {
+        "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+        "max_shift": 0.9, "base_image_seq_len": 256, "max_image_seq_len": 8192, "shift_terminal": 0.02,
+        "time_shift_type": "exponential"}),
     "lora_targets": QWEN_TARGETS,
     # The pipeline drops the 34-token chat template; prompts are padded to the longest in the batch.
     "text_tokens": 256, "template_tokens": 34, "frames": 1,
@@ -180,22 +185,35 @@ def flash_sdpa():
         functional.scaled_dot_product_attention = original
 
 
-def build(library: str, cls_name: str, config: dict, dtype: torch.dtype = BF16) -> torch.nn.Module:
-    """Instantiate a diffusers / transformers class from a config dict on the meta device (no storage)."""
-    if library == "diffusers":
-        import diffusers
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
-        cls, kwargs = getattr(diffusers, cls_name), dict(config)
-        with torch.device("meta"):
-            module = cls(**kwargs)
-    else:
-        import transformers
 
-        cls = getattr(transformers, cls_name)
-        cfg_cls = transformers.AutoConfig.for_model(cls.config_class.model_type).__class__
-        cfg = cfg_cls(**config)
-        cfg._attn_implementation = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"  # UMT5: eager
-        with torch.device("meta"):
+def build(library: str, cls_name: str, config: dict, dtype: torch.dtype = BF16,
+          device: str | torch.device = "meta") -> torch.nn.Module:
+    """Instantiate a diffusers / transformers class from a config dict on the meta device (no storage), or on a real
+    ``device`` with the class's own random initialisation (``bench/gpu_step.py``). On a real device the weights are
+    created in ``dtype`` (the default dtype meanwhile, as diffusers' ``from_pretrained`` does), so a 20 B transformer
+    never exists in fp32 first."""
+    real = torch.device(device).type != "meta"
+    with torch.device(device), (_default_dtype(dtype) if real else contextlib.nullcontext()):
+        if library == "diffusers":
+            import diffusers
+
+            module = getattr(diffusers, cls_name)(**dict(config))
+        else:
+            import transformers
+
+            cls = getattr(transformers, cls_name)
+            cfg_cls = transformers.AutoConfig.for_model(cls.config_class.model_type).__class__
+            cfg = cfg_cls(**config)
+            cfg._attn_implementation = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"  # UMT5: eager
             module = cls(cfg)
     return module.to(dtype).eval().requires_grad_(False)
 

@@ -1,0 +1,204 @@
+"""One step of the hybrid actor/rollout worker on one device, without Ray: generate a batch, run one update.
+
+    python bench/gpu_step.py                       # real Qwen-Image architecture, random bf16 weights, 512², LoRA r64
+    python bench/gpu_step.py --model tiny:qwen_image --height 64 --width 64 --batch 2 --steps 3   # CPU smoke run
+
+It runs the worker's own code paths: ``DiffusionPolicy.generate`` (SDE window, log-probs, prompt encodings kept,
+VAE decode sliced) for the rollout and ``trainer.actor_core.update_minibatch`` (the modality's FlowGRPO backward in
+micro-batches with gradient checkpointing, gradient clip, AdamW step, optional offloads) for the update, on a
+:class:`~omni_async.trainer.actor_core.TensorBatch` instead of verl's ``DataProto``. Nothing here imports Ray, verl,
+Hydra or OmegaConf, so it runs on a bare GPU machine with PyTorch, transformers, peft and a diffusers wheel.
+
+``--model qwen_image`` builds the pipeline from the configs in ``omni_async.tools.memory_plan.MODELS`` (the memory
+plan's source: Qwen/Qwen-Image's published config.json files) with each class's random initialisation, in bf16,
+directly on the device: nothing is downloaded and timing does not depend on weight values. The tokenizer is the
+tiny byte-level Qwen2 one (one token per byte), so prompt sequences are longer than the real tokenizer's: a
+conservative bias of the text length, small next to the 1024 image tokens of a 512² image.
+
+Writes ``bench/results/gpu_step_<device>.json``: seconds per image (rollout), seconds per sample (update), peak
+device memory per phase (``torch.cuda.max_memory_allocated``; ``null`` on CPU) and the device's name. The first
+iteration warms up (kernel selection, allocator); the figures are the last iteration's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from omni_async.modality.base import model_dtype  # noqa: E402
+from omni_async.modality.image import ImageModality  # noqa: E402
+from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig  # noqa: E402
+from omni_async.sample import PromptRow, RewardOutcome, Sample  # noqa: E402
+from omni_async.tools.memory_plan import QWEN_TARGETS  # noqa: E402
+from omni_async.trainer.actor_core import TensorBatch, update_minibatch  # noqa: E402
+
+GB = 1e9
+
+
+def build_qwen_image(device: str, dtype: torch.dtype, layers: int | None = None):
+    """A QwenImagePipeline of the real architecture (memory plan's configs), random weights in ``dtype`` on
+    ``device``. ``layers`` shrinks the transformer, the text encoder and the (unused) vision tower to that many
+    blocks: a quick check of this build path, not the real model."""
+    import diffusers
+    from diffusers import QwenImagePipeline
+
+    from omni_async.models.tiny import build_qwen2_tokenizer
+    from omni_async.tools.memory_plan import MODELS, build
+
+    spec = MODELS["qwen_image"]
+    tr_lib, tr_cls, tr_cfg = spec["transformer"]
+    te_lib, te_cls, te_cfg = spec["text_encoder"]
+    if layers:
+        tr_cfg = {**tr_cfg, "num_layers": layers}
+        te_cfg = {**te_cfg, "text_config": {**te_cfg["text_config"], "num_hidden_layers": layers},
+                  "vision_config": {**te_cfg["vision_config"], "depth": layers, "fullatt_block_indexes": [0]}}
+    _, sched_cls, sched_cfg = spec["scheduler"]
+    return QwenImagePipeline(
+        scheduler=getattr(diffusers, sched_cls)(**sched_cfg),
+        vae=build(*spec["vae"], dtype=spec["vae_dtype"], device=device),
+        text_encoder=build(te_lib, te_cls, te_cfg, dtype=dtype, device=device),
+        tokenizer=build_qwen2_tokenizer(),
+        transformer=build(tr_lib, tr_cls, tr_cfg, dtype=dtype, device=device),
+    )
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def peak_gb(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / GB if device.startswith("cuda") else None
+
+
+def reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen_image",
+                    help="qwen_image (real architecture, random weights) or a model path / tiny:<name>")
+    ap.add_argument("--height", type=int, default=512)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=4, help="images per rollout batch = samples per update")
+    ap.add_argument("--steps", type=int, default=10, help="denoising steps")
+    ap.add_argument("--window", type=int, default=2, help="SDE window steps (the update's per-sample steps)")
+    ap.add_argument("--true-cfg-scale", type=float, default=4.0, help="> 1 runs the negative prompt too")
+    ap.add_argument("--lora-rank", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=1, help="actor.ppo_micro_batch_size_per_gpu")
+    ap.add_argument("--no-checkpointing", action="store_true", help="gradient checkpointing off (on by default)")
+    ap.add_argument("--param-offload", action="store_true", help="fsdp_config.param_offload")
+    ap.add_argument("--optimizer-offload", action="store_true", help="fsdp_config.optimizer_offload")
+    ap.add_argument("--dtype", default=None, help="frozen weights: bf16 | fp16 | fp32 (default: bf16 on CUDA)")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--layers", type=int, default=None, help="qwen_image only: blocks per stack (a build check)")
+    ap.add_argument("--iters", type=int, default=2, help="rollout + update iterations; the first warms up")
+    ap.add_argument("--out", default=None, help="default: bench/results/gpu_step_<device>.json")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = model_dtype(args.dtype, device)
+    torch.manual_seed(0)
+    sampling = SamplingConfig(height=args.height, width=args.width, num_inference_steps=args.steps,
+                              true_cfg_scale=args.true_cfg_scale)
+    t0 = time.perf_counter()
+    source = build_qwen_image(device, dtype, args.layers) if args.model == "qwen_image" else args.model
+    policy = DiffusionPolicy(source, sampling, lora_rank=args.lora_rank, lora_alpha=args.lora_rank,
+                             target_modules=QWEN_TARGETS if args.model == "qwen_image" else ["to_q", "to_k", "to_v"],
+                             device=device, dtype=dtype, gradient_checkpointing=not args.no_checkpointing)
+    sync(device)
+    build_s = time.perf_counter() - t0
+    weights_gb = peak_gb(device)
+    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-5)
+    modality = ImageModality()
+    actor_cfg = SimpleNamespace(clip_ratio=1e-4, kl_loss_coef=0.0, grad_clip=1.0,
+                                ppo_micro_batch_size_per_gpu=args.micro_batch)
+    start = max(0, min(2, args.steps - args.window))
+    window = range(start, start + args.window)
+    prompts = [f'A shop sign that says "OMNI {i}"' for i in range(args.batch)]
+
+    iterations = []
+    for it in range(args.iters):
+        seeds = [1000 * it + i for i in range(args.batch)]
+        reset_peak(device)
+        sync(device)
+        t = time.perf_counter()
+        results = policy.generate(prompts, seeds, window)
+        sync(device)
+        rollout_s, rollout_peak = time.perf_counter() - t, peak_gb(device)
+
+        samples = [Sample(i, f"g{i // 2}", PromptRow(p, "bench", ""), s, result=r, outcome=RewardOutcome("ok", 0.0))
+                   for i, (p, s, r) in enumerate(zip(prompts, seeds, results, strict=True))]
+        adv = torch.randn(args.batch, generator=torch.Generator().manual_seed(it))
+        batch = TensorBatch({**modality.batch_tensors(samples), "advantages": (adv - adv.mean()) / (adv.std() + 1e-6),
+                             "loss_mask": torch.ones(args.batch, dtype=torch.bool)}, {"window_start": window.start})
+        reset_peak(device)
+        sync(device)
+        t = time.perf_counter()
+        metrics = update_minibatch(modality, policy, optimizer, batch, actor_cfg, param_offload=args.param_offload,
+                                   optimizer_offload=args.optimizer_offload)
+        sync(device)
+        update_s, update_peak = time.perf_counter() - t, peak_gb(device)
+        iterations.append({"rollout_s": rollout_s, "update_s": update_s, "rollout_peak_gb": rollout_peak,
+                           "update_peak_gb": update_peak, "grad_norm": metrics["actor/grad_norm"],
+                           "skipped_step": metrics["actor/skipped_steps"], "ratio_mean": metrics["actor/ratio_mean"]})
+        print(f"iter {it}: rollout {rollout_s:.2f}s ({rollout_s / args.batch:.3f} s/image), "
+              f"update {update_s:.2f}s ({update_s / args.batch:.3f} s/sample)", flush=True)
+
+    last = iterations[-1]
+    name = device_name(device)
+    params = {"transformer": sum(p.numel() for p in policy.transformer.parameters()) - sum(
+                  p.numel() for p in policy.trainable_parameters()),
+              "text_encoder": sum(p.numel() for p in policy.pipe.text_encoder.parameters()),
+              "vae": sum(p.numel() for p in policy.pipe.vae.parameters()),
+              "lora": sum(p.numel() for p in policy.trainable_parameters())}
+    report = {
+        "device": name, "device_kind": device, "torch": torch.__version__,
+        "model": args.model if not args.layers else f"{args.model} (layers={args.layers}: a build check, not the model)",
+        "weights": "random (class initialisation)" if args.model == "qwen_image" else "from the model path",
+        "config": {"height": args.height, "width": args.width, "batch": args.batch, "denoising_steps": args.steps,
+                   "sde_window": args.window, "true_cfg_scale": args.true_cfg_scale, "lora_rank": args.lora_rank,
+                   "micro_batch": args.micro_batch, "gradient_checkpointing": not args.no_checkpointing,
+                   "model_dtype": str(dtype).replace("torch.", ""), "param_offload": args.param_offload,
+                   "optimizer_offload": args.optimizer_offload, "vae_slicing": sampling.vae_slicing},
+        "params": params, "build_s": build_s,
+        "rollout_s_per_image": last["rollout_s"] / args.batch,
+        "update_s_per_sample": last["update_s"] / args.batch,
+        "peak_memory_gb": {"weights": weights_gb, "rollout": last["rollout_peak_gb"],
+                           "update": last["update_peak_gb"]},
+        "iterations": iterations,
+    }
+    slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") if device.startswith("cuda") else "cpu"
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"gpu_step_{slug}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: report[k] for k in ("device", "rollout_s_per_image", "update_s_per_sample",
+                                              "peak_memory_gb")}, indent=2))
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

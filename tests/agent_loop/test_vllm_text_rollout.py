@@ -223,7 +223,10 @@ def test_vllm_rollout_in_a_replica_samples_concurrently_and_hot_loads_lora(model
 
 def test_vllm_rollout_config_checks():
     base = ["data.train_files=x.jsonl", "actor_rollout_ref.rollout.name=vllm"]
-    validate(compose(base + ["actor_rollout_ref.model.lora_rank=8"], config_name="grpo_text_trainer"))
+    validate(compose(base + ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.hybrid_engine=false"],
+                     config_name="grpo_text_trainer"))
+    with pytest.raises(ConfigError, match="actor_rollout_ref.hybrid_engine"):  # vLLM generates in its own server
+        validate(compose(base + ["actor_rollout_ref.model.lora_rank=8"], config_name="grpo_text_trainer"))
     for overrides, key in ((["actor_rollout_ref.model.lora_rank=0"], "lora_rank"), ([], "rollout.name")):
         cfg = compose(base + overrides, config_name="grpo_text_trainer" if overrides else "flowgrpo_trainer")
         try:

@@ -10,8 +10,10 @@
 # (logical) reward device running PP-OCR; the OCR reward rises within the default steps, and the run writes
 # plots/reward.png and prints the run directory. On GPUs, point it at real weights and size the pools with env
 # variables (the VeRL-Omni async-reward layout: 4 actor/rollout GPUs + 1 reward GPU):
-#   MODEL_PATH=/models/Qwen-Image NUM_GPUS_ACTOR_ROLLOUT=4 NUM_GPUS_REWARD=1 HEIGHT=512 WIDTH=512 NUM_STEPS=10 \
-#     STEPS=300 BATCH=16 GROUP=8 bash examples/run_qwen_image_ocr_async_reward.sh
+#   MODEL_PATH=/models/Qwen-Image NUM_GPUS_ACTOR_ROLLOUT=4 NUM_GPUS_REWARD=1 bash examples/run_qwen_image_ocr_async_reward.sh
+# A real MODEL_PATH selects the GPU recipe: 512x512, 10 denoising steps, 300 steps of 16 prompts x 8 samples, LoRA
+# r64 on the eight attention projections, bf16 frozen weights, gradient checkpointing, micro-batch 1 (MICRO_BATCH),
+# true CFG 4 (CFG); each is an env variable or a Hydra override. One hybrid worker per actor GPU.
 # Also: LR, LORA_RANK, LORA_ALPHA, NOISE_LEVEL, VAL_FREQ (validation every N steps), VOCAB (scenes | tiny_text:
 # the prompt set examples/data/prepare_ocr_prompts.py writes into DATA_DIR when it has no train.jsonl).
 # Extra Hydra overrides pass through, e.g. the colocated comparison:
@@ -27,9 +29,27 @@ NUM_GPUS_ACTOR_ROLLOUT="${NUM_GPUS_ACTOR_ROLLOUT:-1}"
 NUM_GPUS_REWARD="${NUM_GPUS_REWARD:-1}"
 NNODES="${NNODES:-1}"
 RUN_DIR="${RUN_DIR:-$root/runs/qwen_image_ocr}"
+NUM_STEPS="${NUM_STEPS:-10}"
+GPU_RECIPE=()
+if [[ "$MODEL_PATH" != tiny:* ]]; then
+  # Real weights: the GPU recipe. Memory settings from the memory plan (README, "GPU"): bf16 frozen weights,
+  # checkpointed transformer blocks, one sample per forward/backward (fits 80 GB at 512^2 with CFG and LoRA r64),
+  # LoRA on all eight attention projections of the dual-stream blocks, as verl-omni's Qwen-Image recipe.
+  HEIGHT="${HEIGHT:-512}"
+  WIDTH="${WIDTH:-512}"
+  LORA_RANK="${LORA_RANK:-64}"
+  LORA_ALPHA="${LORA_ALPHA:-128}"
+  GPU_RECIPE=(
+    actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="${MICRO_BATCH:-1}"
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu="${MICRO_BATCH:-1}"
+    "actor_rollout_ref.model.target_modules=[to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out]"
+    actor_rollout_ref.rollout.pipeline.true_cfg_scale="${CFG:-4.0}"
+  )
+fi
 HEIGHT="${HEIGHT:-64}"
 WIDTH="${WIDTH:-64}"
-NUM_STEPS="${NUM_STEPS:-10}"
 if [[ "$MODEL_PATH" == tiny:qwen_image_text ]]; then
   # The CPU default: prompts in the tiny renderer's vocabulary; settings measured to raise the OCR reward clearly
   # in a few minutes on a 2-core box (README, "The main job learns").
@@ -39,11 +59,18 @@ if [[ "$MODEL_PATH" == tiny:qwen_image_text ]]; then
   GROUP="${GROUP:-8}"
   LR="${LR:-1e-3}"
   NOISE_LEVEL="${NOISE_LEVEL:-0.7}"
-else
+elif [[ "$MODEL_PATH" == tiny:* ]]; then
   VOCAB="${VOCAB:-scenes}"
   STEPS="${STEPS:-4}"
   BATCH="${BATCH:-4}"
   GROUP="${GROUP:-4}"
+  LR="${LR:-3e-4}"
+  NOISE_LEVEL="${NOISE_LEVEL:-0.7}"
+else
+  VOCAB="${VOCAB:-scenes}"
+  STEPS="${STEPS:-300}"
+  BATCH="${BATCH:-16}"
+  GROUP="${GROUP:-8}"
   LR="${LR:-3e-4}"
   NOISE_LEVEL="${NOISE_LEVEL:-0.7}"
 fi
@@ -82,4 +109,5 @@ fi
   trainer.test_freq="${VAL_FREQ:-$STEPS}" \
   trainer.run_dir="$RUN_DIR" \
   hydra.run.dir="$RUN_DIR/hydra" \
+  ${GPU_RECIPE[@]+"${GPU_RECIPE[@]}"} \
   "$@"

@@ -39,6 +39,11 @@ class TrainableModule:
         # Fixed at init: peft's set_adapter flips requires_grad, so it is no longer a test of "trained".
         return self._trainable
 
+    def rebind_trainable_parameters(self) -> None:
+        """Read the trainable parameters again after a wrapper replaced them (FSDP2's ``fully_shard`` registers
+        sharded ones); call it before the optimizer is built, while no adapter switch has flipped requires_grad."""
+        self._trainable = [p for p in self.trainable.parameters() if p.requires_grad]
+
     def snapshot_for_rollout(self) -> None:
         """Copy the live LoRA adapter into the rollout adapter (created on first use): a device-local copy of the
         adapter, the hybrid layout's weight sync when updates overlap generation."""

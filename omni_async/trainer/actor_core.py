@@ -17,6 +17,15 @@ import torch
 
 from omni_async.modality import REF_TIME_KEY, Modality
 from omni_async.models.offload import optimizer_state_on_device
+from omni_async.trainer.data_parallel import (
+    DataParallel,
+    full_params,
+    grad_norm_value,
+    lockstep,
+    loss_scales,
+    merge_rank_metrics,
+    sharded_params,
+)
 
 
 @dataclass
@@ -36,28 +45,37 @@ class TensorBatch:
                 for i in range(0, len(self), size)]
 
 
-def accumulate_gradients(modality: Modality, policy: Any, data: Any, actor_cfg: Any) -> dict[str, list[float]]:
+def accumulate_gradients(modality: Modality, policy: Any, data: Any, actor_cfg: Any,
+                         dp: DataParallel | None = None) -> dict[str, list[float]]:
     """Gradients of one mini-batch's loss, in micro-batches of ``actor_cfg.ppo_micro_batch_size_per_gpu`` samples.
 
     A micro-batch's loss is a mean over its own loss units (kept samples, or kept tokens), so its gradient is
-    weighted by ``units_micro / units_minibatch``: the sum equals the gradient of the un-micro-batched loss.
+    weighted by ``units_micro / units_minibatch``: the sum equals the gradient of the un-micro-batched loss. With
+    data parallelism ``data`` is this rank's share and ``units_minibatch`` counts every rank's units
+    (``trainer.data_parallel.loss_scales``); a sharded (FSDP2) model runs as many passes as the busiest rank.
     """
     metrics: dict[str, list[float]] = defaultdict(list)
     micro = data.split(int(actor_cfg.ppo_micro_batch_size_per_gpu or len(data)))
     units = [float(modality.loss_units(mb)) for mb in micro]
-    for mb, n in zip(micro, units, strict=True):
-        if n == 0:
+    scales = loss_scales(units, dp)
+    every_pass = dp is not None and dp.sharded  # each forward/backward is a collective there
+    if every_pass:
+        micro, scales = lockstep(micro, scales, dp)
+        units += [0.0] * (len(micro) - len(units))
+    for mb, n, scale in zip(micro, units, scales, strict=True):
+        if n == 0 and not every_pass:
             continue
-        for k, v in modality.backward(policy, mb, mb.batch["loss_mask"].bool(), actor_cfg,
-                                      loss_scale=n / sum(units)).items():
-            metrics[k].extend(v)
+        out = modality.backward(policy, mb, mb.batch["loss_mask"].bool(), actor_cfg, loss_scale=scale)
+        if n > 0:
+            for k, v in out.items():
+                metrics[k].extend(v)
     return metrics
 
 
 def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], grad_clip: float) -> float | None:
     """Clip the gradient norm and step; as verl's actor, a non-finite norm skips the step (``None``) instead of
     writing NaN into the weights."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(params, grad_clip))
     if not torch.isfinite(grad_norm):
         return None
     optimizer.step()
@@ -71,22 +89,39 @@ def offload_frozen(policy: Any, offload: bool) -> None:
         policy.offload_frozen(True)
 
 
-def update_minibatch(modality: Modality, policy: Any, optimizer: torch.optim.Optimizer, data: Any, actor_cfg: Any, *,
-                     param_offload: bool = False, optimizer_offload: bool = False) -> dict[str, float]:
+def train_minibatch(modality: Modality, policy: Any, optimizer: torch.optim.Optimizer, data: Any, actor_cfg: Any, *,
+                    param_offload: bool = False, optimizer_offload: bool = False,
+                    dp: DataParallel | None = None) -> dict[str, list[float]]:
     """One optimizer step on one mini-batch (``loss_mask`` marks the samples in the loss): micro-batched backward
-    (:func:`accumulate_gradients`), gradient clip, optimizer step. With ``param_offload`` the frozen text encoder and
-    VAE are on the CPU meanwhile; with ``optimizer_offload`` the optimizer state is on the device only for the step.
+    (:func:`accumulate_gradients`), gradient clip, optimizer step; the metrics as lists (one entry per loss call).
+    With ``param_offload`` the frozen text encoder and VAE are on the CPU meanwhile; with ``optimizer_offload`` the
+    optimizer state is on the device only for the step. With ``dp`` (data parallelism) ``data`` is this rank's share
+    and the step is the whole group's: LoRA gradients all-reduced (a sum), an FSDP2 model's reduce-scattered.
     """
     offload_frozen(policy, param_offload)
+    sharded = dp is not None and dp.sharded
+    if sharded:
+        sharded_params(policy.trainable)
     optimizer.zero_grad(set_to_none=True)
-    metrics = accumulate_gradients(modality, policy, data, actor_cfg)
+    metrics = accumulate_gradients(modality, policy, data, actor_cfg, dp)
+    if dp is not None and not sharded:
+        dp.all_reduce_grads(policy.trainable_parameters())
     with optimizer_state_on_device(optimizer, optimizer_offload):
         grad_norm = clipped_step(optimizer, policy.trainable_parameters(), actor_cfg.grad_clip)
+    if sharded:
+        full_params(policy.trainable)  # generation and log-probs run on the gathered weights until the next update
     metrics["actor/skipped_steps"].append(0.0 if grad_norm is not None else 1.0)
     metrics["actor/grad_norm"].append(grad_norm if grad_norm is not None else 0.0)
-    out = {k: float(np.mean(v)) for k, v in metrics.items()}
-    out[REF_TIME_KEY] = float(np.sum(metrics[REF_TIME_KEY]))
-    return out
+    metrics.setdefault(REF_TIME_KEY, [])
+    return metrics
+
+
+def update_minibatch(modality: Modality, policy: Any, optimizer: torch.optim.Optimizer, data: Any, actor_cfg: Any, *,
+                     param_offload: bool = False, optimizer_offload: bool = False) -> dict[str, float]:
+    """:func:`train_minibatch` on one process, its metrics summarised (means; ``timing_s/ref`` the total)."""
+    return merge_rank_metrics([train_minibatch(modality, policy, optimizer, data, actor_cfg,
+                                               param_offload=param_offload, optimizer_offload=optimizer_offload)],
+                              time_keys=(REF_TIME_KEY,))
 
 
 def compute_log_prob(modality: Modality, policy: Any, data: Any, micro_batch_size: int | None = None, *,

@@ -12,12 +12,19 @@ bump. Every model call (generation batches, updates, checkpoints) runs on one de
 never interleave inside a forward. When an update may run while the rollout generates (one-step off-policy, the
 mini-batch pipeline) the rollout reads a frozen snapshot of the LoRA adapter (``TrainableModule.rollout_adapter``)
 taken at each sync, so the samples of version k never see the update that version k's batch is driving.
+
+Data parallelism (``trainer.data_parallel``): the ranks form one process group; ``compute_log_prob`` and
+``update_minibatch`` take a share of the batch each (whole ``uid`` groups, balanced by samples) and an update is one
+optimizer step of the whole group (LoRA gradients all-reduced, a full fine-tune sharded with FSDP2 and its full
+weights gathered again for generation after each step). Rank 0 writes the LoRA checkpoint; FSDP2 writes one
+sharded checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,7 +38,10 @@ from omni_async.agent_loop.rollout_replica import Generation, GenerationBatcher
 from omni_async.cluster import configure_worker
 from omni_async.modality import get_modality
 from omni_async.modality.base import model_dtype
-from omni_async.trainer.actor_core import compute_log_prob, update_minibatch
+from omni_async.trainer import data_parallel as dpm
+from omni_async.trainer.actor_core import compute_log_prob, train_minibatch
+
+TRAINED_ROWS_KEPT = 1 << 16  # the (uid, index) rows this rank trained on, newest kept (ActorWorker.trained_rows)
 
 
 class ActorWorker(Worker):
@@ -43,6 +53,7 @@ class ActorWorker(Worker):
         self._device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actor-device")
         self.rollout_version = 0
         self.weights_shipped = 0  # get_weights calls: the split layout's transfers (stays 0 in the hybrid one)
+        self.trained: deque[tuple[str, int]] = deque(maxlen=TRAINED_ROWS_KEPT)
 
     async def _on_device(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._device_thread, fn, *args)
@@ -54,13 +65,21 @@ class ActorWorker(Worker):
     def _init_model(self) -> None:
         cfg = self.cfg
         m, a, r = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+        self.dp = dpm.DataParallel(self.device)  # the actor ranks' process group (none with one rank)
         torch.manual_seed(int(cfg.trainer.seed))
         sampling = vars(self.modality.sampling_config(cfg))
         dtype = model_dtype(a.fsdp_config.model_dtype, self.device)
         self.policy = self.modality.build_policy(OmegaConf.to_container(m, resolve=True), sampling, self.device,
                                                  dtype=dtype)
+        if self.dp.active and self.policy.lora:
+            self.dp.broadcast_(self.policy.trainable_parameters())  # one starting adapter on every rank
+        elif self.dp.active:
+            dpm.shard_module(self.policy.trainable, self.dp)  # full fine-tune: FSDP2 over the ranks
+            self.policy.rebind_trainable_parameters()  # the sharded parameters, for the optimizer and the clip
         self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=a.optim.lr,
                                            weight_decay=a.optim.weight_decay)
+        if self.dp.sharded:
+            dpm.full_params(self.policy.trainable)  # generation runs on the gathered weights
         if a.fsdp_config.param_offload and not hasattr(self.policy, "offload_frozen"):
             raise ValueError("actor_rollout_ref.actor.fsdp_config.param_offload=True offloads a diffusion pipeline's "
                              "frozen text encoder and VAE; a text policy trains its one model: set it to False")
@@ -94,30 +113,44 @@ class ActorWorker(Worker):
 
     async def stats(self) -> dict[str, Any]:
         return {"batch_sizes": list(self.batcher.batch_sizes), "version": self.rollout_version, "pid": os.getpid(),
-                "weights_shipped": self.weights_shipped}
+                "weights_shipped": self.weights_shipped, "rank": self.dp.rank, "world_size": self.dp.world}
+
+    async def trained_rows(self) -> list[tuple[str, int]]:
+        """The ``(uid, index)`` of every sample this rank trained on since the last call (an audit of the split)."""
+        rows = list(self.trained)
+        self.trained.clear()
+        return rows
 
     # ---- training -----------------------------------------------------------------------------------------------
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     async def get_weights(self) -> dict[str, torch.Tensor]:
         self.weights_shipped += 1
-        return await self._on_device(self.policy.weights_state_dict)
+        return await self._on_device(self._weights)
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def _weights(self) -> dict[str, torch.Tensor]:
+        if self.dp.sharded:  # the gathered full weights, read without a collective (rank 0 alone is asked)
+            return dpm.local_state_dict(self.policy.trainable)
+        return self.policy.weights_state_dict()
+
+    @register(dispatch_mode=dpm.BY_GROUPS_ROWS)
     async def compute_log_prob(self, data: DataProto) -> torch.Tensor:
+        """This rank's share of the batch; the worker group returns the whole batch's log-probs in its order."""
         return await self._on_device(self._compute_log_prob, data)
 
-    def _compute_log_prob(self, data: DataProto) -> torch.Tensor:
+    def _compute_log_prob(self, data: DataProto) -> tuple:
         """Log-probs of the stored trajectories under the current weights (pi_old when not bypassed), in
         micro-batches of ``rollout.log_prob_micro_batch_size_per_gpu`` samples (``trainer.actor_core``)."""
         arr = self.cfg.actor_rollout_ref
-        return compute_log_prob(self.modality, self.policy, data, arr.rollout.log_prob_micro_batch_size_per_gpu,
-                                param_offload=arr.actor.fsdp_config.param_offload)
+        return dpm.rows_result(data, compute_log_prob(self.modality, self.policy, data,
+                                                      arr.rollout.log_prob_micro_batch_size_per_gpu,
+                                                      param_offload=arr.actor.fsdp_config.param_offload))
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @register(dispatch_mode=dpm.BY_GROUPS_METRICS)
     async def update_minibatch(self, data: DataProto) -> dict[str, float]:
+        """This rank's share of the mini-batch; the worker group returns the step's merged metrics."""
         return await self._on_device(self._update_minibatch, data)
 
-    def _update_minibatch(self, data: DataProto) -> dict[str, float]:
+    def _update_minibatch(self, data: DataProto) -> dict[str, list[float]]:
         """One optimizer step on one mini-batch (``loss_mask`` marks the samples in the loss).
 
         The mini-batch runs in micro-batches of ``actor.ppo_micro_batch_size_per_gpu`` samples with gradients
@@ -127,24 +160,29 @@ class ActorWorker(Worker):
         (``trainer.actor_core``, ``models.offload``).
         """
         a = self.cfg.actor_rollout_ref.actor
-        return update_minibatch(self.modality, self.policy, self.optimizer, data, a,
-                                param_offload=a.fsdp_config.param_offload,
-                                optimizer_offload=a.fsdp_config.optimizer_offload)
+        metrics = train_minibatch(self.modality, self.policy, self.optimizer, data, a,
+                                  param_offload=a.fsdp_config.param_offload,
+                                  optimizer_offload=a.fsdp_config.optimizer_offload, dp=self.dp)
+        metrics[dpm.SAMPLES_KEY] = [dpm.trained_samples(data)]
+        index = data.meta_info.get(dpm.DP_INDEX_KEY)
+        real = range(len(data)) if index is None else [i for i, k in enumerate(index) if k >= 0]
+        nt = data.non_tensor_batch
+        self.trained.extend((str(nt["uid"][i]), int(nt["index"][i]) if "index" in nt else -1) for i in real)
+        return dict(metrics)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     async def save_checkpoint(self, path: str) -> None:
         await self._on_device(self._save_checkpoint, path)
 
     def _save_checkpoint(self, path: str) -> None:
+        """One checkpoint set: rank 0's ``actor.pt`` (LoRA, or one rank), or one sharded ``actor_dcp/`` (FSDP2)."""
         os.makedirs(path, exist_ok=True)
-        torch.save({"weights": self.policy.weights_state_dict(), "optimizer": self.optimizer.state_dict()},
-                   os.path.join(path, "actor.pt"))
+        dpm.save_actor(path, self.policy, self.optimizer, self.dp)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     async def load_checkpoint(self, path: str) -> None:
         await self._on_device(self._load_checkpoint, path)
 
     def _load_checkpoint(self, path: str) -> None:
-        state = torch.load(os.path.join(path, "actor.pt"), weights_only=True)
-        self.policy.load_weights_state_dict(state["weights"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Every rank reads it; a LoRA checkpoint resumes on any number of ranks."""
+        dpm.load_actor(path, self.policy, self.optimizer, self.dp)

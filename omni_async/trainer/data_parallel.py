@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from verl import DataProto
 
 from omni_async.modality import REF_TIME_KEY
 
@@ -62,7 +61,7 @@ def split_groups(uids: Sequence[str], ranks: int) -> list[np.ndarray]:
     return [np.array(sorted(r), dtype=np.int64) for r in rows]
 
 
-def shard_batch(data: DataProto, ranks: int) -> list[DataProto]:
+def shard_batch(data: Any, ranks: int) -> list[Any]:
     """Each rank's share of ``data`` (:func:`split_groups`), its original indices in ``meta_info[DP_INDEX_KEY]``.
 
     A rank left without a group (fewer groups than ranks) gets one padding row: a copy of row 0 with
@@ -82,6 +81,8 @@ def shard_batch(data: DataProto, ranks: int) -> list[DataProto]:
 
 def dispatch_by_groups(worker_group: Any, *args, **kwargs):
     """verl dispatch function: every ``DataProto`` argument split by :func:`shard_batch`, the rest replicated."""
+    from verl import DataProto  # here: the rest of this module serves the Ray-free core (trainer.actor_core) too
+
     n = worker_group.world_size
 
     def split(a):
@@ -90,7 +91,7 @@ def dispatch_by_groups(worker_group: Any, *args, **kwargs):
     return tuple(split(a) for a in args), {k: split(v) for k, v in kwargs.items()}
 
 
-def rows_result(data: DataProto, value: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+def rows_result(data: Any, value: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     """What a rank returns for per-row results: its rows' indices in the dispatched batch, and the values."""
     return np.asarray(data.meta_info.get(DP_INDEX_KEY, np.arange(len(data)))), value
 
@@ -140,7 +141,7 @@ BY_GROUPS_ROWS = {"dispatch_fn": dispatch_by_groups, "collect_fn": collect_rows}
 BY_GROUPS_METRICS = {"dispatch_fn": dispatch_by_groups, "collect_fn": collect_metrics}
 
 
-def trained_samples(data: DataProto) -> float:
+def trained_samples(data: Any) -> float:
     """Real (not padding) samples in a rank's share."""
     return float((np.asarray(data.meta_info.get(DP_INDEX_KEY, np.arange(len(data)))) >= 0).sum())
 
@@ -229,7 +230,7 @@ def loss_scales(units: Sequence[float], dp: DataParallel | None) -> list[float]:
     return [float(n) / total if total > 0 else 0.0 for n in units]
 
 
-def lockstep(micro: list[DataProto], scales: list[float], dp: DataParallel) -> tuple[list[DataProto], list[float]]:
+def lockstep(micro: list[Any], scales: list[float], dp: DataParallel) -> tuple[list[Any], list[float]]:
     """FSDP2: every rank runs as many micro-batches as the busiest one (each pass is a collective); the extra
     ones repeat the rank's first micro-batch at weight 0."""
     n = int(dp.max(len(micro)))
@@ -319,20 +320,26 @@ def save_actor(path: str | Path, policy: Any, optimizer: torch.optim.Optimizer, 
 
 
 def load_actor(path: str | Path, policy: Any, optimizer: torch.optim.Optimizer, dp: DataParallel) -> None:
-    """Every rank reads the checkpoint: ``actor.pt`` whatever the number of ranks that wrote it, or its shard of
-    ``actor_dcp/`` (resharded by ``torch.distributed.checkpoint`` if the rank count changed)."""
+    """Every rank reads the checkpoint: ``actor.pt`` whatever the number of ranks that wrote it (LoRA), or its
+    part of ``actor_dcp/`` (``torch.distributed.checkpoint`` reshards when the rank count changed, down to one)."""
     path = Path(path)
-    if dp.sharded:
+    if (path / FSDP_CKPT).exists():
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        sharded_params(policy.trainable)
+        if dp.sharded:
+            sharded_params(policy.trainable)
         model_state, optim_state = get_state_dict(policy.trainable, optimizer)
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(path / FSDP_CKPT))
+        dcp.load(state, checkpoint_id=str(path / FSDP_CKPT), no_dist=not dist.is_initialized())
         set_state_dict(policy.trainable, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        full_params(policy.trainable)
+        if dp.sharded:
+            full_params(policy.trainable)
         return
+    if dp.sharded:
+        raise ValueError(f"{path} holds a one-rank full fine-tune checkpoint ({LORA_CKPT}); resume it with one actor "
+                         "rank (trainer.n_gpus_per_node=1, trainer.nnodes=1): sharded runs write and read "
+                         f"{FSDP_CKPT}/")
     state = torch.load(path / LORA_CKPT, weights_only=True, map_location=dp.device)
     policy.load_weights_state_dict(state["weights"])
     optimizer.load_state_dict(state["optimizer"])

@@ -141,7 +141,8 @@ class StepOps:
         batch = DataProto.from_dict(
             tensors=self.modality.batch_tensors(samples),
             non_tensors={"prompt": np.array([s.row.prompt for s in samples], dtype=object),
-                         "uid": np.array([s.uid for s in samples], dtype=object)},
+                         "uid": np.array([s.uid for s in samples], dtype=object),
+                         "index": np.array([s.index for s in samples], dtype=np.int64)},
             meta_info={"window_start": window[0] if window is not None else 0},
         )
         adv, loss_mask = group_advantages(batch.batch["rm_scores"].sum(-1), [s.uid for s in samples],
@@ -180,7 +181,7 @@ class StepOps:
 
     def _actor_call(self, method: str, data: DataProto):
         try:
-            return getattr(self.actor_wg, method)(data)[0]
+            return getattr(self.actor_wg, method)(data)  # the ranks' shares, merged (trainer.data_parallel)
         except RayActorError as e:
             raise self._rank_died(method, e) from e
 

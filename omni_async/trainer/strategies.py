@@ -19,6 +19,7 @@ from verl import DataProto
 
 from omni_async.agent_loop.manager import Collection
 from omni_async.sample import Sample
+from omni_async.trainer.data_parallel import SAMPLES_KEY
 from omni_async.trainer.step_ops import StepOps
 from omni_async.trainer.timer import Timer
 
@@ -78,7 +79,8 @@ class OneStepOffPolicy:
 
 
 # Per-optimizer-step counters reported as the step's total, not its mean.
-SUMMED_ACTOR_METRICS = ("actor/skipped_steps",)
+# SAMPLES_KEY (perf/samples_per_rank): the samples the busiest actor rank trained on in the step (epochs count).
+SUMMED_ACTOR_METRICS = ("actor/skipped_steps", SAMPLES_KEY)
 
 
 def _mean(sums: dict[str, list[float]]) -> dict[str, float]:

@@ -1,0 +1,125 @@
+"""Two actor ranks on the two nodes of a ``ray.cluster_utils.Cluster`` (two raylets on this machine) form one
+data-parallel group (gloo) in the hybrid layout. In one cluster: each sample is trained on by exactly one rank,
+every mode runs (stream, pipeline, one-step off-policy, sync), each save writes one checkpoint set (rank 0's), a
+killed run resumed with two ranks reproduces the next step, and a resume with one rank continues it too (LoRA)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import ray
+import torch
+from helpers import SMALL_IMAGE_TRAINER
+from ray.cluster_utils import Cluster
+
+from omni_async.cluster import shutdown_ray
+from omni_async.trainer.config import compose
+from omni_async.trainer.loop import RLTrainer
+from omni_async.trainer.strategies import FullBatchUpdate, OneStepOffPolicy, OnPolicy, PipelinedUpdate
+
+# 4 prompts x 2 samples; a mini-batch of 2 groups = one group per rank.
+DP = [*SMALL_IMAGE_TRAINER, "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+      "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.log_image_freq=-1", "trainer.log_timeline_freq=-1",
+      "reward.streaming=true", "trainer.total_training_steps=6"]
+KEYS = ("critic/rewards/mean", "actor/pg_loss", "actor/grad_norm", "perf/samples_per_rank")
+
+
+def ranks(nodes: int) -> list[str]:
+    return [f"trainer.nnodes={nodes}", "trainer.n_gpus_per_node=1", f"actor_rollout_ref.rollout.agent.num_workers={nodes}"]
+
+
+def weights(trainer: RLTrainer) -> list[dict[str, torch.Tensor]]:
+    return ray.get([w.get_weights.remote() for w in trainer.placement.actor_wg.workers])
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def resume_step_1(cfg) -> tuple[dict, dict]:
+    trainer = RLTrainer(cfg)
+    try:
+        start = trainer.resume()
+        assert start == 1
+        trainer.ops.sync_weights(start)
+        metrics, _ = trainer.train_step(start)
+        return metrics, weights(trainer)[0]
+    finally:
+        trainer.agent.shutdown()
+        shutdown_ray()
+
+
+def test_two_node_data_parallel_trains_every_mode_checkpoints_once_and_resumes(tmp_path):
+    shutdown_ray()
+    (tmp_path / "train.jsonl").write_text("".join(
+        json.dumps({"prompt": f"p{i}", "data_source": "x", "reward_model": {"ground_truth": ""}}) + "\n"
+        for i in range(24)))
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 16, "num_gpus": 1})
+    cluster.add_node(num_cpus=16, num_gpus=1)
+    cluster.wait_for_nodes()
+
+    def cfg(run: str, nodes: int, *extra: str):
+        return compose([f"data.train_files={tmp_path}/train.jsonl", f"trainer.run_dir={tmp_path}/{run}",
+                        f"trainer.ray.address={cluster.address}", *DP, *ranks(nodes), *extra])
+
+    trainer = None
+    try:
+        trainer = RLTrainer(cfg("run", 2))
+        workers = trainer.placement.actor_wg.workers
+        nodes = ray.get([w.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for w in workers])
+        assert len(set(nodes)) == 2  # one rank per node
+        assert [s["rank"] for s in ray.get([w.stats.remote() for w in workers])] == [0, 1]
+
+        trainer.ops.sync_weights(0)
+        rows = []
+        for step in (0, 1):
+            metrics, samples = trainer.train_step(step)
+            rows.append(metrics)
+            trained = ray.get([w.trained_rows.remote() for w in workers])
+            assert all(trained)  # both ranks trained
+            seen = [r for per_rank in trained for r in per_rank]
+            assert sorted(seen) == sorted((s.uid, s.index) for s in samples)  # each sample once, on one rank
+            assert metrics["perf/samples_per_rank"] == len(samples) / 2
+            trainer.save_checkpoint(step + 1)
+            files = sorted(os.listdir(tmp_path / f"run/checkpoints/step_{step + 1:06d}"))
+            assert files == ["actor.pt", "trainer.json"]  # one set per save: rank 0's
+        after_two = weights(trainer)
+        assert max_diff(after_two[0], after_two[1]) == 0.0  # the ranks hold one model
+        after_one = torch.load(tmp_path / "run/checkpoints/step_000001/actor.pt", weights_only=True)["weights"]
+        assert max_diff(after_two[0], after_one) > 1e-5  # step 2 (what the resumes must reproduce) moved them
+
+        # The other modes on the same two ranks.
+        ops = trainer.ops
+        trainer.update = PipelinedUpdate(ops)  # stream + pipeline: a mini-batch per 2 scored groups
+        metrics, _ = trainer.train_step(2)
+        trainer.source, trainer.update = OneStepOffPolicy(ops, 5), FullBatchUpdate(ops)  # stream + one-step off
+        for step in (3, 4):
+            metrics, _ = trainer.train_step(step)
+        assert metrics["async_reward/policy_version_lag"] == 1.0
+        trainer.source, trainer.agent.dispatcher = OnPolicy(ops), None  # sync: score after rollout, colocated
+        metrics, samples = trainer.train_step(5)
+        assert trainer.reward.colocated_used and all(s.outcome.ok for s in samples)
+        assert metrics["actor/grad_norm"] > 0
+        trainer.agent.shutdown()
+        shutdown_ray()  # the run is killed here; only the checkpoint of step 1 is used below
+        trainer = None
+
+        for run in ("resume2", "resume1"):
+            shutil.copytree(tmp_path / "run/checkpoints/step_000001", tmp_path / f"{run}/checkpoints/step_000001")
+        metrics, w = resume_step_1(cfg("resume2", 2, "trainer.resume_mode=auto"))
+        for k in KEYS:
+            assert metrics[k] == pytest.approx(rows[1][k], rel=1e-5, abs=1e-7), k
+        assert max_diff(w, after_two[0]) < 1e-6
+        metrics, w = resume_step_1(cfg("resume1", 1, "trainer.resume_mode=auto"))  # LoRA: 2 ranks -> 1
+        for k in KEYS[:3]:
+            assert metrics[k] == pytest.approx(rows[1][k], rel=1e-4, abs=1e-6), k
+        assert metrics["perf/samples_per_rank"] == 2 * rows[1]["perf/samples_per_rank"]
+        assert max_diff(w, after_two[0]) < 1e-6
+    finally:
+        if trainer is not None:
+            trainer.agent.shutdown()
+        shutdown_ray()
+        cluster.shutdown()

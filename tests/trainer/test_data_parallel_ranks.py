@@ -1,0 +1,133 @@
+"""Data parallelism on real Ray actor workers (CPU, gloo): two ranks on half-batches train exactly as one process on
+the whole batch, for LoRA (all-reduced gradients) and a full fine-tune (FSDP2), images and text, with a failed
+sample on one rank only and unequal micro-batch counts; each sample is trained on by exactly one rank; a save is one
+checkpoint set, read back by the two ranks and by one process (FSDP2: resharded 2 -> 1); rank 0 generates alone on
+the trained weights (FSDP2: the gathered ones) and its samples are the single process's."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+import torch
+from omegaconf import OmegaConf
+
+from omni_async.cluster import init_ray, shutdown_ray
+from omni_async.modality import get_modality
+from omni_async.modality.base import model_dtype
+from omni_async.sample import PromptRow, RewardOutcome, Sample
+from omni_async.trainer.actor_core import compute_log_prob, update_minibatch
+from omni_async.trainer.actor_worker import ActorWorker
+from omni_async.trainer.config import compose
+from omni_async.trainer.data_parallel import DataParallel, load_actor
+from omni_async.trainer.step_ops import StepOps
+
+PROMPTS, N = ["a red sign", "say 12", "a blue door"], 3  # 3 groups of 3: ranks get 2 groups and 1
+IMAGE = ["actor_rollout_ref.model.path=tiny:sd3", "actor_rollout_ref.rollout.num_inference_steps=4",
+         "actor_rollout_ref.rollout.height=32", "actor_rollout_ref.rollout.width=32",
+         "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]"]
+TEXT = ["actor_rollout_ref.rollout.response_length=6"]
+COMMON = [f"actor_rollout_ref.rollout.n={N}", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+          "actor_rollout_ref.rollout.agent.max_batch_size=1"]
+CASES = {"image-lora": ("flowgrpo_trainer", [*IMAGE, "actor_rollout_ref.model.lora_rank=4"]),
+         "image-fsdp2": ("flowgrpo_trainer", [*IMAGE, "actor_rollout_ref.model.lora_rank=0"]),
+         "text-lora": ("grpo_text_trainer", [*TEXT, "actor_rollout_ref.model.lora_rank=4"]),
+         "text-fsdp2": ("grpo_text_trainer", [*TEXT, "actor_rollout_ref.model.lora_rank=0"])}
+
+
+def one_process(cfg):
+    """The single-rank reference, built as ``ActorWorker._init_model`` builds its policy."""
+    modality = get_modality(cfg.actor_rollout_ref.model.modality)
+    m, a = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor
+    torch.manual_seed(int(cfg.trainer.seed))
+    policy = modality.build_policy(OmegaConf.to_container(m, resolve=True), vars(modality.sampling_config(cfg)),
+                                   "cpu", dtype=model_dtype(a.fsdp_config.model_dtype, "cpu"))
+    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=a.optim.lr, weight_decay=a.optim.weight_decay)
+    return modality, policy, optimizer
+
+
+def generate(policy, modality, prompts, seeds, window):
+    if modality.uses_window:
+        return policy.generate(prompts, seeds, range(*window))
+    return policy.generate(prompts, seeds)
+
+
+def make_batch(cfg, modality, policy):
+    """One step's batch through StepOps.build_batch; sample 1 (group 0, rank 0's) failed."""
+    ops = StepOps(cfg, modality, None, None, None, None, [])
+    window = ops.window(0)
+    samples = [Sample(index=p * N + k, uid=f"0-{p}", row=PromptRow(prompt, "x", ""), seed=100 + p * N + k)
+               for p, prompt in enumerate(PROMPTS) for k in range(N)]
+    results = generate(policy, modality, [s.row.prompt for s in samples], [s.seed for s in samples], window)
+    for i, (s, r) in enumerate(zip(samples, results, strict=True)):
+        s.result = r
+        s.outcome = RewardOutcome("failed", error="x") if i == 1 else RewardOutcome("ok", float((i * 7) % 5))
+    return ops.build_batch(samples, window), window
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    shutdown_ray()
+    init_ray(num_gpus=2, num_cpus=16)
+    yield
+    shutdown_ray()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_on_half_batches_equal_one_process_on_the_batch(case, ray_session, tmp_path):
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+    config_name, overrides = CASES[case]
+    cfg = compose([*COMMON, *overrides], config_name=config_name)
+    modality, policy, optimizer = one_process(cfg)
+    batch, window = make_batch(cfg, modality, policy)
+    log_probs = compute_log_prob(modality, policy, batch)
+
+    pool = RayResourcePool([2], use_gpu=True, max_colocate_count=1, name_prefix=f"dp_{case}")
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(ray.remote(ActorWorker),
+                                                   config=OmegaConf.to_container(cfg, resolve=True)),
+                        name_prefix=f"dp_{case.replace('-', '_')}")
+    try:
+        wg.init_model()
+        assert torch.allclose(wg.compute_log_prob(batch), log_probs, atol=1e-5)  # shares back in batch order
+        for _ in range(2):
+            expected = update_minibatch(modality, policy, optimizer, batch, cfg.actor_rollout_ref.actor)
+            got = wg.update_minibatch(batch)
+            assert got["actor/grad_norm"] == pytest.approx(expected["actor/grad_norm"], rel=1e-4)
+        assert got["perf/samples_per_rank"] == 6.0  # two groups of three on the busier rank
+        reference = {k: v.detach() for k, v in policy.weights_state_dict().items()}
+        weights = ray.get([w.get_weights.remote() for w in wg.workers])
+        assert max_diff(weights[0], reference) < 1e-6
+        assert max_diff(weights[0], weights[1]) == 0.0  # one model on every rank
+        rows = ray.get([w.trained_rows.remote() for w in wg.workers])
+        seen = [sorted({i for _, i in r}) for r in rows]
+        assert seen == [[0, 1, 2, 6, 7, 8], [3, 4, 5]]  # whole groups; the failed sample 1 on rank 0 only
+        assert all(len(r) == 2 * len(s) for r, s in zip(rows, seen, strict=True))  # each once per step, 2 steps
+
+        # One checkpoint set; a one-rank process reads it (LoRA: rank 0's file; FSDP2: DCP reshards 2 -> 1).
+        wg.save_checkpoint(str(tmp_path))
+        assert sorted(os.listdir(tmp_path)) == (["actor.pt"] if "lora" in case else ["actor_dcp"])
+        wg.load_checkpoint(str(tmp_path))  # the two ranks read it back
+        assert max_diff(ray.get(wg.workers[1].get_weights.remote()), weights[0]) == 0.0
+        with torch.no_grad():
+            for p in policy.trainable_parameters():
+                p.add_(1.0)
+        load_actor(tmp_path, policy, optimizer, DataParallel())
+        assert max_diff({k: v.detach() for k, v in policy.weights_state_dict().items()}, weights[0]) == 0.0
+
+        # Rank 0 generates alone (rank 1 idle: no collective), on the trained weights.
+        gen = ray.get(wg.workers[0].generate.remote(PROMPTS[0], 5, window))
+        ref = generate(policy, modality, [PROMPTS[0]], [5], window)[0]
+        got_lp, ref_lp = gen.result.log_probs, ref.log_probs
+        assert torch.allclose(torch.as_tensor(got_lp), torch.as_tensor(ref_lp), atol=1e-4)
+    finally:
+        for w in wg.workers:
+            ray.kill(w)
+        ray.util.remove_placement_group(pool.get_placement_groups()[0])
+

@@ -1,7 +1,8 @@
 """Two actor ranks on the two nodes of a ``ray.cluster_utils.Cluster`` (two raylets on this machine) form one
 data-parallel group (gloo) in the hybrid layout. In one cluster: each sample is trained on by exactly one rank,
 every mode runs (stream, pipeline, one-step off-policy, sync), each save writes one checkpoint set (rank 0's), a
-killed run resumed with two ranks reproduces the next step, and a resume with one rank continues it too (LoRA)."""
+dead rank stops the step naming the last checkpoint, a resume with two ranks reproduces the next step, and a resume
+with one rank continues it too (LoRA)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ray.cluster_utils import Cluster
 from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
 from omni_async.trainer.loop import RLTrainer
+from omni_async.trainer.step_ops import ActorRankDiedError
 from omni_async.trainer.strategies import FullBatchUpdate, OneStepOffPolicy, OnPolicy, PipelinedUpdate
 
 # 4 prompts x 2 samples; a mini-batch of 2 groups = one group per rank.
@@ -103,8 +105,11 @@ def test_two_node_data_parallel_trains_every_mode_checkpoints_once_and_resumes(t
         metrics, samples = trainer.train_step(5)
         assert trainer.reward.colocated_used and all(s.outcome.ok for s in samples)
         assert metrics["actor/grad_norm"] > 0
+        ray.kill(workers[1], no_restart=True)  # a rank dies: the next update stops, naming the last checkpoint
+        with pytest.raises(ActorRankDiedError, match="step_000002"):
+            trainer.train_step(6)
         trainer.agent.shutdown()
-        shutdown_ray()  # the run is killed here; only the checkpoint of step 1 is used below
+        shutdown_ray()  # the run ends here; the resumes below start from the checkpoint of step 1
         trainer = None
 
         for run in ("resume2", "resume1"):

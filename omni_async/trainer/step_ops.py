@@ -15,7 +15,7 @@ import numpy as np
 import ray
 import torch
 from omegaconf import DictConfig
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from verl import DataProto
 
 from omni_async.agent_loop.manager import AgentLoopManager, Collection, RolloutWorkersLostError
@@ -27,6 +27,8 @@ from omni_async.reward.wiring import RewardSide
 from omni_async.sample import Sample
 from omni_async.trainer.dataset import PromptSampler
 from omni_async.trainer.timer import Timer
+
+RANK_PROBE_TIMEOUT_S = 30.0  # after a failed actor call: how long a rank may take to answer "are you alive"
 
 
 class RewardFailureError(RuntimeError):
@@ -184,6 +186,20 @@ class StepOps:
             return getattr(self.actor_wg, method)(data)  # the ranks' shares, merged (trainer.data_parallel)
         except RayActorError as e:
             raise self._rank_died(method, e) from e
+        except RayTaskError as e:  # with data parallelism a dead rank fails the others' collective first
+            if self._a_rank_is_dead():
+                raise self._rank_died(method, e) from e
+            raise
+
+    def _a_rank_is_dead(self) -> bool:
+        for w in self.actor_wg.workers:
+            try:
+                ray.get(w.stats.remote(), timeout=RANK_PROBE_TIMEOUT_S)
+            except RayActorError:
+                return True
+            except GetTimeoutError:
+                pass
+        return False
 
     def _rank_died(self, during: str, e: Exception) -> ActorRankDiedError:
         ckpt = self.last_checkpoint()

@@ -8,6 +8,10 @@ with the simulated remote scorer: a seeded uniform 1-40 s latency per sample sca
 limit). The sync baseline's colocated reward and the single reward-loop worker of the streaming modes go through
 the same capacity. Only the steps after warm-up are measured.
 
+``--actor-ranks 2`` trains data-parallel on two actor ranks (one rollout worker each); on a CPU box the two share
+its cores, so it is recorded for the record (``samples_per_rank``, ``throughput``), not expected to be faster:
+``bench/results/async_reward_ranks{1,2}.json``.
+
 ``bound_s`` is the physical lower bound of a mode's step, computed per step from parts measured in the sync run
 of the same workload (same prompts and seeds, hence the same per-sample latencies), then averaged:
 
@@ -70,6 +74,7 @@ def workload(args, data: Path) -> list[str]:
         f"trainer.seed={args.seed}", f"trainer.total_training_steps={args.warmup + args.steps}",
         "trainer.logger=[jsonl]", "trainer.resume_mode=disable",
         f"actor_rollout_ref.hybrid_engine={args.layout == 'hybrid'}",
+        f"trainer.n_gpus_per_node={args.actor_ranks}", f"actor_rollout_ref.rollout.agent.num_workers={args.actor_ranks}",
     ]
 
 
@@ -115,6 +120,8 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
         "parts_per_step": [s["parts"] for s in steps],
         "reward_mean": [s["metrics"]["critic/rewards/mean"] for s in steps],
         "policy_version_lag": med("async_reward/policy_version_lag"),
+        "throughput": med("perf/throughput"),
+        "samples_per_rank": med("perf/samples_per_rank"),
     }
 
 
@@ -158,6 +165,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--layout", choices=["split", "hybrid"], default="split",
                    help="split: rollout replicas beside the actor (hybrid_engine=False); hybrid: one process per device")
+    p.add_argument("--actor-ranks", type=int, choices=[1, 2], default=1,
+                   help="data-parallel actor ranks (trainer.n_gpus_per_node; one rollout worker each)")
     p.add_argument("--modes", default=",".join(MODE_OVERRIDES))
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/async_reward.json")
     args = p.parse_args()

@@ -4,6 +4,7 @@ samples concurrently through a real dispatcher (``tests/`` is on ``sys.path`` th
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -51,3 +52,46 @@ def score_on_one_worker(fn_name: str, reward_kwargs: dict, samples: int,
         return asyncio.run(run())
     finally:
         shutdown_ray()
+
+
+def write_prompts(path: Path, n: int, data_source: str = "x") -> Path:
+    """``n`` prompt rows ``p0..`` in the trainer's jsonl format (empty ground truth)."""
+    path.write_text("".join(json.dumps({"prompt": f"p{i}", "data_source": data_source,
+                                        "reward_model": {"ground_truth": ""}}) + "\n" for i in range(n)))
+    return path
+
+
+class Trainers:
+    """Builds trainers for a test, one Ray session each (a trainer owns its placement groups), weights synced to
+    version 0, and shuts them all down at the end (``close``)."""
+
+    def __init__(self, train_file: Path, run_root: Path, base: list[str] = SMALL_IMAGE_TRAINER):
+        self.train_file, self.run_root, self.base = train_file, run_root, list(base)
+        self.made: list = []
+
+    def __call__(self, *overrides: str):
+        from omni_async.trainer.config import compose
+        from omni_async.trainer.loop import RLTrainer
+
+        shutdown_ray()
+        cfg = compose([f"data.train_files={self.train_file}", f"trainer.run_dir={self.run_root}/run{len(self.made)}",
+                       *self.base, *overrides])
+        self.made.append(RLTrainer(cfg))
+        self.made[-1].ops.sync_weights(0)
+        return self.made[-1]
+
+    def close(self) -> None:
+        for t in self.made:
+            t.agent.shutdown()
+        shutdown_ray()
+
+
+def two_node_cluster(num_cpus: int = 8):
+    """A Ray cluster of two raylets on this machine, one (logical) device each."""
+    from ray.cluster_utils import Cluster
+
+    shutdown_ray()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus, "num_gpus": 1})
+    cluster.add_node(num_cpus=num_cpus, num_gpus=1)
+    cluster.wait_for_nodes()
+    return cluster

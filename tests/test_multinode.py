@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import ray
-from ray.cluster_utils import Cluster
+from helpers import two_node_cluster
 
 from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
@@ -13,13 +13,10 @@ from omni_async.trainer.loop import FlowGRPOTrainer
 
 
 def test_reward_pool_lands_on_the_other_node(tmp_path):
-    shutdown_ray()
     (tmp_path / "train.jsonl").write_text("".join(
         json.dumps({"prompt": f"p{i}", "data_source": "ocr", "reward_model": {"ground_truth": "x"}}) + "\n"
         for i in range(4)))
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "num_gpus": 1})
-    cluster.add_node(num_cpus=8, num_gpus=1)  # each node: one (logical) device
-    cluster.wait_for_nodes()
+    cluster = two_node_cluster()
     trainer = None
     try:
         cfg = compose([f"data.train_files={tmp_path}/train.jsonl", f"trainer.run_dir={tmp_path}/run",

@@ -6,15 +6,13 @@ with one rank continues it too (LoRA)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
 import pytest
 import ray
 import torch
-from helpers import SMALL_IMAGE_TRAINER
-from ray.cluster_utils import Cluster
+from helpers import SMALL_IMAGE_TRAINER, two_node_cluster, write_prompts
 
 from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
@@ -55,13 +53,8 @@ def resume_step_1(cfg) -> tuple[dict, dict]:
 
 
 def test_two_node_data_parallel_trains_every_mode_checkpoints_once_and_resumes(tmp_path):
-    shutdown_ray()
-    (tmp_path / "train.jsonl").write_text("".join(
-        json.dumps({"prompt": f"p{i}", "data_source": "x", "reward_model": {"ground_truth": ""}}) + "\n"
-        for i in range(24)))
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 16, "num_gpus": 1})
-    cluster.add_node(num_cpus=16, num_gpus=1)
-    cluster.wait_for_nodes()
+    write_prompts(tmp_path / "train.jsonl", 24)
+    cluster = two_node_cluster(num_cpus=16)
 
     def cfg(run: str, nodes: int, *extra: str):
         return compose([f"data.train_files={tmp_path}/train.jsonl", f"trainer.run_dir={tmp_path}/{run}",

@@ -5,15 +5,12 @@ Checked on real Ray workers against the split layout (rollout replicas with thei
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import ray
 import torch
-from helpers import SMALL_IMAGE_TRAINER
+from helpers import Trainers, write_prompts
 from omegaconf import OmegaConf
 
-from omni_async.cluster import shutdown_ray
 from omni_async.modality import get_modality
 from omni_async.trainer.config import ConfigError, compose, validate
 from omni_async.trainer.loop import RLTrainer
@@ -24,23 +21,9 @@ TWO_DEVICES = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.agent.num
 
 @pytest.fixture
 def make_trainer(tmp_path):
-    (tmp_path / "train.jsonl").write_text("".join(
-        json.dumps({"prompt": f"p{i}", "data_source": "x", "reward_model": {"ground_truth": ""}}) + "\n"
-        for i in range(8)))
-    made: list[RLTrainer] = []
-
-    def make(*overrides: str) -> RLTrainer:
-        shutdown_ray()
-        cfg = compose([f"data.train_files={tmp_path}/train.jsonl", f"trainer.run_dir={tmp_path}/run{len(made)}",
-                       *SMALL_IMAGE_TRAINER, *overrides])
-        made.append(RLTrainer(cfg))
-        made[-1].ops.sync_weights(0)
-        return made[-1]
-
-    yield make
-    for t in made:
-        t.agent.shutdown()
-    shutdown_ray()
+    trainers = Trainers(write_prompts(tmp_path / "train.jsonl", 8), tmp_path)
+    yield trainers
+    trainers.close()
 
 
 def run(trainer: RLTrainer, steps: int):

@@ -9,11 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
-from helpers import SMALL_IMAGE_TRAINER
+from helpers import SMALL_IMAGE_TRAINER, Trainers
 
-from omni_async.cluster import shutdown_ray
-from omni_async.trainer.config import compose
-from omni_async.trainer.loop import FlowGRPOTrainer, RewardFailureError
+from omni_async.trainer.loop import RewardFailureError
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_REWARDS = str(ROOT / "tests/reward/rewards_for_tests.py")
@@ -30,20 +28,9 @@ def data_dir(tmp_path):
 
 @pytest.fixture
 def make_trainer(data_dir, tmp_path):
-    made = []
-
-    def make(*overrides: str) -> FlowGRPOTrainer:
-        shutdown_ray()  # one trainer per Ray session: each owns its placement groups
-        cfg = compose([f"data.train_files={data_dir}/train.jsonl", f"trainer.run_dir={tmp_path}/run{len(made)}",
-                       *SMALL, *overrides])
-        made.append(FlowGRPOTrainer(cfg))
-        made[-1].ops.sync_weights(0)
-        return made[-1]
-
-    yield make
-    for t in made:
-        t.agent.shutdown()
-    shutdown_ray()
+    trainers = Trainers(data_dir / "train.jsonl", tmp_path, SMALL)
+    yield trainers
+    trainers.close()
 
 
 def scores(samples) -> list[float]:

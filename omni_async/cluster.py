@@ -140,7 +140,9 @@ def init_ray(cfg: DictConfig | None = None, *, num_gpus: int | None = None, num_
             kwargs["num_cpus"] = num_cpus  # None: Ray counts the machine's cores
         else:  # logical devices, so verl's GPU bundles place actors as they would on a GPU cluster
             kwargs.update(num_gpus=num_gpus or 0, num_cpus=num_cpus or logical_cpus(num_gpus or 0))
-        ray.init(**kwargs)
+        # "local": always a new local cluster. Without it ray.init joins any cluster already running on the machine
+        # (another job's `ray start`) and then refuses num_cpus / num_gpus.
+        ray.init(address="local", **kwargs)
     return ray.cluster_resources()
 
 

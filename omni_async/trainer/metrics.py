@@ -21,7 +21,7 @@ def reward_metrics(samples: list[Sample], loss_mask: torch.Tensor) -> dict[str, 
     wait = np.array([s.outcome.wait_s for s in samples])
     m = {
         "critic/rewards/mean": float(scores.mean()), "critic/rewards/max": float(scores.max()),
-        "critic/rewards/min": float(scores.min()),
+        "critic/rewards/min": float(scores.min()), "critic/rewards/std": float(scores.std()),
         "critic/rewards/std_mean": stats["std_mean"], "critic/rewards/zero_std_ratio": stats["zero_std_ratio"],
         "reward/failed": float(sum(s.outcome.status == "failed" for s in samples)),
         "reward/timed_out": float(sum(s.outcome.status == "timeout" for s in samples)),

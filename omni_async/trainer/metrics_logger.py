@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from omni_async.trainer.reward_plot import plot_reward
+
 _CONSOLE_KEYS = ("critic/rewards/mean", "timing_s/step", "timing_s/gen", "timing_s/reward", "actor/pg_loss")
 
 
@@ -68,6 +70,7 @@ class MetricsLogger:
     def close(self) -> None:
         if self.jsonl:
             self.jsonl.close()
+            plot_reward(self.run_dir)  # {run_dir}/plots/reward.png, the whole run's curve (resumed steps too)
         if self.tb:
             self.tb.close()
         if self.wandb:

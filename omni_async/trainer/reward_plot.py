@@ -19,13 +19,14 @@ MEAN, STD, MIN, MAX, VAL = ("critic/rewards/mean", "critic/rewards/std", "critic
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The rows of ``{run_dir}/metrics.jsonl``, one per step (the last row wins if a step repeats), by step."""
+    """The rows of ``{run_dir}/metrics.jsonl`` by step, rows of one step merged (later values win): validation
+    before training (``trainer.val_before_train``) logs its own row at the starting step."""
     path = Path(run_dir) / "metrics.jsonl"
-    rows = {}
+    rows: dict[int, dict] = {}
     for line in path.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
-            rows[row["step"]] = row
+            rows.setdefault(row["step"], {}).update(row)
     return [rows[s] for s in sorted(rows)]
 
 
@@ -40,7 +41,8 @@ def reward_plot_path(run_dir: str | Path) -> Path:
 
 def plot_reward(run_dir: str | Path, out: str | Path | None = None, title: str | None = None) -> Path | None:
     """Draw the run's reward curve; returns the PNG path, or None when the run logged no training step."""
-    rows = [r for r in read_metrics(run_dir) if MEAN in r] if (Path(run_dir) / "metrics.jsonl").exists() else []
+    every = read_metrics(run_dir) if (Path(run_dir) / "metrics.jsonl").exists() else []
+    rows = [r for r in every if MEAN in r]
     if not rows:
         return None
     import matplotlib
@@ -60,7 +62,7 @@ def plot_reward(run_dir: str | Path, out: str | Path | None = None, title: str |
     else:  # runs from before critic/rewards/std was logged
         ax.fill_between(steps, lo, hi, color="C0", alpha=0.15, linewidth=0, label="min – max over samples")
     ax.plot(steps, mean, "-", color="C0", linewidth=1.8, label="train reward mean")
-    val = [(r["step"], r[VAL]) for r in rows if np.isfinite(r.get(VAL, np.nan))]
+    val = [(r["step"], r[VAL]) for r in every if np.isfinite(r.get(VAL, np.nan))]
     if val:
         ax.plot(*zip(*val, strict=True), "s--", color="C3", markersize=5, label="validation reward mean")
     first, last = first_last(list(mean))

@@ -33,10 +33,13 @@ def test_logger_close_draws_the_curve(tmp_path):
 
 def test_rows_by_step_and_first_last(tmp_path):
     write_run(tmp_path)
-    with (tmp_path / "metrics.jsonl").open("a") as f:  # a step logged twice: the last row wins
+    with (tmp_path / "metrics.jsonl").open("a") as f:  # a step's second row merges into it, later values win
         f.write(json.dumps({"step": 6, "critic/rewards/mean": 0.9}) + "\n")
+        f.write(json.dumps({"step": 0, "val/reward/mean": 0.4}) + "\n")  # val_before_train's own row
     rows = read_metrics(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and rows[-1]["critic/rewards/mean"] == 0.9
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6] and rows[-1]["critic/rewards/mean"] == 0.9
+    assert rows[-1]["val/reward/mean"] == 0.5 and rows[0] == {"step": 0, "val/reward/mean": 0.4}
+    rows = rows[1:]
     first, last = first_last([r["critic/rewards/mean"] for r in rows])
     assert np.isclose(first, 0.2) and np.isclose(last, (0.4 + 0.5 + 0.9) / 3)
 

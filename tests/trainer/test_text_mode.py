@@ -82,12 +82,14 @@ def test_text_grpo_learns_a_format_reward(arith, tmp_path):
     assert np.mean(curve[-3:]) > np.mean(curve[:3]) + 0.15, [round(c, 3) for c in curve]
 
 
-@pytest.mark.parametrize("streaming", ["true", "false"])
-def test_text_class_post_process_and_tuple_rewards(arith, tmp_path, streaming):
+@pytest.mark.parametrize(("streaming", "hybrid"), [("true", "true"), ("false", "false")],
+                         ids=["stream-hybrid", "sync-split"])  # text in both layouts
+def test_text_class_post_process_and_tuple_rewards(arith, tmp_path, streaming, hybrid):
     fns = [f"+reward.reward_functions.repaired.path={TEST_REWARDS}",
            "+reward.reward_functions.repaired.name=FailingThenRepaired",
            f"+reward.reward_functions.tuple.path={TEST_REWARDS}", "+reward.reward_functions.tuple.name=tuple_reward",
-           "+reward.reward_functions.tuple.weight=0.5", f"reward.streaming={streaming}"]
+           "+reward.reward_functions.tuple.weight=0.5", f"reward.streaming={streaming}",
+           f"actor_rollout_ref.hybrid_engine={hybrid}"]
     trainer = make(arith, tmp_path, *fns)
     try:
         metrics, samples = trainer.train_step(0)

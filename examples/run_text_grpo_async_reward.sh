@@ -7,6 +7,10 @@
 # real model (a local HF causal-LM dir), e.g.:
 #   MODEL_PATH=/models/Qwen2.5-3B-Instruct NUM_GPUS_ACTOR_ROLLOUT=8 STEPS=200 BATCH=64 GROUP=8 RESPONSE_LENGTH=1024 \
 #     bash examples/run_text_grpo_async_reward.sh
+# A reward a random tiny model can learn on CPU (the README's text curve, about 1 min):
+#   STEPS=30 VAL_FREQ=5 bash examples/run_text_grpo_async_reward.sh \
+#     reward.custom_reward_function.name=compute_score_digits actor_rollout_ref.actor.optim.lr=2e-3 \
+#     trainer.val_before_train=True
 # A slow remote judge: pass its reward function and overlap strategies through, e.g.
 #   bash examples/run_text_grpo_async_reward.sh reward.custom_reward_function.path=my_judge.py \
 #     async_reward.one_step_off_policy=true async_reward.update_pipeline=true
@@ -41,7 +45,7 @@ fi
   reward.streaming=auto \
   reward.num_workers="$NUM_REWARD_WORKERS" \
   trainer.total_training_steps="$STEPS" \
-  trainer.test_freq="$STEPS" \
+  trainer.test_freq="${VAL_FREQ:-$STEPS}" \
   trainer.run_dir="$RUN_DIR" \
   hydra.run.dir="$RUN_DIR/hydra" \
   "$@"

@@ -31,7 +31,7 @@ class TrainableModule:
         else:
             module.requires_grad_(True)
         # Trainable weights (and so AdamW's state) are fp32 whatever the frozen weights' dtype.
-        self._trainable = [p for p in self.trainable.parameters() if p.requires_grad]
+        self.rebind_trainable_parameters()
         for p in self._trainable:
             p.data = p.data.float()
 

@@ -80,9 +80,6 @@ class ActorWorker(Worker):
                                            weight_decay=a.optim.weight_decay)
         if self.dp.sharded:
             dpm.full_params(self.policy.trainable)  # generation runs on the gathered weights
-        if a.fsdp_config.param_offload and not hasattr(self.policy, "offload_frozen"):
-            raise ValueError("actor_rollout_ref.actor.fsdp_config.param_offload=True offloads a diffusion pipeline's "
-                             "frozen text encoder and VAE; a text policy trains its one model: set it to False")
         overlap = cfg.async_reward.one_step_off_policy or cfg.async_reward.update_pipeline
         self.snapshot = bool(cfg.actor_rollout_ref.hybrid_engine and overlap)
         self.batcher = GenerationBatcher(self._generate, lambda: self.rollout_version, self._device_thread,

@@ -100,6 +100,9 @@ def validate(cfg: DictConfig) -> DictConfig:
     if modality == "text":
         _check(rollout.response_length >= 1, "actor_rollout_ref.rollout.response_length", "must be >= 1", "e.g. 32")
         _check(rollout.temperature > 0, "actor_rollout_ref.rollout.temperature", "must be > 0", "e.g. 1.0")
+        _check(not actor.fsdp_config.param_offload, "actor_rollout_ref.actor.fsdp_config.param_offload",
+               "offloads a diffusion pipeline's frozen text encoder and VAE; a text policy trains its one model",
+               "set it to False")
     algo = rollout.algo
     _check(algo.sde_type in ("sde", "cps"), "actor_rollout_ref.rollout.algo.sde_type",
            f"unknown SDE type {algo.sde_type!r}", "use sde or cps")

@@ -57,7 +57,9 @@ class StepOps:
         self.actor_wg, self.rollout_workers, self.hybrid = actor_wg, rollout_workers, hybrid
         self.last_checkpoint = last_checkpoint  # for the error when an actor rank dies
         self.sampler_state_before: dict[int, dict] = {}  # sampler state before each step's prompts were drawn
-        self._weights: tuple[Any, int] | None = None  # (object ref of the newest weights, version)
+        # Split layout: (object ref of the newest weights, version), for a restarted replica. The hybrid layout's
+        # rollout workers are actor ranks, never restarted.
+        self._weights: tuple[Any, int] | None = None
 
     # ---- rollout ------------------------------------------------------------------------------------------------
     def window(self, step: int) -> tuple[int, int] | None:
@@ -105,7 +107,6 @@ class StepOps:
         """
         if self.hybrid:
             ray.get([w.set_rollout_version.remote(version) for w in self.rollout_workers])
-            self._weights = (None, version)
             return
         ref = self.actor_wg.workers[0].get_weights.remote()
         self._weights = (ref, version)

@@ -76,3 +76,10 @@ def test_semantic_errors_name_key_and_fix(overrides, key, fix):
     msg = str(exc.value)
     assert msg.startswith(key) or key in msg.split(":")[0], msg
     assert fix in msg, msg
+
+
+def test_param_offload_is_refused_for_text_at_start():
+    cfg = compose(["data.train_files=x.jsonl", "actor_rollout_ref.actor.fsdp_config.param_offload=True"],
+                  config_name="grpo_text_trainer")
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.fsdp_config.param_offload.*set it to False"):
+        validate(cfg)

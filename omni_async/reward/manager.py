@@ -36,6 +36,10 @@ from omni_async.sample import RewardOutcome
 SOLUTION_FIELDS = ("solution_image", "solution_str")
 # The argument through which a reward function receives the URLs of the run's vLLM judge servers.
 JUDGE_URLS_ARG = "judge_urls"
+# verl-omni's GenRM convention (``verl_omni.reward_loop.reward_manager.visual``): the judge server as ``host:port``
+# (``reward_router_address``) and the served model's name (``model_name`` = reward.reward_model.model_path).
+ROUTER_ARG = "reward_router_address"
+ROUTER_MODEL_ARG = "model_name"
 # The argument through which a reward function receives the judge model, reward.reward_model.model_path: the one
 # key for it (the vLLM judge servers serve the same path), so reward kwargs may not name another model.
 JUDGE_MODEL_ARG = "judge_model_path"
@@ -133,9 +137,11 @@ class RewardFunction:
         self.key, self.weight, self.required, self.label = spec.key, spec.weight, spec.required, spec.label
         self.instance = None
         params = inspect.signature(obj).parameters
-        self.takes_judge_urls = bool(judge_urls) and JUDGE_URLS_ARG in params
-        if self.takes_judge_urls:
+        self.takes_judge_urls = bool(judge_urls) and (JUDGE_URLS_ARG in params or ROUTER_ARG in params)
+        if self.takes_judge_urls and JUDGE_URLS_ARG in params:
             kwargs = {**kwargs, JUDGE_URLS_ARG: list(judge_urls)}
+        if ROUTER_ARG in params:
+            self._route(spec, params, kwargs, judge_urls, judge_model_path)
         if JUDGE_MODEL_ARG in params:
             kwargs[JUDGE_MODEL_ARG] = judge_model_path
         if inspect.isclass(obj):
@@ -146,6 +152,24 @@ class RewardFunction:
             self.fn, self.kwargs = obj, kwargs
         self.is_async = inspect.iscoroutinefunction(self.fn)
         self.post_process = getattr(self.instance, "post_process_scores", None)
+
+    @staticmethod
+    def _route(spec: RewardSpec, params, kwargs: dict[str, Any], judge_urls: list[str] | None,
+               judge_model_path: str | None) -> None:
+        """Fill verl-omni's GenRM arguments: the run's judge server, or one the user names in the kwargs."""
+        given = kwargs.get(ROUTER_ARG)
+        if judge_urls and given:
+            raise ValueError(f"{spec.kwarg_key(ROUTER_ARG)}={given}: this run starts its own judge servers "
+                             f"({judge_urls}) and hands one to {spec.label}. Fix: drop {spec.kwarg_key(ROUTER_ARG)}, or stop "
+                             "the run's judge servers to use yours")
+        if judge_urls:
+            kwargs[ROUTER_ARG] = router_address(judge_urls[0])
+        elif not given and params[ROUTER_ARG].default is inspect.Parameter.empty:
+            raise ValueError(f"{spec.label} needs '{ROUTER_ARG}' (a judge server's host:port) and this run has "
+                             "none. Fix: reward.reward_model.rollout.name=vllm (judge servers on the reward pool), "
+                             f"or {spec.kwarg_key(ROUTER_ARG)}=<host:port> of a running OpenAI-compatible server")
+        if ROUTER_MODEL_ARG in params and ROUTER_MODEL_ARG not in kwargs and judge_model_path:
+            kwargs[ROUTER_MODEL_ARG] = judge_model_path
 
     async def __call__(self, sample: dict[str, Any], executor: ThreadPoolExecutor | None = None) -> _Call:
         """Call the function on one sample (``Sample.reward_input()``); sync functions run on ``executor``."""
@@ -190,16 +214,34 @@ def build_reward_functions(reward_cfg: DictConfig, judge_urls: list[str] | None 
     """``reward.reward_functions`` if any, else the single ``reward.custom_reward_function``.
 
     ``judge_urls`` (the vLLM judge servers on the reward pool) go to every function that takes ``judge_urls``;
-    if there are servers and no function takes them, that is a configuration error. ``reward.reward_model.
+    a function in verl-omni's GenRM form (``reward_router_address``, e.g. its ``genrm_ocr.compute_score_ocr``)
+    gets the first of them as ``host:port`` — the reward worker rotates the list so workers spread over the
+    servers — and ``model_name`` = ``reward.reward_model.model_path``. If there are servers and no function takes
+    them, that is a configuration error. ``reward.reward_model.
     model_path`` goes to every function that takes ``judge_model_path``.
     """
     model_path = OmegaConf.select(reward_cfg, "reward_model.model_path", default=None)
     fns = [RewardFunction(spec, judge_urls, model_path) for spec in reward_specs(reward_cfg)]
     if judge_urls and not any(fn.takes_judge_urls for fn in fns):
         raise ValueError(f"reward.reward_model.rollout.name=vllm started judge servers at {judge_urls}, but no "
-                         f"reward function ({', '.join(f.label for f in fns)}) takes a '{JUDGE_URLS_ARG}' argument; "
+                         f"reward function ({', '.join(f.label for f in fns)}) takes a '{JUDGE_URLS_ARG}' or '{ROUTER_ARG}' argument; "
                          "use pkg://omni_async.reward.scorers.vlm_judge or add the argument to yours")
     return fns
+
+
+def router_address(url: str) -> str:
+    """A judge server's base URL as verl-omni's GenRM rewards take it: ``host:port`` (they add ``http://`` and
+    ``/v1/chat/completions`` themselves).
+
+    >>> router_address("http://10.0.0.7:8001/v1")
+    '10.0.0.7:8001'
+    """
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if not parts.hostname or parts.port is None:
+        raise ValueError(f"judge server URL {url!r} has no host:port; judge servers are given as http://host:port")
+    return f"{parts.hostname}:{parts.port}"
 
 
 def scorer_names(reward_cfg: DictConfig) -> str:

@@ -54,7 +54,13 @@ def proto_to_sample(data: DataProto) -> dict[str, Any]:
 class RewardLoopWorker:
     def __init__(self, reward_cfg: dict[str, Any], worker_index: int = 0, judge_urls: list[str] | None = None):
         self.worker_index = worker_index
-        self.manager = RewardManager(OmegaConf.create(reward_cfg), judge_urls)
+        # Each worker starts its judge list at its own server, so functions given one server (verl-omni's
+        # reward_router_address) spread over all of them, as verl's reward router would.
+        urls = list(judge_urls or [])
+        if urls:
+            k = worker_index % len(urls)
+            urls = urls[k:] + urls[:k]
+        self.manager = RewardManager(OmegaConf.create(reward_cfg), urls)
         self.calls = 0
 
     async def score(self, data: DataProto) -> RewardOutcome:

@@ -165,3 +165,30 @@ def blocking_sleep(data_source, solution_str=None, solution_image=None, ground_t
     """A sync (blocking) reward, like a judge called with a blocking HTTP client: holds a thread for delay_s."""
     time.sleep(delay_s)
     return 1.0
+
+
+async def genrm_ocr_style(data_source, solution_image, ground_truth, extra_info, reward_router_address: str,
+                          reward_model_tokenizer=None, model_name=None):
+    """verl-omni's GenRM-OCR signature and wire use (``verl_omni/utils/reward_score/genrm_ocr.py``, written here
+    from its contract): POST an OpenAI chat completion with the image as a data URL to
+    ``http://{reward_router_address}/v1/chat/completions`` with ``model=model_name``; score = 1 − normalised edit
+    distance of the transcription."""
+    import base64
+    import io
+
+    import aiohttp
+    import Levenshtein
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(to_pixels(solution_image)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    body = {"model": model_name, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Read the text."}]}]}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"http://{reward_router_address}/v1/chat/completions", json=body) as resp:
+            text = (await resp.json())["choices"][0]["message"]["content"]
+    gt, got = ground_truth.replace(" ", "").lower(), text.replace(" ", "").lower()
+    dist = min(Levenshtein.distance(got, gt), len(gt))
+    return {"score": 1 - dist / len(gt), "genrm_response": text, "router": reward_router_address,
+            "model": model_name}

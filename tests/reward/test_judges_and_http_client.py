@@ -215,3 +215,47 @@ def test_full_gpu_recipe_config_composes_and_vllm_judges_get_tp_bundles():
             launch_judge_servers(tp2.reward, pg)
     finally:
         shutdown_ray()
+
+
+class _Reads:
+    """A stand-in judge model that transcribes every image as one fixed text (the server speaks the real API)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def transcribe(self, image) -> str:
+        return self.text
+
+
+def test_verl_omni_genrm_reward_gets_the_judge_server_as_router_address():
+    """verl-omni's GenRM rewards take ``reward_router_address`` (host:port) and ``model_name``: the manager hands
+    them the run's judge server (each reward worker starts at its own server) and reward.reward_model.model_path;
+    without a server the function is refused at start naming the keys."""
+    from pathlib import Path
+
+    TEST_REWARDS = str(Path(__file__).with_name("rewards_for_tests.py"))
+    servers = [ThreadServer(make_app(Control(), _Reads("HELLO 42"))), ThreadServer(make_app(Control(), _Reads("HELL")))]
+    try:
+        cfg = {"timeout_s": 30, "max_inflight_per_worker": 4, "reward_functions": {},
+               "custom_reward_function": {"path": TEST_REWARDS, "name": "genrm_ocr_style", "reward_kwargs": {}},
+               "reward_model": {"model_path": "/models/Qwen2.5-VL-7B-Instruct"}}
+        sample = {"prompt": "p", "data_source": "ocr", "ground_truth": "HELLO 42", "extra_info": {}, "uid": "0",
+                  "solution_image": HELLO}
+        urls = [s.url for s in servers]
+        first = asyncio.run(RewardLoopWorker(cfg, 0, urls).compute_score(sample_to_proto(sample)))
+        second = asyncio.run(RewardLoopWorker(cfg, 1, urls).compute_score(sample_to_proto(sample)))
+    finally:
+        for s in servers:
+            s.stop()
+    info = first["reward_extra_info"]
+    assert info["router"] == f"127.0.0.1:{servers[0].port}" and info["model"] == "/models/Qwen2.5-VL-7B-Instruct"
+    assert first["reward_score"] == 1.0 and info["genrm_response"] == "HELLO 42"
+    assert second["reward_extra_info"]["router"] == f"127.0.0.1:{servers[1].port}"  # worker 1 → server 1
+    assert second["reward_score"] == pytest.approx(1 - 3 / 7)  # "hell" vs "hello42"
+
+    with pytest.raises(ValueError, match="reward_router_address.*reward.reward_model.rollout.name=vllm"):
+        RewardLoopWorker(cfg, 0, [])
+    given = {**cfg, "custom_reward_function": {**cfg["custom_reward_function"],
+                                               "reward_kwargs": {"reward_router_address": "10.0.0.1:8000"}}}
+    with pytest.raises(ValueError, match="reward_kwargs.reward_router_address=10.0.0.1:8000.*Fix: drop"):
+        RewardLoopWorker(given, 0, urls)

@@ -61,7 +61,7 @@ def workload(args, data: Path) -> list[str]:
     modality = ([f"actor_rollout_ref.rollout.response_length={args.response_length}"] if args.modality == "text" else
                 [f"actor_rollout_ref.rollout.height={args.size}", f"actor_rollout_ref.rollout.width={args.size}",
                  f"actor_rollout_ref.rollout.num_inference_steps={args.denoise_steps}",
-                 f"actor_rollout_ref.rollout.algo.sde_window_range=[0,{min(5, args.denoise_steps - 1)}]"])
+                 f"actor_rollout_ref.rollout.algo.sde_window_range=[0,{min(5, args.denoise_steps)}]"])
     return [
         *modality, f"data.train_files={data}", "data.shuffle=false", f"actor_rollout_ref.model.path={args.model}",
         f"data.train_batch_size={args.batch}", f"actor_rollout_ref.rollout.n={args.group}",

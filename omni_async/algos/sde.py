@@ -156,11 +156,15 @@ def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std_dev_t: torch
 def sde_window(num_steps: int, window_size: int, window_range: tuple[int, int], generator: torch.Generator) -> range:
     """Denoising step indices that run stochastically (and are trained); the others run as ODE.
 
-    The start is drawn uniformly from ``[lo, hi)``; the window is ``[start, start + window_size)``. The window
-    may include the last step (``sigma_next = 0``); ``sde_step_with_logprob`` stays finite there.
+    The whole window lies inside ``[lo, hi)``: its start is drawn uniformly from ``lo .. hi - window_size``
+    (inclusive), as verl-omni (``request_batch.sample_per_sample_sde_windows``: ``randint(lo, hi - size + 1)``) and
+    flow_grpo's pipelines (Python's inclusive ``random.randint(lo, hi - size)``) draw it. The window may include the
+    last step (``sigma_next = 0``); ``sde_step_with_logprob`` stays finite there.
     """
-    lo, hi = window_range
-    if not (0 <= lo < hi and hi - 1 + window_size <= num_steps):
-        raise ValueError(f"sde_window_range {window_range} with size {window_size} exceeds {num_steps} steps")
-    start = int(torch.randint(lo, hi, (1,), generator=generator).item())
+    lo, hi = (int(v) for v in window_range)
+    if hi - lo < window_size:
+        raise ValueError(f"sde_window_range [{lo}, {hi}) holds fewer steps than sde_window_size={window_size}")
+    if lo < 0 or hi > num_steps:
+        raise ValueError(f"sde_window_range [{lo}, {hi}) is not within the {num_steps} denoising steps")
+    start = int(torch.randint(lo, hi - window_size + 1, (1,), generator=generator).item())
     return range(start, start + window_size)

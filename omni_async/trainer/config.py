@@ -114,9 +114,15 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(1 <= algo.sde_window_size <= steps, "actor_rollout_ref.rollout.algo.sde_window_size",
            f"must be within 1..num_inference_steps={steps}, got {algo.sde_window_size}",
            "pick a window no longer than the denoising schedule")
-    _check(0 <= lo < hi and hi - 1 + algo.sde_window_size <= steps, "actor_rollout_ref.rollout.algo.sde_window_range",
-           f"[{lo}, {hi}) with window {algo.sde_window_size} runs past {steps} steps",
-           f"use 0 <= lo < hi <= {steps - algo.sde_window_size + 1}")
+    # verl-omni's / flow_grpo's meaning: the whole window lies inside [lo, hi).
+    _check(hi - lo >= algo.sde_window_size, "actor_rollout_ref.rollout.algo.sde_window_range",
+           f"[{lo}, {hi}) is shorter than actor_rollout_ref.rollout.algo.sde_window_size={algo.sde_window_size} "
+           "(the whole window lies inside the range, as in verl-omni and flow_grpo)",
+           f"widen the range to at least sde_window_size steps (e.g. [{lo},{lo + algo.sde_window_size}]) or lower "
+           "sde_window_size")
+    _check(0 <= lo and hi <= steps, "actor_rollout_ref.rollout.algo.sde_window_range",
+           f"[{lo}, {hi}) is not within the num_inference_steps={steps} denoising steps",
+           f"use 0 <= lo and hi <= {steps}")
     _check(rollout.agent.num_workers >= 1, "actor_rollout_ref.rollout.agent.num_workers", "must be >= 1", "set it to 1")
     _check(rollout.height % 16 == 0 and rollout.width % 16 == 0, "actor_rollout_ref.rollout.height/width",
            f"{rollout.height}x{rollout.width} is not a multiple of 16 (VAE factor 8 x patch 2)",
@@ -281,7 +287,7 @@ def _check_validation(cfg: DictConfig) -> None:
     _check(v.algo.noise_level >= 0, "actor_rollout_ref.rollout.val_kwargs.algo.noise_level", "must be >= 0", "0.0")
     if v.algo.noise_level > 0:
         size, hi = rollout.algo.sde_window_size, int(rollout.algo.sde_window_range[1])
-        _check(hi - 1 + size <= steps, "actor_rollout_ref.rollout.val_kwargs.algo.noise_level",
+        _check(hi <= steps, "actor_rollout_ref.rollout.val_kwargs.algo.noise_level",
                f"validation SDE noise runs on a window of algo.sde_window_size={size} steps within "
                f"algo.sde_window_range, which passes the {steps} validation steps",
                "raise val_kwargs.pipeline.num_inference_steps, or set val_kwargs.algo.noise_level=0.0 (ODE)")

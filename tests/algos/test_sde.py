@@ -151,10 +151,23 @@ def test_gaussian_helper():
         -0.125 - math.log(2) - LOG_SQRT_2PI)
 
 
-def test_window_bounds_and_determinism():
-    w = [list(sde_window(10, 3, (0, 5), torch.Generator().manual_seed(s))) for s in range(50)]
-    assert all(len(x) == 3 and 0 <= x[0] < 5 and x[-1] < 10 for x in w)
-    assert len({x[0] for x in w}) > 1
-    assert w[7] == list(sde_window(10, 3, (0, 5), torch.Generator().manual_seed(7)))
-    with pytest.raises(ValueError):
-        sde_window(10, 3, (0, 9), torch.Generator())
+def _reference_window_starts(lo, hi, size):
+    """The starts the references can draw: verl-omni ``torch.randint(lo, hi - size + 1)``, flow_grpo's pipelines
+    Python ``random.randint(lo, hi - size)`` (both ends inclusive): the window never leaves ``[lo, hi)``."""
+    return set(range(lo, hi - size + 1))
+
+
+@pytest.mark.parametrize("size,window_range", [(2, (0, 5)), (3, (0, 5)), (1, (2, 3)), (4, (1, 10))])
+def test_window_lies_inside_the_range_as_the_references(size, window_range):
+    lo, hi = window_range
+    w = [sde_window(10, size, window_range, torch.Generator().manual_seed(s)) for s in range(200)]
+    assert all(len(x) == size and lo <= x.start and x.stop <= hi for x in w)
+    assert {x.start for x in w} == _reference_window_starts(lo, hi, size)  # every reference start, no other
+    assert w[7] == sde_window(10, size, window_range, torch.Generator().manual_seed(7))
+
+
+def test_window_range_shorter_than_the_window_is_refused():
+    with pytest.raises(ValueError, match=r"sde_window_range \[3, 5\).*sde_window_size=3"):
+        sde_window(10, 3, (3, 5), torch.Generator())
+    with pytest.raises(ValueError, match="10 denoising steps"):
+        sde_window(10, 3, (8, 11), torch.Generator())

@@ -81,6 +81,10 @@ def validate(cfg: DictConfig) -> DictConfig:
            f"{mb} prompts does not divide data.train_batch_size={data.train_batch_size}",
            "choose a divisor of data.train_batch_size (mini-batches are counted in prompts)")
     _check(actor.ppo_epochs >= 1, "actor_rollout_ref.actor.ppo_epochs", "must be >= 1", "set it to 1")
+    _check(not (actor.kl_loss_coef > 0 and arr.model.lora_rank == 0), "actor_rollout_ref.actor.kl_loss_coef",
+           f"{actor.kl_loss_coef} needs a reference policy, which is the model with its LoRA adapter switched off; a "
+           "full fine-tune (actor_rollout_ref.model.lora_rank=0) keeps no frozen reference copy",
+           "set actor_rollout_ref.actor.kl_loss_coef=0, or train LoRA (actor_rollout_ref.model.lora_rank=8)")
 
     modality = arr.model.modality
     _check(modality in ("image", "text"), "actor_rollout_ref.model.modality", f"unknown modality {modality!r}",

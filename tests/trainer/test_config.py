@@ -71,6 +71,8 @@ def test_missing_train_files():
     (["reward.custom_reward_function.name=compute_scor"], "reward.custom_reward_function.name",
      "did you mean 'compute_score'"),
     (["actor_rollout_ref.rollout.height=60"], "height/width", "64x64"),
+    (["actor_rollout_ref.actor.kl_loss_coef=0.04", "actor_rollout_ref.model.lora_rank=0"],
+     "actor_rollout_ref.actor.kl_loss_coef", "lora_rank=8"),
 ])
 def test_semantic_errors_name_key_and_fix(overrides, key, fix):
     with pytest.raises(ConfigError) as exc:
@@ -78,6 +80,15 @@ def test_semantic_errors_name_key_and_fix(overrides, key, fix):
     msg = str(exc.value)
     assert msg.startswith(key) or key in msg.split(":")[0], msg
     assert fix in msg, msg
+
+
+def test_kl_with_full_fine_tune_is_refused_at_start_text_too():
+    """The worker's reference policy is the adapter-off model (``TrainableModule.reference``), which a full fine-tune
+    does not have: refused here, before any Ray actor, for both modalities; with LoRA it validates."""
+    text = ["data.train_files=x.jsonl", "actor_rollout_ref.actor.kl_loss_coef=0.001"]
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.kl_loss_coef.*lora_rank=0"):
+        validate(compose(text, config_name="grpo_text_trainer"))  # its default is a full fine-tune
+    validate(compose(text + ["actor_rollout_ref.model.lora_rank=8"], config_name="grpo_text_trainer"))
 
 
 def test_param_offload_is_refused_for_text_at_start():

@@ -139,7 +139,9 @@ class StepOps:
 
     # ---- update -------------------------------------------------------------------------------------------------
     def build_batch(self, samples: list[Sample], window: tuple[int, int] | None) -> DataProto:
-        """Scored samples -> the actor's batch, with group advantages and the ``loss_mask`` (failed samples out)."""
+        """Scored samples -> the actor's batch, with group advantages and the ``loss_mask``: the samples in the loss
+        (failed samples and groups left with < 2 out; with ``algorithm.drop_zero_adv_samples`` zero-advantage ones
+        too)."""
         algo = self.cfg.algorithm
         batch = DataProto.from_dict(
             tensors=self.modality.batch_tensors(samples),
@@ -153,6 +155,8 @@ class StepOps:
                                           epsilon=algo.adv_std_eps, std_unbiased=algo.adv_std_unbiased,
                                           norm_by_std=algo.norm_adv_by_std_in_grpo, global_std=algo.global_std,
                                           adv_clip_max=algo.adv_clip_max)
+        if algo.drop_zero_adv_samples:  # flow_grpo filters them out of the batch: the loss mean runs over the rest
+            loss_mask = loss_mask & (adv != 0)
         batch.batch["advantages"], batch.batch["loss_mask"] = adv, loss_mask
         return batch
 

@@ -1,0 +1,120 @@
+"""The trainer's advantages and loss mask (``StepOps.build_batch``) under the shipped configs and the recipe keys the
+README names, checked against the references: verl's ``compute_grpo_outcome_advantage`` (text), flow_grpo's
+``PerPromptStatTracker`` + zero-advantage filter of ``train_sd3.py`` and verl-omni's
+``compute_flow_grpo_outcome_advantage`` + ``FlowGRPOLoss`` mean (images), the last two written out here."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+from omni_async.algos.loss import flow_grpo_loss
+from omni_async.modality import get_modality
+from omni_async.sample import ImageResult, PromptRow, RewardOutcome, Sample, TextResult
+from omni_async.trainer.config import compose, validate
+from omni_async.trainer.step_ops import StepOps
+
+ROW = PromptRow(prompt="p", data_source="x", ground_truth=None)
+
+
+def build_batch(cfg, modality_name: str, samples: list[Sample]):
+    return StepOps(cfg, get_modality(modality_name), None, None, None, None, []).build_batch(samples, (1, 3) if modality_name == "image" else None)
+
+
+def text_samples(groups: list[list[float]]) -> list[Sample]:
+    out = []
+    for g, rewards in enumerate(groups):
+        for k, r in enumerate(rewards):
+            n_tokens = 1 + (len(out) % 3)  # responses of different lengths: the reward sits on the last token
+            out.append(Sample(index=len(out), uid=f"0-{g}", row=ROW, seed=k, outcome=RewardOutcome("ok", r),
+                              result=TextResult([5, 6], list(range(7, 7 + n_tokens)), "r", torch.zeros(n_tokens))))
+    return out
+
+
+def image_samples(groups: list[list[float]], window_start: int = 1) -> list[Sample]:
+    out = []
+    for g, rewards in enumerate(groups):
+        for k, r in enumerate(rewards):
+            result = ImageResult(np.zeros((8, 8, 3), np.uint8), torch.zeros(3, 4), torch.zeros(2),
+                                 {"prompt_embeds": torch.zeros(5, 6)})
+            out.append(Sample(index=len(out), uid=f"0-{g}", row=ROW, seed=k, outcome=RewardOutcome("ok", r),
+                              result=result))
+    return out
+
+
+def test_text_advantages_are_verls_grpo_on_the_same_batch():
+    """grpo_text_trainer sets verl's GRPO: unbiased group std, eps 1e-6, no clip. A group of 32 with one success
+    has advantage (31/32) / sqrt(1/32) = 5.48 for it: a clip at 5 (the image default) would show."""
+    cfg = validate(compose(["data.train_files=x.jsonl"], config_name="grpo_text_trainer"))
+    groups = [[0.0, 0.0, 1.0, 1.0], [0.2, 0.9, 0.4, 0.3], [1.0] * 4, [0.0] * 31 + [1.0]]
+    batch = build_batch(cfg, "text", text_samples(groups))
+    b = batch.batch
+    verl_adv, _ = compute_grpo_outcome_advantage(b["rm_scores"], b["response_mask"].float(),
+                                                 np.array(batch.non_tensor_batch["uid"], dtype=object))
+    ours = b["advantages"][:, None] * b["response_mask"]
+    assert torch.allclose(ours, verl_adv, atol=1e-6, rtol=1e-6)
+    assert b["advantages"].max().item() == pytest.approx((31 / 32) / (np.sqrt(1 / 32) + 1e-6), rel=1e-6)
+    assert b["loss_mask"].all()  # a zero-std group stays in the loss (verl keeps it, with zero gradient)
+
+
+def flow_grpo_advantages(rewards: np.ndarray, prompts: np.ndarray) -> np.ndarray:
+    """flow_grpo ``PerPromptStatTracker(global_std=True).update``: per-prompt mean, ``np.std`` of the whole batch
+    (biased) + 1e-4 (its SD3 recipes set ``config.sample.global_std = True``)."""
+    adv = np.zeros_like(rewards)
+    std = np.std(rewards) + 1e-4
+    for p in np.unique(prompts):
+        adv[prompts == p] = (rewards[prompts == p] - rewards[prompts == p].mean()) / std
+    return adv
+
+
+def verl_omni_advantages(rewards: torch.Tensor, prompts: np.ndarray) -> torch.Tensor:
+    """verl-omni ``compute_flow_grpo_outcome_advantage`` (``global_std=True``, its default; eps 1e-4): per-prompt
+    mean, ``torch.std`` of the batch (unbiased)."""
+    std = torch.std(rewards)
+    out = torch.empty_like(rewards)
+    for p in np.unique(prompts):
+        m = torch.from_numpy(prompts == p)
+        out[m] = (rewards[m] - rewards[m].mean()) / (std + 1e-4)
+    return out
+
+
+GROUPS = [[1.0, 1.0, 1.0, 1.0], [0.0, 0.5, 1.0, 0.5], [0.2, 0.9, 0.4, 0.3]]  # a zero-std group; 0.5 = its mean
+
+
+def test_flow_grpo_recipe_keys_reproduce_its_advantages_and_zero_advantage_filter():
+    cfg = validate(compose(["data.train_files=x.jsonl", "algorithm.global_std=true",
+                            "algorithm.drop_zero_adv_samples=true"]))
+    batch = build_batch(cfg, "image", image_samples(GROUPS))
+    rewards = np.array([r for g in GROUPS for r in g])
+    prompts = np.array(batch.non_tensor_batch["uid"])
+    want = flow_grpo_advantages(rewards, prompts)
+    assert batch.batch["advantages"].numpy() == pytest.approx(want, abs=1e-6)
+    # train_sd3.py: samples whose advantage is 0 along the whole window are filtered out of the batch
+    keep = np.abs(want) != 0
+    assert keep.sum() == 6 and batch.batch["loss_mask"].numpy().tolist() == keep.tolist()
+    # ... so the clipped loss is a mean over the others
+    lp = torch.linspace(-0.3, 0.3, len(rewards))
+    adv = torch.from_numpy(want).float()
+    per_sample = torch.maximum(-adv * lp.exp(), -adv * lp.exp().clamp(0.8, 1.2))
+    loss, _ = flow_grpo_loss(lp, torch.zeros_like(lp), batch.batch["advantages"], batch.batch["loss_mask"],
+                             clip_ratio=0.2)
+    assert loss.item() == pytest.approx(per_sample[torch.from_numpy(keep)].mean().item(), rel=1e-5)
+
+
+def test_verl_omni_recipe_keys_reproduce_its_advantages_and_keep_zero_advantages():
+    cfg = validate(compose(["data.train_files=x.jsonl", "algorithm.global_std=true",
+                            "algorithm.adv_std_unbiased=true"]))
+    batch = build_batch(cfg, "image", image_samples(GROUPS))
+    rewards = torch.tensor([r for g in GROUPS for r in g])
+    want = verl_omni_advantages(rewards, np.array(batch.non_tensor_batch["uid"]))
+    assert torch.allclose(batch.batch["advantages"], want, atol=1e-6)
+    assert batch.batch["loss_mask"].all()  # zero-advantage samples stay
+    # FlowGRPOLoss: clamp(adv, -5, 5), then torch.mean over every sample
+    lp = torch.linspace(-0.3, 0.3, len(rewards))
+    adv = want.clamp(-5, 5)
+    per_sample = torch.maximum(-adv * lp.exp(), -adv * lp.exp().clamp(0.8, 1.2))
+    loss, _ = flow_grpo_loss(lp, torch.zeros_like(lp), batch.batch["advantages"], batch.batch["loss_mask"],
+                             clip_ratio=0.2)
+    assert loss.item() == pytest.approx(per_sample.mean().item(), rel=1e-5)

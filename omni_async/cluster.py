@@ -84,6 +84,14 @@ def reward_pool_size(cfg: DictConfig) -> int:
     return int(rm.n_gpus_per_node) * int(rm.nnodes)
 
 
+def rollout_pool_size(cfg: DictConfig) -> int:
+    """Devices of the standalone rollout pool (disaggregated layout): ``actor_rollout_ref.rollout.nnodes x
+    n_gpus_per_node`` (``n_gpus_per_node`` null = ``trainer.n_gpus_per_node``, verl's default); 0 = no pool."""
+    r = cfg.actor_rollout_ref.rollout
+    per_node = r.n_gpus_per_node if r.n_gpus_per_node is not None else cfg.trainer.n_gpus_per_node
+    return int(r.nnodes) * int(per_node)
+
+
 async def wait_for_restart(probe: Callable[[], Awaitable[Any]], timeout_s: float) -> bool:
     """After a Ray actor with ``max_restarts`` died: poll ``probe()`` (a call on it) until Ray has restarted it and
     the call succeeds (``True``), or give up (``False``) when restarts are exhausted, the call fails otherwise, or
@@ -103,10 +111,11 @@ async def wait_for_restart(probe: Callable[[], Awaitable[Any]], timeout_s: float
 
 
 def logical_devices(cfg: DictConfig) -> dict[str, int]:
-    """Devices each pool needs: the actor/rollout pool and, when enabled, the dedicated reward pool."""
+    """Devices each pool needs: the actor/rollout pool (the trainer ranks when there is a rollout pool), the
+    standalone rollout pool, and, when enabled, the dedicated reward pool."""
     actor = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
     reward = reward_pool_size(cfg) if cfg.reward.reward_model.enable_resource_pool else 0
-    return {"actor_rollout": actor, "reward": reward}
+    return {"actor_rollout": actor, "rollout": rollout_pool_size(cfg), "reward": reward}
 
 
 # verl reserves several CPUs per device bundle; a CPU box declares enough logical CPUs for every actor.

@@ -65,8 +65,9 @@ class Trainers:
     """Builds trainers for a test, one Ray session each (a trainer owns its placement groups), weights synced to
     version 0, and shuts them all down at the end (``close``)."""
 
-    def __init__(self, train_file: Path, run_root: Path, base: list[str] = SMALL_IMAGE_TRAINER):
-        self.train_file, self.run_root, self.base = train_file, run_root, list(base)
+    def __init__(self, train_file: Path, run_root: Path, base: list[str] = SMALL_IMAGE_TRAINER,
+                 config_name: str = "flowgrpo_trainer"):
+        self.train_file, self.run_root, self.base, self.config_name = train_file, run_root, list(base), config_name
         self.made: list = []
 
     def __call__(self, *overrides: str):
@@ -75,7 +76,7 @@ class Trainers:
 
         shutdown_ray()
         cfg = compose([f"data.train_files={self.train_file}", f"trainer.run_dir={self.run_root}/run{len(self.made)}",
-                       *self.base, *overrides])
+                       *self.base, *overrides], config_name=self.config_name)
         self.made.append(RLTrainer(cfg))
         self.made[-1].ops.sync_weights(0)
         return self.made[-1]

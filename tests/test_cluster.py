@@ -28,7 +28,7 @@ def test_pools_threads_and_clean_shutdown():
     cfg = compose(["data.train_files=x.jsonl", "reward.reward_model.enable_resource_pool=True",
                    "reward.reward_model.n_gpus_per_node=1", "trainer.n_gpus_per_node=2",
                    "actor_rollout_ref.rollout.agent.num_workers=2"])
-    assert logical_devices(cfg) == {"actor_rollout": 2, "reward": 1}
+    assert logical_devices(cfg) == {"actor_rollout": 2, "rollout": 0, "reward": 1}
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     try:
         res = init_ray(cfg)

@@ -8,8 +8,11 @@ runs in one device thread, so the worker's event loop keeps accepting requests w
 Sampling is a pure function of (weights version, seed, window): sample ``i`` of step ``k`` uses the seed
 :func:`sample_seed` (trainer seed, k, i), so results do not depend on batching or on which worker served them.
 
-:class:`RolloutReplica` is the split layout's worker (``actor_rollout_ref.hybrid_engine=False``): a copy of the
-policy that only generates, and takes weights from the trainer.
+:class:`RolloutReplica` is the rollout worker of the split layout (``actor_rollout_ref.hybrid_engine=False``: it
+shares a device with an actor rank) and of the disaggregated one (``actor_rollout_ref.rollout.nnodes > 0``: it owns
+a device of the rollout pool): an inference-only copy of the policy (no gradients, no optimizer) that takes weights
+from the trainer, through Ray's object store (:meth:`RolloutReplica.set_weights`) or a bucketed broadcast over a
+process group with trainer rank 0 (:meth:`RolloutReplica.receive_weights`, ``agent_loop.weight_sync``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from omni_async.agent_loop.weight_sync import WeightGroup, meta_bytes, tensor_meta
 from omni_async.sample import Result
 
 SEED_SAMPLE, SEED_WINDOW, SEED_VALIDATION = 0, 1, 2  # independent random streams
@@ -112,7 +116,7 @@ class GenerationBatcher:
 
 
 class RolloutReplica:
-    """A generation-only copy of the policy (split layout); Ray restarts it if its process dies."""
+    """An inference-only copy of the policy (split and disaggregated layouts); Ray restarts it if its process dies."""
 
     def __init__(self, modality: str, model: dict[str, Any], sampling: dict[str, Any], max_batch_size: int = 8,
                  max_wait_ms: float = 5.0, rollout_server: dict[str, Any] | None = None,
@@ -121,13 +125,23 @@ class RolloutReplica:
         from omni_async.modality import get_modality
         from omni_async.modality.base import model_dtype
 
-        device = configure_worker()
-        self.policy = get_modality(modality).build_policy(model, sampling, device, rollout_server,
-                                                          dtype=model_dtype(dtype_name, device))
+        self.device = configure_worker()
+        dtype = model_dtype(dtype_name, self.device)
+        self.policy = get_modality(modality).build_policy(model, sampling, self.device, rollout_server, dtype=dtype)
+        if hasattr(self.policy, "freeze_for_inference"):  # a vLLM client holds no weights in this process
+            self.policy.freeze_for_inference(dtype)
         self.version = 0
-        device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-device")
-        self.batcher = GenerationBatcher(self.policy.generate, lambda: self.version, device, max_batch_size,
+        self.group: WeightGroup | None = None  # the cross-pool weight group (checkpoint_engine.backend=nccl)
+        self.torn = False  # a weight transfer failed half-way: no generation until a complete set arrived
+        self.device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-device")
+        self.batcher = GenerationBatcher(self._generate, lambda: self.version, self.device_thread, max_batch_size,
                                          max_wait_ms)
+
+    def _generate(self, *args, **kwargs):
+        if self.torn:
+            raise RuntimeError("this rollout worker's weights are half written (a weight transfer failed); it "
+                               "generates again once the next complete sync arrived")
+        return self.policy.generate(*args, **kwargs)
 
     def set_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
         """Load the trainer's updated weights; later samples report ``version``."""
@@ -136,7 +150,42 @@ class RolloutReplica:
         return self.version
 
     def stats(self) -> dict[str, Any]:
-        return {"batch_sizes": list(self.batcher.batch_sizes), "version": self.version, "pid": os.getpid()}
+        return {"batch_sizes": list(self.batcher.batch_sizes), "version": self.version, "pid": os.getpid(),
+                "requires_grad": sum(p.requires_grad for p in self._parameters())}
+
+    def _parameters(self) -> list[torch.Tensor]:
+        modules = getattr(getattr(self.policy, "pipe", None), "components", {}).values()
+        modules = [m for m in modules if isinstance(m, torch.nn.Module)] or [getattr(self.policy, "model", None)]
+        return [p for m in modules if m is not None for p in m.parameters()]
+
+    # ---- weights over the cross-pool group (disaggregated layout, checkpoint_engine.backend=nccl) ------------------
+    def weights_meta(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """Names, shapes and dtypes of the weights a sync writes (this worker's trainable set, in its dtypes)."""
+        return tensor_meta(self.policy.weights_views())
+
+    async def join_weight_group(self, address: str, port: int, rank: int, world: int) -> None:
+        """Join (or re-join after a restart of any member) the group of trainer rank 0 and the rollout workers."""
+        loop = asyncio.get_running_loop()
+        self.group = None
+        self.group = await loop.run_in_executor(None, WeightGroup, address, port, rank, world, self.device)
+
+    async def receive_weights(self, version: int, meta: list, bucket_bytes: int) -> int:
+        """Receive a complete weight set from trainer rank 0, written in place on the device thread (no batch
+        generates meanwhile); later samples report ``version``. Returns the bytes received."""
+        if self.group is None:
+            raise RuntimeError("receive_weights before join_weight_group")
+
+        def receive() -> int:
+            self.torn = True
+            got = self.group.receive(self.policy.weights_views(), meta, bucket_bytes)
+            self.torn = False
+            self.version = int(version)
+            return got
+
+        got = await asyncio.get_running_loop().run_in_executor(self.device_thread, receive)
+        if got != meta_bytes(meta):
+            raise RuntimeError(f"received {got} of {meta_bytes(meta)} weight bytes")
+        return got
 
     async def generate(self, prompt: str, seed: int, window: tuple[int, int] | None, *,
                        sampling: dict[str, Any] | None = None) -> Generation:

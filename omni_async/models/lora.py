@@ -79,6 +79,28 @@ class TrainableModule:
             return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.trainable).items()}
         return {k: v.detach().clone() for k, v in self.trainable.state_dict().items()}
 
+    def weights_views(self) -> dict[str, torch.Tensor]:
+        """The keys of :meth:`weights_state_dict`, as tensors sharing storage with the parameters (no copy): what a
+        bucketed sync reads from (trainer) or writes into (rollout worker) in place."""
+        if self.lora:
+            from peft.utils import get_peft_model_state_dict
+
+            views = get_peft_model_state_dict(self.trainable)
+        else:
+            views = self.trainable.state_dict()
+        return {k: v.detach() for k, v in views.items()}
+
+    def freeze_for_inference(self, dtype: torch.dtype) -> None:
+        """Make this an inference-only copy (a rollout worker): nothing requires a gradient, and a full fine-tune's
+        trainable module is stored in the frozen weights' ``dtype`` (LoRA adapters stay fp32 as trained: small).
+        No optimizer is ever built on it."""
+        self.trainable.requires_grad_(False)
+        if not self.lora:
+            self.trainable.to(dtype)
+            if hasattr(self, "compute_dtype"):  # the diffusion transformer's input dtype follows its weights
+                self.compute_dtype = dtype
+        self._trainable = []
+
     def load_weights_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if self.lora:
             from peft.utils import set_peft_model_state_dict

@@ -35,6 +35,7 @@ from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
 from omni_async.agent_loop.rollout_replica import Generation, GenerationBatcher
+from omni_async.agent_loop.weight_sync import WeightGroup, free_address, tensor_meta
 from omni_async.cluster import configure_worker
 from omni_async.modality import get_modality
 from omni_async.modality.base import model_dtype
@@ -53,6 +54,7 @@ class ActorWorker(Worker):
         self._device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actor-device")
         self.rollout_version = 0
         self.weights_shipped = 0  # get_weights calls: the split layout's transfers (stays 0 in the hybrid one)
+        self.weights_broadcast = 0  # send_weights calls: transfers over the cross-pool group (disaggregated, nccl)
         self.trained: deque[tuple[str, int]] = deque(maxlen=TRAINED_ROWS_KEPT)
 
     async def _on_device(self, fn, *args):
@@ -81,7 +83,9 @@ class ActorWorker(Worker):
         if self.dp.sharded:
             dpm.full_params(self.policy.trainable)  # generation runs on the gathered weights
         overlap = cfg.async_reward.one_step_off_policy or cfg.async_reward.update_pipeline
-        self.snapshot = bool(cfg.actor_rollout_ref.hybrid_engine and overlap)
+        hybrid = cfg.actor_rollout_ref.hybrid_engine and int(r.nnodes) == 0  # not with a rollout pool
+        self.snapshot = bool(hybrid and overlap)
+        self.weight_group: WeightGroup | None = None  # rank 0 with a rollout pool (checkpoint_engine.backend=nccl)
         self.batcher = GenerationBatcher(self._generate, lambda: self.rollout_version, self._device_thread,
                                          r.agent.max_batch_size, r.agent.max_wait_ms)
 
@@ -110,7 +114,8 @@ class ActorWorker(Worker):
 
     async def stats(self) -> dict[str, Any]:
         return {"batch_sizes": list(self.batcher.batch_sizes), "version": self.rollout_version, "pid": os.getpid(),
-                "weights_shipped": self.weights_shipped, "rank": self.dp.rank, "world_size": self.dp.world}
+                "weights_shipped": self.weights_shipped,
+                "weights_broadcast": self.weights_broadcast, "rank": self.dp.rank, "world_size": self.dp.world}
 
     async def trained_rows(self) -> list[tuple[str, int]]:
         """The ``(uid, index)`` of every sample this rank trained on since the last call (an audit of the split)."""
@@ -128,6 +133,31 @@ class ActorWorker(Worker):
         if self.dp.sharded:  # the gathered full weights, read without a collective (rank 0 alone is asked)
             return dpm.local_state_dict(self.policy.trainable)
         return self.policy.weights_state_dict()
+
+    def _weight_views(self) -> dict[str, torch.Tensor]:
+        """The trainable weights read in place (no copy); FSDP2: the gathered full parameters."""
+        if self.dp.sharded:
+            return dpm.local_state_dict(self.policy.trainable, clone=False)
+        return self.policy.weights_views()
+
+    # ---- weight sync to a rollout pool (disaggregated layout; called on rank 0 only) ----------------------------
+    async def weights_meta(self) -> list[tuple[str, tuple[int, ...], str]]:
+        return await self._on_device(lambda: tensor_meta(self._weight_views()))
+
+    async def weight_group_address(self) -> tuple[str, int]:
+        return free_address()
+
+    async def join_weight_group(self, address: str, port: int, world: int) -> None:
+        """Rank 0 of the group of this trainer rank and the rollout workers (``agent_loop.weight_sync``)."""
+        self.weight_group = None
+        self.weight_group = await asyncio.get_running_loop().run_in_executor(
+            None, WeightGroup, address, port, 0, world, self.device)
+
+    async def send_weights(self, meta: list, bucket_bytes: int) -> int:
+        """Broadcast the trainable weights (cast to the rollout's dtypes in ``meta``) in buckets; on the device
+        thread, so it reads the weights between updates. Returns the bytes sent."""
+        self.weights_broadcast += 1
+        return await self._on_device(lambda: self.weight_group.send(self._weight_views(), meta, bucket_bytes))
 
     @register(dispatch_mode=dpm.BY_GROUPS_ROWS)
     async def compute_log_prob(self, data: DataProto) -> torch.Tensor:

@@ -12,10 +12,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from omni_async.cluster import reward_pool_size
+from omni_async.cluster import reward_pool_size, rollout_pool_size
 from omni_async.reward.wiring import streaming_enabled
 
-__all__ = ["ConfigError", "compose", "streaming_enabled", "total_training_steps", "validate"]
+__all__ = ["ConfigError", "compose", "layout", "streaming_enabled", "sync_period_steps", "total_training_steps",
+           "validate"]
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 
@@ -62,11 +63,13 @@ def _check_reward_functions(reward: DictConfig, modality: str) -> None:
 
 
 def validate(cfg: DictConfig) -> DictConfig:
-    """Raise :class:`ConfigError` for the first combination that cannot run; return ``cfg`` unchanged."""
+    """Raise :class:`ConfigError` for the first combination that cannot run; return ``cfg``, with the upstream
+    aliases (top-level ``rollout.*``, ``trainer.v1.*``) folded into the canonical keys they stand for."""
     missing = OmegaConf.missing_keys(cfg)
     _check(not missing, ", ".join(sorted(missing)), "required but not set",
            "pass it on the command line, e.g. data.train_files=path/to/train.jsonl "
            "(examples/data/prepare_ocr_prompts.py writes a small set)")
+    _resolve_aliases(cfg)
 
     data, arr = cfg.data, cfg.actor_rollout_ref
     rollout, actor, reward = arr.rollout, arr.actor, cfg.reward
@@ -206,16 +209,150 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes >= 1, "trainer.n_gpus_per_node",
            "the actor/rollout pool has no devices", "set trainer.n_gpus_per_node=1 (or more)")
     _check_layout(cfg)
-    _check(rollout.agent.num_workers <= cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes,
-           "actor_rollout_ref.rollout.agent.num_workers",
-           f"{rollout.agent.num_workers} rollout replicas do not fit {cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes}"
-           " actor/rollout devices", "lower it or raise trainer.n_gpus_per_node")
+    _check_weight_sync(cfg)
+    if layout(cfg) != "disaggregated":
+        _check(rollout.agent.num_workers <= cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes,
+               "actor_rollout_ref.rollout.agent.num_workers",
+               f"{rollout.agent.num_workers} rollout replicas do not fit "
+               f"{cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes} actor/rollout devices",
+               "lower it or raise trainer.n_gpus_per_node")
+    _check_long_tail(cfg)
     return cfg
 
 
+# ---- the layout and its upstream spellings ----------------------------------------------------------------------
+def layout(cfg: DictConfig) -> str:
+    """``disaggregated`` (a rollout pool: ``actor_rollout_ref.rollout.nnodes`` > 0), else ``hybrid``
+    (``hybrid_engine=True``, the default) or ``split``."""
+    if int(cfg.actor_rollout_ref.rollout.nnodes) > 0:
+        return "disaggregated"
+    return "hybrid" if cfg.actor_rollout_ref.hybrid_engine else "split"
+
+
+def sync_period_steps(cfg: DictConfig) -> int:
+    """Steps between two weight syncs to the rollout pool: ``async_training.trigger_parameter_sync_step`` local
+    updates of ``ppo_mini_batch_size`` prompts each (verl's meaning), counted in steps of ``data.train_batch_size``
+    prompts; ``null`` = 1 (every step). Call after :func:`validate` (it checks the division)."""
+    k = cfg.async_training.trigger_parameter_sync_step
+    if k is None:
+        return 1
+    return int(k) * int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size) // int(cfg.data.train_batch_size)
+
+
+def _fold(cfg: DictConfig, canonical: str, alias: str, unset: object) -> None:
+    """``alias`` given (not null): it sets ``canonical``, unless ``canonical`` was given a different value."""
+    a, c = OmegaConf.select(cfg, alias), OmegaConf.select(cfg, canonical)
+    if a is None:
+        return
+    _check(c == unset or c == a, canonical, f"{canonical}={c} and {alias}={a} are the same setting given twice "
+           "with different values", f"give only one of them (canonical: {canonical})")
+    OmegaConf.update(cfg, canonical, a, merge=False)
+
+
+def _resolve_aliases(cfg: DictConfig) -> None:
+    """verl's spellings of the rollout pool, the sync period and the V1 trainer modes, folded into this project's
+    keys (both given and different: refused, naming both). Idempotent."""
+    r = cfg.actor_rollout_ref.rollout
+    _check(r.n_gpus is None, "actor_rollout_ref.rollout.n_gpus",
+           "seed 004's count of rollout devices is spelled with verl's rollout-pool keys here",
+           f"set actor_rollout_ref.rollout.nnodes=1 actor_rollout_ref.rollout.n_gpus_per_node={r.n_gpus}")
+    _fold(cfg, "actor_rollout_ref.rollout.nnodes", "rollout.nnodes", unset=0)
+    _fold(cfg, "actor_rollout_ref.rollout.n_gpus_per_node", "rollout.n_gpus_per_node", unset=None)
+    _fold(cfg, "async_training.trigger_parameter_sync_step", "trainer.v1.separate_async.parameter_sync_step",
+          unset=None)
+    t = cfg.trainer
+    mode = t.v1.trainer_mode
+    if mode is None:
+        return
+    _check(t.use_v1 is not False, "trainer.v1.trainer_mode",
+           f"trainer.use_v1=false selects verl's legacy trainer, which has no trainer_mode ({mode!r} given)",
+           "drop trainer.v1.trainer_mode, or set trainer.use_v1=true")
+    _check(mode in ("sync", "colocate_async", "separate_async"), "trainer.v1.trainer_mode",
+           f"unknown mode {mode!r}", "use sync or separate_async (or leave it null and use this project's keys)")
+    _check(mode != "colocate_async", "trainer.v1.trainer_mode",
+           "colocate_async aborts and resumes partial rollouts around each weight update, so one sample mixes "
+           "weight versions; here every sample comes from one version",
+           "the nearest mode: async_reward.one_step_off_policy=true on the hybrid layout (trainer.v1.trainer_mode=null)")
+    one_step_off = cfg.async_reward.one_step_off_policy
+    if mode == "sync":
+        _check(not one_step_off, "trainer.v1.trainer_mode",
+               "sync trains on-policy but async_reward.one_step_off_policy=true asks for one-step-off",
+               "drop one of them (separate_async is one-step-off on a rollout pool)")
+        return
+    _check(int(r.nnodes) > 0, "trainer.v1.trainer_mode",
+           "separate_async runs rollout on its own devices, but there is no rollout pool (nnodes=0)",
+           "set actor_rollout_ref.rollout.nnodes=1 and actor_rollout_ref.rollout.n_gpus_per_node=N")
+    cfg.async_reward.one_step_off_policy = True
+
+
+def _check_weight_sync(cfg: DictConfig) -> None:
+    """``checkpoint_engine`` and the sync period: what each layout can move, and how often."""
+    arr, data = cfg.actor_rollout_ref, cfg.data
+    r, ce = arr.rollout, arr.rollout.checkpoint_engine
+    lay = layout(cfg)
+    _check(ce.backend in ("naive", "nccl"), "actor_rollout_ref.rollout.checkpoint_engine.backend",
+           f"{ce.backend!r} is not implemented here (verl's nixl / hccl / mooncake engines)",
+           "use nccl (a torch.distributed group: NCCL on CUDA, gloo on CPU) or naive")
+    _check(ce.update_weights_bucket_megabytes >= 1,
+           "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes", "must be >= 1",
+           "verl's default is 2048")
+    if lay != "disaggregated":
+        _check(ce.backend == "naive", "actor_rollout_ref.rollout.checkpoint_engine.backend",
+               f"nccl sends weights to a rollout pool; the {lay} layout has none (rollout.nnodes=0)",
+               "set actor_rollout_ref.rollout.nnodes=1 (and n_gpus_per_node), or backend=naive")
+    else:
+        _check(ce.backend == "nccl" or arr.model.lora_rank > 0, "actor_rollout_ref.rollout.checkpoint_engine.backend",
+               "naive ships weights through Ray's object store: fine for a LoRA adapter, not for a full fine-tune's "
+               "weights (lora_rank=0)", "set actor_rollout_ref.rollout.checkpoint_engine.backend=nccl")
+        _check(ce.backend == "naive" or r.name == "transformers", "actor_rollout_ref.rollout.checkpoint_engine.backend",
+               f"nccl loads weights into in-process rollout workers; rollout.name={r.name} serves from its own "
+               "server (it takes LoRA adapters)", "set actor_rollout_ref.rollout.checkpoint_engine.backend=naive")
+    k = cfg.async_training.trigger_parameter_sync_step
+    if k is None:
+        return
+    key = "async_training.trigger_parameter_sync_step"
+    mb, tbs = int(arr.actor.ppo_mini_batch_size), int(data.train_batch_size)
+    _check(k >= 1 and (k * mb) % tbs == 0, key,
+           f"{k} local updates of ppo_mini_batch_size={mb} prompts is not a whole number of steps of "
+           f"data.train_batch_size={tbs} prompts (weights move between steps)",
+           f"use a multiple of {tbs // mb} (= train_batch_size / ppo_mini_batch_size: every step), or null")
+    if k * mb // tbs > 1:
+        _check(lay == "disaggregated", key, f"a sync period of {k * mb // tbs} steps needs a rollout pool that keeps "
+               f"older weights; in the {lay} layout the rollout reads the trained weights",
+               "set actor_rollout_ref.rollout.nnodes=1, or leave the key null (every step)")
+        _check(bool(cfg.algorithm.rollout_correction.bypass_mode), "algorithm.rollout_correction.bypass_mode",
+               f"{key}={k} trains on samples of older weights, so pi_old must be the rollout's log-probs",
+               "set algorithm.rollout_correction.bypass_mode=true")
+
+
+def _check_long_tail(cfg: DictConfig) -> None:
+    r = cfg.actor_rollout_ref.rollout
+    alpha = r.response_length_pareto_alpha
+    if alpha is None:
+        return
+    _check(cfg.actor_rollout_ref.model.modality == "text" and r.name == "transformers",
+           "actor_rollout_ref.rollout.response_length_pareto_alpha",
+           "a per-response length budget is a text-rollout setting of the in-process (transformers) policy",
+           "set it to null")
+    _check(alpha > 0, "actor_rollout_ref.rollout.response_length_pareto_alpha", f"must be > 0, got {alpha}",
+           "e.g. 1.2 (or null: no budget)")
+
+
 def _check_layout(cfg: DictConfig) -> None:
-    """The hybrid layout (one process per device trains and generates) has its own rules."""
+    """The hybrid layout (one process per device trains and generates) and the disaggregated one (a rollout pool)
+    have their own rules."""
     arr, a = cfg.actor_rollout_ref, cfg.async_reward
+    r = arr.rollout
+    _check(r.nnodes >= 0, "actor_rollout_ref.rollout.nnodes", f"must be >= 0, got {r.nnodes}",
+           "0 (no rollout pool) or the rollout pool's node count")
+    if layout(cfg) == "disaggregated":
+        _check(r.n_gpus_per_node is None or r.n_gpus_per_node >= 1, "actor_rollout_ref.rollout.n_gpus_per_node",
+               f"a rollout pool needs devices, got {r.n_gpus_per_node}", "e.g. 1")
+        devices = rollout_pool_size(cfg)
+        _check(r.agent.num_workers == devices, "actor_rollout_ref.rollout.agent.num_workers",
+               f"the disaggregated layout has one rollout worker per rollout device ({devices}), got "
+               f"{r.agent.num_workers}", f"set it to {devices} (actor_rollout_ref.rollout.n_gpus_per_node x nnodes)")
+        return
     if not arr.hybrid_engine:
         return
     devices = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
@@ -233,7 +370,8 @@ def _check_layout(cfg: DictConfig) -> None:
                f"{key}=true runs updates while the rollout generates; with a full fine-tune (lora_rank=0) in the "
                "hybrid layout the rollout would read weights the update is changing in place (wrong pi_old), and "
                "only a LoRA adapter is cheap to snapshot on the device",
-               "set actor_rollout_ref.hybrid_engine=False (rollout replicas on their own copy) or lora_rank > 0")
+               "set actor_rollout_ref.hybrid_engine=False (rollout replicas on their own copy), a rollout pool "
+               "(actor_rollout_ref.rollout.nnodes=1), or lora_rank > 0")
 
 
 def _check_verl_keys(cfg: DictConfig) -> None:

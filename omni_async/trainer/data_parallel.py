@@ -282,15 +282,19 @@ def sharded_params(module: torch.nn.Module) -> None:
     module.set_reshard_after_forward(True)
 
 
-def local_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def local_state_dict(module: torch.nn.Module, clone: bool = True) -> dict[str, torch.Tensor]:
     """The module's full weights on this rank without a collective: while :func:`full_params` holds them, the
     parameters registered on the module are the gathered tensors. (Not ``state_dict()``: FSDP2's hook gives the
-    shards and frees the gathered storage under the registered parameters.) Keys as ``state_dict``'s."""
-    out = {k: p.detach().clone() for k, p in module.named_parameters(remove_duplicate=False)}
+    shards and frees the gathered storage under the registered parameters.) Keys as ``state_dict``'s.
+    ``clone=False``: the tensors themselves (read in place by a bucketed weight sync)."""
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone() if clone else t.detach()
+
+    out = {k: own(p) for k, p in module.named_parameters(remove_duplicate=False)}
     for name, m in module.named_modules(remove_duplicate=False):
         for b, buf in m._buffers.items():
             if buf is not None and b not in m._non_persistent_buffers_set:
-                out[f"{name}.{b}" if name else b] = buf.detach().clone()
+                out[f"{name}.{b}" if name else b] = own(buf)
     return out
 
 

@@ -10,7 +10,7 @@ One step, as data::
       -> group advantages per uid, failure policy                    timing_s/adv
       -> pi_old: rollout log-probs (bypass) or recomputed            timing_s/old_log_prob
       -> actor update over mini-batches of whole groups              timing_s/update_actor
-      -> weights pushed to the rollout workers with a version        timing_s/weight_sync
+      -> weights pushed to the rollout workers with a version        timing_s/update_weights (= timing_s/weight_sync)
 
 Where the samples come from and how they become optimizer steps are the two strategies (``strategies``); the
 operations they compose are ``step_ops.StepOps``. This class wires the run (placement, reward side, agent loop),
@@ -76,7 +76,7 @@ class RLTrainer:
                                       restartable=not self.placement.hybrid)
         self.ops = StepOps(cfg, self.modality, self.sampler, self.agent, self.reward, self.placement.actor_wg,
                            self.placement.rollout_workers, self.placement.hybrid,
-                           last_checkpoint=self.latest_checkpoint)
+                           last_checkpoint=self.latest_checkpoint, layout=self.placement.layout)
         a = cfg.async_reward
         self.source = OneStepOffPolicy(self.ops, self.total_steps) if a.one_step_off_policy else OnPolicy(self.ops)
         self.update = (PipelinedUpdate if a.update_pipeline else FullBatchUpdate)(self.ops)
@@ -94,9 +94,14 @@ class RLTrainer:
         timing.setdefault("timing_s/reward", 0.0)
         timing.setdefault("timing_s/ref", 0.0)
         version = min(s.version for s in samples)
+        # verl v1's staleness: the trained weights' version minus the version that generated the sample.
+        staleness = np.array([step - s.version for s in samples], dtype=np.float64)
         metrics = {**reward_metrics(samples, loss_mask), **actor_metrics, **timing, **self.agent.step_metrics(),
                    "perf/throughput": len(samples) / timing["timing_s/step"],
-                   "rollout/policy_version": float(version), "async_reward/policy_version_lag": float(step - version)}
+                   "rollout/policy_version": float(version), "async_reward/policy_version_lag": float(step - version),
+                   "training/off_policy/trajectory_staleness/mean": float(staleness.mean()),
+                   "training/off_policy/trajectory_staleness/max": float(staleness.max()),
+                   "weight_sync/bytes": float(self.ops.take_sync_bytes())}
         self.last_timeline = timeline_record(step + 1, collection, samples, timer)
         return metrics, samples
 

@@ -7,6 +7,9 @@
   - split layout (``hybrid_engine=False``): rollout replicas (``RolloutReplica``) with their own copy of the
     policy share the devices' bundles with the actors (``ACTOR_ROLLOUT_COLOCATE``) and take weights from them
     after each update.
+- ``rollout_pool`` (disaggregated layout, ``actor_rollout_ref.rollout.nnodes`` > 0): ``rollout.n_gpus_per_node x
+  nnodes`` devices, one inference-only ``RolloutReplica`` on each (a whole device); the ``actor_rollout`` pool then
+  holds the trainer ranks only. Nothing shares a device.
 - ``reward_pool`` (``reward.reward_model.enable_resource_pool``): the reward-loop workers' own devices; or TP
   bundles for vLLM judge servers (``reward.reward_model.rollout.name=vllm``).
 """
@@ -19,8 +22,10 @@ from typing import Any
 import ray
 from omegaconf import DictConfig, OmegaConf
 
+from omni_async.cluster import rollout_pool_size
 from omni_async.modality import get_modality
 from omni_async.trainer.actor_worker import ActorWorker
+from omni_async.trainer.config import layout
 
 # Split layout: roles sharing one actor/rollout device bundle, the actor worker and a rollout replica; each takes
 # this share. The hybrid layout has one process per device.
@@ -37,6 +42,7 @@ class Placement:
     hybrid: bool  # rollout_workers are the actor workers (hybrid_engine)
     reward_pool: Any | None  # verl RayResourcePool for reward-loop workers, or None
     judge_pg: Any | None  # placement group of vLLM judge servers, or None
+    layout: str = "hybrid"  # hybrid | split | disaggregated (trainer.config.layout)
 
 
 def place(cfg: DictConfig) -> Placement:
@@ -51,14 +57,23 @@ def place(cfg: DictConfig) -> Placement:
         judge_pg = judge_placement_group(cfg.reward)
     elif rm.enable_resource_pool:
         spec["reward_pool"], mapping["reward"] = [rm.n_gpus_per_node] * rm.nnodes, "reward_pool"
-    hybrid = bool(cfg.actor_rollout_ref.hybrid_engine)
+    lay = layout(cfg)
+    if lay == "disaggregated":
+        r = cfg.actor_rollout_ref.rollout
+        spec["rollout_pool"], mapping["rollout"] = [rollout_pool_size(cfg) // int(r.nnodes)] * int(r.nnodes), \
+            "rollout_pool"
     pools = ResourcePoolManager(resource_pool_spec=spec, mapping=mapping,
-                                max_colocate_count=1 if hybrid else ACTOR_ROLLOUT_COLOCATE)
+                                max_colocate_count=ACTOR_ROLLOUT_COLOCATE if lay == "split" else 1)
     pools.create_resource_pool()
     actor_wg = _actor_worker_group(cfg, pools.get_resource_pool("actor"))
     reward_pool = pools.get_resource_pool("reward") if "reward" in mapping else None
-    rollout = list(actor_wg.workers) if hybrid else _rollout_replicas(cfg, pools.get_resource_pool("actor"))
-    return Placement(pools, actor_wg, rollout, hybrid, reward_pool, judge_pg)
+    if lay == "hybrid":
+        rollout = list(actor_wg.workers)
+    elif lay == "split":
+        rollout = _rollout_replicas(cfg, pools.get_resource_pool("actor"), DEVICE_SHARE)
+    else:
+        rollout = _rollout_replicas(cfg, pools.get_resource_pool("rollout"), 1.0)
+    return Placement(pools, actor_wg, rollout, lay == "hybrid", reward_pool, judge_pg, lay)
 
 
 def _actor_worker_group(cfg: DictConfig, pool: Any) -> Any:
@@ -70,7 +85,9 @@ def _actor_worker_group(cfg: DictConfig, pool: Any) -> Any:
     return wg
 
 
-def _rollout_replicas(cfg: DictConfig, pool: Any) -> list[Any]:
+def _rollout_replicas(cfg: DictConfig, pool: Any, device_share: float) -> list[Any]:
+    """One ``RolloutReplica`` per ``agent.num_workers``, round-robin over the pool's bundles, each taking
+    ``device_share`` of its bundle's device."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from omni_async.agent_loop.rollout_replica import RolloutReplica
@@ -86,7 +103,7 @@ def _rollout_replicas(cfg: DictConfig, pool: Any) -> list[Any]:
     for i in range(r.agent.num_workers):
         pg, index = bundles[i % len(bundles)]
         replicas.append(replica_cls.options(
-            num_cpus=1, num_gpus=DEVICE_SHARE, max_restarts=ROLLOUT_MAX_RESTARTS, max_task_retries=0,
+            num_cpus=1, num_gpus=device_share, max_restarts=ROLLOUT_MAX_RESTARTS, max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index),
         ).remote(m.modality, OmegaConf.to_container(m, resolve=True), vars(modality.sampling_config(cfg)),
                  r.agent.max_batch_size, r.agent.max_wait_ms, rollout_server,

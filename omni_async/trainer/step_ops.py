@@ -25,7 +25,9 @@ from omni_async.algos.sde import sde_window
 from omni_async.modality import REF_TIME_KEY, Modality
 from omni_async.reward.wiring import RewardSide
 from omni_async.sample import Sample
+from omni_async.trainer.config import sync_period_steps
 from omni_async.trainer.dataset import PromptSampler
+from omni_async.trainer.pool_sync import PoolSync
 from omni_async.trainer.timer import Timer
 
 RANK_PROBE_TIMEOUT_S = 30.0  # after a failed actor call: how long a rank may take to answer "are you alive"
@@ -52,9 +54,14 @@ def minibatches(batch: DataProto, prompts_per_minibatch: int) -> list[DataProto]
 class StepOps:
     def __init__(self, cfg: DictConfig, modality: Modality, sampler: PromptSampler, agent: AgentLoopManager,
                  reward: RewardSide, actor_wg: Any, rollout_workers: list[Any], hybrid: bool = False,
-                 last_checkpoint=lambda: None):
+                 last_checkpoint=lambda: None, layout: str | None = None):
         self.cfg, self.modality, self.sampler, self.agent, self.reward = cfg, modality, sampler, agent, reward
         self.actor_wg, self.rollout_workers, self.hybrid = actor_wg, rollout_workers, hybrid
+        self.layout = layout or ("hybrid" if hybrid else "split")
+        # Disaggregated layout: the weights go to the rollout pool by checkpoint_engine.backend (trainer.pool_sync).
+        self.pool_sync = PoolSync(cfg, actor_wg, rollout_workers) if self.layout == "disaggregated" else None
+        self.sync_period = sync_period_steps(cfg)  # steps between weight syncs (async_training.*)
+        self.sync_bytes = 0  # bytes moved by weight syncs since the last step_metrics read
         self.last_checkpoint = last_checkpoint  # for the error when an actor rank dies
         self.sampler_state_before: dict[int, dict] = {}  # sampler state before each step's prompts were drawn
         # Split layout: (object ref of the newest weights, version), for a restarted replica. The hybrid layout's
@@ -103,18 +110,43 @@ class StepOps:
 
         Hybrid layout: the rollout generates with the model it trains, so this is a version bump (and a device-local
         LoRA snapshot when updates overlap generation). Split layout: rank 0's trainable weights go into Ray's
-        object store once and every rollout replica reads them from there.
+        object store once and every rollout replica reads them from there. Disaggregated layout: by
+        ``checkpoint_engine.backend`` (``trainer.pool_sync``: the object store for LoRA, or a bucketed broadcast
+        from rank 0 over a process group with the rollout workers).
         """
         if self.hybrid:
             ray.get([w.set_rollout_version.remote(version) for w in self.rollout_workers])
+            return
+        if self.pool_sync is not None:
+            self.sync_bytes += self.pool_sync.sync(version)
             return
         ref = self.actor_wg.workers[0].get_weights.remote()
         self._weights = (ref, version)
         ray.get([w.set_weights.remote(ref, version) for w in self.rollout_workers])
 
+    def sync_due(self, version: int) -> bool:
+        """Whether the weights of ``version`` (after ``version`` steps) go to the rollout: every
+        ``sync_period`` steps (``async_training.trigger_parameter_sync_step``)."""
+        return version % self.sync_period == 0
+
+    def publish(self, version: int, timer: Timer) -> None:
+        """The end of a step's update: sync when due, timed as ``timing_s/update_weights`` (verl's name;
+        ``timing_s/weight_sync`` is the same time under this project's first name)."""
+        if not self.sync_due(version):
+            return
+        with timer("update_weights"):
+            self.sync_weights(version)
+        timer.timing["timing_s/weight_sync"] = timer.timing["timing_s/update_weights"]
+
+    def take_sync_bytes(self) -> int:
+        n, self.sync_bytes = self.sync_bytes, 0
+        return n
+
     async def restore_worker(self, worker: Any) -> None:
         """Give a restarted rollout worker the newest weights (it came back with the initial ones)."""
-        if self._weights is not None:
+        if self.pool_sync is not None:
+            await self.pool_sync.restore(worker)
+        elif self._weights is not None:
             await worker.set_weights.remote(*self._weights)
 
     # ---- reward -------------------------------------------------------------------------------------------------

@@ -43,8 +43,7 @@ class OnPolicy:
         return self.ops.start_collection(step)
 
     def after_update(self, step: int, timer: Timer) -> None:
-        with timer("weight_sync"):
-            self.ops.sync_weights(step + 1)
+        self.ops.publish(step + 1, timer)
 
 
 class OneStepOffPolicy:
@@ -71,11 +70,12 @@ class OneStepOffPolicy:
         return current
 
     def after_update(self, step: int, timer: Timer) -> None:
+        if not self.ops.sync_due(step + 1):  # no new weights this step: the look-ahead keeps generating
+            return
         with timer("wait_next_rollout"):
             if self.pending is not None:
                 self.pending[1].all_generated.result()
-        with timer("weight_sync"):
-            self.ops.sync_weights(step + 1)
+        self.ops.publish(step + 1, timer)
 
 
 # Per-optimizer-step counters reported as the step's total, not its mean.

@@ -1,0 +1,135 @@
+"""Weight sync across pools (disaggregated layout, ``checkpoint_engine.backend=nccl``): trainer rank 0 broadcasts
+its trainable weights to the rollout workers over a ``torch.distributed`` group of its own.
+
+The group spans trainer rank 0 (group rank 0) and every rollout worker (ranks 1..R). It is not the default process
+group (trainer rank 0 already belongs to the data-parallel one, and the rollout workers to none): it is built from a
+``TCPStore`` on rank 0's node and a process-group object (``ProcessGroupNCCL`` on CUDA, ``ProcessGroupGloo`` on CPU),
+the way verl's / vLLM's stateless groups are, so several can exist in one process and a broken one can be replaced.
+
+What moves: the tensors named by the receivers' metadata (:func:`tensor_meta` of the rollout worker's trainable
+weights: the LoRA adapter, or the whole transformer / LM for a full fine-tune), each cast to the receiver's dtype
+(``model_dtype`` for a full fine-tune: bf16 on CUDA), packed into flat buckets of at most
+``update_weights_bucket_megabytes`` (:func:`plan_buckets`; a tensor larger than a bucket is split across several),
+one broadcast per bucket. Sender and receivers derive the same plan from the same metadata, so only tensor bytes
+travel. Memory on either side is one bucket plus the weights themselves: the sender reads its parameters in place
+and a receiver copies each bucket straight into its parameters. The receiver runs this on its device thread, so no
+generation batch runs while the weights are half written (and a failed transfer leaves the worker refusing to
+generate until a complete set arrives).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+GROUP_TIMEOUT_S = 600.0  # a broadcast waits this long for every member (a bucket of 2 GB on a slow link included)
+DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
+                              torch.uint8, torch.bool)}
+
+Meta = list[tuple[str, tuple[int, ...], str]]  # (name, shape, dtype name) per tensor, in send order
+
+
+def tensor_meta(tensors: dict[str, torch.Tensor]) -> Meta:
+    return [(k, tuple(int(s) for s in t.shape), str(t.dtype)) for k, t in tensors.items()]
+
+
+def meta_bytes(meta: Meta) -> int:
+    """Bytes one sync moves: every tensor of ``meta`` in its dtype."""
+    return sum(int(torch.Size(shape).numel()) * DTYPES[d].itemsize for _, shape, d in meta)
+
+
+@dataclass
+class Piece:
+    name: str
+    lo: int  # element range of the flattened tensor
+    hi: int
+    offset: int  # where it sits in the bucket
+
+
+@dataclass
+class Bucket:
+    dtype: torch.dtype
+    numel: int
+    pieces: list[Piece]
+
+
+def plan_buckets(meta: Meta, bucket_bytes: int) -> list[Bucket]:
+    """Consecutive tensors of one dtype packed into buckets of at most ``bucket_bytes``; a tensor that does not fit
+    the current bucket's room continues in the next. Deterministic: both sides compute the same plan."""
+    buckets: list[Bucket] = []
+    cur: Bucket | None = None
+    for name, shape, d in meta:
+        dtype = DTYPES[d]
+        cap = max(1, int(bucket_bytes) // dtype.itemsize)
+        n, lo = int(torch.Size(shape).numel()), 0
+        while lo < n:
+            if cur is None or cur.dtype != dtype or cur.numel >= cap:
+                cur = Bucket(dtype, 0, [])
+                buckets.append(cur)
+            take = min(n - lo, cap - cur.numel)
+            cur.pieces.append(Piece(name, lo, lo + take, cur.numel))
+            cur.numel += take
+            lo += take
+    return buckets
+
+
+def free_address() -> tuple[str, int]:
+    """This node's address and a free TCP port, for the group's store (called on group rank 0)."""
+    import ray
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), int(port)
+
+
+class WeightGroup:
+    """One member of the trainer-rank-0 + rollout-workers group; rank 0 sends."""
+
+    def __init__(self, address: str, port: int, rank: int, world: int, device: torch.device,
+                 timeout_s: float = GROUP_TIMEOUT_S):
+        self.rank, self.world, self.device = int(rank), int(world), torch.device(device)
+        timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(address, int(port), self.world, self.rank == 0, timeout=timeout)
+        if self.device.type == "cuda":
+            self.pg = dist.ProcessGroupNCCL(self.store, self.rank, self.world)
+            self.backend = "nccl"
+        else:
+            self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.world, timeout)
+            self.backend = "gloo"
+
+    def _broadcast(self, flat: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([flat], opts).wait()
+
+    def send(self, tensors: dict[str, torch.Tensor], meta: Meta, bucket_bytes: int) -> int:
+        """Rank 0: every tensor of ``meta`` from ``tensors`` (read in place), cast to the metadata's dtype."""
+        sent = 0
+        flats = {k: t.detach().reshape(-1) for k, t in tensors.items()}
+        missing = [name for name, _, _ in meta if name not in flats]
+        if missing:
+            raise KeyError(f"the trainer has no weights named {missing[:3]}: rollout and trainer models differ")
+        for b in plan_buckets(meta, bucket_bytes):
+            flat = torch.empty(b.numel, dtype=b.dtype, device=self.device)
+            for p in b.pieces:
+                flat[p.offset:p.offset + p.hi - p.lo].copy_(flats[p.name][p.lo:p.hi])
+            self._broadcast(flat)
+            sent += flat.numel() * flat.element_size()
+        return sent
+
+    def receive(self, dest: dict[str, torch.Tensor], meta: Meta, bucket_bytes: int) -> int:
+        """Ranks > 0: each bucket copied straight into ``dest`` (tensors sharing storage with the parameters)."""
+        got = 0
+        flats = {k: t.view(-1) for k, t in dest.items()}
+        for b in plan_buckets(meta, bucket_bytes):
+            flat = torch.empty(b.numel, dtype=b.dtype, device=self.device)
+            self._broadcast(flat)
+            for p in b.pieces:
+                flats[p.name][p.lo:p.hi].copy_(flat[p.offset:p.offset + p.hi - p.lo])
+            got += flat.numel() * flat.element_size()
+        return got

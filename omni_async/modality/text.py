@@ -38,7 +38,9 @@ class TextModality:
         from omni_async.models.text_policy import TextSamplingConfig
 
         r = cfg.actor_rollout_ref.rollout
-        return TextSamplingConfig(response_length=int(r.response_length), temperature=float(r.temperature))
+        alpha = r.response_length_pareto_alpha
+        return TextSamplingConfig(response_length=int(r.response_length), temperature=float(r.temperature),
+                                  response_length_pareto_alpha=None if alpha is None else float(alpha))
 
     def validation_sampling(self, cfg: Any) -> None:
         """Text validation samples with the training settings (``rollout.val_kwargs.{pipeline,algo}`` are the

@@ -27,6 +27,24 @@ def chat_prompt_ids(tok, prompt: str) -> list[int]:
 class TextSamplingConfig:
     response_length: int = 32  # max new tokens
     temperature: float = 1.0
+    response_length_pareto_alpha: float | None = None  # a per-response length budget with a long tail (length_budget)
+
+
+LONG_TAIL_SPREAD = 10.0  # the shortest budget is response_length / 10
+
+
+def length_budget(seed: int, response_length: int, alpha: float | None) -> int:
+    """A response's token budget: ``response_length`` when ``alpha`` is None, else
+    ``round(response_length * min(1, X / 10))`` with ``X = (1 - u)^(-1/alpha)`` ~ Pareto(alpha) (X >= 1) and ``u``
+    uniform from the sample's seed (its own stream, so the tokens drawn are unchanged). Lengths then vary x10 with a
+    heavy tail: ``P(budget = response_length) = 10^-alpha``."""
+    if alpha is None:
+        return int(response_length)
+    import numpy as np
+
+    u = float(np.random.default_rng([int(seed), 0x7A11]).random())
+    x = (1.0 - u) ** (-1.0 / float(alpha))
+    return max(1, min(int(response_length), int(round(response_length * x / LONG_TAIL_SPREAD))))
 
 
 class TextPolicy(TrainableModule):
@@ -76,9 +94,12 @@ class TextPolicy(TrainableModule):
         n, temp = len(prompt_rows), max(float(self.sampling.temperature), 1e-5)
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
+        budget = torch.tensor([length_budget(s, self.sampling.response_length,
+                                             self.sampling.response_length_pareto_alpha) for s in seeds],
+                              device=self.device)
         tokens, logps = [], []
         past, cur = None, ids
-        for _ in range(int(self.sampling.response_length)):
+        for t in range(int(self.sampling.response_length)):
             pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -cur.shape[1]:]
             out = self.model(input_ids=cur, attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True)
             past = out.past_key_values
@@ -87,7 +108,7 @@ class TextPolicy(TrainableModule):
             nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
             tokens.append(nxt)
             logps.append(logp.gather(-1, nxt[:, None])[:, 0])
-            done |= torch.isin(nxt, eos)
+            done |= torch.isin(nxt, eos) | (budget <= t + 1)
             cur = nxt[:, None]
             mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype)], dim=1)
             if done.all():
@@ -97,6 +118,7 @@ class TextPolicy(TrainableModule):
         for i in range(n):
             row = tokens[i].tolist()
             length = next((k + 1 for k, t in enumerate(row) if t in self.eos_ids), len(row))  # cut after 1st EOS
+            length = min(length, int(budget[i]))  # or at the sample's length budget
             records.append(TextResult(prompt_ids=prompt_rows[i], response_ids=row[:length],
                                       response=self.tok.decode(row[:length], skip_special_tokens=True),
                                       log_probs=logps[i, :length].clone()))

@@ -104,6 +104,23 @@ def test_group_moves_every_tensor_in_small_buckets_cast_to_the_receivers_dtype()
     assert torch.equal(dest["n"], src["n"])
 
 
+def test_text_long_tail_gives_each_sample_its_own_length_budget():
+    from omni_async.models.text_policy import TextPolicy, TextSamplingConfig, length_budget
+
+    budgets = [length_budget(seed, 40, 1.2) for seed in range(400)]
+    assert min(budgets) == 4 and max(budgets) == 40  # x10
+    assert 0.02 < sum(b == 40 for b in budgets) / 400 < 0.12  # P(cap) = 10^-1.2 = 6.3%
+    assert length_budget(3, 40, None) == 40
+    policy = TextPolicy("tiny:qwen2", TextSamplingConfig(response_length=40, response_length_pareto_alpha=1.2),
+                        lora_rank=0)
+    seeds = list(range(8))
+    lengths = [len(r.response_ids) for r in policy.generate(["p0"] * 8, seeds)]
+    assert all(n <= length_budget(s, 40, 1.2) for n, s in zip(lengths, seeds, strict=True))
+    assert max(lengths) >= 3 * min(lengths)
+    with pytest.raises(ConfigError, match="response_length_pareto_alpha"):
+        valid("actor_rollout_ref.rollout.response_length_pareto_alpha=1.2")  # an image config
+
+
 # ---- on Ray ----------------------------------------------------------------------------------------------------
 @pytest.fixture
 def trainers(tmp_path):

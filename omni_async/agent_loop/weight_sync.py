@@ -96,7 +96,10 @@ class WeightGroup:
         timeout = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(address, int(port), self.world, self.rank == 0, timeout=timeout)
         if self.device.type == "cuda":
-            self.pg = dist.ProcessGroupNCCL(self.store, self.rank, self.world)
+            torch.cuda.set_device(self.device)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(self.store, self.rank, self.world, opts)
             self.backend = "nccl"
         else:
             self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.world, timeout)

@@ -391,6 +391,18 @@ def device_peak(plan: dict, res: int, cfg: bool, ckpt: bool, offload_encoders: b
     return {"rollout_gb": rollout, "update_gb": update, "peak_gb": max(rollout, update)}
 
 
+def rollout_worker_peak(plan: dict, res: int, cfg: bool, vae_tiled: bool = True) -> float:
+    """Per-device peak of an inference-only rollout worker (disaggregated layout), in GB: the pipeline's frozen
+    weights (transformer, text encoder, VAE) + the LoRA adapter's parameters alone (fp32, no gradients, no AdamW
+    state) + runtime reserve + the largest of (text-encoder forward, denoising forward, VAE decode). No training
+    activations, no optimizer step."""
+    w, entry = plan["weights"], plan["resolutions"][str(res)]
+    weights = w["transformer"]["gb"] + w["text_encoder"]["gb"] + w["vae"]["gb"] + 4 * plan["lora"]["params"] / GB
+    vae = entry["vae_decode_gb"]["tiled" if vae_tiled else "plain"]
+    rollout = entry["rollout_gb"]["cfg" if cfg else "no_cfg"]
+    return weights + RUNTIME_RESERVE_GB + max(plan["text_encoder_forward_gb"], rollout, vae)
+
+
 def recommend(plan: dict, capacity_gb: float, cfg: bool = True) -> dict:
     """Per resolution: every (checkpointing, encoder offload) option that leaves >= 10% of ``capacity_gb`` free,
     with its largest micro-batch (training activations scaled linearly from the measured one), and the pick: the
@@ -442,7 +454,7 @@ def format_table(report: dict) -> str:
         lines.append(f"  text-encoder forward (no grad): {plan['text_encoder_forward_gb']:.2f} GB; AdamW step "
                      f"transient: {plan['optimizer_step_gb']:.2f} GB")
         lines.append("  res   CFG ckpt | train held  saved   peak | rollout | VAE plain tiled | device peak "
-                     "(encoders on GPU / offloaded in update)")
+                     "(encoders on GPU / offloaded in update) | rollout worker (disaggregated)")
         for res, entry in plan["resolutions"].items():
             for key, t in entry["train"].items():
                 cfg, ckpt = key.split("/")
@@ -452,7 +464,8 @@ def format_table(report: dict) -> str:
                     f"  {res:>4}² {'on ' if cfg == 'cfg' else 'off'} {'on ' if ckpt == 'ckpt' else 'off'}  |"
                     f" {t['held_gb']:8.2f} {t['saved_gb']:7.2f} {t['peak_gb']:7.2f} |"
                     f" {entry['rollout_gb'][cfg]:7.2f} | {entry['vae_decode_gb']['plain']:9.2f}"
-                    f" {entry['vae_decode_gb']['tiled']:5.2f} | {peak_on:6.1f} / {peak_off:6.1f}")
+                    f" {entry['vae_decode_gb']['tiled']:5.2f} | {peak_on:6.1f} / {peak_off:6.1f}"
+                    f" | {rollout_worker_peak(plan, int(res), cfg == 'cfg'):6.1f}")
         for device, recs in plan["recommendations"].items():
             for res, rec in recs["cfg"].items():
                 text = "; ".join(

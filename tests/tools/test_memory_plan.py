@@ -51,6 +51,9 @@ def test_default_gpu_recipe_fits_80gb_with_headroom(qwen_plan):
     text encoder and VAE kept on the GPU through the update (the stricter case; offloading only lowers it)."""
     peak = mp.device_peak(qwen_plan, 512, cfg=True, ckpt=True, offload_encoders=False)
     assert peak["peak_gb"] <= 0.9 * 80, peak
+    # An inference-only rollout worker (disaggregated layout) holds the pipeline and the adapter, no update state.
+    worker = mp.rollout_worker_peak(qwen_plan, 512, cfg=True)
+    assert peak["rollout_gb"] - qwen_plan["lora"]["gb"] < worker < peak["peak_gb"]
     at_512 = {**qwen_plan, "resolutions": {"512": qwen_plan["resolutions"]["512"]}}
     rec = mp.recommend(at_512, 80.0, cfg=True)["512"]
     assert any(o["gradient_checkpointing"] and not o["offload_encoders_during_update"] for o in rec["options"])

@@ -31,7 +31,15 @@ of the same workload (same prompts and seeds, hence the same per-sample latencie
 
 The overlapped bounds assume rollout and training run on different devices: the one-step-off recipe's split
 layout (``--layout split``, the default here: ``actor_rollout_ref.hybrid_engine=False``). With ``--layout hybrid``
-one process per device does both, so on one device generation and update take turns.
+one process per device does both, so on one device generation and update take turns. ``--layout disaggregated``
+puts ``--rollout-devices`` inference-only rollout workers on a rollout pool and ``--actor-ranks`` trainer ranks on
+theirs (weights over a gloo group, ``checkpoint_engine.backend=nccl``); ``--pin-cores`` pins each rollout worker and
+trainer rank (all its threads) to a core of its own, so on a CPU box the two pools really run side by side.
+Per mode the JSON also has ``samples_per_s``, each pool's busy fraction over the measured window (rollout: the
+union of the samples' generation intervals; trainer: old-log-prob + update + weight sync) and
+``own_bound_s`` = max(``timing_s/gen``, ``timing_s/update_actor`` + ``timing_s/update_weights``) of the mode itself
+(issue 29's bound for one-step-off on the disaggregated layout). ``--long-tail-alpha`` gives text responses
+heavy-tailed lengths (``actor_rollout_ref.rollout.response_length_pareto_alpha``).
 
 For one-step off-policy, one step's "rollout + reward tail" is not a bound here: the look-ahead collection starts
 when the previous step starts, so its reward tail may run into the next period; what remains is throughput.
@@ -44,6 +52,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import os
 import platform
 import statistics
 import sys
@@ -73,9 +82,49 @@ def workload(args, data: Path) -> list[str]:
         f"+reward.custom_reward_function.reward_kwargs.capacity={args.scorer_capacity}", "reward.num_workers=1",
         f"trainer.seed={args.seed}", f"trainer.total_training_steps={args.warmup + args.steps}",
         "trainer.logger=[jsonl]", "trainer.resume_mode=disable",
-        f"actor_rollout_ref.hybrid_engine={args.layout == 'hybrid'}",
-        f"trainer.n_gpus_per_node={args.actor_ranks}", f"actor_rollout_ref.rollout.agent.num_workers={args.actor_ranks}",
+        *layout_overrides(args),
+        *([f"actor_rollout_ref.rollout.response_length_pareto_alpha={args.long_tail_alpha}"]
+          if args.long_tail_alpha is not None else []),
     ]
+
+
+def layout_overrides(args) -> list[str]:
+    if args.layout == "disaggregated":
+        return [f"trainer.n_gpus_per_node={args.actor_ranks}", "actor_rollout_ref.rollout.nnodes=1",
+                f"actor_rollout_ref.rollout.n_gpus_per_node={args.rollout_devices}",
+                f"actor_rollout_ref.rollout.agent.num_workers={args.rollout_devices}",
+                "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"]
+    return [f"actor_rollout_ref.hybrid_engine={args.layout == 'hybrid'}",
+            f"trainer.n_gpus_per_node={args.actor_ranks}", f"actor_rollout_ref.rollout.agent.num_workers={args.actor_ranks}"]
+
+
+def pin_cores(trainer) -> dict[str, int]:
+    """Each rollout worker and trainer rank (every thread of its process) on a core of its own, round robin."""
+    import os
+
+    import ray
+
+    cores = sorted(os.sched_getaffinity(0))
+    handles = list(trainer.placement.actor_wg.workers)
+    if not trainer.placement.hybrid:
+        handles = list(trainer.placement.rollout_workers) + handles
+
+    def pin(self, core):
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), {core})
+        return os.getpid()
+
+    return {str(ray.get(h.__ray_call__.remote(pin, cores[i % len(cores)]))): cores[i % len(cores)]
+            for i, h in enumerate(handles)}
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -> dict:
@@ -87,13 +136,19 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
     cfg = compose([*workload(args, data), f"trainer.run_dir={out_dir / name}", *overrides],
                   config_name="grpo_text_trainer" if args.modality == "text" else "flowgrpo_trainer")
     trainer = FlowGRPOTrainer(cfg)
+    pinned = pin_cores(trainer) if args.pin_cores else {}
     trainer.ops.sync_weights(0)
     steps = []
+    gen_intervals: list[tuple[float, float]] = []
+    window = [float("inf"), 0.0]
     try:
         for step in range(args.warmup + args.steps):
+            t_start = time.time()
             metrics, samples = trainer.train_step(step)
             if step < args.warmup:
                 continue
+            window = [min(window[0], t_start), time.time()]
+            gen_intervals += [(s.times.gen_start, s.times.gen_end) for s in samples]
             t0 = trainer.last_timeline["t0"]
             ready = [s.times.gen_end - t0 for s in samples]
             latency = [s.outcome.extra["simulated_latency_s"] for s in samples]
@@ -102,17 +157,27 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
                      "last_s": fifo_makespan(ready, latency, args.scorer_capacity),
                      "busy_s": fifo_makespan([0.0] * len(latency), latency, args.scorer_capacity),
                      "work_s": sum(latency) / args.scorer_capacity if args.scorer_capacity > 0 else max(latency)}
-            steps.append({"metrics": metrics, "parts": parts})
+            steps.append({"metrics": metrics, "parts": parts, "samples": len(samples)})
             print(f"  {name:20s} step {step + 1}: {metrics['timing_s/step']:.2f}s", flush=True)
     finally:
         trainer.agent.shutdown()
         shutdown_ray()
     med = lambda key: statistics.median(s["metrics"].get(key, 0.0) for s in steps)  # noqa: E731
     timing_keys = ["timing_s/gen", "timing_s/reward", "timing_s/reward_wait", "timing_s/collect_wait",
-                   "timing_s/update_actor", "timing_s/weight_sync", "timing_s/wait_next_rollout",
+                   "timing_s/update_actor", "timing_s/weight_sync", "timing_s/update_weights",
+                   "timing_s/wait_next_rollout", "weight_sync/bytes", "training/off_policy/trajectory_staleness/mean",
                    "timing_s/reward_compute/mean", "timing_s/reward_compute/max", "timing_s/stream_overhead/median"]
     step_s = [s["metrics"]["timing_s/step"] for s in steps]
+    wall = max(window[1] - window[0], 1e-9)
+    clipped = [(max(a, window[0]), min(b, window[1])) for a, b in gen_intervals if b > window[0] and a < window[1]]
+    trainer_busy = sum(s["metrics"].get(k, 0.0) for s in steps
+                       for k in ("timing_s/old_log_prob", "timing_s/update_actor", "timing_s/update_weights"))
     return {
+        "layout": args.layout, "pinned_cores": pinned,
+        "samples_per_s": sum(s["samples"] for s in steps) / wall,
+        "busy_fraction": {"rollout": union_length(clipped) / wall, "trainer": trainer_busy / wall},
+        "own_bound_s": statistics.fmean(max(s["metrics"]["timing_s/gen"], s["metrics"].get("timing_s/update_actor", 0.0)
+                                            + s["metrics"].get("timing_s/update_weights", 0.0)) for s in steps),
         "step_s": step_s,
         "median_step_s": statistics.median(step_s),
         "mean_step_s": statistics.fmean(step_s),
@@ -163,8 +228,12 @@ def main() -> None:
     p.add_argument("--latency-scale", type=float, default=1 / 40)
     p.add_argument("--scorer-capacity", type=int, default=8, help="requests the scorer serves at once (0 = no limit)")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--layout", choices=["split", "hybrid"], default="split",
-                   help="split: rollout replicas beside the actor (hybrid_engine=False); hybrid: one process per device")
+    p.add_argument("--layout", choices=["split", "hybrid", "disaggregated"], default="split",
+                   help="split: rollout replicas beside the actor (hybrid_engine=False); hybrid: one process per device; "
+                        "disaggregated: rollout workers on their own pool (rollout.nnodes=1)")
+    p.add_argument("--rollout-devices", type=int, default=1, help="disaggregated: rollout workers (devices)")
+    p.add_argument("--pin-cores", action="store_true", help="each rollout worker / trainer rank on its own core")
+    p.add_argument("--long-tail-alpha", type=float, default=None, help="text: response_length_pareto_alpha")
     p.add_argument("--actor-ranks", type=int, choices=[1, 2], default=1,
                    help="data-parallel actor ranks (trainer.n_gpus_per_node; one rollout worker each)")
     p.add_argument("--modes", default=",".join(MODE_OVERRIDES))
@@ -196,6 +265,7 @@ def main() -> None:
     report = {"modes": results, "hidden_fraction": hidden,
               "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                          "minibatches": minibatches, "machine": f"{platform.machine()} {platform.processor()}",
+                         "load_average_at_end": os.getloadavg(), "cpu_count": os.cpu_count(),
                          "wall_s": time.time() - t0, "bound_parts_from": "sync run, per step",
                          "hidden_fraction_on": "mean step times"}}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from helpers import Trainers, write_prompts
 
 from omni_async.agent_loop.weight_sync import meta_bytes, plan_buckets
 from omni_async.trainer.config import ConfigError, compose, layout, sync_period_steps, validate
+from omni_async.trainer.strategies import OneStepOffPolicy, PipelinedUpdate
 
 POOL = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
 QUIET = ["trainer.log_image_freq=-1", "trainer.log_timeline_freq=-1"]
@@ -196,6 +197,13 @@ def test_image_lora_pools_sync_over_the_group_logprobs_match_and_a_killed_worker
     assert sorted(trained) == sorted(s.uid for s in samples) and all(s.outcome.ok for s in samples)
     for k, v in weights(rollout).items():  # and it holds the trainer's newest weights again
         torch.testing.assert_close(v, weights(rank0)[k], atol=1e-6, rtol=0)
+
+    # The mini-batch pipeline with one-step-off ("all") on the same pools: step 4 generated while step 3 trained.
+    t.source, t.update = OneStepOffPolicy(t.ops, total_steps=5), PipelinedUpdate(t.ops)
+    trained.clear()
+    (_, first), (m4, fourth) = t.train_step(3), t.train_step(4)
+    assert sorted(trained) == sorted(s.uid for s in first + fourth)
+    assert m4["training/off_policy/trajectory_staleness/max"] == 1.0 and {s.version for s in fourth} == {3}
 
 
 def test_text_full_finetune_one_step_off_bf16_bucketed_over_the_group_never_through_ray_put(tmp_path, monkeypatch):

@@ -185,7 +185,7 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
         "parts_per_step": [s["parts"] for s in steps],
         "reward_mean": [s["metrics"]["critic/rewards/mean"] for s in steps],
         "policy_version_lag": med("async_reward/policy_version_lag"),
-        "throughput": med("perf/throughput"),
+        "throughput": med("perf/samples_per_s"),
         "samples_per_rank": med("perf/samples_per_rank"),
     }
 

@@ -119,6 +119,7 @@ class Sample:
     result: Result | None = None
     version: int | None = None  # weights version of the policy that generated it
     outcome: RewardOutcome | None = None
+    advantage: float | None = None  # its GRPO advantage once its batch is built; None while / if out of the loss
     times: SampleTimes = field(default_factory=SampleTimes)
 
     def reward_input(self) -> dict[str, Any]:

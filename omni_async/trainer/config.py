@@ -1,6 +1,6 @@
 """Compose and validate the trainer config.
 
-Hydra already rejects unknown keys and wrong types (the config is struct-mode). What Hydra cannot see is a
+Hydra rejects unknown keys (the config is struct-mode) and ``config_schema`` wrong types. What neither can see is a
 combination that is legal key by key but cannot run, e.g. a dedicated reward pool with zero devices. Those are
 checked here, at start, before any Ray actor exists, and each error names the key and the fix.
 """
@@ -25,13 +25,23 @@ class ConfigError(ValueError):
     """A config combination that cannot run; the message names the key and how to fix it."""
 
 
-def compose(overrides: list[str] | None = None, config_name: str = "flowgrpo_trainer") -> DictConfig:
-    """Compose a config the way ``python -m omni_async.trainer.main`` does (for tests, benchmarks, notebooks)."""
+CONFIG_NAMES = ("flowgrpo_trainer", "grpo_text_trainer")  # every config file users compose from
+
+
+def compose_untyped(overrides: list[str] | None = None, config_name: str = "flowgrpo_trainer") -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "flowgrpo_trainer") -> DictConfig:
+    """Compose a config the way ``python -m omni_async.trainer.main`` does (for tests, benchmarks, notebooks): the
+    YAML defaults, the overrides, then the type check (``config_schema.typed``)."""
+    from omni_async.trainer.config_schema import typed
+
+    return typed(compose_untyped(overrides, config_name))
 
 
 def total_training_steps(cfg: DictConfig, train_rows: int) -> int:
@@ -408,12 +418,28 @@ def _check_verl_keys(cfg: DictConfig) -> None:
     _check_validation(cfg)
     _check(t.total_epochs >= 1, "trainer.total_epochs", f"must be >= 1, got {t.total_epochs}", "e.g. 1")
     _check(t.log_val_generations >= 0, "trainer.log_val_generations", "must be >= 0", "e.g. 8, or 0 for none")
-    backends = list(t.logger)
-    unknown = sorted(set(backends) - {"console", "jsonl", "tensorboard", "wandb"})
-    _check(not unknown, "trainer.logger", f"unknown backend(s) {unknown}", "use console, jsonl, tensorboard, wandb")
-    _check("wandb" not in backends or importlib.util.find_spec("wandb") is not None, "trainer.logger",
-           "wandb is listed but not installed", "pip install wandb (then wandb login), or remove wandb from "
-           "trainer.logger (e.g. trainer.logger=[console,jsonl,tensorboard])")
+    _check_logger(list(t.logger))
+
+
+# verl's Tracking backends that import a package of their own, which this project does not install.
+_LOGGER_PACKAGES = {"wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab", "clearml": "clearml",
+                    "trackio": "trackio", "vemlp_wandb": "volcengine_ml_platform", "rl_insight": "rl_insight"}
+
+
+def _check_logger(backends: list[str]) -> None:
+    """``trainer.logger``: verl's ``Tracking`` backends (plus ``jsonl``, earlier releases' name for metrics.jsonl)."""
+    from verl.utils.tracking import Tracking
+
+    from omni_async.trainer.metrics_logger import LEGACY_JSONL
+
+    known = [*Tracking.supported_backend, LEGACY_JSONL]
+    unknown = sorted(set(backends) - set(known))
+    _check(not unknown, "trainer.logger", f"unknown backend(s) {unknown}", f"use verl's: {', '.join(known)}")
+    for backend in backends:
+        if (package := _LOGGER_PACKAGES.get(backend)) is not None:
+            _check(importlib.util.find_spec(package) is not None, "trainer.logger",
+                   f"{backend} is listed but not installed", f"pip install {package} (verl's Tracking imports it), "
+                   f"or remove {backend} from trainer.logger (e.g. trainer.logger=[console,tensorboard])")
 
 
 def _check_validation(cfg: DictConfig) -> None:

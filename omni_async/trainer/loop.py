@@ -31,13 +31,19 @@ from omegaconf import DictConfig, OmegaConf
 from omni_async.agent_loop.manager import AgentLoopManager
 from omni_async.agent_loop.rollout_replica import SEED_VALIDATION, sample_seed
 from omni_async.algos.sde import sde_window
-from omni_async.cluster import init_ray
+from omni_async.cluster import init_ray, reward_pool_size
 from omni_async.modality import get_modality
 from omni_async.reward.wiring import RewardSide
 from omni_async.sample import Sample
 from omni_async.trainer.config import total_training_steps, validate
 from omni_async.trainer.dataset import PromptSampler, check_prompt_lengths, load_prompts
-from omni_async.trainer.metrics import reward_metrics
+from omni_async.trainer.metrics import (
+    advantage_metrics,
+    response_length_metrics,
+    reward_metrics,
+    throughput_metrics,
+    validation_metrics,
+)
 from omni_async.trainer.metrics_logger import MetricsLogger
 from omni_async.trainer.placement import place
 from omni_async.trainer.step_ops import RewardFailureError, StepOps
@@ -68,6 +74,8 @@ class RLTrainer:
         self.sampler = PromptSampler(train_rows, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
         self.total_steps = total_training_steps(cfg, len(train_rows))
         self.placement = place(cfg)
+        # verl's perf/throughput divides by every device of the run (its resource pools; here also the judges').
+        self.n_devices = self.placement.pools.get_n_gpus() + (reward_pool_size(cfg) if self.placement.judge_pg else 0)
         self.reward = RewardSide(cfg, self.placement.reward_pool, self.placement.judge_pg)
         agent = cfg.actor_rollout_ref.rollout.agent
         self.agent = AgentLoopManager(self.placement.rollout_workers, self.reward.dispatcher_factory(),
@@ -96,12 +104,14 @@ class RLTrainer:
         version = min(s.version for s in samples)
         # verl v1's staleness: the trained weights' version minus the version that generated the sample.
         staleness = np.array([step - s.version for s in samples], dtype=np.float64)
-        metrics = {**reward_metrics(samples, loss_mask), **actor_metrics, **timing, **self.agent.step_metrics(),
-                   "perf/throughput": len(samples) / timing["timing_s/step"],
+        metrics = {**reward_metrics(samples, loss_mask), **advantage_metrics(samples), **actor_metrics, **timing,
+                   **self.agent.step_metrics(), **throughput_metrics(samples, timing["timing_s/step"], self.n_devices),
                    "rollout/policy_version": float(version), "async_reward/policy_version_lag": float(step - version),
                    "training/off_policy/trajectory_staleness/mean": float(staleness.mean()),
                    "training/off_policy/trajectory_staleness/max": float(staleness.max()),
                    "weight_sync/bytes": float(self.ops.take_sync_bytes())}
+        if self.cfg.actor_rollout_ref.model.modality == "text":
+            metrics.update(response_length_metrics(samples, int(self.cfg.actor_rollout_ref.rollout.response_length)))
         self.last_timeline = timeline_record(step + 1, collection, samples, timer)
         return metrics, samples
 
@@ -122,8 +132,7 @@ class RLTrainer:
         if self.cfg.trainer.log_val_generations > 0:
             self.modality.save_samples(self.run_dir / "validation", step,
                                        samples[: int(self.cfg.trainer.log_val_generations)])
-        scores = [s.outcome.score for s in samples if s.outcome.ok]
-        return {"val/reward/mean": float(np.mean(scores)) if scores else float("nan")}
+        return validation_metrics(samples)
 
     def _validation_window(self, sampling: dict) -> tuple[int, int]:
         """No SDE step at noise level 0; else a window as training draws one, fixed for the run."""

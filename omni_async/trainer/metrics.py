@@ -40,3 +40,71 @@ def reward_metrics(samples: list[Sample], loss_mask: torch.Tensor) -> dict[str, 
         if vals:
             m[key] = float(np.mean(vals))
     return m
+
+
+def validation_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Validation rewards under verl's names: ``val-core/{data_source}/reward/mean@{n}`` (and ``best@n/*``,
+    ``worst@n/*`` from verl's ``process_validation_metrics``, bootstrapped over each prompt's ``n`` samples);
+    statistics that are not the core ones go under ``val-aux/``, as verl / verl-omni sort them. Failed reward calls
+    are left out (as in training); ``val-aux/reward/failed`` counts them."""
+    from verl.trainer.ppo.metric_utils import process_validation_metrics
+
+    ok = [s for s in samples if s.outcome.ok]
+    out: dict[str, float] = {"val-aux/reward/failed": float(len(samples) - len(ok))}
+    by_source = process_validation_metrics([s.row.data_source for s in ok], [s.uid for s in ok],
+                                           {"reward": [s.outcome.score for s in ok]})
+    for source, per_var in by_source.items():
+        for var, stats in per_var.items():
+            n_max = max(int(name.split("@")[-1].split("/")[0]) for name in stats)
+            for name, value in stats.items():
+                core = name.startswith(("mean", "maj", "best")) and f"@{n_max}" in name
+                out[f"{'val-core' if core else 'val-aux'}/{source}/{var}/{name}"] = float(value)
+    return out
+
+
+def validation_reward_mean(row: dict) -> float | None:
+    """The mean validation reward of a ``metrics.jsonl`` row: ``val-core/*/reward/mean@n`` averaged over data
+    sources (one number for the reward curve), or ``None`` where the row has no validation. Rows of runs from
+    earlier releases carry ``val/reward/mean`` instead."""
+    vals = [v for k, v in row.items() if k.startswith("val-core/") and "/reward/mean@" in k]
+    if not vals and "val/reward/mean" in row:
+        vals = [row["val/reward/mean"]]
+    return float(np.mean(vals)) if vals else None
+
+
+def advantage_metrics(samples: list[Sample]) -> dict[str, float]:
+    """verl's ``critic/advantages/{mean,max,min}`` over the samples in the loss. verl takes them over valid
+    response tokens, so a text sample weighs as many times as it has response tokens; an image counts once."""
+    kept = [s for s in samples if s.advantage is not None]
+    if not kept:
+        return {}
+    adv = np.array([s.advantage for s in kept])
+    weight = np.array([len(getattr(s.result, "response_ids", [None])) for s in kept], dtype=float)
+    return {"critic/advantages/mean": float((adv * weight).sum() / max(weight.sum(), 1.0)),
+            "critic/advantages/max": float(adv.max()), "critic/advantages/min": float(adv.min())}
+
+
+def response_length_metrics(samples: list[Sample], max_length: int) -> dict[str, float]:
+    """Text: verl's ``response_length/{mean,max,min,clip_ratio}`` (clip_ratio: share of responses that reached
+    ``rollout.response_length``)."""
+    lengths = np.array([len(s.result.response_ids) for s in samples if s.result is not None])
+    if lengths.size == 0:
+        return {}
+    return {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+            "response_length/min": float(lengths.min()),
+            "response_length/clip_ratio": float((lengths >= max_length).mean())}
+
+
+def throughput_metrics(samples: list[Sample], step_s: float, n_devices: int) -> dict[str, float]:
+    """verl's / verl-omni's ``perf/throughput``: images (verl-omni) or prompt + response tokens (verl) per second
+    per device of the run (all pools), with ``perf/total_num_images`` / ``perf/total_num_tokens`` and
+    ``perf/time_per_step``; ``perf/samples_per_s`` (project-only) is the samples per second of all devices."""
+    text = all(hasattr(s.result, "response_ids") for s in samples)
+    if text:
+        units = float(sum(len(s.result.prompt_ids) + len(s.result.response_ids) for s in samples))
+        out = {"perf/total_num_tokens": units}
+    else:
+        units = float(len(samples))
+        out = {"perf/total_num_images": units}
+    return {**out, "perf/time_per_step": step_s, "perf/throughput": units / (step_s * max(n_devices, 1)),
+            "perf/samples_per_s": len(samples) / step_s}

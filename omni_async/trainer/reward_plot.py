@@ -2,7 +2,8 @@
 
 Per step: the mean training reward (``critic/rewards/mean``), a band of ± one standard deviation across the step's
 samples (``critic/rewards/std``, clipped to the step's min / max; runs without it get the min – max band), and the
-validation reward (``val/reward/mean``) where a step has one. The title gives the mean of the first and of the
+validation reward (verl's ``val-core/{data_source}/reward/mean@n``, averaged over data sources) where a step has
+one. The title gives the mean of the first and of the
 last three steps. The trainer draws it at the end of ``fit``; ``python -m omni_async.tools.plot_reward RUN_DIR``
 re-draws it (or compares runs).
 """
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-MEAN, STD, MIN, MAX, VAL = ("critic/rewards/mean", "critic/rewards/std", "critic/rewards/min", "critic/rewards/max",
-                            "val/reward/mean")
+from omni_async.trainer.metrics import validation_reward_mean
+
+MEAN, STD, MIN, MAX = "critic/rewards/mean", "critic/rewards/std", "critic/rewards/min", "critic/rewards/max"
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -62,7 +64,7 @@ def plot_reward(run_dir: str | Path, out: str | Path | None = None, title: str |
     else:  # runs from before critic/rewards/std was logged
         ax.fill_between(steps, lo, hi, color="C0", alpha=0.15, linewidth=0, label="min – max over samples")
     ax.plot(steps, mean, "-", color="C0", linewidth=1.8, label="train reward mean")
-    val = [(r["step"], r[VAL]) for r in every if np.isfinite(r.get(VAL, np.nan))]
+    val = [(r["step"], v) for r in every if (v := validation_reward_mean(r)) is not None and np.isfinite(v)]
     if val:
         ax.plot(*zip(*val, strict=True), "s--", color="C3", markersize=5, label="validation reward mean")
     first, last = first_last(list(mean))

@@ -190,6 +190,8 @@ class StepOps:
         if algo.drop_zero_adv_samples:  # flow_grpo filters them out of the batch: the loss mean runs over the rest
             loss_mask = loss_mask & (adv != 0)
         batch.batch["advantages"], batch.batch["loss_mask"] = adv, loss_mask
+        for s, a, kept in zip(samples, adv.tolist(), loss_mask.tolist(), strict=True):
+            s.advantage = a if kept else None
         return batch
 
     def recompute_old_log_probs(self, batch: DataProto, timer: Timer) -> None:

@@ -18,7 +18,7 @@ def write_run(run_dir, steps=6, val_every=3):
         m = {"critic/rewards/mean": 0.1 * s, "critic/rewards/std": 0.05, "critic/rewards/min": 0.0,
              "critic/rewards/max": 1.0}
         if s % val_every == 0:
-            m["val/reward/mean"] = 0.5
+            m["val-core/ocr/reward/mean@1"] = 0.5
         logger.log(s, m)
     logger.close()  # draws plots/reward.png
 
@@ -35,10 +35,10 @@ def test_rows_by_step_and_first_last(tmp_path):
     write_run(tmp_path)
     with (tmp_path / "metrics.jsonl").open("a") as f:  # a step's second row merges into it, later values win
         f.write(json.dumps({"step": 6, "critic/rewards/mean": 0.9}) + "\n")
-        f.write(json.dumps({"step": 0, "val/reward/mean": 0.4}) + "\n")  # val_before_train's own row
+        f.write(json.dumps({"step": 0, "val-core/ocr/reward/mean@1": 0.4}) + "\n")  # val_before_train's own row
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6] and rows[-1]["critic/rewards/mean"] == 0.9
-    assert rows[-1]["val/reward/mean"] == 0.5 and rows[0] == {"step": 0, "val/reward/mean": 0.4}
+    assert rows[-1]["val-core/ocr/reward/mean@1"] == 0.5 and rows[0] == {"step": 0, "val-core/ocr/reward/mean@1": 0.4}
     rows = rows[1:]
     first, last = first_last([r["critic/rewards/mean"] for r in rows])
     assert np.isclose(first, 0.2) and np.isclose(last, (0.4 + 0.5 + 0.9) / 3)

@@ -33,6 +33,52 @@ def test_documented_overrides():
     assert not streaming_enabled(compose(BASE + ["reward.streaming=false"]))
 
 
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.actor.optim.lr=fast", "actor_rollout_ref.actor.optim.lr='fast': expected a number, got str"),
+    ("trainer.seed=1.5", "trainer.seed=1.5: expected a whole number, got float"),
+    ("reward.timeout_s=120s", "reward.timeout_s='120s': expected a number, got str"),
+    ("trainer.val_before_train=maybe", "trainer.val_before_train='maybe': expected true or false"),
+    ("actor_rollout_ref.rollout.algo.sde_window_range=[0,x]",
+     "actor_rollout_ref.rollout.algo.sde_window_range[1]='x': expected a whole number"),
+    ("trainer.total_training_steps=many", "trainer.total_training_steps='many': expected a whole number"),
+])
+def test_wrong_type_fails_at_compose_naming_key_value_and_type(override, message):
+    key = override.split("=")[0]  # a list's element is named in the message, the list in the fix
+    with pytest.raises(ConfigError) as err:
+        compose(BASE + [override])
+    assert str(err.value).startswith(message) and f"Fix: set {key} to the right type, e.g. {key}=" in str(err.value)
+
+
+def test_types_admit_what_the_keys_mean():
+    cfg = compose(BASE + ["reward.timeout_s=2.5", "trainer.total_training_steps=null", "actor_rollout_ref.actor.optim"
+                          ".lr=1e-3", "+reward.custom_reward_function.reward_kwargs.anything=[1,x]",
+                          "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16", "data.train_files=[a.jsonl,b.jsonl]"])
+    assert cfg.reward.timeout_s == 2.5 and cfg.trainer.total_training_steps is None
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-3 and list(cfg.data.train_files) == ["a.jsonl", "b.jsonl"]
+    text = compose(BASE, "grpo_text_trainer")  # one schema serves both config files
+    assert text.actor_rollout_ref.model.modality == "text"
+
+
+def test_every_nullable_key_has_a_type():
+    """A key whose default is null says its type in config_schema.NULLABLE (else any value would pass)."""
+    from omegaconf import OmegaConf
+
+    from omni_async.trainer.config import CONFIG_NAMES, compose_untyped
+    from omni_async.trainer.config_schema import NULLABLE
+
+    def nulls(node, prefix=""):
+        for k, v in node.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, dict) and v:
+                yield from nulls(v, key + ".")
+            elif v is None:
+                yield key
+
+    untyped = {k for name in CONFIG_NAMES
+               for k in nulls(OmegaConf.to_container(compose_untyped([], name), resolve=False))} - set(NULLABLE)
+    assert not untyped, f"add these keys' types to config_schema.NULLABLE: {sorted(untyped)}"
+
+
 def test_unknown_key_is_hydra_error():
     with pytest.raises((ConfigCompositionException, ConfigAttributeError)):
         compose(BASE + ["reward.not_a_key=1"])

@@ -36,20 +36,34 @@ def run_trainer(run_dir: Path, data_dir: Path, *overrides: str) -> list[dict]:
 
 
 def deterministic(m: dict) -> dict:
-    return {k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/", "val/"))}
+    return {k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/", "val-"))}
+
+
+def val_reward(row: dict) -> float | None:
+    from omni_async.trainer.metrics import validation_reward_mean
+
+    return validation_reward_mean(row)
 
 
 def test_sync_run_then_kill_and_resume_gives_same_next_step(tmp_path, data_dir):
     full = run_trainer(tmp_path / "full", data_dir, "trainer.total_training_steps=3",
-                       f"data.val_files={data_dir}/val.jsonl", "trainer.test_freq=3")
+                       f"data.val_files={data_dir}/val.jsonl", "trainer.test_freq=3", "trainer.logger=[console,file]")
     assert [m["step"] for m in full] == [1, 2, 3]
     for key in ("critic/rewards/mean", "critic/rewards/std_mean", "critic/rewards/zero_std_ratio", "actor/pg_loss",
                 "actor/ppo_kl", "actor/pg_clipfrac", "actor/ratio_mean", "actor/grad_norm", "timing_s/gen",
                 "timing_s/reward", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv", "timing_s/update_actor",
-                "timing_s/step", "perf/throughput", "timing_s/reward_compute/p95"):
+                "timing_s/step", "perf/throughput", "timing_s/reward_compute/p95", "critic/advantages/mean",
+                "perf/samples_per_s", "perf/total_num_images"):
         assert key in full[0], key
+    # verl's meanings: images per second per device (one actor device here), advantages of the trained samples.
+    assert full[0]["perf/throughput"] == pytest.approx(8 / full[0]["timing_s/step"])
+    assert full[0]["critic/advantages/min"] < 0 < full[0]["critic/advantages/max"]
+    # The same rows went through verl's Tracking: its `file` backend ({"step", "data"} per log call).
+    tracked = [json.loads(x) for x in (tmp_path / "full/tracking.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in tracked] == [1, 2, 3]
+    assert tracked[2]["data"] == pytest.approx({k: v for k, v in full[2].items() if k != "step"})
     assert full[0]["reward/failed"] == 0 and full[0]["critic/rewards/mean"] < 0  # JPEG compressibility = -kB
-    assert "val/reward/mean" in full[2]
+    assert "val-core/ocr/reward/mean@1" in full[2] and val_reward(full[1]) is None  # verl's key, test_freq=3
     # Weights pushed after every update: step k's samples come from policy version k-1.
     assert [m["rollout/policy_version"] for m in full] == [0.0, 1.0, 2.0]
     assert (tmp_path / "full/samples/step_0001.png").stat().st_size > 0
@@ -92,7 +106,7 @@ def test_main_job_script_short_variant(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "run directory:" in proc.stdout
     rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1] and "val/reward/mean" in rows[0] and "val/reward/mean" in rows[1]
+    assert [r["step"] for r in rows] == [0, 1] and val_reward(rows[0]) is not None and val_reward(rows[1]) is not None
     step = rows[1]
     # The main job streams to a dedicated reward pool: no colocated reward phase, every sample through the queue.
     # (the queue's counter is cumulative: 8 validation samples before training, then the step's 8)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import sys
 import types
 from concurrent.futures import ThreadPoolExecutor
@@ -180,7 +181,8 @@ BASE = ["data.train_files=x.jsonl"]
     (["trainer.total_epochs=0"], "trainer.total_epochs", "e.g. 1"),
     (["trainer.total_training_steps=0"], "trainer.total_training_steps", "e.g. 4"),
     (["trainer.log_val_generations=-1"], "trainer.log_val_generations", "0 for none"),
-    (["trainer.logger=[console,mlflow]"], "trainer.logger", "use console, jsonl, tensorboard, wandb"),
+    (["trainer.logger=[console,mlflow]"], "trainer.logger", "pip install mlflow"),
+    (["trainer.logger=[console,jsonl2]"], "trainer.logger", "use verl's: wandb, mlflow"),
     (["reward.custom_reward_function.path=pkg://omni_async.reward.scorers.vlm_judge",
       "+reward.custom_reward_function.reward_kwargs.model_path=tiny:qwen2_vl"],
      "reward.custom_reward_function.reward_kwargs.model_path", "reward.reward_model.model_path=tiny:qwen2_vl"),
@@ -259,7 +261,7 @@ def test_validation_runs_val_kwargs_before_training_logs_n_samples_and_epochs_se
     finally:
         shutdown_ray()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1] and "val/reward/mean" in rows[0] and "actor/pg_loss" in rows[1]
+    assert [r["step"] for r in rows] == [0, 1] and any(k.startswith("val-core/") for k in rows[0]) and "actor/pg_loss" in rows[1]
     grid = Image.open(run_dir / "validation/step_0000.png")
     assert grid.size == (4 * 48, 2 * (48 + 14))  # 5 samples at the validation size (the training size is 32)
 
@@ -284,25 +286,25 @@ def test_judge_model_path_has_one_key(monkeypatch):
     assert not failed[0].ok and "reward.reward_model.model_path" in failed[0].error
 
 
-def test_metrics_logger_sends_rows_to_wandb_under_project_name(tmp_path, monkeypatch):
+def test_metrics_logger_sends_rows_to_wandb_through_verl_tracking(tmp_path, monkeypatch):
+    """trainer.logger=[wandb] goes through verl's Tracking (project / experiment names as in verl); wandb's files land
+    in the run directory unless WANDB_DIR says otherwise, and the variable is not left set."""
     calls = []
-
-    class Run:
-        def log(self, metrics, step):
-            calls.append(("log", step, dict(metrics)))
-
-        def finish(self):
-            calls.append(("finish",))
-
+    monkeypatch.delenv("WANDB_DIR", raising=False)
     fake = types.ModuleType("wandb")
-    fake.init = lambda **kw: calls.append(("init", kw["project"], kw["name"])) or Run()
+    fake.init = lambda **kw: calls.append(("init", kw["project"], kw["name"], os.environ.get("WANDB_DIR")))
+    fake.log = lambda data, step: calls.append(("log", step, dict(data)))
+    fake.finish = lambda exit_code=0: calls.append(("finish",))
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    logger = MetricsLogger(tmp_path, ["wandb"], 2, label="exp", project="flow_grpo")
-    logger.log(0, {"val/reward/mean": 0.5}, advance=False)
+    logger = MetricsLogger(tmp_path, ["wandb"], 2, label="exp", project="flow_grpo",
+                           config={"trainer": {"project_name": "flow_grpo"}})
+    logger.log(0, {"val-core/ocr/reward/mean@1": 0.5}, advance=False)
     logger.log(1, {"actor/pg_loss": 0.1})
     logger.close()
-    assert calls == [("init", "flow_grpo", "exp"), ("log", 0, {"val/reward/mean": 0.5}),
+    assert calls == [("init", "flow_grpo", "exp", str(tmp_path)), ("log", 0, {"val-core/ocr/reward/mean@1": 0.5}),
                      ("log", 1, {"actor/pg_loss": 0.1}), ("finish",)]
+    assert "WANDB_DIR" not in os.environ
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1]
 
 
 def test_max_prompt_length_counts_tokens_per_modality():

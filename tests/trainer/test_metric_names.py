@@ -1,0 +1,54 @@
+"""Step and validation metrics under verl's / verl-omni's names and meanings (``trainer.metrics``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni_async.sample import PromptRow, RewardOutcome, Sample, TextResult
+from omni_async.trainer.metrics import (
+    advantage_metrics,
+    response_length_metrics,
+    throughput_metrics,
+    validation_metrics,
+    validation_reward_mean,
+)
+
+
+def _sample(i: int, uid: str, source: str, score: float | None, response_len: int = 0) -> Sample:
+    s = Sample(index=i, uid=uid, row=PromptRow("p", source, "gt"), seed=i)
+    s.outcome = RewardOutcome("ok", score) if score is not None else RewardOutcome("failed", error="boom")
+    s.result = TextResult(prompt_ids=[1, 2, 3], response_ids=list(range(response_len)), response="r",
+                          log_probs=torch.zeros(response_len))
+    return s
+
+
+def test_validation_keys_are_verls_core_and_aux_sections():
+    samples = [_sample(0, "a", "ocr", 0.2), _sample(1, "a", "ocr", 0.6), _sample(2, "b", "ocr", 1.0),
+               _sample(3, "b", "ocr", None), _sample(4, "c", "gsm8k", 0.0), _sample(5, "c", "gsm8k", 1.0)]
+    m = validation_metrics(samples)
+    # verl: per prompt, the mean of its n ok samples, averaged over the prompts with that n; the core key is the
+    # largest n (prompt b lost a sample to a failed reward call: it is reported under mean@1, an aux key).
+    assert m["val-core/ocr/reward/mean@2"] == pytest.approx(0.4) and m["val-aux/ocr/reward/mean@1"] == 1.0
+    assert m["val-core/gsm8k/reward/mean@2"] == pytest.approx(0.5)
+    assert "val-core/ocr/reward/best@2/mean" in m and "val-aux/ocr/reward/std@2" in m
+    assert "val-aux/ocr/reward/worst@2/mean" in m and m["val-aux/reward/failed"] == 1.0
+    assert not any(k.startswith("val/") for k in m)
+    assert validation_reward_mean(m) == pytest.approx((0.4 + 0.5) / 2)
+    assert validation_reward_mean({"step": 3, "critic/rewards/mean": 0.1}) is None
+
+
+def test_advantages_weigh_text_tokens_and_throughput_is_per_device():
+    a, b = _sample(0, "a", "x", 1.0, response_len=3), _sample(1, "a", "x", 0.0, response_len=1)
+    masked = _sample(2, "b", "x", 0.5, response_len=9)
+    a.advantage, b.advantage, masked.advantage = 1.0, -1.0, None
+    m = advantage_metrics([a, b, masked])
+    # verl averages over valid response tokens: (3 x 1.0 + 1 x -1.0) / 4; a masked sample is not in the loss.
+    assert m == {"critic/advantages/mean": 0.5, "critic/advantages/max": 1.0, "critic/advantages/min": -1.0}
+    t = throughput_metrics([a, b, masked], step_s=2.0, n_devices=4)
+    tokens = 3 * 3 + 3 + 1 + 9  # prompt + response tokens, as verl's global_token_num
+    assert t["perf/total_num_tokens"] == tokens and t["perf/throughput"] == pytest.approx(tokens / (2.0 * 4))
+    assert t["perf/samples_per_s"] == 1.5 and t["perf/time_per_step"] == 2.0
+    r = response_length_metrics([a, b, masked], max_length=9)
+    assert r == {"response_length/mean": pytest.approx(13 / 3), "response_length/max": 9.0,
+                 "response_length/min": 1.0, "response_length/clip_ratio": pytest.approx(1 / 3)}

@@ -29,11 +29,20 @@ CONFIG_NAMES = ("flowgrpo_trainer", "grpo_text_trainer")  # every config file us
 
 
 def compose_untyped(overrides: list[str] | None = None, config_name: str = "flowgrpo_trainer") -> DictConfig:
+    """Hydra's composition of ``config_name`` with ``overrides``; also callable inside ``@hydra.main`` (the entry
+    point's Hydra state is put aside and restored)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
 
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+    outer = get_gh_backup()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+    finally:
+        restore_gh_from_backup(outer)
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "flowgrpo_trainer") -> DictConfig:

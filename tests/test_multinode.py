@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import ray
 from helpers import two_node_cluster
 
 from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
 from omni_async.trainer.loop import FlowGRPOTrainer
+
+pytestmark = pytest.mark.slow  # training runs: not in the fast tier (pytest -m 'not slow')
 
 
 def test_reward_pool_lands_on_the_other_node(tmp_path):

@@ -20,6 +20,8 @@ from omni_async.trainer.loop import RLTrainer
 from omni_async.trainer.step_ops import ActorRankDiedError
 from omni_async.trainer.strategies import FullBatchUpdate, OneStepOffPolicy, OnPolicy, PipelinedUpdate
 
+pytestmark = pytest.mark.slow  # training runs: not in the fast tier (pytest -m 'not slow')
+
 # 4 prompts x 2 samples; a mini-batch of 2 groups = one group per rank.
 DP = [*SMALL_IMAGE_TRAINER, "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
       "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.log_image_freq=-1", "trainer.log_timeline_freq=-1",

@@ -32,6 +32,7 @@ def make_trainer(tmp_path: Path, name: str, *overrides: str) -> RLTrainer:
     return trainer
 
 
+@pytest.mark.slow
 def test_rollout_worker_killed_mid_step_regenerates_the_same_samples(tmp_path):
     """kill -9 of the only rollout replica once its first batch is done: Ray restarts it, it gets the current
     weights back, its in-flight requests are generated again, the step completes with every sample scored and
@@ -99,6 +100,7 @@ def test_resume_keeps_one_metrics_row_per_step(tmp_path, resume_at):
     assert [r["x"] for r in rows[resume_at:]] == [10.0 + s for s in range(resume_at + 1, 6)]
 
 
+@pytest.mark.slow
 def test_dead_actor_rank_stops_the_run_naming_the_last_checkpoint_and_old_checkpoints_are_pruned(tmp_path):
     """The actor's optimizer state dies with its process: the step raises at once, naming the last checkpoint and
     how to resume; checkpoints beyond trainer.max_ckpt_to_keep are deleted, newest kept."""

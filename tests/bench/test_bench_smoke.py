@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # training runs: not in the fast tier (pytest -m 'not slow')
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

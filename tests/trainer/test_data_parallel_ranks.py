@@ -23,6 +23,8 @@ from omni_async.trainer.config import compose
 from omni_async.trainer.data_parallel import DataParallel, load_actor
 from omni_async.trainer.step_ops import StepOps
 
+pytestmark = pytest.mark.slow  # training runs: not in the fast tier (pytest -m 'not slow')
+
 PROMPTS, N = ["a red sign", "say 12", "a blue door"], 3  # 3 groups of 3: ranks get 2 groups and 1
 IMAGE = ["actor_rollout_ref.model.path=tiny:sd3", "actor_rollout_ref.rollout.num_inference_steps=4",
          "actor_rollout_ref.rollout.height=32", "actor_rollout_ref.rollout.width=32",

@@ -30,6 +30,7 @@ def run(trainer: RLTrainer, steps: int):
     return [trainer.train_step(step) for step in range(steps)]
 
 
+@pytest.mark.slow
 def test_hybrid_one_pipeline_per_device_no_transfer_same_samples_as_split(make_trainer):
     hybrid = make_trainer(*TWO_DEVICES, "reward.streaming=true")
     workers = hybrid.placement.rollout_workers
@@ -60,6 +61,7 @@ def test_hybrid_one_pipeline_per_device_no_transfer_same_samples_as_split(make_t
 
 
 
+@pytest.mark.slow
 def test_hybrid_one_step_off_rollout_reads_the_version_that_made_it(make_trainer):
     """Step 1's samples generate while step 0's update changes the live adapter on the same device; they must be
     exactly the samples of version 0 (the rollout reads a snapshot of the adapter, not the weights in training)."""

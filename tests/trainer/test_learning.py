@@ -21,6 +21,8 @@ from omni_async.trainer.config import compose
 from omni_async.trainer.loop import FlowGRPOTrainer
 from omni_async.trainer.strategies import MODE_OVERRIDES
 
+pytestmark = pytest.mark.slow  # training runs: not in the fast tier (pytest -m 'not slow')
+
 # Full fine-tune: the overlap modes need the split layout (rollout replicas with their own copy of the weights).
 LEARN = ["actor_rollout_ref.model.path=tiny:sd3", "actor_rollout_ref.model.lora_rank=0",
          "actor_rollout_ref.hybrid_engine=false",

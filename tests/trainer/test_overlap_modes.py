@@ -10,6 +10,8 @@ from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
 from omni_async.trainer.loop import FlowGRPOTrainer
 
+pytestmark = pytest.mark.slow  # training runs: not in the fast tier (pytest -m 'not slow')
+
 SLOW = ["reward.custom_reward_function.path=pkg://omni_async.reward.scorers.simulated",
         "+reward.custom_reward_function.reward_kwargs.latency_scale=0.02"]  # 20-800 ms per sample
 SMALL = ["actor_rollout_ref.model.path=tiny:sd3", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",

@@ -13,6 +13,8 @@ from helpers import SMALL_IMAGE_TRAINER, Trainers
 
 from omni_async.trainer.loop import RewardFailureError
 
+pytestmark = pytest.mark.slow  # training runs: not in the fast tier (pytest -m 'not slow')
+
 ROOT = Path(__file__).resolve().parents[2]
 TEST_REWARDS = str(ROOT / "tests/reward/rewards_for_tests.py")
 SMALL = SMALL_IMAGE_TRAINER

@@ -45,6 +45,7 @@ def val_reward(row: dict) -> float | None:
     return validation_reward_mean(row)
 
 
+@pytest.mark.slow
 def test_sync_run_then_kill_and_resume_gives_same_next_step(tmp_path, data_dir):
     full = run_trainer(tmp_path / "full", data_dir, "trainer.total_training_steps=3",
                        f"data.val_files={data_dir}/val.jsonl", "trainer.test_freq=3", "trainer.logger=[console,file]")
@@ -95,6 +96,7 @@ def test_qwen_image_ocr_smoke(tmp_path, data_dir):
     assert 0.0 <= metrics[0]["critic/rewards/mean"] <= 1.0
 
 
+@pytest.mark.slow
 def test_main_job_script_short_variant(tmp_path):
     """The main job's CPU default (tiny:qwen_image_text, LoRA, PP-OCR on the reward pool), one step of 2 prompts x 4:
     validation before training and after the step, a real OCR signal (the issue-17 symptom was every reward 0,

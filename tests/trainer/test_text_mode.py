@@ -47,6 +47,7 @@ def close(trainer) -> None:
     shutdown_ray()
 
 
+@pytest.mark.slow
 def test_text_stream_scores_land_on_last_token_and_match_sync(arith, tmp_path):
     stream = make(arith, tmp_path, "reward.streaming=true", *DIGITS)
     try:
@@ -70,6 +71,7 @@ def test_text_stream_scores_land_on_last_token_and_match_sync(arith, tmp_path):
         close(sync)
 
 
+@pytest.mark.slow
 def test_text_grpo_learns_a_format_reward(arith, tmp_path):
     """Digits share of the response (a random tiny LM emits a digit ~4% of the time): measured 0.05 -> 0.49 over
     20 steps with these settings (0.99 after 40); per-step noise of the mean is ~0.01, the margin is 0.15."""
@@ -82,6 +84,7 @@ def test_text_grpo_learns_a_format_reward(arith, tmp_path):
     assert np.mean(curve[-3:]) > np.mean(curve[:3]) + 0.15, [round(c, 3) for c in curve]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("streaming", "hybrid"), [("true", "true"), ("false", "false")],
                          ids=["stream-hybrid", "sync-split"])  # text in both layouts
 def test_text_class_post_process_and_tuple_rewards(arith, tmp_path, streaming, hybrid):
@@ -116,6 +119,7 @@ def test_500_concurrent_slow_async_scores_take_about_one_latency():
     assert elapsed < 0.01 * 500 * 1.0, elapsed  # 500 one-second calls: about one latency, far from 500
 
 
+@pytest.mark.slow
 def test_text_example_script_short_variant(tmp_path):
     import os
     import subprocess

@@ -6,8 +6,8 @@ For one window step, per sample i with log-probs of the stored transition under 
     L_pg    = mean_i max(-A_i * rho_i, -A_i * clip(rho_i, 1 - eps, 1 + eps))       (eps = clip_ratio)
     L       = L_pg + beta * mean_i KL_i                                            (beta = kl_loss_coef)
 
-with ``KL_i = mean_dims (mu_theta - mu_ref)^2 / (2 std_dev_t^2)``, flow_grpo's scale (see ``sde.kl_to_reference``). Means run over the kept samples
-only (``mask``); a masked sample contributes nothing to the loss or to the metrics.
+with ``KL_i = mean_dims (mu_theta - mu_ref)^2 / (2 std_dev_t^2)``, flow_grpo's scale (see ``sde.kl_to_reference``).
+Means run over the kept samples only (``mask``); a masked sample contributes nothing to the loss or to the metrics.
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ def flow_grpo_loss(
     clip_ratio: float,
     kl: torch.Tensor | None = None,
     kl_coef: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Return ``(loss, metrics)`` for one window step; all inputs are ``[B]``."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Return ``(loss, metrics)`` for one window step; all inputs are ``[B]``. The metrics are detached 0-d tensors
+    on the inputs' device: reading them (``.item()``) waits for the device, so a caller reads them once, after its
+    backward passes, not once per metric per step."""
     mask = mask.bool()
     log_ratio = log_prob - old_log_prob.detach()
     ratio = torch.exp(log_ratio)
@@ -39,23 +41,26 @@ def flow_grpo_loss(
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
     pg_loss = _masked_mean(torch.maximum(unclipped, clipped), mask)
     loss = pg_loss
-    metrics: dict[str, float] = {}
+    metrics: dict[str, torch.Tensor] = {}
     if kl is not None and kl_coef > 0:
         kl_loss = _masked_mean(kl, mask)
         loss = loss + kl_coef * kl_loss
-        metrics["actor/kl_loss"] = kl_loss.item()
+        metrics["actor/kl_loss"] = kl_loss.detach()
     with torch.no_grad():
         m = mask.float()
-        r = ratio[mask] if mask.any() else ratio.new_ones(1)
+        n = m.sum()
+        # Over the kept samples, without indexing by the mask (a device sync); no kept sample reads ratio 1, std 0.
+        ratio_mean = torch.where(n > 0, _masked_mean(ratio, m), torch.ones_like(n))
+        ratio_var = ((ratio - ratio_mean) ** 2 * m).sum() / (n - 1).clamp(min=1.0)  # unbiased, as torch.std
         metrics.update({
-            "actor/pg_loss": pg_loss.item(),
+            "actor/pg_loss": pg_loss.detach(),
             # k1 estimator of KL(old || new) on the sampled transitions, as verl reports it.
-            "actor/ppo_kl": _masked_mean(-log_ratio, mask).item(),
-            "actor/pg_clipfrac": _masked_mean((clipped > unclipped).float(), m).item(),
-            "actor/pg_clipfrac_higher": _masked_mean((ratio > 1 + clip_ratio).float() * (adv > 0), m).item(),
-            "actor/pg_clipfrac_lower": _masked_mean((ratio < 1 - clip_ratio).float() * (adv < 0), m).item(),
-            "actor/ratio_mean": r.mean().item(),
-            "actor/ratio_std": r.std().item() if r.numel() > 1 else 0.0,
+            "actor/ppo_kl": _masked_mean(-log_ratio, mask),
+            "actor/pg_clipfrac": _masked_mean((clipped > unclipped).float(), m),
+            "actor/pg_clipfrac_higher": _masked_mean((ratio > 1 + clip_ratio).float() * (adv > 0), m),
+            "actor/pg_clipfrac_lower": _masked_mean((ratio < 1 - clip_ratio).float() * (adv < 0), m),
+            "actor/ratio_mean": ratio_mean,
+            "actor/ratio_std": ratio_var.sqrt(),
         })
     return loss, metrics
 

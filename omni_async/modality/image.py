@@ -101,7 +101,7 @@ class ImageModality:
                                                                             "advantages"))
         loss_mask = loss_mask.to(policy.device)
         n_steps = latents.shape[1] - 1
-        metrics: dict[str, list[float]] = defaultdict(list)
+        step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)  # read after the last backward, in one sync
         ref_s = 0.0
         for j, out in self._window_steps(policy, cond, latents, start):
             kl = None
@@ -115,7 +115,10 @@ class ImageModality:
                                      kl=kl, kl_coef=actor_cfg.kl_loss_coef)
             (loss * loss_scale / n_steps).backward()  # the window's steps are averaged
             for k, v in m.items():
-                metrics[k].append(v)
+                step_metrics[k].append(v)
+        keys = list(step_metrics)
+        values = torch.stack([torch.stack(step_metrics[k]) for k in keys]).tolist() if keys else []
+        metrics: dict[str, list[float]] = dict(zip(keys, values, strict=True))
         metrics[REF_TIME_KEY] = [ref_s]
         return metrics
 

@@ -7,6 +7,16 @@ window must return its log-prob (``omni_async.algos.sde``).
 
 Sampling is reproducible per sample: sample ``i`` draws its initial noise and every SDE noise from its own
 ``torch.Generator(seed_i)``, so the result does not depend on which other samples share its batch.
+
+Inside the SDE window (the steps that have a log-prob) the transformer runs once per sample, on that sample's own
+rows: its prompt, then (CFG) its negative prompt, text trimmed to the valid tokens and the two branches padded to
+one length with a mask only where their lengths differ. Rollout, log-prob recompute and update therefore give the
+transformer the same shapes for a window step whichever batch, micro-batch or padding the sample came in, so pi_old
+(the rollout's log-prob, bypass mode) and the update's first forward agree bit for bit. Batching samples, even
+padded to one fixed length, does not give that: kernels pick their blocking by batch size (measured on CPU in bf16:
+tiny SD3's log-prob moved by 6.5e-4 between a generation batch of 4 and an update micro-batch of 1, against a clip
+of 1e-4). The rollout's ODE steps, which score nothing, run the whole batch in one call (every prompt, then every
+negative prompt, padded to one length with a mask). Branches are combined in fp32.
 """
 
 from __future__ import annotations
@@ -53,28 +63,54 @@ class Rollout:
 # made once per sample at rollout and carried to the update, which never runs the text encoder.
 COND_KEYS = ("prompt_embeds", "prompt_embeds_mask", "pooled_prompt_embeds", "negative_prompt_embeds",
              "negative_prompt_embeds_mask", "negative_pooled_prompt_embeds")
+NEGATIVE = "negative_"  # the CFG branch's keys: the positive keys with this prefix
 
 
-def split_conditioning(cond: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
-    """One sample's prompt encodings per row, on the CPU, each an own copy (a view would pickle the whole batch's
-    storage into every sample). A masked sequence (Qwen-Image) is cut to its valid tokens and its mask dropped, so
-    the record holds no padding and does not depend on the prompts it shared a batch with;
-    :func:`collate_conditioning` pads again and rebuilds the mask."""
+def sample_rows(cond: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
+    """Each sample's prompt encodings (views, on their device). A masked sequence (Qwen-Image) is cut to its valid
+    tokens and its mask dropped, so a row holds no padding and does not depend on the prompts it shared a batch
+    with. The masks are read on the host once per call (one copy per batch, not one sync per sample)."""
+    masks = {k: v.cpu().bool() for k, v in cond.items() if k.endswith("_mask") and v is not None}
     rows: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
     for key, value in cond.items():
         if value is None or key.endswith("_mask"):
             continue
-        mask = cond.get(f"{key}_mask")
+        mask = masks.get(f"{key}_mask")
         for i, row in enumerate(rows):
             v = value[i]
             if mask is not None:
-                valid = mask[i].bool()
-                length = int(valid.sum())
-                if not valid[:length].all():
+                length = int(mask[i].sum())
+                if not mask[i, :length].all():
                     raise ValueError(f"{key}: the text mask is not a prefix of valid tokens; cannot trim it")
                 v = v[:length]
-            row[key] = v.detach().cpu().clone()
+            row[key] = v
     return rows
+
+
+def split_conditioning(cond: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
+    """:func:`sample_rows` on the CPU, each tensor an own copy (a view would pickle the whole batch's storage into
+    every sample); :func:`collate_conditioning` pads again and rebuilds the mask."""
+    return [{k: v.detach().cpu().clone() for k, v in row.items()} for row in sample_rows(cond, n)]
+
+
+def batch_rows(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Samples' CFG branches (:func:`sample_rows`) as the rows of one transformer call, under the positive keys:
+    every prompt, then (when the rows have ``negative_*`` keys) every negative prompt, padded to one text length
+    with a mask where lengths differ (:func:`collate_conditioning`)."""
+    pos = [{k: v for k, v in r.items() if not k.startswith(NEGATIVE)} for r in rows]
+    neg = [{k[len(NEGATIVE):]: v for k, v in r.items() if k.startswith(NEGATIVE)} for r in rows]
+    return collate_conditioning(pos + neg if neg[0] else pos)
+
+
+@dataclass
+class StepConditioning:
+    """The transformer's inputs for a batch on the policy's device in its compute dtype, made once per batch
+    (:meth:`DiffusionPolicy.prepare`) and used by every denoising step: ``rows`` per sample (:func:`batch_rows` of
+    the one sample, for steps with a log-prob), ``batched`` the whole batch (:func:`batch_rows`, for the rollout's
+    ODE steps)."""
+
+    rows: list[dict[str, torch.Tensor]]
+    batched: dict[str, torch.Tensor] | None = None
 
 
 def collate_conditioning(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -91,7 +127,8 @@ def collate_conditioning(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch
             continue
         longest = max(lengths)
         out[key] = torch.stack([torch.nn.functional.pad(v, (0, 0, 0, longest - len(v))) for v in values])
-        out[f"{key}_mask"] = (torch.arange(longest)[None] < torch.tensor(lengths)[:, None]).long()
+        dev = values[0].device
+        out[f"{key}_mask"] = (torch.arange(longest, device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]).long()
     return out
 
 
@@ -114,20 +151,18 @@ class _QwenImageAdapter:
         return p.prepare_latents(len(generators), p.transformer.config.in_channels // 4, self.cfg.height,
                                  self.cfg.width, torch.float32, p.device, generators)
 
-    def _forward(self, x, t, emb, mask):
+    def forward(self, x, t, c):
         f = self.pipe.vae_scale_factor * 2
         shapes = [[(1, self.cfg.height // f, self.cfg.width // f)]] * x.shape[0]
         return self.pipe.transformer(hidden_states=x, timestep=(t / 1000).expand(x.shape[0]), guidance=None,
-                                     encoder_hidden_states=emb, encoder_hidden_states_mask=mask,
+                                     encoder_hidden_states=c["prompt_embeds"],
+                                     encoder_hidden_states_mask=c.get("prompt_embeds_mask"),
                                      img_shapes=shapes, return_dict=False)[0]
 
-    def velocity(self, x, t, cond):
-        v = self._forward(x, t, cond["prompt_embeds"], cond.get("prompt_embeds_mask"))
-        if "negative_prompt_embeds" in cond:  # Qwen-Image's norm-preserving true CFG
-            neg = self._forward(x, t, cond["negative_prompt_embeds"], cond.get("negative_prompt_embeds_mask"))
-            comb = neg + self.cfg.true_cfg_scale * (v - neg)
-            v = comb * (v.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))
-        return v
+    def guide(self, pos, neg):
+        """Qwen-Image's norm-preserving true CFG (``QwenImagePipeline.__call__``), on fp32 predictions."""
+        comb = neg + self.cfg.true_cfg_scale * (pos - neg)
+        return comb * (pos.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))
 
     def decode(self, x) -> torch.Tensor:
         p = self.pipe
@@ -160,16 +195,13 @@ class _SD3Adapter:
         return p.prepare_latents(len(generators), p.transformer.config.in_channels, self.cfg.height,
                                  self.cfg.width, torch.float32, p.device, generators)
 
-    def _forward(self, x, t, emb, pooled):
-        return self.pipe.transformer(hidden_states=x, timestep=t.expand(x.shape[0]), encoder_hidden_states=emb,
-                                     pooled_projections=pooled, return_dict=False)[0]
+    def forward(self, x, t, c):
+        return self.pipe.transformer(hidden_states=x, timestep=t.expand(x.shape[0]),
+                                     encoder_hidden_states=c["prompt_embeds"],
+                                     pooled_projections=c["pooled_prompt_embeds"], return_dict=False)[0]
 
-    def velocity(self, x, t, cond):
-        v = self._forward(x, t, cond["prompt_embeds"], cond["pooled_prompt_embeds"])
-        if "negative_prompt_embeds" in cond:
-            neg = self._forward(x, t, cond["negative_prompt_embeds"], cond["negative_pooled_prompt_embeds"])
-            v = neg + self.cfg.guidance_scale * (v - neg)
-        return v
+    def guide(self, pos, neg):
+        return neg + self.cfg.guidance_scale * (pos - neg)
 
     def decode(self, x) -> torch.Tensor:
         vae = self.pipe.vae
@@ -199,16 +231,12 @@ class _WanAdapter:
         return p.prepare_latents(len(generators), p.transformer.config.in_channels, self.cfg.height, self.cfg.width,
                                  self.cfg.num_frames, torch.float32, p.device, generators)
 
-    def _forward(self, x, t, emb):
-        return self.pipe.transformer(hidden_states=x, timestep=t.expand(x.shape[0]), encoder_hidden_states=emb,
-                                     return_dict=False)[0]
+    def forward(self, x, t, c):
+        return self.pipe.transformer(hidden_states=x, timestep=t.expand(x.shape[0]),
+                                     encoder_hidden_states=c["prompt_embeds"], return_dict=False)[0]
 
-    def velocity(self, x, t, cond):
-        v = self._forward(x, t, cond["prompt_embeds"])
-        if "negative_prompt_embeds" in cond:
-            neg = self._forward(x, t, cond["negative_prompt_embeds"])
-            v = neg + self.cfg.guidance_scale * (v - neg)
-        return v
+    def guide(self, pos, neg):
+        return neg + self.cfg.guidance_scale * (pos - neg)
 
     def decode(self, x) -> torch.Tensor:
         vae = self.pipe.vae
@@ -223,7 +251,7 @@ _ADAPTERS = {"QwenImagePipeline": _QwenImageAdapter, "StableDiffusion3Pipeline":
 
 
 # What a :meth:`DiffusionPolicy.with_sampling` view has of its own; everything else is the policy's.
-_VIEW_STATE = ("sampling", "adapter", "sigmas", "timesteps")
+_VIEW_STATE = ("sampling", "adapter", "sigmas", "timesteps", "sigma_max")
 
 
 def _seq_len(cfg: SamplingConfig) -> dict[str, int]:
@@ -233,6 +261,17 @@ def _seq_len(cfg: SamplingConfig) -> dict[str, int]:
 
 def sample_generators(seeds: list[int]) -> list[torch.Generator]:
     return [torch.Generator().manual_seed(int(s)) for s in seeds]
+
+
+def window_noise(generators: list[torch.Generator], like: torch.Tensor, steps: int) -> torch.Tensor:
+    """The SDE window's noise ``[B, steps, ...]``, drawn up front: sample ``i``'s from its own CPU generator in
+    step order (the same numbers as drawing at each step, so a sample is the same in any batch) and moved to the
+    device in one copy, from pinned memory without blocking on CUDA, instead of a pageable copy per step."""
+    noise = torch.stack([torch.stack([torch.randn(like.shape[1:], generator=g) for _ in range(steps)])
+                         if steps else torch.empty(0, *like.shape[1:]) for g in generators])
+    if like.device.type == "cuda":
+        noise = noise.pin_memory()
+    return noise.to(like.device, like.dtype, non_blocking=True)
 
 
 class DiffusionPolicy(TrainableModule):
@@ -270,7 +309,7 @@ class DiffusionPolicy(TrainableModule):
             self.transformer.enable_gradient_checkpointing()
         self.configure_vae()
         self.frozen_offloaded = False  # param_offload: text encoder(s) and VAE on the CPU (offload_frozen)
-        self.sigmas, self.timesteps = self._schedule()
+        self._set_schedule()
 
     @property
     def device(self) -> torch.device:
@@ -291,15 +330,31 @@ class DiffusionPolicy(TrainableModule):
         vae.enable_slicing() if cfg.vae_slicing else vae.disable_slicing()
         vae.enable_tiling() if tiling else vae.disable_tiling()
 
-    def conditioning_from(self, tensors) -> dict[str, torch.Tensor]:
+    def conditioning_from(self, tensors) -> StepConditioning:
         """The prompt encodings a batch carries (``ImageModality.batch_tensors`` from each sample's
-        ``ImageResult.conditioning``), on the policy's device: the update and the log-prob recompute take these
-        instead of running the text encoder again."""
+        ``ImageResult.conditioning``), prepared for :meth:`step` on the policy's device: the update and the log-prob
+        recompute take these instead of running the text encoder again. The batch's padding (the mini-batch's
+        longest prompt) is trimmed on the host before anything moves."""
         keys = tensors.keys()
         if "prompt_embeds" not in keys:
             raise KeyError("the batch carries no prompt_embeds: image batches are built by "
                            "ImageModality.batch_tensors from ImageResult.conditioning (made at rollout)")
-        return {k: tensors[k].to(self.device) for k in COND_KEYS if k in keys}
+        return self.prepare({k: tensors[k] for k in COND_KEYS if k in keys})
+
+    def prepare(self, cond: dict[str, torch.Tensor] | StepConditioning, batched: bool = False) -> StepConditioning:
+        """Prompt encodings (a batch, as ``encode`` or :func:`collate_conditioning` gives them) as the transformer
+        inputs every denoising step uses (module docstring): trimmed per sample, CFG branches stacked, on the device,
+        floating tensors in the transformer's dtype; with ``batched`` also the whole batch's rows for one call.
+        Already prepared conditioning is returned as is."""
+        if isinstance(cond, StepConditioning):
+            return cond
+        cd, dev = self.compute_dtype, self.device
+
+        def place(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {k: v.to(dev, cd if v.is_floating_point() else v.dtype) for k, v in rows.items()}
+
+        rows = sample_rows(cond, len(cond["prompt_embeds"]))
+        return StepConditioning([place(batch_rows([r])) for r in rows], place(batch_rows(rows)) if batched else None)
 
     def frozen_modules(self) -> list[torch.nn.Module]:
         """The pipeline's modules besides the transformer: text encoder(s) and VAE. Only generation uses them (the
@@ -316,6 +371,11 @@ class DiffusionPolicy(TrainableModule):
             self.frozen_offloaded = offload
 
     # ---- schedule -------------------------------------------------------------------------------------------
+    def _set_schedule(self) -> None:
+        self.sigmas, self.timesteps = self._schedule()
+        # The sde step's sigma = 1 guard: read on the host once here, not once per denoising step.
+        self.sigma_max = float(self.sigmas[1])
+
     def _schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Sigmas (N+1, ending at 0) and timesteps (N) as the pipeline's own ``__call__`` makes them.
 
@@ -368,17 +428,34 @@ class DiffusionPolicy(TrainableModule):
         with torch.no_grad():
             return self.adapter.encode(list(prompts))
 
-    def step(self, cond: dict[str, torch.Tensor], x: torch.Tensor, i: int, *, prev_sample: torch.Tensor | None = None,
-             noise: torch.Tensor | None = None, noise_level: float | None = None) -> SDEStep:
-        """Denoising step ``i`` (0-based) from ``x``: scores ``prev_sample`` or draws with ``noise``."""
-        cd = self.compute_dtype
-        cond = {k: v.to(cd) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in cond.items()}
-        v = self.adapter.velocity(x.to(cd), self.timesteps[i], cond).float()
-        x = x.float()
+    def _guided(self, x: torch.Tensor, t: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One transformer call on ``rows`` for latents ``x`` [B, ...] (rows = B, or 2B under CFG: the positive
+        branches, then the negative ones); the prediction in fp32, the branches combined in fp32."""
+        k = len(rows["prompt_embeds"]) // len(x)
+        pred = self.adapter.forward(x.repeat(k, *[1] * (x.ndim - 1)), t, rows).float()
+        return self.adapter.guide(pred[:len(x)], pred[len(x):]) if k > 1 else pred
+
+    def velocity(self, cond: dict[str, torch.Tensor] | StepConditioning, x: torch.Tensor, i: int, *,
+                 per_sample: bool = True) -> torch.Tensor:
+        """The (CFG-guided) velocity at step ``i``, fp32: one transformer call per sample on its own rows (module
+        docstring), or with ``per_sample=False`` one call for the batch (needs ``prepare(..., batched=True)``).
+        The gradient flows through both CFG branches, as in flow_grpo and verl-omni."""
+        cond = self.prepare(cond)
+        t, xs = self.timesteps[i], x.to(self.compute_dtype)
+        if not per_sample:
+            return self._guided(xs, t, cond.batched)
+        return torch.cat([self._guided(xs[j:j + 1], t, rows) for j, rows in enumerate(cond.rows)])
+
+    def step(self, cond: dict[str, torch.Tensor] | StepConditioning, x: torch.Tensor, i: int, *,
+             prev_sample: torch.Tensor | None = None, noise: torch.Tensor | None = None,
+             noise_level: float | None = None, per_sample: bool = True) -> SDEStep:
+        """Denoising step ``i`` (0-based) from ``x``: scores ``prev_sample`` or draws with ``noise``. ``cond``: the
+        batch's prompt encodings, or (in loops) :meth:`prepare`'s result, made once per batch. ``per_sample``: see
+        :meth:`velocity`; a step whose log-prob is used must keep the default."""
         return sde_step_with_logprob(
-            v, x, self.sigmas[i], self.sigmas[i + 1],
+            self.velocity(cond, x, i, per_sample=per_sample), x.float(), self.sigmas[i], self.sigmas[i + 1],
             noise_level=self.sampling.noise_level if noise_level is None else noise_level,
-            sde_type=self.sampling.sde_type, sigma_max=float(self.sigmas[1]), prev_sample=prev_sample, noise=noise,
+            sde_type=self.sampling.sde_type, sigma_max=self.sigma_max, prev_sample=prev_sample, noise=noise,
             cps_log_prob=self.sampling.cps_log_prob,
         )
 
@@ -388,19 +465,20 @@ class DiffusionPolicy(TrainableModule):
         self.offload_frozen(False)  # the text encoder and VAE are back on the device if an update offloaded them
         gens = sample_generators(seeds)
         cond = self.adapter.encode(list(prompts))
+        prepared = self.prepare(cond, batched=True)
         x = self.adapter.init_latents(gens)
         window = window if window is not None else range(0)
+        noise = window_noise(gens, x, len(window))
         stored, log_probs = [], []
         for i in range(self.sampling.num_inference_steps):
             if i in window:
                 stored.append(x)
-                noise = torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens]).to(x)
-                out = self.step(cond, x, i, noise=noise)
+                out = self.step(prepared, x, i, noise=noise[:, i - window.start])
                 log_probs.append(out.log_prob)
                 if i == window.stop - 1:
                     stored.append(out.prev_sample)
             else:
-                out = self.step(cond, x, i, noise=torch.zeros_like(x), noise_level=0.0)
+                out = self.step(prepared, x, i, noise=torch.zeros_like(x), noise_level=0.0, per_sample=False)
             x = out.prev_sample
         images = self.adapter.decode(x)
         images = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
@@ -419,7 +497,7 @@ class DiffusionPolicy(TrainableModule):
         view = copy.copy(self)  # its own: _VIEW_STATE; the rest (modules, device placement flags) is shared
         view.sampling = replace(self.sampling, **overrides)
         view.adapter = type(self.adapter)(self.pipe, view.sampling)
-        view.sigmas, view.timesteps = view._schedule()
+        view._set_schedule()
         return view
 
     def generate(self, prompts: list[str], seeds: list[int], window: range | None = None, *,

@@ -91,3 +91,18 @@ def test_loss_mask_and_kl():
                              clip_ratio=0.2, kl=torch.tensor([0.2, 0.4, 50.0]), kl_coef=0.5)
     assert loss.item() == pytest.approx(-1.0 + 0.5 * 0.3)
     assert m["actor/kl_loss"] == pytest.approx(0.3)
+
+
+def test_loss_metrics_are_device_tensors_over_kept_samples():
+    """Metrics stay 0-d tensors (read once after backward, not one sync each); the ratio's mean and unbiased std run
+    over the kept samples only, and a step with none kept reads ratio 1, std 0."""
+    new, old = torch.log(torch.tensor([1.5, 0.5, 1.2, 9.0])), torch.zeros(4)
+    _, m = flow_grpo_loss(new, old, torch.ones(4), torch.tensor([1, 1, 1, 0]), clip_ratio=0.2)
+    assert all(torch.is_tensor(v) and v.ndim == 0 and not v.requires_grad for v in m.values())
+    kept = torch.tensor([1.5, 0.5, 1.2])
+    assert float(m["actor/ratio_mean"]) == pytest.approx(float(kept.mean()))
+    assert float(m["actor/ratio_std"]) == pytest.approx(float(kept.std()))
+    _, m = flow_grpo_loss(new, old, torch.ones(4), torch.zeros(4), clip_ratio=0.2)
+    assert float(m["actor/ratio_mean"]) == 1.0 and float(m["actor/ratio_std"]) == 0.0
+    _, m = flow_grpo_loss(new[:1], old[:1], torch.ones(1), torch.ones(1), clip_ratio=0.2)
+    assert float(m["actor/ratio_std"]) == 0.0

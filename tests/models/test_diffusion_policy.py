@@ -5,9 +5,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
+from torch.overrides import TorchFunctionMode
+from verl import DataProto
 
 from omni_async.algos.loss import flow_grpo_loss
-from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
+from omni_async.modality.image import ImageModality
+from omni_async.models.diffusion_policy import (
+    DiffusionPolicy,
+    SamplingConfig,
+    sample_generators,
+    split_conditioning,
+    window_noise,
+)
+from omni_async.sample import PromptRow, RewardOutcome, Sample
 
 FAMILIES = {
     "qwen_image": dict(height=32, width=32),
@@ -59,6 +70,116 @@ def test_cfg_changes_the_sample(name, key):
     cond = guided_policy.encode(["a cat"])  # recompute with CFG matches the rollout too
     again = guided_policy.step(cond, guided.window_latents[:, 0], 0, prev_sample=guided.window_latents[:, 1])
     assert (again.log_prob - guided.log_probs[:, 0]).abs().max() < 1e-5
+
+
+def _branch(policy, name, x, t, row, prefix=""):
+    """One CFG branch of one sample through the transformer alone: its own unpadded text, no mask, batch 1."""
+    emb = row[f"{prefix}prompt_embeds"][None]
+    if name == "qwen_image":
+        f = policy.pipe.vae_scale_factor * 2
+        return policy.transformer(hidden_states=x, timestep=(t / 1000).expand(1), guidance=None,
+                                  encoder_hidden_states=emb, encoder_hidden_states_mask=None,
+                                  img_shapes=[[(1, 32 // f, 32 // f)]], return_dict=False)[0]
+    return policy.transformer(hidden_states=x, timestep=t.expand(1), encoder_hidden_states=emb,
+                              pooled_projections=row[f"{prefix}pooled_prompt_embeds"][None], return_dict=False)[0]
+
+
+@pytest.mark.parametrize("name,key", [("qwen_image", "true_cfg_scale"), ("sd3", "guidance_scale")])
+def test_cfg_gradient_flows_through_the_unconditional_branch(name, key):
+    """As flow_grpo and verl-omni train it, the guided prediction's gradient includes the unconditional branch's:
+    the LoRA gradient of the policy's guided velocity (both branches in one call, padded with a mask, combined in
+    fp32) equals the one computed by hand from the two branches run alone and combined with the pipeline's formula
+    (Qwen-Image: norm-preserving true CFG; SD3: standard CFG), and differs from the gradient with the unconditional
+    branch detached."""
+    scale = 4.0
+    policy = make(name, **{key: scale})
+    with torch.no_grad():  # a trained adapter: B != 0, so LoRA A has a gradient too
+        for p in policy.trainable_parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    prompts = ["a red sign", "a much longer prompt about a blue shop sign"]
+    cond = policy.encode(prompts)
+    x = policy.adapter.init_latents(sample_generators([1, 2]))
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))  # the scalar (v * w).sum() is compared
+    i, lora = 1, policy.trainable_parameters()
+    t = policy.timesteps[i]
+
+    def grad(v):
+        return torch.cat([g.flatten() for g in torch.autograd.grad((v * w).sum(), lora)])
+
+    def by_hand(detach_uncond: bool):
+        out = []
+        for j, row in enumerate(split_conditioning(cond, len(prompts))):
+            pos = _branch(policy, name, x[j:j + 1], t, row)
+            neg = _branch(policy, name, x[j:j + 1], t, row, "negative_")
+            neg = neg.detach() if detach_uncond else neg
+            comb = neg + scale * (pos - neg)
+            if name == "qwen_image":
+                comb = comb * pos.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True)
+            out.append(comb)
+        return torch.cat(out)
+
+    got, want, detached = grad(policy.velocity(cond, x, i)), grad(by_hand(False)), grad(by_hand(True))
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-6 * want.abs().max()), (got - want).abs().max()
+    assert (want - detached).norm() > 0.05 * want.norm()  # the unconditional branch's share is not negligible
+
+
+def test_window_noise_is_each_samples_own_draws_in_step_order():
+    """Pre-drawn SDE noise = what drawing at each window step gave: sample i's generator, step after step."""
+    like = torch.zeros(2, 3, 4)
+    noise = window_noise(sample_generators([5, 6]), like, 3)
+    for i, seed in enumerate([5, 6]):
+        g = torch.Generator().manual_seed(seed)
+        assert torch.equal(noise[i], torch.stack([torch.randn(3, 4, generator=g) for _ in range(3)]))
+    assert window_noise(sample_generators([5]), like[:1], 0).shape == (1, 0, 3, 4)
+
+
+class HostReads(TorchFunctionMode):
+    """Records, in order, every read of a tensor into Python or onto the host (on CUDA each waits for the device)
+    and every ``backward``."""
+
+    READS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu", "nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.log: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.READS or name == "backward":
+            self.log.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_host_read_per_denoising_step_nor_before_the_updates_last_backward():
+    """The hot loops do not wait for the device: the rollout reads as often with 8 steps as with 4 (no
+    ``float(sigmas[1])`` per step, noise copied once), and the update reads its metrics once, after the last
+    ``backward`` of the window, however long the window (no ``.item()`` per metric per step)."""
+    policy = make("qwen_image", true_cfg_scale=4.0)
+    prompts, seeds = ["a red sign", "a much longer blue sign"], [1, 2]
+    counts = []
+    for steps in (4, 8):
+        with HostReads() as reads:
+            policy.with_sampling(num_inference_steps=steps).rollout(prompts, seeds, range(1, 3))
+        counts.append(len(reads.log))
+    assert counts[0] == counts[1], counts
+
+    modality, actor_cfg = ImageModality(), OmegaConf.create({"clip_ratio": 0.2, "kl_loss_coef": 0.01})
+    logs = []
+    for window in (range(1, 2), range(0, 3)):
+        results = policy.generate(prompts, seeds, window)
+        samples = [Sample(i, f"g{i}", PromptRow(p, "t", ""), s, result=r, outcome=RewardOutcome("ok", 0.0))
+                   for i, (p, s, r) in enumerate(zip(prompts, seeds, results, strict=True))]
+        batch = DataProto.from_dict(tensors={**modality.batch_tensors(samples), "advantages": torch.tensor([1.0, -1.0])},
+                                    meta_info={"window_start": window.start})
+        with HostReads() as reads:
+            metrics = modality.backward(policy, batch, torch.ones(2, dtype=torch.bool), actor_cfg)
+        assert reads.log.count("backward") == len(window) and len(metrics["actor/ratio_mean"]) == len(window)
+        logs.append(reads.log)
+    for log in logs:  # between the first and the last backward nothing is read; after it, one read
+        first, last = log.index("backward"), len(log) - 1 - log[::-1].index("backward")
+        assert set(log[first:last + 1]) == {"backward"} and log[last + 1:] == ["tolist"], log
+    before = [log[:log.index("backward")] for log in logs]
+    assert len(before[0]) == len(before[1]), before  # reading the batch's masks: per batch, not per step
 
 
 def test_lora_weights_roundtrip_and_reference_is_adapter_off():

@@ -45,6 +45,11 @@ For one-step off-policy, one step's "rollout + reward tail" is not a bound here:
 when the previous step starts, so its reward tail may run into the next period; what remains is throughput.
 ``hidden_fraction = (T_sync - T_mode) / (T_sync - bound_mode)`` on mean step times: the share of the hideable
 time a mode hid. Means, not medians, because the overlapped modes carry work from one step into the next.
+
+``step1`` per mode: ``actor/ratio_mean`` and ``actor/pg_clipfrac_lower`` of the first training step (warm-up
+included), as the trainer logs them (means over the step's mini-batches). Its first mini-batch scores the rollout's
+samples before any optimizer step with the rollout's log-probs as pi_old (bypass mode), so with one mini-batch per
+step (``--mini-batch`` = ``--batch``) a ratio other than 1 is a rollout/update mismatch.
 """
 
 from __future__ import annotations
@@ -64,6 +69,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from omni_async.trainer.strategies import MODE_OVERRIDES  # noqa: E402
+
+# Reported for the first training step of every mode (module docstring).
+STEP1_KEYS = ("actor/ratio_mean", "actor/pg_clipfrac_lower")
 
 
 def workload(args, data: Path) -> list[str]:
@@ -138,13 +146,15 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
     trainer = FlowGRPOTrainer(cfg)
     pinned = pin_cores(trainer) if args.pin_cores else {}
     trainer.ops.sync_weights(0)
-    steps = []
+    steps, step1 = [], {}
     gen_intervals: list[tuple[float, float]] = []
     window = [float("inf"), 0.0]
     try:
         for step in range(args.warmup + args.steps):
             t_start = time.time()
             metrics, samples = trainer.train_step(step)
+            if step == 0:
+                step1 = {k: metrics.get(k) for k in STEP1_KEYS}
             if step < args.warmup:
                 continue
             window = [min(window[0], t_start), time.time()]
@@ -187,6 +197,7 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
         "policy_version_lag": med("async_reward/policy_version_lag"),
         "throughput": med("perf/samples_per_s"),
         "samples_per_rank": med("perf/samples_per_rank"),
+        "step1": step1,
     }
 
 
@@ -272,13 +283,18 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=1))
 
     print(f"\n{'mode':22s} {'median step s':>13s} {'x sync':>7s} {'mean step s':>11s} {'bound s':>8s} {'hidden':>7s} "
-          f"{'overhead ms':>11s}")
+          f"{'overhead ms':>11s} {'step-1 ratio':>12s} {'clipfrac_lower':>14s}")
     for name, r in results.items():
         ovh = r["timing"].get("timing_s/stream_overhead/median")
         print(f"{name:22s} {r['median_step_s']:13.2f} {r['ratio_to_sync']:7.2f} {r['mean_step_s']:11.2f} "
               f"{r['bound_s']:8.2f} {hidden.get(name, float('nan')):7.2f} "
-              f"{'' if ovh is None else f'{ovh * 1000:.2f}':>11s}")
+              f"{'' if ovh is None else f'{ovh * 1000:.2f}':>11s} {_fmt(r['step1'], STEP1_KEYS[0]):>12s} "
+              f"{_fmt(r['step1'], STEP1_KEYS[1]):>14s}")
     print(f"\nwritten: {args.out}")
+
+
+def _fmt(values: dict, key: str) -> str:
+    return "" if values.get(key) is None else f"{values[key]:.6f}"
 
 
 if __name__ == "__main__":

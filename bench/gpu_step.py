@@ -17,7 +17,10 @@ conservative bias of the text length, small next to the 1024 image tokens of a 5
 
 Writes ``bench/results/gpu_step_<device>.json``: seconds per image (rollout), seconds per sample (update), peak
 device memory per phase (``torch.cuda.max_memory_allocated``; ``null`` on CPU) and the device's name. The first
-iteration warms up (kernel selection, allocator); the figures are the last iteration's.
+iteration warms up (kernel selection, allocator); the figures are the last iteration's. ``step1`` holds
+``actor/ratio_mean`` and ``actor/pg_clipfrac_lower`` of the first update: it scores the rollout's own samples before
+any optimizer step, with the rollout's log-probs as pi_old (bypass mode, clip 1e-4), so any distance of the ratio
+from 1 is a rollout/update mismatch, not learning.
 """
 
 from __future__ import annotations
@@ -163,7 +166,8 @@ def main(argv=None) -> dict:
         update_s, update_peak = time.perf_counter() - t, peak_gb(device)
         iterations.append({"rollout_s": rollout_s, "update_s": update_s, "rollout_peak_gb": rollout_peak,
                            "update_peak_gb": update_peak, "grad_norm": metrics["actor/grad_norm"],
-                           "skipped_step": metrics["actor/skipped_steps"], "ratio_mean": metrics["actor/ratio_mean"]})
+                           "skipped_step": metrics["actor/skipped_steps"], "ratio_mean": metrics["actor/ratio_mean"],
+                           "pg_clipfrac_lower": metrics["actor/pg_clipfrac_lower"]})
         print(f"iter {it}: rollout {rollout_s:.2f}s ({rollout_s / args.batch:.3f} s/image), "
               f"update {update_s:.2f}s ({update_s / args.batch:.3f} s/sample)", flush=True)
 
@@ -188,6 +192,8 @@ def main(argv=None) -> dict:
         "update_s_per_sample": last["update_s"] / args.batch,
         "peak_memory_gb": {"weights": weights_gb, "rollout": last["rollout_peak_gb"],
                            "update": last["update_peak_gb"]},
+        "step1": {"actor/ratio_mean": iterations[0]["ratio_mean"],
+                  "actor/pg_clipfrac_lower": iterations[0]["pg_clipfrac_lower"]},
         "iterations": iterations,
     }
     slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") if device.startswith("cuda") else "cpu"
@@ -195,7 +201,7 @@ def main(argv=None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: report[k] for k in ("device", "rollout_s_per_image", "update_s_per_sample",
-                                              "peak_memory_gb")}, indent=2))
+                                              "peak_memory_gb", "step1")}, indent=2))
     print(f"wrote {out}")
     return report
 

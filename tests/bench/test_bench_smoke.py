@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_async_reward_bench_smoke(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(ROOT / "bench/async_reward.py"), "--steps", "1", "--warmup", "0", "--batch", "2",
-           "--group", "2", "--mini-batch", "1", "--denoise-steps", "3", "--size", "32", "--latency-scale", "0.005",
+           "--group", "2", "--mini-batch", "2", "--denoise-steps", "3", "--size", "32", "--latency-scale", "0.005",
            "--modes", "sync,stream+one_step_off", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -25,6 +25,9 @@ def test_async_reward_bench_smoke(tmp_path):
     assert set(report["modes"]) == {"sync", "stream+one_step_off"}
     for mode in report["modes"].values():
         assert len(mode["step_s"]) == 1 and mode["bound_s"] > 0 and "timing_s/gen" in mode["timing"]
+        # One mini-batch per step: step 1 scores the rollout's samples before any optimizer step with the rollout's
+        # log-probs as pi_old (bypass mode), so its ratio is 1 and nothing is clipped below.
+        assert abs(mode["step1"]["actor/ratio_mean"] - 1.0) <= 1e-5 and mode["step1"]["actor/pg_clipfrac_lower"] == 0.0
     assert set(report["hidden_fraction"]) == {"stream+one_step_off"}
     assert "hidden" in proc.stdout  # the printed table
     bad = subprocess.run([*cmd[:-4], "--modes", "stream"], capture_output=True, text=True)

@@ -21,7 +21,7 @@ def test_gpu_step_runs_without_ray_and_writes_its_report(tmp_path):
     out = tmp_path / "gpu_step.json"
     cmd = [sys.executable, "-c", WITHOUT_RAY, str(ROOT / "bench/gpu_step.py"), "--model", "tiny:qwen_image",
            "--height", "64", "--width", "64", "--batch", "2", "--steps", "2", "--window", "1", "--iters", "1",
-           "--lora-rank", "4", "--true-cfg-scale", "1", "--param-offload", "--optimizer-offload", "--out", str(out)]
+           "--lora-rank", "4", "--true-cfg-scale", "4", "--dtype", "bf16", "--param-offload", "--optimizer-offload", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -30,5 +30,7 @@ def test_gpu_step_runs_without_ray_and_writes_its_report(tmp_path):
     assert report["config"]["gradient_checkpointing"] and report["config"]["param_offload"]
     assert report["params"]["lora"] > 0 and report["params"]["text_encoder"] > 0
     (it,) = report["iterations"]
-    # fp32 on CPU: the update's first inner step sees the rollout's own log-probs.
-    assert it["skipped_step"] == 0.0 and abs(it["ratio_mean"] - 1.0) < 1e-4
+    # bf16 with CFG, rollout batch 2, update micro-batch 1: the first update scores the rollout's own samples with the
+    # rollout's log-probs as pi_old and sees exactly them (clip 1e-4: nothing clipped).
+    assert it["skipped_step"] == 0.0 and it["ratio_mean"] == 1.0 and it["pg_clipfrac_lower"] == 0.0
+    assert report["step1"] == {"actor/ratio_mean": 1.0, "actor/pg_clipfrac_lower": 0.0}

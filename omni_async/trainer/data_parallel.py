@@ -232,10 +232,26 @@ def loss_scales(units: Sequence[float], dp: DataParallel | None) -> list[float]:
 
 def lockstep(micro: list[Any], scales: list[float], dp: DataParallel) -> tuple[list[Any], list[float]]:
     """FSDP2: every rank runs as many micro-batches as the busiest one (each pass is a collective); the extra
-    ones repeat the rank's first micro-batch at weight 0."""
+    ones repeat the rank's first micro-batch at weight 0. Each pass also has as many rows on every rank as its
+    largest micro-batch on any rank (:func:`pad_rows`): a diffusion policy calls the transformer once per sample in
+    the SDE window (``models.diffusion_policy``), so the count of collectives follows the rows."""
     n = int(dp.max(len(micro)))
     pad = n - len(micro)
-    return micro + [micro[0]] * pad, list(scales) + [0.0] * pad
+    micro = micro + [micro[0]] * pad
+    return [pad_rows(mb, int(dp.max(len(mb)))) for mb in micro], list(scales) + [0.0] * pad
+
+
+def pad_rows(data: Any, rows: int) -> Any:
+    """``data`` (a ``DataProto`` with ``loss_mask``) grown to ``rows`` rows by copies of its first row outside the
+    loss (``loss_mask`` False): they run forward and backward and contribute nothing."""
+    extra = rows - len(data)
+    if extra <= 0:
+        return data
+    out = data.select_idxs(np.concatenate([np.arange(len(data)), np.zeros(extra, dtype=np.int64)]))
+    mask = out.batch["loss_mask"].clone()
+    mask[len(data):] = False
+    out.batch["loss_mask"] = mask
+    return out
 
 
 # ---- FSDP2 (full fine-tune) -----------------------------------------------------------------------------------

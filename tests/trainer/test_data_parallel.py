@@ -14,6 +14,7 @@ from omni_async.trainer import data_parallel as dpm
 from omni_async.trainer.data_parallel import (
     DP_INDEX_KEY,
     collect_rows,
+    lockstep,
     loss_scales,
     merge_rank_metrics,
     shard_batch,
@@ -59,6 +60,26 @@ class _Ranks:
 
     def sum(self, x: float) -> float:
         return self.total
+
+
+def test_fsdp2_lockstep_gives_every_pass_the_busiest_ranks_rows_outside_the_loss():
+    """Each transformer call of a sharded model is a collective and a diffusion policy calls it once per sample in
+    the SDE window, so every rank's pass k runs as many rows as the largest pass k of any rank (here this rank's
+    [2, 1] against another rank's [2, 2, 2]): missing passes repeat the first at weight 0, missing rows are copies of
+    the pass's first row with loss_mask False."""
+    data = DataProto.from_dict(tensors={"v": torch.arange(3.0), "loss_mask": torch.ones(3, dtype=torch.bool)},
+                               meta_info={"window_start": 1})
+
+    class OtherRankHas3PassesOf2:  # DataParallel.max against the other rank's values, in lockstep's call order
+        other = [3, 2, 2, 2]
+
+        def max(self, x):
+            return float(max(x, self.other.pop(0)))
+
+    micro, scales = lockstep(data.split(2), [0.5, 0.25], OtherRankHas3PassesOf2())
+    assert [len(m) for m in micro] == [2, 2, 2] and scales == [0.5, 0.25, 0.0]
+    assert micro[1].batch["v"].tolist() == [2.0, 2.0] and micro[1].batch["loss_mask"].tolist() == [True, False]
+    assert micro[1].meta_info["window_start"] == 1 and data.batch["loss_mask"].all()  # the input is untouched
 
 
 def test_weighted_rank_gradients_sum_to_the_single_rank_gradient_with_a_sample_masked_on_one_rank():

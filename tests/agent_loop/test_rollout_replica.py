@@ -17,7 +17,8 @@ def test_replica_batches_requests_and_reports_versions():
     shutdown_ray()
     init_ray(num_gpus=0, num_cpus=4)
     try:
-        rep = ray.remote(RolloutReplica).remote("image", MODEL, SAMPLING, 4, 50.0)
+        # max_wait 1 s: the 6 requests reach the replica within it even on a loaded machine (50 ms gave [1, 1, 4]).
+        rep = ray.remote(RolloutReplica).remote("image", MODEL, SAMPLING, 4, 1000.0)
         seeds = [sample_seed(42, 0, i) for i in range(6)]
         outs = ray.get([rep.generate.remote(f"p{i}", s, (0, 2)) for i, s in enumerate(seeds)])
         assert sorted(ray.get(rep.stats.remote())["batch_sizes"]) == [2, 4]  # 6 concurrent requests, max batch 4

@@ -67,7 +67,9 @@ class _Request:
 class GenerationBatcher:
     """Collects concurrent requests into device batches and runs ``generate(prompts, seeds, window)`` on ``device``.
 
-    ``version()`` is read when a batch starts, so every sample of a batch reports the weights it was made with.
+    ``version()`` is read on the device thread when a batch starts there, so every sample of a batch reports the
+    weights it was made with: a weight load queued on the device thread before the batch has happened, one queued
+    after it has not (read on the event loop, a load queued between the two could run first unseen).
     A request with ``sampling`` (e.g. validation's settings) is batched only with requests of equal settings and
     runs as ``generate(prompts, seeds, window, sampling=sampling)``.
     """
@@ -102,9 +104,8 @@ class GenerationBatcher:
             if window is not None:
                 args += (range(*window),)
             call = partial(self.generate, sampling=dict(sampling)) if sampling else self.generate
-            version, t0 = self.version(), time.time()
             try:
-                results = await loop.run_in_executor(self.device, call, *args)
+                version, t0, results = await loop.run_in_executor(self.device, self._run, call, args)
             except Exception as e:  # a failed batch fails its requests, not the worker
                 for r in batch:
                     r.future.set_exception(e)
@@ -113,6 +114,11 @@ class GenerationBatcher:
             self.batch_sizes.append(len(batch))
             for r, result in zip(batch, results, strict=True):
                 r.future.set_result(Generation(result, version, t0, t1))
+
+    def _run(self, call: Callable[..., list[Result]], args: tuple) -> tuple[int, float, list[Result]]:
+        """On the device thread: the weights version and start time of this batch, and its results."""
+        version, t0 = self.version(), time.time()
+        return version, t0, call(*args)
 
 
 class RolloutReplica:
@@ -143,11 +149,18 @@ class RolloutReplica:
                                "generates again once the next complete sync arrived")
         return self.policy.generate(*args, **kwargs)
 
-    def set_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
-        """Load the trainer's updated weights; later samples report ``version``."""
-        self.policy.load_weights_state_dict(state)
-        self.version = int(version)
-        return self.version
+    async def set_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
+        """Load the trainer's updated weights; later samples report ``version``.
+
+        The load runs on the device thread, in call order with the generation batches: after the batch on the
+        device now, before any batch that starts later, so no batch runs on half-loaded weights (an adapter torn
+        between two of its forwards)."""
+        def load() -> int:
+            self.policy.load_weights_state_dict(state)
+            self.version = int(version)
+            return self.version
+
+        return await asyncio.get_running_loop().run_in_executor(self.device_thread, load)
 
     def stats(self) -> dict[str, Any]:
         return {"batch_sizes": list(self.batcher.batch_sizes), "version": self.version, "pid": os.getpid(),

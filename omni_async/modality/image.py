@@ -9,7 +9,6 @@ The loss runs window step by window step with gradients accumulated, so one step
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from PIL import Image, ImageDraw
 from omni_async.algos.loss import flow_grpo_loss
 from omni_async.algos.sde import kl_to_reference
 from omni_async.modality.base import REF_TIME_KEY, rm_score, score_labels, trainable_kwargs
+from omni_async.models.device import device_clock
 from omni_async.sample import ImageResult, Sample, is_video
 
 GRID_COLUMNS, GRID_MAX_IMAGES, CAPTION_HEIGHT_PX = 4, 16, 14
@@ -106,10 +106,10 @@ class ImageModality:
         for j, out in self._window_steps(policy, cond, latents, start):
             kl = None
             if actor_cfg.kl_loss_coef > 0:
-                t0 = time.perf_counter()
+                t0 = device_clock(policy.device)
                 with torch.no_grad(), policy.reference():
                     ref = policy.step(cond, latents[:, j], start + j, prev_sample=latents[:, j + 1])
-                ref_s += time.perf_counter() - t0
+                ref_s += device_clock(policy.device) - t0
                 kl = kl_to_reference(out.mean, ref.mean, out.std_dev_t)
             loss, m = flow_grpo_loss(out.log_prob, old_lp[:, j], adv, loss_mask, clip_ratio=actor_cfg.clip_ratio,
                                      kl=kl, kl_coef=actor_cfg.kl_loss_coef)

@@ -2,13 +2,13 @@
 
 Batch tensors per sample: left-padded ``prompt_ids`` / ``prompt_mask``, right-padded ``response_ids`` /
 ``response_mask``, ``old_log_probs`` per response token, and verl's token-level ``rm_scores``: the score at the
-last valid response token, zeros elsewhere.
+last valid response token, zeros elsewhere. The batch comes from the driver on the CPU: the loss moves what it
+uses to the policy's device, and recomputed log-probs go back on the CPU.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import torch
 
 from omni_async.algos.loss import grpo_token_loss
 from omni_async.modality.base import REF_TIME_KEY, rm_score, score_labels, trainable_kwargs
+from omni_async.models.device import device_clock
 from omni_async.sample import Sample, TextResult
 
 
@@ -85,6 +86,11 @@ class TextModality:
                 "response_mask": response_mask, "old_log_probs": old, "rm_scores": rm}
 
     def log_probs(self, policy, batch) -> torch.Tensor:
+        """The recompute's log-probs [B, Lr], on the CPU (they go back to the driver)."""
+        return self._log_probs(policy, batch).cpu()
+
+    @staticmethod
+    def _log_probs(policy, batch) -> torch.Tensor:
         b = batch.batch
         return policy.log_probs(b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"])
 
@@ -94,15 +100,18 @@ class TextModality:
 
     def backward(self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any,
                  loss_scale: float = 1.0) -> dict[str, list[float]]:
-        b = batch.batch
-        token_mask = b["response_mask"].float() * loss_mask[:, None].float()
-        log_prob = self.log_probs(policy, batch)
-        ref, t0 = None, time.perf_counter()
+        device = policy.device
+        response_mask, old_log_probs, advantages = (batch.batch[k].to(device) for k in ("response_mask",
+                                                                                          "old_log_probs", "advantages"))
+        token_mask = response_mask.float() * loss_mask.to(device)[:, None].float()
+        log_prob = self._log_probs(policy, batch)
+        ref, ref_s = None, 0.0
         if actor_cfg.kl_loss_coef > 0:
+            t0 = device_clock(device)
             with torch.no_grad(), policy.reference():
-                ref = self.log_probs(policy, batch)
-        ref_s = time.perf_counter() - t0
-        loss, metrics = grpo_token_loss(log_prob, b["old_log_probs"], b["advantages"][:, None].expand_as(token_mask),
+                ref = self._log_probs(policy, batch)
+            ref_s = device_clock(device) - t0
+        loss, metrics = grpo_token_loss(log_prob, old_log_probs, advantages[:, None].expand_as(token_mask),
                                         token_mask, clip_ratio=actor_cfg.clip_ratio, ref_log_prob=ref,
                                         kl_coef=actor_cfg.kl_loss_coef)
         (loss * loss_scale).backward()

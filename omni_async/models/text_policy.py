@@ -1,9 +1,10 @@
 """A causal LM (transformers) as a GRPO policy: chat-template prompts, seeded sampling with response log-probs,
 log-prob recompute, LoRA via peft (or full fine-tune), reference = adapter off.
 
-Sampling is reproducible per sample: each row draws its tokens from its own ``torch.Generator(seed)``, so a
-response depends on (weights, prompt, seed) only, not on which other prompts share the batch (up to the float
-noise of left padding).
+Sampling is reproducible per sample: each row draws its tokens from its own ``torch.Generator(seed)`` on the model's
+device, so a response depends on (weights, prompt, seed, device) only, not on which other prompts share the batch
+(up to the float noise of left padding). Inputs are moved to the model's device here; what leaves the policy
+(``TextResult``) is on the CPU.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class TextPolicy(TrainableModule):
         self.tok = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         self.model.requires_grad_(False)
-        self.sampling, self.device = sampling, device
+        self.sampling = sampling
         # generation_config.eos_token_id is an int or a list (Qwen2.5/Qwen3-Instruct: [<|im_end|>, <|endoftext|>]);
         # a response stops at the first of any of them.
         eos = self.model.generation_config.eos_token_id
@@ -69,6 +70,10 @@ class TextPolicy(TrainableModule):
         self.init_trainable(self.model, lora_rank, lora_alpha, target_modules or ["q_proj", "v_proj"])
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
 
     # ---- sampling -------------------------------------------------------------------------------------------
     def prompt_ids(self, prompt: str) -> list[int]:
@@ -90,7 +95,7 @@ class TextPolicy(TrainableModule):
     @torch.no_grad()
     def sample_from_ids(self, prompt_rows: list[list[int]], seeds: list[int]) -> list[TextResult]:
         ids, mask = self._left_pad(prompt_rows)
-        gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        gens = [torch.Generator(device=ids.device).manual_seed(int(s)) for s in seeds]  # where the probs are
         n, temp = len(prompt_rows), max(float(self.sampling.temperature), 1e-5)
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
@@ -110,10 +115,10 @@ class TextPolicy(TrainableModule):
             logps.append(logp.gather(-1, nxt[:, None])[:, 0])
             done |= torch.isin(nxt, eos) | (budget <= t + 1)
             cur = nxt[:, None]
-            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
             if done.all():
                 break
-        tokens, logps = torch.stack(tokens, 1), torch.stack(logps, 1)
+        tokens, logps = torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()  # one copy to the host
         records = []
         for i in range(n):
             row = tokens[i].tolist()
@@ -126,7 +131,10 @@ class TextPolicy(TrainableModule):
 
     def log_probs(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                   response_mask: torch.Tensor) -> torch.Tensor:
-        """Per-token log-probs [B, Lr] of the responses (prompts left-padded, responses right-padded)."""
+        """Per-token log-probs [B, Lr] of the responses (prompts left-padded, responses right-padded), on the model's
+        device (the loss's graph runs there); the inputs may be anywhere (the driver's batch is on the CPU)."""
+        prompt_ids, prompt_mask, response_ids, response_mask = (
+            t.to(self.device) for t in (prompt_ids, prompt_mask, response_ids, response_mask))
         ids = torch.cat([prompt_ids, response_ids], 1)
         mask = torch.cat([prompt_mask, response_mask], 1)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
 import numpy as np
 import ray
 
@@ -40,3 +44,42 @@ def test_replica_batches_requests_and_reports_versions():
 def test_sample_seed_is_a_pure_function_of_its_inputs():
     assert sample_seed(1, 2, 3) == sample_seed(1, 2, 3)
     assert len({sample_seed(1, s, i, k) for s in range(3) for i in range(3) for k in range(3)}) == 27
+
+
+def test_weight_sync_runs_on_the_device_thread_between_batches(monkeypatch):
+    """A sync that arrives while a batch is on the device waits for it (the batch never sees half-loaded weights),
+    and the next batch, queued while the load runs, runs on the new weights and reports their version."""
+    monkeypatch.setattr("omni_async.cluster.configure_worker", lambda: "cpu")  # in-process: no Ray worker to ask
+    replica = RolloutReplica("image", MODEL, SAMPLING, 4, 1.0)
+    new_weights = {k: v + 0.1 for k, v in replica.policy.weights_state_dict().items()}
+    events, batch_started = [], threading.Event()
+    generate, load = replica.batcher.generate, replica.policy.load_weights_state_dict
+
+    def slow_generate(*args, **kwargs):
+        events.append("batch")
+        batch_started.set()
+        time.sleep(0.3)  # a sync sent now must not land inside this batch
+        out = generate(*args, **kwargs)
+        events.append("batch done")
+        return out
+
+    def slow_load(state):
+        events.append("load")
+        time.sleep(0.3)  # the next batch is queued meanwhile: it must not run, nor take its version, before this
+        load(state)
+        events.append("load done")
+
+    replica.batcher.generate, replica.policy.load_weights_state_dict = slow_generate, slow_load
+
+    async def scenario():
+        first = asyncio.create_task(replica.generate("p", 5, (0, 2)))
+        await asyncio.to_thread(batch_started.wait)
+        sync = asyncio.create_task(replica.set_weights(new_weights, 3))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(replica.generate("p", 5, (0, 2)))
+        return await first, await sync, await second
+
+    first, version, second = asyncio.run(scenario())
+    assert events == ["batch", "batch done", "load", "load done", "batch", "batch done"]
+    assert (first.version, version, second.version) == (0, 3, 3)
+    assert not np.array_equal(first.result.pixels, second.result.pixels)  # same seed, new weights

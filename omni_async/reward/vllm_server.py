@@ -20,6 +20,7 @@ given in ``server_args`` here or in the text rollout's is rounded up to the next
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from omni_async.models.vllm_launch import (  # noqa: F401 (re-exported for callers)
@@ -73,8 +74,27 @@ def judge_placement_group(reward_cfg, timeout_s: float = 600.0):
     return pg
 
 
-def launch_judge_servers(reward_cfg, pg) -> list[str]:
-    """One vLLM server per bundle of ``pg``; returns their base URLs once all are healthy."""
+@dataclass
+class JudgeServers:
+    """The running judge servers: their Ray actors and base URLs. Ray ends an actor once no handle to it is left
+    (and the vLLM process with it), so whoever uses the URLs keeps this object for as long as it does."""
+
+    actors: list[Any]
+    urls: list[str]
+
+    def stop(self) -> None:
+        """Stop the vLLM processes and end the actors."""
+        import ray
+
+        ray.get([a.stop.remote() for a in self.actors])
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+
+
+def launch_judge_servers(reward_cfg, pg) -> JudgeServers:
+    """One vLLM server per bundle of ``pg``, returned once all are healthy (keep the result: see
+    :class:`JudgeServers`)."""
     import ray
     from omegaconf import OmegaConf
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -86,4 +106,4 @@ def launch_judge_servers(reward_cfg, pg) -> list[str]:
     servers = [cls.options(num_gpus=tp, num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
         placement_group=pg, placement_group_bundle_index=i)).remote(rollout, rm.model_path)
         for i in range(pg.bundle_count)]
-    return ray.get([s.url.remote() for s in servers])
+    return JudgeServers(servers, ray.get([s.url.remote() for s in servers]))

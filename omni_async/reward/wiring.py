@@ -37,10 +37,12 @@ class RewardSide:
         self.streaming = streaming_enabled(cfg)
         self.scorer_names = scorer_names(cfg.reward)
         self.judge_urls: list[str] = []
+        self.judge_servers = None  # kept for the run: the servers live as long as their Ray actors' handles
         if judge_pg is not None:
             from omni_async.reward.vllm_server import launch_judge_servers
 
-            self.judge_urls = launch_judge_servers(cfg.reward, judge_pg)
+            self.judge_servers = launch_judge_servers(cfg.reward, judge_pg)
+            self.judge_urls = self.judge_servers.urls
         self.workers: list[Any] = []
         self.post_process = False
         if self.streaming:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import gc
 import math
 import re
 import socket
@@ -183,7 +184,38 @@ def test_unreachable_scorer_error_names_the_url():
     assert "ConnectError" in str(err.value) and "failed after 2 attempts" in str(err.value)
 
 
-def test_full_gpu_recipe_config_composes_and_vllm_judges_get_tp_bundles():
+HEALTH_ONLY_VLLM = """import argparse, http.server, json, os
+ap = argparse.ArgumentParser()
+ap.add_argument("--host")
+ap.add_argument("--port", type=int)
+args, _ = ap.parse_known_args()
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}).encode()
+        self.send_response(200 if self.path in ("/health", "/env") else 404)
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer((args.host, args.port), Handler).serve_forever()
+"""
+
+
+def health_only_vllm_python(root) -> str:
+    """A python whose ``vllm.entrypoints.openai.api_server`` only answers ``/health`` (and ``/env``: the devices it
+    was given): enough of a judge server to start, be found healthy and be stopped."""
+    pkg = root / "vllm" / "entrypoints" / "openai"
+    pkg.mkdir(parents=True)
+    for d in (root / "vllm", root / "vllm" / "entrypoints", pkg):
+        (d / "__init__.py").write_text("")
+    (pkg / "api_server.py").write_text(HEALTH_ONLY_VLLM)
+    wrapper = root / "python"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{root}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def test_full_gpu_recipe_config_composes_and_vllm_judges_get_tp_bundles(tmp_path):
     recipe = ["data.train_files=x.jsonl", "actor_rollout_ref.model.path=/models/Qwen-Image",
               "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.agent.num_workers=4",
               "reward.reward_model.enable=True", "reward.reward_model.model_path=/models/Qwen2.5-VL-7B-Instruct",
@@ -213,6 +245,19 @@ def test_full_gpu_recipe_config_composes_and_vllm_judges_get_tp_bundles():
         assert pg.bundle_count == 1 and ray.util.placement_group_table(pg)["bundles"][0]["GPU"] == 2.0
         with pytest.raises(Exception, match="cannot import vllm.*server_python"):
             launch_judge_servers(tp2.reward, pg)
+
+        # With a server that starts, the servers outlive the call that launched them (Ray ends an actor whose
+        # handles are all gone, and its server with it), hold the bundle's 2 devices, and stop when told to.
+        tp2.reward.reward_model.rollout.server_python = health_only_vllm_python(tmp_path)
+        servers = launch_judge_servers(tp2.reward, pg)
+        gc.collect()
+        time.sleep(1.0)
+        (url,) = servers.urls
+        env = httpx.get(f"{url}/env", timeout=5).json()
+        assert len(env["CUDA_VISIBLE_DEVICES"].split(",")) == 2
+        servers.stop()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health", timeout=5)
     finally:
         shutdown_ray()
 

@@ -12,17 +12,22 @@ model on a device other than the one the driver's tensors live on:
 * Its tensors are :class:`FakeDeviceTensor`, wrapper subclasses whose values are an ordinary CPU tensor
   (``.inner``): ops compute for real, so sampling, ``.item()`` and data-dependent loops run as on a GPU.
 * :class:`FakeDevice` (a ``TorchDispatchMode``) sees every aten op while it is active. It creates ``fakegpu``
-  tensors (``.to(device)``, factories with ``device=``), and raises :class:`DeviceMixError` where CUDA raises:
+  tensors (``.to(device)``, factories with ``device=``), and raises :class:`DeviceMixError` where CUDA raises
+  (CPU ops included, so a ``fakegpu`` generator drawing CPU noise is caught too):
   an op whose tensors are on different devices (a 0-dim CPU tensor is allowed, as CUDA allows CPU scalars), an
   op given a generator of another device than its own (``torch.multinomial(device_probs, generator=cpu_gen)``).
   ``copy_`` / ``_to_copy`` (moves) and CPU index tensors (``x[cpu_idx]``) are allowed, as on CUDA.
 * ``torch.Generator(device="fakegpu")`` gives a CPU generator that reports the device (CPU-only builds have no
   other), and ``torch.fakegpu.synchronize()`` counts its calls, so a timer's device sync can be checked.
+
+Why not the others: ``FakeTensorMode`` and the ``meta`` device hold no values, so the sampling loop (``.all()``,
+``.tolist()``) and the loss metrics (``.item()``) raise ``DataDependentOutputException`` instead of running; a
+wrapper tensor that reports ``cuda`` aborts the process in backward (autograd asks for the CUDA device guard, which a
+CPU-only build lacks). Usage: ``with FakeDevice() as device: policy = build_policy(..., device=NAME)``.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -313,10 +318,6 @@ DEVICE = torch.device(NAME, 0)
 
 
 def on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` is on the pretend accelerator (a result that should have come back to the CPU, if so)."""
     return isinstance(t, FakeDeviceTensor)
 
-
-@contextlib.contextmanager
-def fake_device() -> Iterator[FakeDevice]:
-    with FakeDevice() as mode:
-        yield mode

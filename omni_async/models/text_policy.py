@@ -99,9 +99,9 @@ class TextPolicy(TrainableModule):
         n, temp = len(prompt_rows), max(float(self.sampling.temperature), 1e-5)
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
-        budget = torch.tensor([length_budget(s, self.sampling.response_length,
-                                             self.sampling.response_length_pareto_alpha) for s in seeds],
-                              device=self.device)
+        budgets = [length_budget(s, self.sampling.response_length, self.sampling.response_length_pareto_alpha)
+                   for s in seeds]
+        budget = torch.tensor(budgets, device=self.device)
         tokens, logps = [], []
         past, cur = None, ids
         for t in range(int(self.sampling.response_length)):
@@ -123,7 +123,7 @@ class TextPolicy(TrainableModule):
         for i in range(n):
             row = tokens[i].tolist()
             length = next((k + 1 for k, t in enumerate(row) if t in self.eos_ids), len(row))  # cut after 1st EOS
-            length = min(length, int(budget[i]))  # or at the sample's length budget
+            length = min(length, budgets[i])  # or at the sample's length budget
             records.append(TextResult(prompt_ids=prompt_rows[i], response_ids=row[:length],
                                       response=self.tok.decode(row[:length], skip_special_tokens=True),
                                       log_probs=logps[i, :length].clone()))

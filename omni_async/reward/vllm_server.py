@@ -57,8 +57,17 @@ class VLLMServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Terminate the server and wait until it has exited (killed after ``timeout_s``), so its port and devices
+        are free when this returns."""
+        import subprocess
+
         self.proc.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def judge_placement_group(reward_cfg, timeout_s: float = 600.0):

@@ -253,7 +253,7 @@ def test_full_gpu_recipe_config_composes_and_vllm_judges_get_tp_bundles(tmp_path
         gc.collect()
         time.sleep(1.0)
         (url,) = servers.urls
-        env = httpx.get(f"{url}/env", timeout=5).json()
+        env = httpx.get(f"{url}/env", timeout=30).json()
         assert len(env["CUDA_VISIBLE_DEVICES"].split(",")) == 2
         servers.stop()
         with pytest.raises(httpx.ConnectError):

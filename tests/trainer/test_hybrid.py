@@ -31,6 +31,7 @@ def run(trainer: RLTrainer, steps: int):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # builds two trainers (hybrid and split); 373 s at load 20 on 2 cores
 def test_hybrid_one_pipeline_per_device_no_transfer_same_samples_as_split(make_trainer):
     hybrid = make_trainer(*TWO_DEVICES, "reward.streaming=true")
     workers = hybrid.placement.rollout_workers

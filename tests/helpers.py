@@ -96,3 +96,16 @@ def two_node_cluster(num_cpus: int = 8):
     cluster.add_node(num_cpus=num_cpus, num_gpus=1)
     cluster.wait_for_nodes()
     return cluster
+
+
+def record_trained_uids(ops) -> list[str]:
+    """Spy on ``StepOps.optimizer_step``: the returned list fills with the uid of every sample trained, in order."""
+    trained: list[str] = []
+    real_step = ops.optimizer_step
+
+    def recording_step(minibatch, timer):
+        trained.extend(minibatch.non_tensor_batch["uid"].tolist())
+        return real_step(minibatch, timer)
+
+    ops.optimizer_step = recording_step
+    return trained

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
-from helpers import SMALL_IMAGE_TRAINER, score_on_one_worker
+from helpers import SMALL_IMAGE_TRAINER, record_trained_uids, score_on_one_worker
 
 from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
@@ -39,14 +39,7 @@ def test_rollout_worker_killed_mid_step_regenerates_the_same_samples(tmp_path):
     trained once, and each sample equals the one an uninterrupted run makes (same seed and weights version)."""
     trainer = make_trainer(tmp_path, "killed", *SPLIT)
     replica = trainer.placement.rollout_workers[0]
-    trained: list[str] = []
-    real_step = trainer.ops.optimizer_step
-
-    def recording_step(minibatch, timer):
-        trained.extend(minibatch.non_tensor_batch["uid"].tolist())
-        return real_step(minibatch, timer)
-
-    trainer.ops.optimizer_step = recording_step
+    trained = record_trained_uids(trainer.ops)
     try:
         pid = ray.get(replica.stats.remote())["pid"]
         out: list = []

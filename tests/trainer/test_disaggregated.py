@@ -12,7 +12,7 @@ import time
 import pytest
 import ray
 import torch
-from helpers import Trainers, write_prompts
+from helpers import Trainers, record_trained_uids, write_prompts
 
 from omni_async.agent_loop.weight_sync import meta_bytes, plan_buckets
 from omni_async.trainer.config import ConfigError, compose, layout, sync_period_steps, validate
@@ -173,14 +173,7 @@ def test_image_lora_pools_sync_over_the_group_logprobs_match_and_a_killed_worker
 
     # A rollout worker killed mid-step: Ray restarts it, it gets the newest weights (version 2), its samples are
     # generated again, and every sample is trained once.
-    trained: list[str] = []
-    real_step = t.ops.optimizer_step
-
-    def recording_step(minibatch, timer):
-        trained.extend(minibatch.non_tensor_batch["uid"].tolist())
-        return real_step(minibatch, timer)
-
-    t.ops.optimizer_step = recording_step
+    trained = record_trained_uids(t.ops)
     t.ops.recompute_old_log_probs = real
     before = pid(rollout)
     out: list = []

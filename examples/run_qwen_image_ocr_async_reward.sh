@@ -13,9 +13,14 @@
 # measurably within a CPU budget (README, "The main job on CPU": measured, with the numbers). On GPUs, point it at real weights and size the pools with env
 # variables (the VeRL-Omni async-reward layout: 4 actor/rollout GPUs + 1 reward GPU):
 #   MODEL_PATH=/models/Qwen-Image NUM_GPUS_ACTOR_ROLLOUT=4 NUM_GPUS_REWARD=1 bash examples/run_qwen_image_ocr_async_reward.sh
+# PP-OCR reads on the reward GPU when onnxruntime has CUDA (pip uninstall -y onnxruntime && pip install
+# onnxruntime-gpu), else on its CPU with a warning that the GPU idles; NUM_GPUS_REWARD=0 reserves no reward GPU and
+# runs NUM_REWARD_WORKERS (default 2) OCR workers on CPU.
 # A real MODEL_PATH selects the GPU recipe: 512x512, 10 denoising steps, 300 steps of 16 prompts x 8 samples, LoRA
 # r64 on the eight attention projections, bf16 frozen weights, gradient checkpointing, micro-batch 1 (MICRO_BATCH),
-# true CFG 4 (CFG); each is an env variable or a Hydra override. One hybrid worker per actor GPU.
+# true CFG 4 (CFG); each is an env variable or a Hydra override. One hybrid worker per actor GPU; each optimizer
+# step takes 2 prompts (groups) per actor GPU (MINI_BATCH, default 2 x NUM_GPUS_ACTOR_ROLLOUT x NNODES: a group is
+# never split across GPUs, so fewer groups than GPUs would leave GPUs idle; BATCH is rounded up to a multiple).
 # Also: LR, LORA_RANK, LORA_ALPHA, NOISE_LEVEL, VAL_FREQ (validation every N steps), VOCAB (scenes | tiny_text:
 # the prompt set examples/data/prepare_ocr_prompts.py writes into DATA_DIR when it has no train.jsonl).
 # Extra Hydra overrides pass through, e.g. the colocated comparison:
@@ -32,6 +37,15 @@ NUM_GPUS_REWARD="${NUM_GPUS_REWARD:-1}"
 NNODES="${NNODES:-1}"
 RUN_DIR="${RUN_DIR:-$root/runs/qwen_image_ocr}"
 NUM_STEPS="${NUM_STEPS:-10}"
+ACTOR_RANKS=$((NUM_GPUS_ACTOR_ROLLOUT * NNODES))  # data-parallel actor ranks, one per actor/rollout device
+if (( NUM_GPUS_REWARD > 0 )); then
+  # One OCR reward worker per reward GPU; PP-OCR reads on it (onnxruntime's CUDA provider, onnxruntime-gpu).
+  REWARD_POOL=(reward.reward_model.enable_resource_pool=True reward.reward_model.n_gpus_per_node="$NUM_GPUS_REWARD"
+               reward.num_workers="$NUM_GPUS_REWARD")
+else
+  # No reward GPU: OCR workers as CPU actors beside the trainer (streaming still on), no device reserved.
+  REWARD_POOL=(reward.reward_model.enable_resource_pool=False reward.num_workers="${NUM_REWARD_WORKERS:-2}")
+fi
 GPU_RECIPE=()
 CPU_RECIPE=()
 if [[ "$MODEL_PATH" != tiny:* ]]; then
@@ -74,11 +88,14 @@ elif [[ "$MODEL_PATH" == tiny:* ]]; then
 else
   VOCAB="${VOCAB:-scenes}"
   STEPS="${STEPS:-300}"
-  BATCH="${BATCH:-16}"
+  MINI_BATCH="${MINI_BATCH:-$((2 * ACTOR_RANKS))}"
+  BATCH="${BATCH:-$(( (16 + MINI_BATCH - 1) / MINI_BATCH * MINI_BATCH ))}"
   GROUP="${GROUP:-8}"
   LR="${LR:-3e-4}"
   NOISE_LEVEL="${NOISE_LEVEL:-0.7}"
 fi
+# CPU defaults: the config's mini-batch of 2 prompts, or one prompt per actor rank when there are more ranks.
+MINI_BATCH="${MINI_BATCH:-$(( ACTOR_RANKS > 2 ? ACTOR_RANKS : 2 ))}"
 LORA_RANK="${LORA_RANK:-8}"
 LORA_ALPHA="${LORA_ALPHA:-16}"
 DATA_DIR="${DATA_DIR:-$root/data/ocr_$VOCAB}"
@@ -92,6 +109,7 @@ fi
   data.train_files="$DATA_DIR/train.jsonl" \
   data.val_files="$DATA_DIR/val.jsonl" \
   data.train_batch_size="$BATCH" \
+  actor_rollout_ref.actor.ppo_mini_batch_size="$MINI_BATCH" \
   actor_rollout_ref.model.path="$MODEL_PATH" \
   actor_rollout_ref.model.lora_rank="$LORA_RANK" \
   actor_rollout_ref.model.lora_alpha="$LORA_ALPHA" \
@@ -101,13 +119,11 @@ fi
   actor_rollout_ref.rollout.height="$HEIGHT" \
   actor_rollout_ref.rollout.width="$WIDTH" \
   actor_rollout_ref.rollout.num_inference_steps="$NUM_STEPS" \
-  actor_rollout_ref.rollout.agent.num_workers="$NUM_GPUS_ACTOR_ROLLOUT" \
+  actor_rollout_ref.rollout.agent.num_workers="$ACTOR_RANKS" \
   trainer.n_gpus_per_node="$NUM_GPUS_ACTOR_ROLLOUT" \
   trainer.nnodes="$NNODES" \
   reward.streaming=auto \
-  reward.reward_model.enable_resource_pool=True \
-  reward.reward_model.n_gpus_per_node="$NUM_GPUS_REWARD" \
-  reward.num_workers="$NUM_GPUS_REWARD" \
+  "${REWARD_POOL[@]}" \
   reward.custom_reward_function.path=pkg://omni_async.reward.scorers.ocr \
   reward.custom_reward_function.name=compute_score \
   trainer.total_training_steps="$STEPS" \

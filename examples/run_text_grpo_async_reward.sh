@@ -7,6 +7,7 @@
 # real model (a local HF causal-LM dir), e.g.:
 #   MODEL_PATH=/models/Qwen2.5-3B-Instruct NUM_GPUS_ACTOR_ROLLOUT=8 STEPS=200 BATCH=64 GROUP=8 RESPONSE_LENGTH=1024 \
 #     bash examples/run_text_grpo_async_reward.sh
+# (MINI_BATCH, prompts per optimizer step, defaults to one per actor GPU, at least 2.)
 # A reward a random tiny model can learn on CPU (the README's text curve, about 1 min):
 #   STEPS=30 VAL_FREQ=5 bash examples/run_text_grpo_async_reward.sh \
 #     reward.custom_reward_function.name=compute_score_digits actor_rollout_ref.actor.optim.lr=2e-3 \
@@ -28,6 +29,8 @@ STEPS="${STEPS:-4}"
 BATCH="${BATCH:-4}"
 GROUP="${GROUP:-4}"
 RESPONSE_LENGTH="${RESPONSE_LENGTH:-32}"
+# Prompts per optimizer step: at least one group per actor GPU (a group is never split across GPUs).
+MINI_BATCH="${MINI_BATCH:-$(( NUM_GPUS_ACTOR_ROLLOUT > 2 ? NUM_GPUS_ACTOR_ROLLOUT : 2 ))}"
 
 if [[ ! -f "$DATA_DIR/train.jsonl" ]]; then
   "$PYTHON" "$root/examples/data/prepare_arithmetic.py" --out-dir "$DATA_DIR"
@@ -37,6 +40,7 @@ fi
   data.train_files="$DATA_DIR/train.jsonl" \
   data.val_files="$DATA_DIR/val.jsonl" \
   data.train_batch_size="$BATCH" \
+  actor_rollout_ref.actor.ppo_mini_batch_size="$MINI_BATCH" \
   actor_rollout_ref.model.path="$MODEL_PATH" \
   actor_rollout_ref.rollout.n="$GROUP" \
   actor_rollout_ref.rollout.response_length="$RESPONSE_LENGTH" \

@@ -15,8 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from omni_async.cluster import reward_pool_size, rollout_pool_size
 from omni_async.reward.wiring import streaming_enabled
 
-__all__ = ["ConfigError", "compose", "layout", "streaming_enabled", "sync_period_steps", "total_training_steps",
-           "validate"]
+__all__ = ["ConfigError", "actor_ranks", "compose", "layout", "streaming_enabled", "sync_period_steps",
+           "total_training_steps", "validate"]
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 
@@ -60,6 +60,12 @@ def total_training_steps(cfg: DictConfig, train_rows: int) -> int:
     if t.total_training_steps is not None:
         return int(t.total_training_steps)
     return int(t.total_epochs) * (int(train_rows) // int(cfg.data.train_batch_size))
+
+
+def actor_ranks(cfg: DictConfig) -> int:
+    """Data-parallel actor ranks: one per device of the actor pool, ``trainer.n_gpus_per_node x nnodes``, in every
+    layout (the disaggregated layout's rollout pool is its own)."""
+    return int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
 
 
 def _check(ok: bool, key: str, problem: str, fix: str) -> None:
@@ -228,6 +234,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes >= 1, "trainer.n_gpus_per_node",
            "the actor/rollout pool has no devices", "set trainer.n_gpus_per_node=1 (or more)")
     _check_layout(cfg)
+    _check_mini_batch_feeds_ranks(cfg)
     _check_weight_sync(cfg)
     if layout(cfg) != "disaggregated":
         _check(rollout.agent.num_workers <= cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes,
@@ -355,6 +362,23 @@ def _check_long_tail(cfg: DictConfig) -> None:
            "set it to null")
     _check(alpha > 0, "actor_rollout_ref.rollout.response_length_pareto_alpha", f"must be > 0, got {alpha}",
            "e.g. 1.2 (or null: no budget)")
+
+
+def _check_mini_batch_feeds_ranks(cfg: DictConfig) -> None:
+    """Every actor rank trains on every mini-batch. A rank takes whole ``uid`` groups (``trainer.data_parallel``), so
+    a mini-batch of fewer groups than ranks leaves ranks with a zero-weight padding row in every update: devices
+    held and idle. verl keeps the same meaning of the key (prompts; x ``rollout.n`` samples per mini-batch) and
+    requires those samples to divide over the ranks; here the unit that divides is the group."""
+    ranks, mb, batch = actor_ranks(cfg), cfg.actor_rollout_ref.actor.ppo_mini_batch_size, cfg.data.train_batch_size
+    fits = [m for m in range(ranks, batch + 1, ranks) if batch % m == 0]
+    fix = (f"set actor_rollout_ref.actor.ppo_mini_batch_size={fits[0]} (a multiple of the {ranks} ranks that "
+           f"divides data.train_batch_size={batch})" if fits else
+           f"raise data.train_batch_size to a multiple of {ranks} and set ppo_mini_batch_size to a multiple of "
+           f"{ranks} that divides it")
+    _check(mb >= ranks, "actor_rollout_ref.actor.ppo_mini_batch_size",
+           f"{mb} prompts per mini-batch = {mb} groups for {ranks} actor ranks (trainer.n_gpus_per_node x nnodes); "
+           f"groups are never split, so {ranks - mb} rank(s) would train on padding rows in every update",
+           f"{fix}, or use fewer actor ranks")
 
 
 def _check_layout(cfg: DictConfig) -> None:

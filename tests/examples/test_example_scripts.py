@@ -1,45 +1,86 @@
-"""The example scripts compose and validate as documented, on this CPU box (``PYTHON`` points at a stand-in that
-validates the trainer's config instead of training; see ``validate_main.py``)."""
+"""The example scripts compose and validate as documented, on this CPU box: ``PYTHON`` points at a stand-in that
+records the trainer's command line instead of training (anything else, the data preparation, runs for real), and
+the test composes and validates that command's config in this process (one import of the trainer for all)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
+
+from omni_async.trainer.config import compose, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def trainer_config(argv: list[str]) -> dict:
+    """``python -m omni_async.trainer.main <argv>``'s config, composed and validated as the entry point does."""
+    config_name, overrides = "flowgrpo_trainer", []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--config-name":
+            config_name = next(args)
+        elif arg.startswith("--config-name="):
+            config_name = arg.split("=", 1)[1]
+        elif not arg.startswith("hydra."):
+            overrides.append(arg)
+    return OmegaConf.to_container(validate(compose(overrides, config_name=config_name)), resolve=True)
+
+
 def run_example(script: str, tmp_path: Path, **env: str) -> dict:
-    shim = tmp_path / "python"
-    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{ROOT}/tests/examples/validate_main.py" "$@"\n')
+    shim, argv = tmp_path / "python", tmp_path / "trainer_argv"
+    shim.write_text('#!/bin/sh\nif [ "$1" = "-m" ] && [ "$2" = "omni_async.trainer.main" ]; then\n'
+                    f'  shift 2; for a in "$@"; do printf "%s\\n" "$a"; done > "{argv}"; exit 0\nfi\n'
+                    f'exec "{sys.executable}" "$@"\n')
     shim.chmod(0o755)
     out = subprocess.run(["bash", str(ROOT / "examples" / script)], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHON": str(shim), "DATA_DIR": str(tmp_path / "data"),
                               "RUN_DIR": str(tmp_path / "run"), **env})
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return trainer_config(argv.read_text().splitlines())
 
 
-def test_gpu_recipe_composes_and_validates(tmp_path):
-    """The README's GPU command: 4 actor/rollout GPUs (hybrid: one worker each), 1 reward GPU, real weights."""
+@pytest.mark.parametrize(("gpus", "nodes"), [(4, 1), (8, 2)])
+def test_gpu_recipe_composes_and_validates(gpus, nodes, tmp_path):
+    """The README's GPU command: 4 actor/rollout GPUs (hybrid: one worker each), 1 reward GPU, real weights; and
+    the same on two nodes of 8 GPUs each."""
     cfg = run_example("run_qwen_image_ocr_async_reward.sh", tmp_path, MODEL_PATH="/models/Qwen-Image",
-                      NUM_GPUS_ACTOR_ROLLOUT="4", NUM_GPUS_REWARD="1")
+                      NUM_GPUS_ACTOR_ROLLOUT=str(gpus), NUM_GPUS_REWARD="1", NNODES=str(nodes))
     arr = cfg["actor_rollout_ref"]
+    ranks = gpus * nodes
     assert arr["model"]["path"] == "/models/Qwen-Image" and arr["hybrid_engine"] is True
-    assert cfg["trainer"]["n_gpus_per_node"] == 4 and arr["rollout"]["agent"]["num_workers"] == 4
+    assert cfg["trainer"]["n_gpus_per_node"] == gpus and cfg["trainer"]["nnodes"] == nodes
+    assert arr["rollout"]["agent"]["num_workers"] == ranks  # hybrid: one rollout worker per actor device
     assert cfg["reward"]["reward_model"]["enable_resource_pool"] is True
     assert cfg["reward"]["reward_model"]["n_gpus_per_node"] == 1
     assert (arr["rollout"]["height"], arr["rollout"]["width"]) == (512, 512)
     assert arr["model"]["lora_rank"] == 64
+    # Every actor rank trains whole groups in every mini-batch: no rank pads (ppo_mini_batch_size counts prompts).
+    mini, batch = arr["actor"]["ppo_mini_batch_size"], cfg["data"]["train_batch_size"]
+    assert mini % ranks == 0 and batch % mini == 0 and batch >= 16
     # Memory settings the README's GPU section explains.
     assert arr["actor"]["fsdp_config"]["model_dtype"] == "bfloat16"
     assert arr["model"]["enable_gradient_checkpointing"] is True
     assert arr["actor"]["ppo_micro_batch_size_per_gpu"] >= 1
+
+
+def test_gpu_recipe_without_a_reward_gpu_scores_ocr_on_cpu_actors(tmp_path):
+    """NUM_GPUS_REWARD=0: no reward pool (no device reserved for a CPU scorer); OCR workers are CPU actors."""
+    cfg = run_example("run_qwen_image_ocr_async_reward.sh", tmp_path, MODEL_PATH="/models/Qwen-Image",
+                      NUM_GPUS_ACTOR_ROLLOUT="4", NUM_GPUS_REWARD="0")
+    assert cfg["reward"]["reward_model"]["enable_resource_pool"] is False and cfg["reward"]["num_workers"] == 2
+
+
+def test_text_gpu_command_composes_and_validates(tmp_path):
+    """The text example's header command for 8 GPUs."""
+    cfg = run_example("run_text_grpo_async_reward.sh", tmp_path, MODEL_PATH="/models/Qwen2.5-3B-Instruct",
+                      NUM_GPUS_ACTOR_ROLLOUT="8", STEPS="200", BATCH="64", GROUP="8", RESPONSE_LENGTH="1024")
+    mini = cfg["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"]
+    assert cfg["trainer"]["n_gpus_per_node"] == 8 and mini % 8 == 0 and 64 % mini == 0
 
 
 @pytest.mark.parametrize("script", ["run_qwen_image_ocr_async_reward.sh", "run_text_grpo_async_reward.sh"])

@@ -218,6 +218,7 @@ def health_only_vllm_python(root) -> str:
 def test_full_gpu_recipe_config_composes_and_vllm_judges_get_tp_bundles(tmp_path):
     recipe = ["data.train_files=x.jsonl", "actor_rollout_ref.model.path=/models/Qwen-Image",
               "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.agent.num_workers=4",
+              "actor_rollout_ref.actor.ppo_mini_batch_size=4",
               "reward.reward_model.enable=True", "reward.reward_model.model_path=/models/Qwen2.5-VL-7B-Instruct",
               "reward.reward_model.enable_resource_pool=True", "reward.reward_model.n_gpus_per_node=1",
               "reward.reward_model.rollout.name=vllm", "reward.reward_model.rollout.server_python=/opt/vllm/bin/python",

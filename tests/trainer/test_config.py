@@ -82,6 +82,17 @@ def test_every_nullable_key_has_a_type():
     assert not untyped, f"add these keys' types to config_schema.NULLABLE: {sorted(untyped)}"
 
 
+def test_mini_batch_feeds_every_actor_rank():
+    """verl's rule is ppo_mini_batch_size x rollout.n samples divisible by the ranks; here a rank trains whole
+    groups, so a mini-batch needs at least one group (prompt) per rank."""
+    ranks = ["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.agent.num_workers=4", "data.train_batch_size=16"]
+    for mb in (4, 8, 16):
+        validate(compose(BASE + ranks + [f"actor_rollout_ref.actor.ppo_mini_batch_size={mb}"]))
+    split = ["actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.agent.num_workers=1"]
+    with pytest.raises(ConfigError, match="ppo_mini_batch_size"):  # the split layout's actor has 4 ranks too
+        validate(compose(BASE + ranks[::2] + split))
+
+
 def test_unknown_key_is_hydra_error():
     with pytest.raises((ConfigCompositionException, ConfigAttributeError)):
         compose(BASE + ["reward.not_a_key=1"])
@@ -122,6 +133,12 @@ def test_missing_train_files():
     (["actor_rollout_ref.rollout.height=60"], "height/width", "64x64"),
     (["actor_rollout_ref.actor.kl_loss_coef=0.04", "actor_rollout_ref.model.lora_rank=0"],
      "actor_rollout_ref.actor.kl_loss_coef", "lora_rank=8"),
+    # 4 actor ranks, 2 groups per mini-batch: groups are never split, so two ranks would train on padding rows
+    (["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.agent.num_workers=4", "data.train_batch_size=16"],
+     "actor_rollout_ref.actor.ppo_mini_batch_size", "ppo_mini_batch_size=4"),
+    (["trainer.n_gpus_per_node=2", "trainer.nnodes=2", "actor_rollout_ref.rollout.agent.num_workers=4",
+      "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=3"],
+     "actor_rollout_ref.actor.ppo_mini_batch_size", "data.train_batch_size to a multiple of 4"),
 ])
 def test_semantic_errors_name_key_and_fix(overrides, key, fix):
     with pytest.raises(ConfigError) as exc:

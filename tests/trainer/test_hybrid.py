@@ -16,6 +16,7 @@ from omni_async.trainer.config import ConfigError, compose, validate
 from omni_async.trainer.loop import RLTrainer
 
 TWO_DEVICES = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.agent.num_workers=2",
+               "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # a group per rank (refused otherwise)
                "trainer.log_image_freq=-1", "trainer.log_timeline_freq=-1"]
 
 

@@ -126,6 +126,35 @@ def test_ocr_judge_reads_rendered_text(no_network):
     assert ocr.compute_score("ocr", video, "HELLO 42")["score"] == pytest.approx((out["score"] + 0.0) / 2)
 
 
+def test_ocr_reads_on_the_reward_workers_gpu(monkeypatch, caplog):
+    """use_cuda=auto: onnxruntime's CUDA provider on the worker's GPU when it has one and the provider exists; CPU
+    otherwise (a warning when a GPU then idles); true without them is an error naming the fix."""
+    import onnxruntime
+
+    cpu_only, with_cuda = ["CPUExecutionProvider"], [ocr.CUDA_EP, "CPUExecutionProvider"]
+    assert ocr.ocr_device("auto") is None and ocr.ocr_device(False) is None  # this box: no CUDA device
+    with pytest.raises(RuntimeError, match="no CUDA device.*enable_resource_pool"):
+        ocr.ocr_device(True)
+    with pytest.raises(ValueError, match="use_cuda='gpu'"):
+        ocr.ocr_device("gpu")
+    monkeypatch.setattr(ocr, "_local_cuda_device", lambda: 0)  # a reward worker that owns a GPU
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: with_cuda)
+    assert ocr.ocr_device("auto") == 0 and ocr.ocr_device(True) == 0 and ocr.ocr_device(False) is None
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: cpu_only)  # the CPU onnxruntime wheel
+    with caplog.at_level("WARNING"):
+        assert ocr.ocr_device("auto") is None
+    assert "holds GPU 0 idle" in caplog.text and "onnxruntime-gpu" in caplog.text
+    with pytest.raises(RuntimeError, match="onnxruntime-gpu"):
+        ocr.ocr_device(True)
+    # The GPU engine's settings are rapidocr's own keys: its real config parser takes them.
+    from rapidocr import RapidOCR
+
+    engine = RapidOCR(params=ocr.engine_params(0, 256))
+    assert engine.cfg.EngineConfig.onnxruntime.use_cuda is True
+    assert engine.cfg.EngineConfig.onnxruntime.cuda_ep_cfg.device_id == 0
+    assert "EngineConfig.onnxruntime.use_cuda" not in ocr.engine_params(None, 256)
+
+
 def test_judge_urls_reach_the_functions_that_take_them_and_are_refused_otherwise(tmp_path):
     mod = tmp_path / "j.py"
     mod.write_text("def judged(data_source, solution_image, ground_truth, extra_info, judge_urls=None):\n"

@@ -13,11 +13,19 @@ every ``frame_interval``.
 The default engine is ``rapidocr`` (PP-OCR ONNX models shipped in its wheel: works offline); ``backend=paddleocr``
 uses PaddleOCR with local model dirs (``det_model_dir``, ``rec_model_dir``). One engine per process, loaded on
 first use.
+
+Device of the rapidocr engine (``use_cuda``, rapidocr's own name for it; PaddleOCR picks its own): a reward worker on the dedicated reward pool owns a GPU, and
+the OCR reads on it (onnxruntime's CUDA execution provider) rather than leaving it idle. ``auto`` (default) = on
+the process's GPU when it has one and onnxruntime offers CUDA, else on CPU (and a warning when a GPU idles);
+``true`` = on the GPU or an error naming what is missing; ``false`` = CPU. To score OCR on CPU without reserving a
+GPU, leave the reward pool off (``reward.reward_model.enable_resource_pool=False``: the workers are CPU actors).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import re
 from typing import Any
 
@@ -28,6 +36,8 @@ from omni_async.reward.contract import frames_of
 from omni_async.reward.scorers.jpeg import as_pil
 
 _WS = re.compile(r"\s+")
+CUDA_EP = "CUDAExecutionProvider"
+logger = logging.getLogger(__name__)
 
 
 def ocr_similarity(pred: str, gt: str, substring_shortcut: bool = True) -> float:
@@ -39,12 +49,61 @@ def ocr_similarity(pred: str, gt: str, substring_shortcut: bool = True) -> float
     return 1.0 - min(Levenshtein.distance(pred_n, gt_n), len(gt_n)) / len(gt_n)
 
 
+def _local_cuda_device() -> int | None:
+    """The CUDA device this process owns, or ``None``. Ray points ``CUDA_VISIBLE_DEVICES`` at a worker's own GPU
+    (and hides every GPU from a worker without one), so it is device 0 of the process; with
+    ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` every GPU is visible and Ray's assignment names it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):
+        import ray
+
+        ids = ray.get_gpu_ids() if ray.is_initialized() else []
+        return int(ids[0]) if ids else None
+    return 0
+
+
+def ocr_device(use_cuda: bool | str = "auto") -> int | None:
+    """The CUDA device the OCR engine runs on, or ``None`` for CPU (see the module docstring for ``use_cuda``)."""
+    if use_cuda not in ("auto", True, False):
+        raise ValueError(f"OCR use_cuda={use_cuda!r}: use auto (the worker's GPU when it has one), true or false")
+    if use_cuda is False:
+        return None
+    import onnxruntime
+
+    device = _local_cuda_device()
+    if device is not None and CUDA_EP in onnxruntime.get_available_providers():
+        return device
+    why = ("this process has no CUDA device (reward workers get one on the dedicated reward pool, "
+           "reward.reward_model.enable_resource_pool=True)" if device is None else
+           f"onnxruntime {onnxruntime.__version__} has no {CUDA_EP} (install the GPU build matching your CUDA: "
+           "pip uninstall -y onnxruntime && pip install onnxruntime-gpu)")
+    if use_cuda is True:
+        raise RuntimeError(f"OCR reward with use_cuda=true: {why}; or set use_cuda=auto / false (CPU)")
+    if device is not None:
+        logger.warning("OCR reward reads on CPU while this worker holds GPU %d idle: %s. To score on CPU without "
+                       "reserving a GPU, set reward.reward_model.enable_resource_pool=False", device, why)
+    return None
+
+
+def engine_params(device: int | None, det_limit_side_len: int) -> dict[str, Any]:
+    """rapidocr's ``params``: quiet, the detector's side limit, and onnxruntime's CUDA provider on ``device``."""
+    params: dict[str, Any] = {"Global.log_level": "critical", "Det.limit_side_len": det_limit_side_len}
+    if device is not None:
+        params.update({"EngineConfig.onnxruntime.use_cuda": True,
+                       "EngineConfig.onnxruntime.cuda_ep_cfg.device_id": device})
+    return params
+
+
 @functools.lru_cache(maxsize=4)
-def _engine(backend: str, det_model_dir: str | None, rec_model_dir: str | None, det_limit_side_len: int):
+def _engine(backend: str, det_model_dir: str | None, rec_model_dir: str | None, det_limit_side_len: int,
+            use_cuda: bool | str = "auto"):
     if backend == "rapidocr":
         from rapidocr import RapidOCR
 
-        return RapidOCR(params={"Global.log_level": "critical", "Det.limit_side_len": det_limit_side_len})
+        return RapidOCR(params=engine_params(ocr_device(use_cuda), det_limit_side_len))
     if backend == "paddleocr":
         try:
             from paddleocr import PaddleOCR
@@ -58,8 +117,8 @@ def _engine(backend: str, det_model_dir: str | None, rec_model_dir: str | None, 
 
 
 def read_text(image: Any, backend: str = "rapidocr", det_model_dir: str | None = None,
-              rec_model_dir: str | None = None, det_limit_side_len: int = 256) -> str:
-    engine = _engine(backend, det_model_dir, rec_model_dir, det_limit_side_len)
+              rec_model_dir: str | None = None, det_limit_side_len: int = 256, use_cuda: bool | str = "auto") -> str:
+    engine = _engine(backend, det_model_dir, rec_model_dir, det_limit_side_len, use_cuda)
     arr = np.asarray(as_pil(image))
     if backend == "rapidocr":
         return " ".join(engine(arr).txts or ())
@@ -76,11 +135,11 @@ def sample_frames(solution_image: Any, frame_interval: int = 1) -> list[np.ndarr
 def compute_score(data_source: str, solution_image: Any, ground_truth: Any, extra_info: dict | None = None,
                   backend: str = "rapidocr", substring_shortcut: bool = True, frame_interval: int = 1,
                   det_model_dir: str | None = None, rec_model_dir: str | None = None,
-                  det_limit_side_len: int = 256, **kwargs) -> dict:
+                  det_limit_side_len: int = 256, use_cuda: bool | str = "auto", **kwargs) -> dict:
     """OCR score of one image (or the mean over a video's sampled frames), with the recognised text."""
     texts, scores = [], []
     for frame in sample_frames(solution_image, frame_interval):
-        text = read_text(frame, backend, det_model_dir, rec_model_dir, det_limit_side_len)
+        text = read_text(frame, backend, det_model_dir, rec_model_dir, det_limit_side_len, use_cuda)
         texts.append(text)
         scores.append(ocr_similarity(text, ground_truth, substring_shortcut))
     return {"score": float(np.mean(scores)), "ocr_text": " | ".join(texts)}

@@ -1,9 +1,10 @@
 """Per-device memory plan of the real Qwen-Image and Wan 2.1 configs, measured on the meta device.
 
 ``python -m omni_async.tools.memory_plan [--model qwen_image|wan_1_3b|wan_14b|all] [--resolution 512 1024]
-[--lora-rank 64] [--micro-batch 1]`` prints a table and writes ``bench/results/memory_plan.json``.
+[--lora-rank 64] [--micro-batch 1] [--rollout-batch N]`` prints a table and writes ``bench/results/memory_plan.json``.
 
-Method (nothing is downloaded, no weights exist; every figure below is counted or measured, none is typed in):
+Method (nothing is downloaded, no weights exist; every figure below is counted or measured, none is typed in,
+except the three runtime assumptions of :mod:`omni_async.tools.memory_layouts`):
 
 * **Models.** The transformer, text encoder and VAE of each pipeline are instantiated from the configs in
   :data:`MODELS` (copied from the public ``config.json`` files named there) under ``torch.device("meta")``:
@@ -11,6 +12,11 @@ Method (nothing is downloaded, no weights exist; every figure below is counted o
 * **LoRA.** peft's ``inject_adapter_in_model`` puts a rank-``r`` adapter on the named attention projections of
   the meta transformer; the adapter is cast to fp32 (trainable params and AdamW state are fp32 by design), so
   params + grads + AdamW ``exp_avg`` + ``exp_avg_sq`` = 16 bytes per counted LoRA parameter.
+* **Full fine-tune.** Every transformer parameter trains (FSDP2 over the actor ranks: fp32 master, gradient and
+  AdamW shards, bf16 compute). Its training micro-batch is measured like LoRA's on the meta transformer with all
+  parameters requiring grad (their bf16 ``.grad`` pre-allocated, as FSDP2 holds one block's unsharded gradient at a
+  time: only each op's transient gradient is counted); FSDP2's block buffers are counted from the largest block
+  (two bf16 gathered blocks, the current and the prefetched one, plus one block's fp32 reduce-scatter input).
 * **Activations.** The transformer forward and backward of one training micro-batch run on meta tensors under
   :class:`LiveMemory`, a ``TorchDispatchMode`` that adds the bytes of every storage an op creates and subtracts
   them when the storage is freed (``weakref.finalize``), so its running maximum is the peak of live
@@ -24,11 +30,17 @@ Method (nothing is downloaded, no weights exist; every figure below is counted o
   ``S x S`` fp32 score matrix; a CUDA GPU in bf16 without a mask takes the flash kernel. :func:`flash_sdpa`
   routes SDPA to ``aten._scaled_dot_product_flash_attention`` (its meta kernel and autograd formula are
   PyTorch's), and to the memory-efficient kernel when a mask is given, so the figures are those of a GPU.
-* **Optimizer.** A steady-state ``torch.optim.AdamW`` (foreach) step on the meta LoRA params, same tracker.
-* **Rollout, text encoder, VAE.** Forward under ``torch.no_grad`` with the same tracker: the peak of live
-  intermediates is measured, not estimated from one layer. VAE decode is measured plain and tiled.
-* **Not modelled:** allocator fragmentation and the CUDA context. The budget adds :data:`RUNTIME_RESERVE_GB`
-  (an assumption, not a measurement) and the recommendations keep 10% of the device free on top.
+* **Optimizer.** A steady-state ``torch.optim.AdamW`` (foreach) step on the meta LoRA params (and on fp32 copies
+  of every transformer parameter for the full fine-tune; a rank steps its 1/ranks share), same tracker.
+* **Gradient all-reduce.** The LoRA gradients' flat buckets (``trainer.data_parallel._buckets``, the code the
+  ranks run) built from meta gradients under the tracker: the largest bucket.
+* **Rollout, text encoder, VAE.** Forward under ``torch.no_grad`` with the same tracker, at the rollout's batch:
+  ``actor_rollout_ref.rollout.agent.max_batch_size`` requests (the config's default unless ``--rollout-batch``;
+  x2 with CFG), the text encoder at the same batch. VAE decode is measured plain and tiled, one sample at a time
+  (``rollout.pipeline.vae_slicing``); images decode plain, video tiled (the policy's default).
+* **Per device.** :mod:`omni_async.tools.memory_layouts` adds the phases up per layout (hybrid LoRA and full
+  fine-tune, disaggregated rollout worker and trainer rank), with the rollout snapshot adapter, weight-sync
+  buckets, allocator fragmentation, the CUDA context and NCCL buffers (the last three assumed, not measured).
 
 GB = 1e9 bytes throughout (the unit of "80 GB H100" and "141 GB H200").
 """
@@ -46,74 +58,27 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-GB = 1e9
-RUNTIME_RESERVE_GB = 1.5  # assumption: CUDA context + cuBLAS/NCCL workspaces; not measured here
-DEVICES_GB = {"H100 80GB": 80.0, "H200 141GB": 141.0}
-HEADROOM = 0.10
-BF16 = torch.bfloat16
+from omni_async.tools.memory_layouts import (  # noqa: F401  (device_peak, recommend: this module's API too)
+    DEVICES_GB,
+    FRAGMENTATION,
+    GB,
+    NCCL_RESERVE_GB,
+    RUNTIME_RESERVE_GB,
+    device_peak,
+    layout_rows,
+    recommend,
+    rollout_worker_peak,
+)
+from omni_async.tools.model_configs import BF16, MODELS, QWEN_TARGETS, WAN_TARGETS  # noqa: F401  (re-exported)
 
-QWEN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
-WAN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # self- and cross-attention (attn1, attn2) of every block
-
-# Source of every number: the public config.json of the named checkpoint (HF hub paths given in "source").
-_QWEN_IMAGE = {
-    "source": "Qwen/Qwen-Image: transformer/, text_encoder/, vae/ config.json, scheduler/scheduler_config.json",
-    "transformer": ("diffusers", "QwenImageTransformer2DModel", {
-        "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
-        "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False,
-        "axes_dims_rope": (16, 56, 56)}),
-    "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration", {  # = Qwen/Qwen2.5-VL-7B-Instruct
-        "text_config": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
-                        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-                        "hidden_act": "silu", "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
-                        "rope_theta": 1000000.0, "tie_word_embeddings": False,
-                        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}},
-        "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
-                          "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
-                          "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31],
-                          "in_chans": 3, "hidden_act": "silu", "tokens_per_second": 2},
-        "tie_word_embeddings": False}),
-    "vae": ("diffusers", "AutoencoderKLQwenImage", {  # latents_mean/std left at diffusers' defaults (no memory)
-        "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
-        "temperal_downsample": [False, True, True], "dropout": 0.0}),
-    "vae_dtype": BF16,
-    # No memory of its own; bench/gpu_step.py samples with it (dynamic shift, as QwenImagePipeline).
-    "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler", {
-        "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5,
-        "max_shift": 0.9, "base_image_seq_len": 256, "max_image_seq_len": 8192, "shift_terminal": 0.02,
-        "time_shift_type": "exponential"}),
-    "lora_targets": QWEN_TARGETS,
-    # The pipeline drops the 34-token chat template; prompts are padded to the longest in the batch.
-    "text_tokens": 256, "template_tokens": 34, "frames": 1,
-}
+CONFIG = Path(__file__).resolve().parents[1] / "config" / "flowgrpo_trainer.yaml"
 
 
-def _wan(heads: int, ffn: int, layers: int, name: str) -> dict:
-    return {
-        "source": f"Wan-AI/{name}-Diffusers: transformer/, text_encoder/ (google/umt5-xxl), vae/ config.json",
-        "transformer": ("diffusers", "WanTransformer3DModel", {
-            "patch_size": (1, 2, 2), "num_attention_heads": heads, "attention_head_dim": 128, "in_channels": 16,
-            "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": ffn, "num_layers": layers,
-            "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024}),
-        "text_encoder": ("transformers", "UMT5EncoderModel", {
-            "vocab_size": 256384, "d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_layers": 24, "num_heads": 64,
-            "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
-            "feed_forward_proj": "gated-gelu", "layer_norm_epsilon": 1e-6, "tie_word_embeddings": False}),
-        "vae": ("diffusers", "AutoencoderKLWan", {
-            "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
-            "temperal_downsample": [False, True, True], "dropout": 0.0}),
-        "vae_dtype": torch.float32,  # diffusers' Wan examples load the VAE in fp32
-        "lora_targets": WAN_TARGETS,
-        "text_tokens": 512, "template_tokens": 0,  # Wan pads every prompt to 512 UMT5 tokens
-        "frames": 33,  # 4k+1; 33 frames = 9 latent frames (override with --frames; Wan's own default is 81)
-    }
+def default_rollout_batch() -> int:
+    """``actor_rollout_ref.rollout.agent.max_batch_size`` of the shipped config: the batch a rollout worker runs."""
+    from omegaconf import OmegaConf
 
-
-MODELS = {
-    "qwen_image": _QWEN_IMAGE,
-    "wan_1_3b": _wan(12, 8960, 30, "Wan2.1-T2V-1.3B"),
-    "wan_14b": _wan(40, 13824, 40, "Wan2.1-T2V-14B"),
-}
+    return int(OmegaConf.load(CONFIG).actor_rollout_ref.rollout.agent.max_batch_size)
 
 
 def _flat(value):
@@ -233,17 +198,28 @@ def nbytes(module: torch.nn.Module) -> tuple[int, int]:
 
 @functools.cache
 def lora_transformer(model: str, rank: int) -> tuple[torch.nn.Module, int]:
-    """A fresh meta transformer with a fp32 rank-``rank`` LoRA adapter; returns it and the LoRA parameter count."""
+    """A fresh meta transformer with a fp32 rank-``rank`` LoRA adapter; returns it and the LoRA parameter count.
+    ``rank=0``: the full fine-tune's transformer, every (bf16) parameter trainable; returns it and its count."""
     from peft import LoraConfig, inject_adapter_in_model
 
     spec = MODELS[model]
     module = build(*spec["transformer"])
+    if rank == 0:
+        module.requires_grad_(True)
+        return module, sum(p.numel() for p in module.parameters())
     inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=spec["lora_targets"]), module)
     lora = [p for n, p in module.named_parameters() if "lora_" in n]
     for p in lora:
         p.data = p.data.float()
         p.requires_grad_(True)
     return module, sum(p.numel() for p in lora)
+
+
+def largest_block_params(model: str) -> int:
+    """Parameters of the largest transformer block (the unit FSDP2 shards and gathers: ``_no_split_modules``)."""
+    module = component(model, "transformer")
+    blocks = set(module._no_split_modules)
+    return max(sum(p.numel() for p in m.parameters()) for m in module.modules() if type(m).__name__ in blocks)
 
 
 def transformer_inputs(model: str, resolution: int, batch: int) -> dict:
@@ -263,7 +239,8 @@ def transformer_inputs(model: str, resolution: int, batch: int) -> dict:
 
 
 def measure_train(model: str, resolution: int, batch: int, checkpointing: bool, rank: int) -> dict:
-    """Forward + backward of one micro-batch of ``batch`` rows with the LoRA transformer; bytes beyond weights."""
+    """Forward + backward of one micro-batch of ``batch`` rows with the LoRA transformer (``rank=0``: every
+    parameter trained); bytes beyond weights and accumulated gradients."""
     from torch.utils.checkpoint import checkpoint
 
     module, _ = lora_transformer(model, rank)
@@ -295,17 +272,34 @@ def measure_train(model: str, resolution: int, batch: int, checkpointing: bool, 
 
 
 def measure_optimizer_step(model: str, rank: int) -> float:
-    """Transient GB of a steady-state AdamW step (foreach) on the LoRA params: the second step, after the first
-    allocated the exp_avg / exp_avg_sq state already counted in the LoRA line."""
+    """Transient GB of a steady-state AdamW step (foreach) on the trainable params: the second step, after the first
+    allocated the exp_avg / exp_avg_sq state already counted in the state line. ``rank=0``: fp32 copies of every
+    transformer parameter (the full fine-tune's masters, all of them: a rank steps 1/ranks of this)."""
     module, _ = lora_transformer(model, rank)
     params = [p for p in module.parameters() if p.requires_grad]
+    if rank == 0:
+        params = [torch.nn.Parameter(torch.empty_like(p, dtype=torch.float32)) for p in params]
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
     optimizer.step()
     with LiveMemory() as mem:
         optimizer.step()
-    module.zero_grad(set_to_none=True)
+    for p in params:
+        p.grad = None
+    return mem.peak / GB
+
+
+def measure_allreduce_bucket(model: str, rank: int) -> float:
+    """GB of the largest flat bucket the data-parallel LoRA gradient all-reduce builds (``dist.all_reduce`` works in
+    place on it): ``trainer.data_parallel._buckets`` over meta gradients of the adapter."""
+    from omni_async.trainer.data_parallel import _buckets
+
+    module, _ = lora_transformer(model, rank)
+    grads = [torch.zeros_like(p) for p in module.parameters() if p.requires_grad]
+    with LiveMemory() as mem:
+        for flat, _ in _buckets(grads):
+            del flat
     return mem.peak / GB
 
 
@@ -340,8 +334,11 @@ def measure_vae_decode(model: str, resolution: int, tiled: bool) -> float:
     return measure_no_grad(lambda: vae.decode(z))
 
 
-def plan_model(model: str, resolutions, lora_rank: int = 64, micro_batch: int = 1) -> dict:
-    """Everything measured for one pipeline: weights, LoRA state, training/rollout activations, encoder, VAE."""
+def plan_model(model: str, resolutions, lora_rank: int = 64, micro_batch: int = 1, rollout_batch: int | None = None,
+               full: bool = True) -> dict:
+    """Everything measured for one pipeline: weights, LoRA state, training/rollout activations, encoder, VAE; with
+    ``full``, the full fine-tune's training micro-batch (checkpointing on), optimizer step and FSDP2 block size."""
+    rollout_batch = rollout_batch or default_rollout_batch()
     weights = {}
     for part in ("transformer", "text_encoder", "vae"):
         count, size = nbytes(component(model, part))
@@ -349,112 +346,75 @@ def plan_model(model: str, resolutions, lora_rank: int = 64, micro_batch: int = 
     _, lora_params = lora_transformer(model, lora_rank)
     result = {
         "source": MODELS[model]["source"], "frames": MODELS[model]["frames"],
-        "text_tokens": MODELS[model]["text_tokens"], "weights": weights,
+        "text_tokens": MODELS[model]["text_tokens"], "weights": weights, "micro_batch": micro_batch,
+        "rollout_batch": rollout_batch,
         "lora": {"rank": lora_rank, "targets": MODELS[model]["lora_targets"], "params": lora_params,
                  "gb": 16 * lora_params / GB},  # fp32 param + grad + AdamW exp_avg + exp_avg_sq
-        "text_encoder_forward_gb": measure_text_encoder(model, micro_batch),
+        "text_encoder_forward_gb": measure_text_encoder(model, rollout_batch),
         "optimizer_step_gb": measure_optimizer_step(model, lora_rank),
+        "lora_allreduce_bucket_gb": measure_allreduce_bucket(model, lora_rank),
         "resolutions": {},
     }
+    if full:
+        block = largest_block_params(model)
+        result["full"] = {"params": weights["transformer"]["params"], "largest_block_params": block,
+                          # two bf16 gathered blocks (current + prefetched) + one block's fp32 reduce-scatter input
+                          "fsdp_buffers_gb": (2 * 2 + 4) * block / GB,
+                          "optimizer_step_gb": measure_optimizer_step(model, 0)}
     for res in resolutions:
-        entry = {"train": {}, "rollout_gb": {}, "vae_decode_gb": {}}
+        entry = {"train": {}, "rollout_gb": {}, "vae_decode_gb": {}, **({"train_full": {}} if full else {})}
         for cfg in (False, True):
-            batch = micro_batch * (2 if cfg else 1)
-            entry["rollout_gb"]["cfg" if cfg else "no_cfg"] = measure_rollout(model, res, batch, lora_rank)
+            batch, tag = micro_batch * (2 if cfg else 1), "cfg" if cfg else "no_cfg"
+            entry["rollout_gb"][tag] = measure_rollout(model, res, rollout_batch * (2 if cfg else 1), lora_rank)
             for ckpt in (False, True):
-                key = f"{'cfg' if cfg else 'no_cfg'}/{'ckpt' if ckpt else 'no_ckpt'}"
+                key = f"{tag}/{'ckpt' if ckpt else 'no_ckpt'}"
                 entry["train"][key] = measure_train(model, res, batch, ckpt, lora_rank)
+            if full:
+                entry["train_full"][f"{tag}/ckpt"] = measure_train(model, res, batch, True, 0)
         for tiled in (False, True):
             entry["vae_decode_gb"]["tiled" if tiled else "plain"] = measure_vae_decode(model, res, tiled)
         result["resolutions"][str(res)] = entry
     return result
 
 
-def device_peak(plan: dict, res: int, cfg: bool, ckpt: bool, offload_encoders: bool, micro_scale: float = 1.0,
-                vae_tiled: bool = True) -> dict:
-    """Per-device peak of the hybrid worker: max(rollout phase, update phase), in GB.
-
-    Resident in both phases: transformer (bf16) + LoRA params/grads/AdamW (fp32) + runtime reserve. Rollout adds the
-    text encoder + VAE and the largest of (text-encoder forward, denoising forward, VAE decode); the update adds
-    the encoders only when they are not offloaded to CPU, plus the larger of the training micro-batch peak and the
-    AdamW step's transient (they do not overlap: the step runs after the last micro-batch's backward).
-    ``micro_scale`` scales the measured training activations linearly (they are proportional to the batch); the
-    rollout phase stays at the measured batch (``--micro-batch`` prompts, x2 with CFG)."""
-    w, entry = plan["weights"], plan["resolutions"][str(res)]
-    tag = "cfg" if cfg else "no_cfg"
-    resident = w["transformer"]["gb"] + plan["lora"]["gb"] + RUNTIME_RESERVE_GB
-    encoders = w["text_encoder"]["gb"] + w["vae"]["gb"]
-    vae = entry["vae_decode_gb"]["tiled" if vae_tiled else "plain"]
-    rollout = resident + encoders + max(plan["text_encoder_forward_gb"], entry["rollout_gb"][tag], vae)
-    train = entry["train"][f"{tag}/{'ckpt' if ckpt else 'no_ckpt'}"]["peak_gb"] * micro_scale
-    update = resident + (0.0 if offload_encoders else encoders) + max(train, plan.get("optimizer_step_gb", 0.0))
-    return {"rollout_gb": rollout, "update_gb": update, "peak_gb": max(rollout, update)}
-
-
-def rollout_worker_peak(plan: dict, res: int, cfg: bool, vae_tiled: bool = True) -> float:
-    """Per-device peak of an inference-only rollout worker (disaggregated layout), in GB: the pipeline's frozen
-    weights (transformer, text encoder, VAE) + the LoRA adapter's parameters alone (fp32, no gradients, no AdamW
-    state) + runtime reserve + the largest of (text-encoder forward, denoising forward, VAE decode). No training
-    activations, no optimizer step."""
-    w, entry = plan["weights"], plan["resolutions"][str(res)]
-    weights = w["transformer"]["gb"] + w["text_encoder"]["gb"] + w["vae"]["gb"] + 4 * plan["lora"]["params"] / GB
-    vae = entry["vae_decode_gb"]["tiled" if vae_tiled else "plain"]
-    rollout = entry["rollout_gb"]["cfg" if cfg else "no_cfg"]
-    return weights + RUNTIME_RESERVE_GB + max(plan["text_encoder_forward_gb"], rollout, vae)
-
-
-def recommend(plan: dict, capacity_gb: float, cfg: bool = True) -> dict:
-    """Per resolution: every (checkpointing, encoder offload) option that leaves >= 10% of ``capacity_gb`` free,
-    with its largest micro-batch (training activations scaled linearly from the measured one), and the pick: the
-    first that fits in the order no-checkpointing/no-offload, no-checkpointing/offload, checkpointing/no-offload,
-    checkpointing/offload (recomputing every block costs about one extra forward per update; offloading costs two
-    host<->device copies of the encoders per step)."""
-    out = {}
-    budget = capacity_gb * (1 - HEADROOM)
-    for res in plan["resolutions"]:
-        options = []
-        for ckpt, offload in ((False, False), (False, True), (True, False), (True, True)):
-            if f"{'cfg' if cfg else 'no_cfg'}/{'ckpt' if ckpt else 'no_ckpt'}" not in plan["resolutions"][res]["train"]:
-                continue  # not measured
-            micro = 0
-            while micro < 256 and device_peak(plan, int(res), cfg, ckpt, offload, micro + 1)["peak_gb"] <= budget:
-                micro += 1
-            if micro:
-                peak = device_peak(plan, int(res), cfg, ckpt, offload)["peak_gb"]
-                options.append({"gradient_checkpointing": ckpt, "offload_encoders_during_update": offload,
-                                "max_micro_batch": micro * plan["micro_batch"],
-                                f"peak_gb_at_micro_batch_{plan['micro_batch']}": round(peak, 1)})
-        out[res] = {"pick": options[0] if options else None, "options": options}
-    return out
-
-
-def run(models, resolutions, lora_rank: int = 64, micro_batch: int = 1) -> dict:
+def run(models, resolutions, lora_rank: int = 64, micro_batch: int = 1, rollout_batch: int | None = None) -> dict:
     plans = {}
     for model in models:
-        plans[model] = plan_model(model, resolutions, lora_rank, micro_batch)
-        plans[model]["micro_batch"] = micro_batch
-        plans[model]["recommendations"] = {
-            name: {"cfg": recommend(plans[model], cap, True), "no_cfg": recommend(plans[model], cap, False)}
+        plan = plans[model] = plan_model(model, resolutions, lora_rank, micro_batch, rollout_batch)
+        plan["micro_batch"] = micro_batch
+        plan["recommendations"] = {
+            name: {"cfg": recommend(plan, cap, True), "no_cfg": recommend(plan, cap, False)}
             for name, cap in DEVICES_GB.items()}
-    return {"unit": "GB = 1e9 bytes", "runtime_reserve_gb": RUNTIME_RESERVE_GB, "headroom": HEADROOM,
-            "devices_gb": DEVICES_GB, "method": __doc__.split("Method", 1)[1].strip(), "models": plans}
+        if "full" in plan:  # the full fine-tune on 4 hybrid ranks (the README recipe's actor GPUs)
+            plan["recommendations_full_x4"] = {name: recommend(plan, cap, True, full=True, ranks=4)
+                                               for name, cap in DEVICES_GB.items()}
+        plan["layouts"] = layout_rows(plan)
+    return {"unit": "GB = 1e9 bytes", "runtime_reserve_gb": RUNTIME_RESERVE_GB, "nccl_reserve_gb": NCCL_RESERVE_GB,
+            "fragmentation": FRAGMENTATION, "devices_gb": DEVICES_GB,
+            "method": __doc__.split("Method", 1)[1].strip(), "models": plans}
 
 
 def format_table(report: dict) -> str:
     lines = []
     for model, plan in report["models"].items():
         w, lora = plan["weights"], plan["lora"]
-        lines.append(f"\n## {model}  ({plan['source']}; micro-batch {plan['micro_batch']}, "
-                     f"{plan['text_tokens']} text tokens" + (f", {plan['frames']} frames)" if plan["frames"] > 1
-                                                              else ")"))
+        lines.append(f"\n## {model}  ({plan['source']}; micro-batch {plan['micro_batch']}, rollout batch "
+                     f"{plan['rollout_batch']}, {plan['text_tokens']} text tokens"
+                     + (f", {plan['frames']} frames)" if plan["frames"] > 1 else ")"))
         for part in ("transformer", "text_encoder", "vae"):
             lines.append(f"  {part:<13} {w[part]['params'] / 1e9:7.3f} B params  {w[part]['gb']:7.2f} GB")
         lines.append(f"  LoRA r{lora['rank']:<7} {lora['params'] / 1e6:7.1f} M params  {lora['gb']:7.2f} GB "
                      "(fp32 param+grad+AdamW)")
-        lines.append(f"  text-encoder forward (no grad): {plan['text_encoder_forward_gb']:.2f} GB; AdamW step "
-                     f"transient: {plan['optimizer_step_gb']:.2f} GB")
-        lines.append("  res   CFG ckpt | train held  saved   peak | rollout | VAE plain tiled | device peak "
-                     "(encoders on GPU / offloaded in update) | rollout worker (disaggregated)")
+        lines.append(f"  text-encoder forward (no grad, batch {plan['rollout_batch']}): "
+                     f"{plan['text_encoder_forward_gb']:.2f} GB; AdamW step transient: {plan['optimizer_step_gb']:.2f}"
+                     f" GB; all-reduce bucket {plan['lora_allreduce_bucket_gb']:.3f} GB")
+        if "full" in plan:
+            f = plan["full"]
+            lines.append(f"  full fine-tune: largest block {f['largest_block_params'] / 1e6:.0f} M params, FSDP2 "
+                         f"buffers {f['fsdp_buffers_gb']:.2f} GB, AdamW step transient {f['optimizer_step_gb']:.2f}"
+                         " GB / ranks")
+        lines.append("  res   CFG ckpt | train held  saved   peak | rollout | VAE plain tiled | hybrid LoRA device "
+                     "(encoders on GPU / offloaded in update)")
         for res, entry in plan["resolutions"].items():
             for key, t in entry["train"].items():
                 cfg, ckpt = key.split("/")
@@ -464,15 +424,23 @@ def format_table(report: dict) -> str:
                     f"  {res:>4}² {'on ' if cfg == 'cfg' else 'off'} {'on ' if ckpt == 'ckpt' else 'off'}  |"
                     f" {t['held_gb']:8.2f} {t['saved_gb']:7.2f} {t['peak_gb']:7.2f} |"
                     f" {entry['rollout_gb'][cfg]:7.2f} | {entry['vae_decode_gb']['plain']:9.2f}"
-                    f" {entry['vae_decode_gb']['tiled']:5.2f} | {peak_on:6.1f} / {peak_off:6.1f}"
-                    f" | {rollout_worker_peak(plan, int(res), cfg == 'cfg'):6.1f}")
+                    f" {entry['vae_decode_gb']['tiled']:5.2f} | {peak_on:6.1f} / {peak_off:6.1f}")
+            for key, t in entry.get("train_full", {}).items():
+                lines.append(f"  {res:>4}² {'on ' if key.startswith('cfg') else 'off'} on   | full FT train peak "
+                             f"{t['peak_gb']:7.2f}")
+        lines.append("  per device, CFG on, checkpointing on, encoders on GPU (allocated = max(rollout, update); "
+                     "total = allocated + fragmentation + context/NCCL):")
+        for name, by_res in plan["layouts"].items():
+            text = "; ".join(f"{res}²: rollout {p['rollout_gb']:.1f} update {p['update_gb']:.1f} total "
+                             f"{p['peak_gb']:.1f}" for res, p in by_res.items())
+            lines.append(f"    {name:<22} {text}")
         for device, recs in plan["recommendations"].items():
             for res, rec in recs["cfg"].items():
                 text = "; ".join(
                     f"ckpt {'on' if o['gradient_checkpointing'] else 'off'} + encoders "
                     f"{'offloaded' if o['offload_encoders_during_update'] else 'on GPU'}: micro-batch <= "
                     f"{o['max_micro_batch']}" for o in rec["options"]) or "does not fit"
-                lines.append(f"  {device}, {res}², CFG on (>= 10% free): {text}")
+                lines.append(f"  {device}, {res}², CFG on, hybrid LoRA: {text}")
     return "\n".join(lines)
 
 
@@ -482,6 +450,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--resolution", type=int, nargs="+", default=[512, 1024])
     parser.add_argument("--lora-rank", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--rollout-batch", type=int, default=None,
+                        help="rollout requests per forward (default: the config's agent.max_batch_size)")
     parser.add_argument("--frames", type=int, default=None, help="video frames for Wan (4k+1)")
     parser.add_argument("--output", default=str(Path(__file__).resolve().parents[2] / "bench/results/memory_plan.json"))
     args = parser.parse_args(argv)
@@ -490,7 +460,7 @@ def main(argv=None) -> dict:
             if spec["frames"] > 1:
                 spec["frames"] = args.frames
     models = list(MODELS) if args.model == "all" else [args.model]
-    report = run(models, args.resolution, args.lora_rank, args.micro_batch)
+    report = run(models, args.resolution, args.lora_rank, args.micro_batch, args.rollout_batch)
     print(format_table(report))
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=1))

@@ -1,38 +1,48 @@
 """The memory plan measures (meta device, no weights): the real Qwen-Image sizes, activations that react to
-checkpointing and resolution, and the default GPU recipe fitting an 80 GB device with >= 10% headroom.
+checkpointing and resolution, the rollout at the config's request batch, every layout's device total (hybrid LoRA and
+full fine-tune, rollout worker, trainer rank), and the default GPU recipe fitting an 80 GB device.
 
 Every figure is measured on the full 60-block transformer (no per-block extrapolation); the module-scoped plan
-runs three meta forward/backward passes, two no-grad forwards, a text-encoder forward and a VAE decode: about
-25 s of CPU time (wall time grows when the cores are shared)."""
+runs four meta forward/backward passes (one of the full fine-tune), two no-grad forwards, a text-encoder forward,
+two VAE decodes and two AdamW steps: about 50 s of CPU time (wall time grows when the cores are shared)."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 
 mp = pytest.importorskip("omni_async.tools.memory_plan")
+ml = pytest.importorskip("omni_async.tools.memory_layouts")
 
 
 @pytest.fixture(scope="module")
 def qwen_plan():
-    """Qwen-Image, LoRA r64, micro-batch 1 with CFG on (batch 2): training at 512² (ckpt on/off) and 1024² (ckpt
-    on), rollout at both, VAE decode (tiled) at 512²."""
-    plan = {"weights": {}, "micro_batch": 1, "resolutions": {}}
+    """Qwen-Image, LoRA r64, micro-batch 1 with CFG on (batch 2): training at 512² (ckpt on/off; full fine-tune ckpt
+    on) and 1024² (ckpt on), rollout at both (the config's request batch, x2 for CFG), VAE decode at 512²."""
+    rollout_batch = mp.default_rollout_batch()
+    plan = {"weights": {}, "micro_batch": 1, "rollout_batch": rollout_batch, "frames": 1, "resolutions": {}}
     for part in ("transformer", "text_encoder", "vae"):
         count, size = mp.nbytes(mp.component("qwen_image", part))
         plan["weights"][part] = {"params": count, "gb": size / mp.GB}
     _, lora_params = mp.lora_transformer("qwen_image", 64)
     plan["lora"] = {"rank": 64, "params": lora_params, "gb": 16 * lora_params / mp.GB}
-    plan["text_encoder_forward_gb"] = mp.measure_text_encoder("qwen_image", 1)
+    plan["text_encoder_forward_gb"] = mp.measure_text_encoder("qwen_image", rollout_batch)
     plan["optimizer_step_gb"] = mp.measure_optimizer_step("qwen_image", 64)
+    plan["lora_allreduce_bucket_gb"] = mp.measure_allreduce_bucket("qwen_image", 64)
+    block = mp.largest_block_params("qwen_image")
+    plan["full"] = {"params": plan["weights"]["transformer"]["params"], "largest_block_params": block,
+                    "fsdp_buffers_gb": 8 * block / mp.GB, "optimizer_step_gb": mp.measure_optimizer_step("qwen_image", 0)}
     for res, modes in ((512, (True, False)), (1024, (True,))):
         plan["resolutions"][str(res)] = {
             "train": {f"cfg/{'ckpt' if c else 'no_ckpt'}": mp.measure_train("qwen_image", res, 2, c, 64)
                       for c in modes},
-            "rollout_gb": {"cfg": mp.measure_rollout("qwen_image", res, 2, 64)},
+            "rollout_gb": {"cfg": mp.measure_rollout("qwen_image", res, 2 * rollout_batch, 64)},
         }
-    plan["resolutions"]["512"]["vae_decode_gb"] = {"tiled": mp.measure_vae_decode("qwen_image", 512, tiled=True)}
+    low = plan["resolutions"]["512"]
+    low["train_full"] = {"cfg/ckpt": mp.measure_train("qwen_image", 512, 2, True, 0)}
+    low["vae_decode_gb"] = {t: mp.measure_vae_decode("qwen_image", 512, tiled=t == "tiled") for t in ("plain", "tiled")}
     return plan
 
 
@@ -44,19 +54,76 @@ def test_qwen_image_sizes_are_the_real_model(qwen_plan):
     assert 0.05e9 < weights["vae"]["params"] < 0.3e9
     # r64 on 8 projections (3072 -> 3072) of 60 blocks: 60 * 8 * 64 * (3072 + 3072)
     assert qwen_plan["lora"]["params"] == 60 * 8 * 64 * 2 * 3072
+    # the 60 dual-stream blocks hold almost all of the 20.4 B parameters
+    full = qwen_plan["full"]
+    assert 0.95 * full["params"] < 60 * full["largest_block_params"] <= full["params"]
 
 
-def test_default_gpu_recipe_fits_80gb_with_headroom(qwen_plan):
-    """512², LoRA r64, checkpointing on, micro-batch 1, bf16 frozen weights, CFG on (2 branches in the update),
-    text encoder and VAE kept on the GPU through the update (the stricter case; offloading only lowers it)."""
-    peak = mp.device_peak(qwen_plan, 512, cfg=True, ckpt=True, offload_encoders=False)
-    assert peak["peak_gb"] <= 0.9 * 80, peak
-    # An inference-only rollout worker (disaggregated layout) holds the pipeline and the adapter, no update state.
-    worker = mp.rollout_worker_peak(qwen_plan, 512, cfg=True)
-    assert peak["rollout_gb"] - qwen_plan["lora"]["gb"] < worker < peak["peak_gb"]
+def test_default_gpu_recipe_fits_80gb_as_sold(qwen_plan):
+    """512², LoRA r64, checkpointing on, micro-batch 1, bf16 frozen weights, CFG on (2 branches in the update and in
+    rollout), rollout at agent.max_batch_size requests, 4 data-parallel ranks (NCCL buffers), the rollout snapshot
+    adapter (an overlap mode), text encoder and VAE kept on the GPU through the update (the stricter case), plain VAE
+    decode (images), allocator fragmentation and the CUDA context: within 80 GB as sold = 80e9 bytes (not 80 GiB)."""
+    assert ml.DEVICES_GB["H100 80GB"] * ml.GB == 80e9
+    peak = mp.device_peak(qwen_plan, 512, cfg=True, ckpt=True, offload_encoders=False, layout="hybrid", ranks=4,
+                          snapshot=True)
+    assert peak["peak_gb"] <= 80.0, peak
+    assert peak["peak_gb"] == pytest.approx(peak["allocated_gb"] * (1 + ml.FRAGMENTATION) + ml.RUNTIME_RESERVE_GB
+                                            + ml.NCCL_RESERVE_GB)
     at_512 = {**qwen_plan, "resolutions": {"512": qwen_plan["resolutions"]["512"]}}
-    rec = mp.recommend(at_512, 80.0, cfg=True)["512"]
+    rec = mp.recommend(at_512, 80.0, cfg=True, ranks=4)["512"]
     assert any(o["gradient_checkpointing"] and not o["offload_encoders_during_update"] for o in rec["options"])
+
+
+def test_rollout_is_planned_at_the_configs_request_batch(qwen_plan):
+    """The rollout and the text encoder run agent.max_batch_size requests at once, not one micro-batch."""
+    assert qwen_plan["rollout_batch"] == 8  # flowgrpo_trainer.yaml's agent.max_batch_size
+    one = mp.measure_text_encoder("qwen_image", 1)
+    assert qwen_plan["text_encoder_forward_gb"] > 4 * one > 0
+    # the plain decode of an image (vae_tiling is off for images) costs more than the tiled one
+    vae = qwen_plan["resolutions"]["512"]["vae_decode_gb"]
+    assert vae["plain"] > 2 * vae["tiled"]
+
+
+def test_every_layout_counts_what_it_holds(qwen_plan):
+    """Hybrid LoRA vs full fine-tune (FSDP2 shards + gathered bf16 for generation), the rollout-only worker (frozen
+    pipeline, no optimizer / gradients / training activations) and the trainer rank (no encoders)."""
+    w, lora, full = qwen_plan["weights"], qwen_plan["lora"], qwen_plan["full"]
+    encoders = w["text_encoder"]["gb"] + w["vae"]["gb"]
+    peak = functools.partial(mp.device_peak, qwen_plan, 512, True, True, False)
+    hybrid, no_snapshot = peak(ranks=4), peak(ranks=4, snapshot=False)
+    assert hybrid["rollout_gb"] - no_snapshot["rollout_gb"] == pytest.approx(4 * lora["params"] / ml.GB)
+    rollout = peak(layout="rollout")
+    assert mp.rollout_worker_peak(qwen_plan, 512, True) == pytest.approx(rollout["peak_gb"])
+    # no optimizer state, gradients or snapshot: the fp32 adapter it generates with instead of 16 + 4 bytes each
+    assert rollout["update_gb"] == 0.0
+    assert rollout["rollout_gb"] == pytest.approx(hybrid["rollout_gb"] - 16 * lora["params"] / ml.GB)
+    assert rollout["rollout_gb"] >= w["transformer"]["gb"] + encoders
+    trainer = peak(layout="trainer", ranks=4)
+    assert trainer["rollout_gb"] == 0.0 and trainer["update_gb"] < hybrid["update_gb"] - encoders + 1e-9
+    # Full fine-tune on 4 ranks: 16 bytes per parameter sharded + the gathered bf16 model for generation
+    fx4, fx8 = peak(full=True, ranks=4), peak(full=True, ranks=8)
+    shards4 = 16 * full["params"] / 4 / ml.GB
+    assert fx4["rollout_gb"] == pytest.approx(shards4 + w["transformer"]["gb"] + encoders + max(
+        qwen_plan["text_encoder_forward_gb"], qwen_plan["resolutions"]["512"]["rollout_gb"]["cfg"],
+        qwen_plan["resolutions"]["512"]["vae_decode_gb"]["plain"]))
+    assert fx8["peak_gb"] < fx4["peak_gb"]
+    # a foreach AdamW step over fp32 masters needs one fp32 temporary of the (sharded) parameters
+    assert full["optimizer_step_gb"] == pytest.approx(4 * full["params"] / ml.GB, rel=0.01)
+    rows = ml.layout_rows({**qwen_plan, "resolutions": {"512": qwen_plan["resolutions"]["512"]}})
+    assert {"hybrid LoRA", "rollout worker LoRA", "trainer rank LoRA", "rollout worker full", "hybrid full x4",
+            "trainer rank full x8"} <= set(rows)
+
+
+def test_images_decode_plain_and_video_tiled():
+    """The VAE decode the plan counts follows the policy's default: plain for images, tiled for video."""
+    plan = _fake_plan()
+    plan["resolutions"]["512"]["vae_decode_gb"] = {"plain": 9.0, "tiled": 0.2}
+    image = mp.device_peak({**plan, "frames": 1}, 512, True, True, False)
+    video = mp.device_peak({**plan, "frames": 33}, 512, True, True, False)
+    assert image["rollout_gb"] - video["rollout_gb"] == pytest.approx(9.0 - 0.2)
+    assert mp.device_peak({**plan, "frames": 1}, 512, True, True, False, vae_tiled=True)["rollout_gb"] == \
+        pytest.approx(video["rollout_gb"])
 
 
 def test_activations_are_measured(qwen_plan):
@@ -91,19 +158,22 @@ def test_live_memory_counts_allocations_not_views():
 def test_cli_writes_json(tmp_path, monkeypatch, capsys):
     """The command line end to end on a cheap setting (the VAE-free path is shared with the plan above)."""
     calls = []
-    monkeypatch.setattr(mp, "plan_model", lambda model, res, rank, micro: calls.append(model) or _fake_plan())
+    monkeypatch.setattr(mp, "plan_model", lambda model, *args: calls.append(model) or _fake_plan())
     out = tmp_path / "plan.json"
     mp.main(["--model", "wan_1_3b", "--resolution", "512", "--output", str(out)])
     report = json.loads(out.read_text())
-    assert calls == ["wan_1_3b"] and "H100 80GB" in report["models"]["wan_1_3b"]["recommendations"]
+    plan = report["models"]["wan_1_3b"]
+    assert calls == ["wan_1_3b"] and "H100 80GB" in plan["recommendations"]
+    assert plan["layouts"]["rollout worker LoRA"]["512"]["update_gb"] == 0.0
     assert "wan_1_3b" in capsys.readouterr().out
 
 
 def _fake_plan():
     train = {"held_gb": 1.0, "saved_gb": 1.0, "peak_gb": 1.5}
-    return {"source": "test", "frames": 33, "text_tokens": 512,
+    return {"source": "test", "frames": 33, "text_tokens": 512, "micro_batch": 1, "rollout_batch": 8,
             "weights": {p: {"params": 1, "gb": 1.0} for p in ("transformer", "text_encoder", "vae")},
             "lora": {"rank": 64, "params": 1, "gb": 0.1}, "text_encoder_forward_gb": 0.1, "optimizer_step_gb": 0.1,
+            "lora_allreduce_bucket_gb": 0.01,
             "resolutions": {"512": {"train": {f"{c}/{k}": train for c in ("no_cfg", "cfg")
                                               for k in ("no_ckpt", "ckpt")},
                                     "rollout_gb": {"cfg": 0.2, "no_cfg": 0.1},

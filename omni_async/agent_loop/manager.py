@@ -45,8 +45,8 @@ class RolloutWorkersLostError(RuntimeError):
 class Collection:
     """One step's samples in flight. ``iter_groups`` yields each ``uid`` group once all its members are done."""
 
-    def __init__(self, samples: list[Sample], window: tuple[int, int] | None, sampling: dict | None = None):
-        self.samples, self.window, self.sampling = samples, window, sampling
+    def __init__(self, samples: list[Sample], sampling: dict | None = None):
+        self.samples, self.sampling = samples, sampling
         self.done: Future = Future()
         self.all_generated: Future = Future()  # set once every sample's image / response exists
         self.groups: queue.Queue[list[Sample] | None] = queue.Queue()
@@ -115,11 +115,11 @@ class AgentLoopManager:
 
         return self.on_loop(read)
 
-    def start(self, samples: list[Sample], window: tuple[int, int] | None, *,
-              sampling: dict | None = None) -> Collection:
-        """Begin generating (and, when streaming, scoring) ``samples``; returns at once. ``sampling``: settings
-        that differ from the policy's own (validation's ``rollout.val_kwargs``), passed to every request."""
-        collection = Collection(samples, window, sampling)
+    def start(self, samples: list[Sample], *, sampling: dict | None = None) -> Collection:
+        """Begin generating (and, when streaming, scoring) ``samples``, each with its own SDE window
+        (``Sample.window``); returns at once. ``sampling``: settings that differ from the policy's own (validation's
+        ``rollout.val_kwargs``), passed to every request."""
+        collection = Collection(samples, sampling)
         fut = asyncio.run_coroutine_threadsafe(self._run(collection), self.loop)
 
         def finish(f):
@@ -148,7 +148,7 @@ class AgentLoopManager:
                 collection.all_generated.set_result(None)
 
         async def one(s: Sample) -> None:
-            await self._sample(s, collection.window, generated, collection.sampling)
+            await self._sample(s, generated, collection.sampling)
             remaining[s.uid] -= 1
             if remaining[s.uid] == 0:
                 group = members[s.uid]
@@ -160,12 +160,11 @@ class AgentLoopManager:
 
         await asyncio.gather(*(one(s) for s in collection.samples))
 
-    async def _sample(self, s: Sample, window: tuple[int, int] | None, on_generated,
-                      sampling: dict | None = None) -> None:
+    async def _sample(self, s: Sample, on_generated, sampling: dict | None = None) -> None:
         if self._generating is not None:
             await self._generating.acquire()
         try:
-            gen = await self._generate(s, window, sampling)
+            gen = await self._generate(s, sampling)
             s.result, s.version = gen.result, gen.version
             s.times.gen_start, s.times.gen_end = gen.gen_start, gen.gen_end
             on_generated()
@@ -196,13 +195,13 @@ class AgentLoopManager:
                         "(Ray max_restarts exhausted or the node is gone); rerun with trainer.resume_mode=auto")
                 await self._revived.wait()
 
-    async def _generate(self, s: Sample, window: tuple[int, int] | None, sampling: dict | None = None) -> Generation:
+    async def _generate(self, s: Sample, sampling: dict | None = None) -> Generation:
         kwargs = {"sampling": sampling} if sampling else {}  # training requests use the policy's own settings
         w = s.index % len(self.workers)
         while True:
             w = await self._live_worker(w)
             try:
-                return await self.workers[w].generate.remote(s.row.prompt, s.seed, window, **kwargs)
+                return await self.workers[w].generate.remote(s.row.prompt, s.seed, s.window, **kwargs)
             except (RayActorError, ActorUnavailableError):
                 # The worker died with this request in flight: generate it again elsewhere (same seed, same
                 # weights version -> the same sample) while Ray restarts the dead one.

@@ -2,11 +2,14 @@
 
 Callers ask for one sample at a time (``generate(prompt, seed, window)``) so each sample can be streamed to its
 reward as soon as it exists; a :class:`GenerationBatcher` still runs the device in batches: requests that arrive
-within ``max_wait_ms`` of each other (up to ``max_batch_size``, same SDE window) are generated together. The model
-runs in one device thread, so the worker's event loop keeps accepting requests while a batch is on the device.
+within ``max_wait_ms`` of each other (up to ``max_batch_size``, same sampling settings and SDE window length) are
+generated together, each with its own SDE window (the policy runs per-row windows in one batch, as verl-omni's
+request batches do). The model runs in one device thread, so the worker's event loop keeps accepting requests while
+a batch is on the device.
 
 Sampling is a pure function of (weights version, seed, window): sample ``i`` of step ``k`` uses the seed
-:func:`sample_seed` (trainer seed, k, i), so results do not depend on batching or on which worker served them.
+:func:`sample_seed` (trainer seed, k, i) and the window the trainer drew for it, so results do not depend on
+batching or on which worker served them.
 
 :class:`RolloutReplica` is the rollout worker of the split layout (``actor_rollout_ref.hybrid_engine=False``: it
 shares a device with an actor rank) and of the disaggregated one (``actor_rollout_ref.rollout.nnodes > 0``: it owns
@@ -60,18 +63,20 @@ class _Request:
 
     @property
     def settings(self) -> tuple:
-        """Requests with equal settings can share a device batch."""
-        return self.window, self.sampling
+        """Requests with equal settings can share a device batch: windows may differ, their lengths may not (the
+        batch stacks the window latents)."""
+        return (None if self.window is None else self.window[1] - self.window[0]), self.sampling
 
 
 class GenerationBatcher:
-    """Collects concurrent requests into device batches and runs ``generate(prompts, seeds, window)`` on ``device``.
+    """Collects concurrent requests into device batches and runs ``generate(prompts, seeds, windows)`` on ``device``
+    (``windows``: one ``range`` per request; left out for a modality without SDE windows).
 
     ``version()`` is read on the device thread when a batch starts there, so every sample of a batch reports the
     weights it was made with: a weight load queued on the device thread before the batch has happened, one queued
     after it has not (read on the event loop, a load queued between the two could run first unseen).
     A request with ``sampling`` (e.g. validation's settings) is batched only with requests of equal settings and
-    runs as ``generate(prompts, seeds, window, sampling=sampling)``.
+    runs as ``generate(prompts, seeds, windows, sampling=sampling)``.
     """
 
     def __init__(self, generate: Callable[..., list[Result]], version: Callable[[], int], device: ThreadPoolExecutor,
@@ -97,12 +102,13 @@ class GenerationBatcher:
         while self._pending:
             if len(self._pending) < self.max_batch_size:
                 await asyncio.sleep(self.max_wait_s)  # let concurrent requests join the batch
-            window, sampling = self._pending[0].settings
-            batch = [r for r in self._pending if r.settings == (window, sampling)][: self.max_batch_size]
+            settings = self._pending[0].settings
+            sampling = settings[1]
+            batch = [r for r in self._pending if r.settings == settings][: self.max_batch_size]
             self._pending = [r for r in self._pending if r not in batch]
             args = ([r.prompt for r in batch], [r.seed for r in batch])
-            if window is not None:
-                args += (range(*window),)
+            if batch[0].window is not None:
+                args += ([range(*r.window) for r in batch],)
             call = partial(self.generate, sampling=dict(sampling)) if sampling else self.generate
             try:
                 version, t0, results = await loop.run_in_executor(self.device, self._run, call, args)

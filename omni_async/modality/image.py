@@ -1,6 +1,7 @@
 """Images and video: a diffusion policy trained with FlowGRPO over the stored SDE window.
 
 Batch tensors per sample: ``window_latents`` [W+1, ...] (x before the window, then after each SDE step),
+``window_start`` (the denoising step the sample's window starts at: windows differ per sample),
 ``old_log_probs`` [W] (the rollout's, pi_old in bypass mode), ``rm_scores`` [1] (verl's outcome-reward form) and
 the prompt encodings made at rollout (``prompt_embeds`` [S, D], ..., see ``models.diffusion_policy.COND_KEYS``),
 so the update and the log-prob recompute never run the text encoder.
@@ -74,19 +75,30 @@ class ImageModality:
 
         results: list[ImageResult] = [s.result for s in samples]
         return {"window_latents": torch.stack([r.window_latents for r in results]),
+                "window_start": torch.tensor([r.window_start for r in results], dtype=torch.long),
                 "old_log_probs": torch.stack([r.log_probs for r in results]),
                 "rm_scores": torch.tensor([[rm_score(s)] for s in samples]),
                 **collate_conditioning([r.conditioning for r in results])}
 
     @staticmethod
-    def _window_steps(policy, cond, latents: torch.Tensor, start: int):
-        """The SDE window's transitions, scored under the current weights: one ``SDEStep`` per step."""
+    def window_starts(batch) -> torch.Tensor | int:
+        """Each sample's window start (``window_start``), or one ``int`` when they all share it. A hand-built batch
+        whose samples share a window may give it once as ``meta_info["window_start"]``."""
+        if "window_start" not in batch.batch.keys():
+            return int(batch.meta_info["window_start"])
+        starts = batch.batch["window_start"].long()
+        return int(starts[0]) if bool((starts == starts[0]).all()) else starts
+
+    @staticmethod
+    def _window_steps(policy, cond, latents: torch.Tensor, start: torch.Tensor | int):
+        """The SDE window's transitions, scored under the current weights: one ``SDEStep`` per step (step ``j`` of
+        the window is denoising step ``start + j``, per sample when the starts differ)."""
         for j in range(latents.shape[1] - 1):
             yield j, policy.step(cond, latents[:, j], start + j, prev_sample=latents[:, j + 1])
 
     def log_probs(self, policy, batch) -> torch.Tensor:
         cond = policy.conditioning_from(batch.batch)
-        start = int(batch.meta_info["window_start"])
+        start = self.window_starts(batch)
         latents = batch.batch["window_latents"].to(policy.device)
         return torch.stack([out.log_prob for _, out in self._window_steps(policy, cond, latents, start)], 1).cpu()
 
@@ -95,7 +107,7 @@ class ImageModality:
 
     def backward(self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any,
                  loss_scale: float = 1.0) -> dict[str, list[float]]:
-        start = int(batch.meta_info["window_start"])
+        start = self.window_starts(batch)
         cond = policy.conditioning_from(batch.batch)
         latents, old_lp, adv = (batch.batch[k].to(policy.device) for k in ("window_latents", "old_log_probs",
                                                                             "advantages"))

@@ -57,6 +57,7 @@ class Rollout:
     window_latents: torch.Tensor  # [B, W + 1, ...]: x before the window's first step, then after each step
     log_probs: torch.Tensor  # [B, W]
     conditioning: dict[str, torch.Tensor]  # the prompt encodings it was denoised with (COND_KEYS), batch-first
+    window_starts: list[int]  # each sample's first SDE step (its window_latents[:, 0] is x before it)
 
 
 # The prompt encodings a denoising step takes, under the names of the diffusers pipelines' own arguments. They are
@@ -435,58 +436,96 @@ class DiffusionPolicy(TrainableModule):
         pred = self.adapter.forward(x.repeat(k, *[1] * (x.ndim - 1)), t, rows).float()
         return self.adapter.guide(pred[:len(x)], pred[len(x):]) if k > 1 else pred
 
-    def velocity(self, cond: dict[str, torch.Tensor] | StepConditioning, x: torch.Tensor, i: int, *,
+    def velocity(self, cond: dict[str, torch.Tensor] | StepConditioning, x: torch.Tensor, i: int | torch.Tensor, *,
                  per_sample: bool = True) -> torch.Tensor:
         """The (CFG-guided) velocity at step ``i``, fp32: one transformer call per sample on its own rows (module
         docstring), or with ``per_sample=False`` one call for the batch (needs ``prepare(..., batched=True)``).
-        The gradient flows through both CFG branches, as in flow_grpo and verl-omni."""
+        ``i``: one step for the batch, or a ``[B]`` tensor of per-sample steps (samples whose SDE windows start at
+        different steps; per sample only). The gradient flows through both CFG branches, as in flow_grpo and
+        verl-omni."""
         cond = self.prepare(cond)
-        t, xs = self.timesteps[i], x.to(self.compute_dtype)
+        xs = x.to(self.compute_dtype)
         if not per_sample:
-            return self._guided(xs, t, cond.batched)
-        return torch.cat([self._guided(xs[j:j + 1], t, rows) for j, rows in enumerate(cond.rows)])
+            if torch.is_tensor(i):
+                raise ValueError("a batched transformer call runs one denoising step; per-sample steps need per_sample")
+            return self._guided(xs, self.timesteps[i], cond.batched)
+        steps = i.tolist() if torch.is_tensor(i) else [int(i)] * len(xs)  # one host read per call
+        return torch.cat([self._guided(xs[j:j + 1], self.timesteps[k], rows)
+                          for j, (k, rows) in enumerate(zip(steps, cond.rows, strict=True))])
 
-    def step(self, cond: dict[str, torch.Tensor] | StepConditioning, x: torch.Tensor, i: int, *,
+    def step(self, cond: dict[str, torch.Tensor] | StepConditioning, x: torch.Tensor, i: int | torch.Tensor, *,
              prev_sample: torch.Tensor | None = None, noise: torch.Tensor | None = None,
              noise_level: float | None = None, per_sample: bool = True) -> SDEStep:
-        """Denoising step ``i`` (0-based) from ``x``: scores ``prev_sample`` or draws with ``noise``. ``cond``: the
-        batch's prompt encodings, or (in loops) :meth:`prepare`'s result, made once per batch. ``per_sample``: see
-        :meth:`velocity`; a step whose log-prob is used must keep the default."""
+        """Denoising step ``i`` (0-based; or a ``[B]`` tensor of per-sample steps) from ``x``: scores
+        ``prev_sample`` or draws with ``noise``. ``cond``: the batch's prompt encodings, or (in loops)
+        :meth:`prepare`'s result, made once per batch. ``per_sample``: see :meth:`velocity`; a step whose log-prob
+        is used must keep the default."""
+        k = i.to(self.sigmas.device) if torch.is_tensor(i) else i
         return sde_step_with_logprob(
-            self.velocity(cond, x, i, per_sample=per_sample), x.float(), self.sigmas[i], self.sigmas[i + 1],
+            self.velocity(cond, x, i, per_sample=per_sample), x.float(), self.sigmas[k], self.sigmas[k + 1],
             noise_level=self.sampling.noise_level if noise_level is None else noise_level,
             sde_type=self.sampling.sde_type, sigma_max=self.sigma_max, prev_sample=prev_sample, noise=noise,
             cps_log_prob=self.sampling.cps_log_prob,
         )
 
     @torch.no_grad()
-    def rollout(self, prompts: list[str], seeds: list[int], window: range | None) -> Rollout:
-        """Generate one image per (prompt, seed); steps in ``window`` are SDE (stored), the rest ODE."""
+    def rollout(self, prompts: list[str], seeds: list[int], window: range | list[range] | None) -> Rollout:
+        """Generate one image per (prompt, seed); the steps in a sample's window are SDE (stored), the rest ODE.
+
+        ``window``: one ``range`` for every sample, or one per sample (all of one length), as verl-omni's request
+        batches take per-row windows. A step inside some samples' windows runs those samples as SDE (one transformer
+        call each, as every scored step) and the others as one batched ODE call; each sample draws its SDE noise
+        from its own generator for its own window, so its result does not depend on the windows beside it.
+        """
         self.offload_frozen(False)  # the text encoder and VAE are back on the device if an update offloaded them
+        n = len(seeds)
+        windows = list(window) if isinstance(window, list) else [window if window is not None else range(0)] * n
+        if len({len(w) for w in windows}) > 1:
+            raise ValueError(f"the samples of one batch need SDE windows of one length, got {windows}")
+        size = len(windows[0]) if windows else 0
         gens = sample_generators(seeds)
         cond = self.adapter.encode(list(prompts))
         prepared = self.prepare(cond, batched=True)
+        ode_conds = {tuple(range(n)): prepared}  # the batched conditioning of each set of rows running ODE
+
+        def ode_cond(rows: list[int]) -> StepConditioning:
+            if tuple(rows) not in ode_conds:
+                ode_conds[tuple(rows)] = self.prepare({k: v[rows] for k, v in cond.items() if v is not None},
+                                                      batched=True)
+            return ode_conds[tuple(rows)]
+
         x = self.adapter.init_latents(gens)
-        window = window if window is not None else range(0)
-        noise = window_noise(gens, x, len(window))
-        stored, log_probs = [], []
+        noise = window_noise(gens, x, size)
+        stored = x.new_zeros((n, size + 1, *x.shape[1:])) if size else None
+        log_probs = torch.zeros(n, size, device=x.device)
         for i in range(self.sampling.num_inference_steps):
-            if i in window:
-                stored.append(x)
-                out = self.step(prepared, x, i, noise=noise[:, i - window.start])
-                log_probs.append(out.log_prob)
-                if i == window.stop - 1:
-                    stored.append(out.prev_sample)
-            else:
-                out = self.step(prepared, x, i, noise=torch.zeros_like(x), noise_level=0.0, per_sample=False)
-            x = out.prev_sample
+            sde = [r for r, w in enumerate(windows) if i in w]
+            ode = [r for r in range(n) if i not in windows[r]]
+            if not sde:
+                x = self.step(prepared, x, i, noise=torch.zeros_like(x), noise_level=0.0, per_sample=False).prev_sample
+                continue
+            offsets = [i - windows[r].start for r in sde]
+            out = self.step(StepConditioning([prepared.rows[r] for r in sde]), x[sde], i,
+                            noise=noise[sde, offsets])
+            x_next = x.clone()
+            x_next[sde] = out.prev_sample
+            if ode:
+                x_next[ode] = self.step(ode_cond(ode), x[ode], i, noise=torch.zeros_like(x[ode]), noise_level=0.0,
+                                        per_sample=False).prev_sample
+            for r, j, lp in zip(sde, offsets, out.log_prob, strict=True):
+                if j == 0:
+                    stored[r, 0] = x[r]
+                stored[r, j + 1] = x_next[r]
+                log_probs[r, j] = lp
+            x = x_next
         images = self.adapter.decode(x)
         images = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
         images = images.movedim(1, -1)  # channels last: [B, H, W, 3] or, for video, [B, T, H, W, 3]
         return Rollout(images=images.cpu().numpy(),
-                       window_latents=torch.stack(stored, 1) if stored else torch.empty(len(seeds), 0),
-                       log_probs=torch.stack(log_probs, 1) if log_probs else torch.empty(len(seeds), 0),
-                       conditioning={k: v for k, v in cond.items() if v is not None})
+                       window_latents=stored if stored is not None else torch.empty(n, 0),
+                       log_probs=log_probs if size else torch.empty(n, 0),
+                       conditioning={k: v for k, v in cond.items() if v is not None},
+                       window_starts=[w.start for w in windows])
 
     def with_sampling(self, **overrides: Any) -> DiffusionPolicy:
         """This policy (the same pipeline, transformer and adapter) sampling with other settings, e.g. validation's
@@ -500,7 +539,7 @@ class DiffusionPolicy(TrainableModule):
         view._set_schedule()
         return view
 
-    def generate(self, prompts: list[str], seeds: list[int], window: range | None = None, *,
+    def generate(self, prompts: list[str], seeds: list[int], window: range | list[range] | None = None, *,
                  sampling: dict[str, Any] | None = None) -> list[ImageResult]:
         """:meth:`rollout`, split per sample (a rollout worker answers each request with its own sample). Each
         sample's tensors are its own CPU copies: a row view would carry the whole batch's storage when pickled.
@@ -511,5 +550,6 @@ class DiffusionPolicy(TrainableModule):
             self.__dict__.update({k: v for k, v in vars(policy).items() if k not in _VIEW_STATE})
         conds = split_conditioning(out.conditioning, len(prompts))
         return [ImageResult(pixels=out.images[i], window_latents=out.window_latents[i].cpu().clone(),
-                            log_probs=out.log_probs[i].cpu().clone(), conditioning=conds[i])
+                            log_probs=out.log_probs[i].cpu().clone(), conditioning=conds[i],
+                            window_start=out.window_starts[i])
                 for i in range(len(prompts))]

@@ -125,8 +125,11 @@ class RLTrainer:
                           seed=sample_seed(self.cfg.trainer.seed, 0, i * n + k, SEED_VALIDATION))
                    for i, row in enumerate(self.val_rows) for k in range(n)]
         sampling = self.modality.validation_sampling(self.cfg)
-        window = self._validation_window(sampling) if self.modality.uses_window else None
-        samples = self.agent.start(samples, window, sampling=sampling).wait()
+        if self.modality.uses_window:
+            window = self._validation_window(sampling)
+            for s in samples:
+                s.window = window
+        samples = self.agent.start(samples, sampling=sampling).wait()
         if any(s.outcome is None for s in samples):
             self.ops.score_colocated(samples, Timer())
         if self.cfg.trainer.log_val_generations > 0:
@@ -135,7 +138,8 @@ class RLTrainer:
         return validation_metrics(samples)
 
     def _validation_window(self, sampling: dict) -> tuple[int, int]:
-        """No SDE step at noise level 0; else a window as training draws one, fixed for the run."""
+        """No SDE step at noise level 0; else a window as training draws one, fixed for the run and shared by every
+        validation sample."""
         if not sampling.get("noise_level"):
             return 0, 0
         r = self.cfg.actor_rollout_ref.rollout

@@ -69,27 +69,33 @@ class StepOps:
         self._weights: tuple[Any, int] | None = None
 
     # ---- rollout ------------------------------------------------------------------------------------------------
-    def window(self, step: int) -> tuple[int, int] | None:
-        """Step ``step``'s SDE window (shared by all its samples), or ``None`` for a modality without one."""
+    def window(self, step: int, index: int) -> tuple[int, int] | None:
+        """The SDE window of sample ``index`` of step ``step``, or ``None`` for a modality without one.
+
+        A pure function of (trainer seed, step, index), so every layout, batching and regeneration agrees. With
+        ``rollout.algo.sde_window_per_sample`` (default) each sample draws its own, as verl-omni's SD3 / Qwen-Image
+        request batches draw one per row; false: one per step, shared by all its samples (sample 0's).
+        """
         if not self.modality.uses_window:
             return None
         r = self.cfg.actor_rollout_ref.rollout
-        gen = torch.Generator().manual_seed(sample_seed(self.cfg.trainer.seed, step, 0, SEED_WINDOW))
+        draw = index if r.algo.sde_window_per_sample else 0
+        gen = torch.Generator().manual_seed(sample_seed(self.cfg.trainer.seed, step, draw, SEED_WINDOW))
         w = sde_window(r.num_inference_steps, r.algo.sde_window_size, tuple(r.algo.sde_window_range), gen)
         return w.start, w.stop
 
     def make_samples(self, step: int, rows: list) -> list[Sample]:
         n = self.cfg.actor_rollout_ref.rollout.n
-        return [Sample(index=p * n + k, uid=f"{step}-{p}", row=row,
-                       seed=sample_seed(self.cfg.trainer.seed, step, p * n + k))
-                for p, row in enumerate(rows) for k in range(n)]
+        return [Sample(index=i, uid=f"{step}-{p}", row=row, seed=sample_seed(self.cfg.trainer.seed, step, i),
+                       window=self.window(step, i))
+                for p, row in enumerate(rows) for i in range(p * n, p * n + n)]
 
     def start_collection(self, step: int) -> Collection:
         """Draw step ``step``'s prompts and start generating (and, when streaming, scoring) its samples."""
         # Only the newest states can still be checkpointed (see the trainer's save_checkpoint).
         self.sampler_state_before = {k: v for k, v in self.sampler_state_before.items() if k >= step - 1}
         self.sampler_state_before[step] = self.sampler.state_dict()
-        return self.agent.start(self.make_samples(step, self.sampler.next_batch()), self.window(step))
+        return self.agent.start(self.make_samples(step, self.sampler.next_batch()))
 
     def collect(self, collection: Collection, timer: Timer) -> list[Sample]:
         """Wait for a step's samples. Streamed ones arrive scored; the wait after the last one is the reward tail."""
@@ -170,7 +176,7 @@ class StepOps:
                 f"on_failure={r.on_failure}) from scorer {self.reward.scorer_names}; first errors: {errors[:3]}")
 
     # ---- update -------------------------------------------------------------------------------------------------
-    def build_batch(self, samples: list[Sample], window: tuple[int, int] | None) -> DataProto:
+    def build_batch(self, samples: list[Sample]) -> DataProto:
         """Scored samples -> the actor's batch, with group advantages and the ``loss_mask``: the samples in the loss
         (failed samples and groups left with < 2 out; with ``algorithm.drop_zero_adv_samples`` zero-advantage ones
         too)."""
@@ -180,7 +186,6 @@ class StepOps:
             non_tensors={"prompt": np.array([s.row.prompt for s in samples], dtype=object),
                          "uid": np.array([s.uid for s in samples], dtype=object),
                          "index": np.array([s.index for s in samples], dtype=np.int64)},
-            meta_info={"window_start": window[0] if window is not None else 0},
         )
         adv, loss_mask = group_advantages(batch.batch["rm_scores"].sum(-1), [s.uid for s in samples],
                                           torch.tensor([s.outcome.ok for s in samples]),

@@ -100,7 +100,7 @@ class FullBatchUpdate:
             ops.score_colocated(samples, timer)
         with timer("adv"):
             ops.check_failures(samples, step, len(samples))
-            batch = ops.build_batch(samples, collection.window)
+            batch = ops.build_batch(samples)
         ops.recompute_old_log_probs(batch, timer)
         sums = ops.train_epochs([batch], timer, range(ops.cfg.actor_rollout_ref.actor.ppo_epochs))
         return samples, batch.batch["loss_mask"], _mean(sums)
@@ -131,7 +131,7 @@ class PipelinedUpdate:
         def train(groups: list[list[Sample]]) -> None:
             members = [s for g in groups for s in g]
             with timer("adv"):
-                batch = ops.build_batch(members, collection.window)
+                batch = ops.build_batch(members)
             loss_mask.update({s.index: bool(k) for s, k in zip(members, batch.batch["loss_mask"], strict=True)})
             trained.append(batch)
             for k, v in ops.optimizer_step(batch, timer).items():

@@ -19,6 +19,7 @@ from omni_async.models.diffusion_policy import (
     window_noise,
 )
 from omni_async.sample import PromptRow, RewardOutcome, Sample
+from omni_async.trainer.actor_core import TensorBatch
 
 FAMILIES = {
     "qwen_image": dict(height=32, width=32),
@@ -36,28 +37,45 @@ def make(name: str, **sampling) -> DiffusionPolicy:
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_rollout_shapes_and_logprob_recompute(name, no_network):
+    """Two samples with different SDE windows in one batch (verl-omni's per-row windows): the trainer's recompute
+    (ImageModality.log_probs, per-sample window_start -> per-sample timesteps in one forward) gives the rollout's
+    log-probs, and each row's window transitions score under the policy at that row's own steps."""
     policy = make(name)
-    out = policy.rollout(["a red sign", "a blue sign"], seeds=[3, 4], window=range(1, 3))
+    windows = [range(1, 3), range(2, 4)]
+    out = policy.rollout(["a red sign", "a blue sign"], seeds=[3, 4], window=windows)
     frames = FAMILIES[name].get("num_frames")
     want = (2, frames, 32, 32, 3) if frames else (2, 32, 32, 3)
     assert out.images.shape == want and out.images.dtype == np.uint8
-    assert out.window_latents.shape[1] == 3 and out.log_probs.shape == (2, 2)
+    assert out.window_latents.shape[1] == 3 and out.log_probs.shape == (2, 2) and out.window_starts == [1, 2]
     cond = policy.encode(["a red sign", "a blue sign"])
-    for j in range(2):
-        again = policy.step(cond, out.window_latents[:, j], 1 + j, prev_sample=out.window_latents[:, j + 1])
-        assert (again.log_prob - out.log_probs[:, j]).abs().max() < 1e-5
-        # First inner step: the same weights, so the importance ratio is exactly 1.
-        _, metrics = flow_grpo_loss(again.log_prob, out.log_probs[:, j], torch.tensor([1.0, -1.0]),
-                                    torch.ones(2, dtype=torch.bool), clip_ratio=0.2)
-        assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    batch = TensorBatch({"window_latents": out.window_latents, "window_start": torch.tensor(out.window_starts),
+                         **{k: v for k, v in cond.items() if v is not None}})
+    assert (ImageModality().log_probs(policy, batch) - out.log_probs).abs().max() < 1e-5
+    for r, w in enumerate(windows):
+        for j in range(2):
+            again = policy.step({k: v[r:r + 1] for k, v in cond.items() if v is not None},
+                                out.window_latents[r:r + 1, j], w.start + j,
+                                prev_sample=out.window_latents[r:r + 1, j + 1])
+            assert (again.log_prob - out.log_probs[r, j]).abs().max() < 1e-5
+            # First inner step: the same weights, so the importance ratio is exactly 1.
+            _, metrics = flow_grpo_loss(again.log_prob, out.log_probs[r:r + 1, j], torch.tensor([1.0]),
+                                        torch.ones(1, dtype=torch.bool), clip_ratio=0.2)
+            assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
 
 
 def test_sample_does_not_depend_on_batch_or_companions():
+    """Not on the batch, nor on the companions' SDE windows: sample "x" alone with window [1, 3) equals "x" batched
+    beside a sample whose window is [0, 2) (step 0 runs SDE for one row and ODE for the other)."""
     policy = make("sd3")
-    alone = policy.rollout(["x"], [7], range(0, 2))
-    together = policy.rollout(["y", "x"], [8, 7], range(0, 2))
+    alone = policy.rollout(["x"], [7], range(1, 3))
+    together = policy.rollout(["y", "x"], [8, 7], [range(0, 2), range(1, 3)])
     np.testing.assert_array_equal(alone.images[0], together.images[1])
     assert torch.allclose(alone.log_probs[0], together.log_probs[1], atol=1e-6)
+    assert torch.allclose(alone.window_latents[0], together.window_latents[1], atol=1e-6)
+    companion = policy.rollout(["y"], [8], range(0, 2))
+    assert torch.allclose(companion.log_probs[0], together.log_probs[0], atol=1e-6)
+    with pytest.raises(ValueError, match="one length"):
+        policy.rollout(["y", "x"], [8, 7], [range(0, 2), range(1, 2)])
 
 
 @pytest.mark.parametrize("name,key", [("qwen_image", "true_cfg_scale"), ("sd3", "guidance_scale"),

@@ -20,7 +20,7 @@ ROW = PromptRow(prompt="p", data_source="x", ground_truth=None)
 
 
 def build_batch(cfg, modality_name: str, samples: list[Sample]):
-    return StepOps(cfg, get_modality(modality_name), None, None, None, None, []).build_batch(samples, (1, 3) if modality_name == "image" else None)
+    return StepOps(cfg, get_modality(modality_name), None, None, None, None, []).build_batch(samples)
 
 
 def text_samples(groups: list[list[float]]) -> list[Sample]:
@@ -38,9 +38,9 @@ def image_samples(groups: list[list[float]], window_start: int = 1) -> list[Samp
     for g, rewards in enumerate(groups):
         for k, r in enumerate(rewards):
             result = ImageResult(np.zeros((8, 8, 3), np.uint8), torch.zeros(3, 4), torch.zeros(2),
-                                 {"prompt_embeds": torch.zeros(5, 6)})
+                                 {"prompt_embeds": torch.zeros(5, 6)}, window_start=window_start)
             out.append(Sample(index=len(out), uid=f"0-{g}", row=ROW, seed=k, outcome=RewardOutcome("ok", r),
-                              result=result))
+                              result=result, window=(window_start, window_start + 2)))
     return out
 
 

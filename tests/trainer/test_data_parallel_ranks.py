@@ -49,23 +49,23 @@ def one_process(cfg):
     return modality, policy, optimizer
 
 
-def generate(policy, modality, prompts, seeds, window):
+def generate(policy, modality, prompts, seeds, windows):
     if modality.uses_window:
-        return policy.generate(prompts, seeds, range(*window))
+        return policy.generate(prompts, seeds, [range(*w) for w in windows])
     return policy.generate(prompts, seeds)
 
 
 def make_batch(cfg, modality, policy):
     """One step's batch through StepOps.build_batch; sample 1 (group 0, rank 0's) failed."""
     ops = StepOps(cfg, modality, None, None, None, None, [])
-    window = ops.window(0)
-    samples = [Sample(index=p * N + k, uid=f"0-{p}", row=PromptRow(prompt, "x", ""), seed=100 + p * N + k)
-               for p, prompt in enumerate(PROMPTS) for k in range(N)]
-    results = generate(policy, modality, [s.row.prompt for s in samples], [s.seed for s in samples], window)
+    samples = [Sample(index=p * N + k, uid=f"0-{p}", row=PromptRow(prompt, "x", ""), seed=100 + p * N + k,
+                      window=ops.window(0, p * N + k)) for p, prompt in enumerate(PROMPTS) for k in range(N)]
+    results = generate(policy, modality, [s.row.prompt for s in samples], [s.seed for s in samples],
+                       [s.window for s in samples])
     for i, (s, r) in enumerate(zip(samples, results, strict=True)):
         s.result = r
         s.outcome = RewardOutcome("failed", error="x") if i == 1 else RewardOutcome("ok", float((i * 7) % 5))
-    return ops.build_batch(samples, window), window
+    return ops.build_batch(samples), samples[0].window
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -125,7 +125,7 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_batch(case, ray_sess
 
         # Rank 0 generates alone (rank 1 idle: no collective), on the trained weights.
         gen = ray.get(wg.workers[0].generate.remote(PROMPTS[0], 5, window))
-        ref = generate(policy, modality, [PROMPTS[0]], [5], window)[0]
+        ref = generate(policy, modality, [PROMPTS[0]], [5], [window])[0]
         got_lp, ref_lp = gen.result.log_probs, ref.log_probs
         assert torch.allclose(torch.as_tensor(got_lp), torch.as_tensor(ref_lp), atol=1e-4)
     finally:

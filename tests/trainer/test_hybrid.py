@@ -78,7 +78,8 @@ def test_hybrid_one_step_off_rollout_reads_the_version_that_made_it(make_trainer
     modality = get_modality("image")
     policy = modality.build_policy(OmegaConf.to_container(cfg.actor_rollout_ref.model, resolve=True),
                                    vars(modality.sampling_config(cfg)), "cpu")
-    batch = t.ops.build_batch(samples, t.ops.window(1))
+    assert len({s.window for s in samples}) > 1  # each sample its own SDE window (rollout.algo.sde_window_per_sample)
+    batch = t.ops.build_batch(samples)
     with torch.no_grad():
         recomputed = modality.log_probs(policy, batch)
     torch.testing.assert_close(recomputed, batch.batch["old_log_probs"], atol=1e-5, rtol=1e-5)

@@ -95,7 +95,7 @@ def test_killed_reward_worker_mid_step_every_sample_scored_once(make_trainer, tm
     victim = trainer.reward.workers[0]
     victim_pid = ray.get(victim.info.remote())["pid"]
     samples = trainer.ops.make_samples(0, trainer.sampler.next_batch())
-    collection = trainer.agent.start(samples, (0, 2))
+    collection = trainer.agent.start(samples)
     deadline = time.time() + 60
     while not any(s.times.sent is not None for s in samples) and time.time() < deadline:
         time.sleep(0.01)

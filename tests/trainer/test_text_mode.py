@@ -53,7 +53,7 @@ def test_text_stream_scores_land_on_last_token_and_match_sync(arith, tmp_path):
     try:
         metrics, samples = stream.train_step(0)
         assert not stream.reward.colocated_used and metrics["timing_s/reward"] == 0.0
-        batch = stream.ops.build_batch(samples, None)
+        batch = stream.ops.build_batch(samples)
         rm, mask = batch.batch["rm_scores"], batch.batch["response_mask"]
         for i, s in enumerate(samples):
             last = len(s.result.response_ids) - 1

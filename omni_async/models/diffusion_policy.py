@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from omni_async.algos.sde import SDEStep, sde_step_with_logprob
+from omni_async.models.experts import step_denoisers, trained_module
 from omni_async.models.lora import TrainableModule
 from omni_async.models.offload import OFFLOAD_DEVICE, place
 from omni_async.models.tiny import resolve_model_path
@@ -152,10 +153,10 @@ class _QwenImageAdapter:
         return p.prepare_latents(len(generators), p.transformer.config.in_channels // 4, self.cfg.height,
                                  self.cfg.width, torch.float32, p.device, generators)
 
-    def forward(self, x, t, c):
+    def forward(self, x, t, c, model):
         f = self.pipe.vae_scale_factor * 2
         shapes = [[(1, self.cfg.height // f, self.cfg.width // f)]] * x.shape[0]
-        return self.pipe.transformer(hidden_states=x, timestep=(t / 1000).expand(x.shape[0]), guidance=None,
+        return model(hidden_states=x, timestep=(t / 1000).expand(x.shape[0]), guidance=None,
                                      encoder_hidden_states=c["prompt_embeds"],
                                      encoder_hidden_states_mask=c.get("prompt_embeds_mask"),
                                      img_shapes=shapes, return_dict=False)[0]
@@ -196,8 +197,8 @@ class _SD3Adapter:
         return p.prepare_latents(len(generators), p.transformer.config.in_channels, self.cfg.height,
                                  self.cfg.width, torch.float32, p.device, generators)
 
-    def forward(self, x, t, c):
-        return self.pipe.transformer(hidden_states=x, timestep=t.expand(x.shape[0]),
+    def forward(self, x, t, c, model):
+        return model(hidden_states=x, timestep=t.expand(x.shape[0]),
                                      encoder_hidden_states=c["prompt_embeds"],
                                      pooled_projections=c["pooled_prompt_embeds"], return_dict=False)[0]
 
@@ -232,8 +233,8 @@ class _WanAdapter:
         return p.prepare_latents(len(generators), p.transformer.config.in_channels, self.cfg.height, self.cfg.width,
                                  self.cfg.num_frames, torch.float32, p.device, generators)
 
-    def forward(self, x, t, c):
-        return self.pipe.transformer(hidden_states=x, timestep=t.expand(x.shape[0]),
+    def forward(self, x, t, c, model):
+        return model(hidden_states=x, timestep=t.expand(x.shape[0]),
                                      encoder_hidden_states=c["prompt_embeds"], return_dict=False)[0]
 
     def guide(self, pos, neg):
@@ -252,7 +253,7 @@ _ADAPTERS = {"QwenImagePipeline": _QwenImageAdapter, "StableDiffusion3Pipeline":
 
 
 # What a :meth:`DiffusionPolicy.with_sampling` view has of its own; everything else is the policy's.
-_VIEW_STATE = ("sampling", "adapter", "sigmas", "timesteps", "sigma_max")
+_VIEW_STATE = ("sampling", "adapter", "sigmas", "timesteps", "sigma_max", "denoisers")
 
 
 def _seq_len(cfg: SamplingConfig) -> dict[str, int]:
@@ -303,11 +304,13 @@ class DiffusionPolicy(TrainableModule):
         for module in (m for m in self.pipe.components.values() if isinstance(m, torch.nn.Module)):
             module.requires_grad_(False)
         self.transformer = self.pipe.transformer
-        self.init_trainable(self.transformer, lora_rank, lora_alpha, target_modules or ["to_q", "to_k", "to_v"])
+        # The transformer, or Wan 2.2's two experts as one module (models.experts): LoRA / full fine-tune on both.
+        self.init_trainable(trained_module(self.pipe), lora_rank, lora_alpha,
+                            target_modules or ["to_q", "to_k", "to_v"])
         # The transformer's input dtype: the frozen weights' (LoRA casts its fp32 branch itself), fp32 when all train.
         self.compute_dtype = dtype if lora_rank > 0 else torch.float32
         if gradient_checkpointing:  # recompute each block's activations in backward instead of keeping them
-            self.transformer.enable_gradient_checkpointing()
+            self.trainable.enable_gradient_checkpointing()
         self.configure_vae()
         self.frozen_offloaded = False  # param_offload: text encoder(s) and VAE on the CPU (offload_frozen)
         self._set_schedule()
@@ -358,10 +361,12 @@ class DiffusionPolicy(TrainableModule):
         return StepConditioning([place(batch_rows([r])) for r in rows], place(batch_rows(rows)) if batched else None)
 
     def frozen_modules(self) -> list[torch.nn.Module]:
-        """The pipeline's modules besides the transformer: text encoder(s) and VAE. Only generation uses them (the
-        update takes the carried prompt encodings), so they are what ``param_offload`` moves."""
+        """The pipeline's modules besides the transformer(s) it denoises with (Wan 2.2: both experts): text
+        encoder(s) and VAE. Only generation uses them (the update takes the carried prompt encodings), so they are
+        what ``param_offload`` moves."""
+        denoisers = [self.transformer, *getattr(self.trainable, "experts", ())]
         return [m for m in self.pipe.components.values()
-                if isinstance(m, torch.nn.Module) and m is not self.transformer]
+                if isinstance(m, torch.nn.Module) and not any(m is d for d in denoisers)]
 
     def offload_frozen(self, offload: bool = True) -> None:
         """``param_offload``: move the frozen modules to the CPU (``offload=True``, before an update) or back to the
@@ -376,6 +381,8 @@ class DiffusionPolicy(TrainableModule):
         self.sigmas, self.timesteps = self._schedule()
         # The sde step's sigma = 1 guard: read on the host once here, not once per denoising step.
         self.sigma_max = float(self.sigmas[1])
+        # The transformer of each step (Wan 2.2: the expert diffusers' WanPipeline picks), chosen on the host once.
+        self.denoisers = step_denoisers(self.pipe, self.timesteps.tolist())
 
     def _schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Sigmas (N+1, ending at 0) and timesteps (N) as the pipeline's own ``__call__`` makes them.
@@ -429,11 +436,13 @@ class DiffusionPolicy(TrainableModule):
         with torch.no_grad():
             return self.adapter.encode(list(prompts))
 
-    def _guided(self, x: torch.Tensor, t: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One transformer call on ``rows`` for latents ``x`` [B, ...] (rows = B, or 2B under CFG: the positive
-        branches, then the negative ones); the prediction in fp32, the branches combined in fp32."""
+    def _guided(self, x: torch.Tensor, i: int, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One transformer call at step ``i`` on ``rows`` for latents ``x`` [B, ...] (rows = B, or 2B under CFG: the
+        positive branches, then the negative ones), with that step's transformer (Wan 2.2: its expert); the
+        prediction in fp32, the branches combined in fp32."""
         k = len(rows["prompt_embeds"]) // len(x)
-        pred = self.adapter.forward(x.repeat(k, *[1] * (x.ndim - 1)), t, rows).float()
+        pred = self.adapter.forward(x.repeat(k, *[1] * (x.ndim - 1)), self.timesteps[i], rows,
+                                    self.denoisers[i]).float()
         return self.adapter.guide(pred[:len(x)], pred[len(x):]) if k > 1 else pred
 
     def velocity(self, cond: dict[str, torch.Tensor] | StepConditioning, x: torch.Tensor, i: int | torch.Tensor, *,
@@ -448,9 +457,9 @@ class DiffusionPolicy(TrainableModule):
         if not per_sample:
             if torch.is_tensor(i):
                 raise ValueError("a batched transformer call runs one denoising step; per-sample steps need per_sample")
-            return self._guided(xs, self.timesteps[i], cond.batched)
+            return self._guided(xs, i, cond.batched)
         steps = i.tolist() if torch.is_tensor(i) else [int(i)] * len(xs)  # one host read per call
-        return torch.cat([self._guided(xs[j:j + 1], self.timesteps[k], rows)
+        return torch.cat([self._guided(xs[j:j + 1], k, rows)
                           for j, (k, rows) in enumerate(zip(steps, cond.rows, strict=True))])
 
     def step(self, cond: dict[str, torch.Tensor] | StepConditioning, x: torch.Tensor, i: int | torch.Tensor, *,

@@ -230,12 +230,21 @@ def _zero_init_decoder_residuals(vae) -> None:
         torch.nn.init.zeros_(attn.to_out[0].bias)
 
 
-def build_wan(out: Path) -> None:
+def build_wan(out: Path, experts: int = 1) -> None:
+    """Wan 2.1 (one transformer); ``experts=2``: Wan 2.2's two-expert layout, ``transformer`` for the high-noise steps
+    and ``transformer_2`` (its own random weights) for the rest, switching at ``boundary_ratio`` as A14B's 0.875."""
     from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
+    def transformer():
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=z_dim,
+            out_channels=z_dim, text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32,
+        )
+
     tok = build_t5_tokenizer()
     z_dim = 16
+    two = {"transformer_2": transformer(), "boundary_ratio": 0.875} if experts == 2 else {}
     pipe = WanPipeline(
         tokenizer=tok,
         text_encoder=UMT5EncoderModel(UMT5Config(
@@ -248,12 +257,14 @@ def build_wan(out: Path) -> None:
             latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
         ),
         scheduler=_flow_scheduler(),
-        transformer=WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=z_dim,
-            out_channels=z_dim, text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32,
-        ),
+        transformer=transformer(),
+        **two,
     )
     pipe.save_pretrained(out)
+
+
+def build_wan22(out: Path) -> None:
+    build_wan(out, experts=2)
 
 
 def build_qwen2_vl(out: Path) -> None:
@@ -312,6 +323,7 @@ TINY_BUILDERS: dict[str, Callable[[Path], None]] = {
     "qwen_image_text": build_qwen_image_text,
     "sd3": build_sd3,
     "wan": build_wan,
+    "wan22": build_wan22,
     "qwen2_vl": build_qwen2_vl,
     "qwen2": build_qwen2,
 }

@@ -44,7 +44,7 @@ from omni_async.modality.image import ImageModality  # noqa: E402
 from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig  # noqa: E402
 from omni_async.sample import PromptRow, RewardOutcome, Sample  # noqa: E402
 from omni_async.tools.memory_plan import QWEN_TARGETS  # noqa: E402
-from omni_async.trainer.actor_core import TensorBatch, update_minibatch  # noqa: E402
+from omni_async.trainer.actor_core import TensorBatch, begin_step, update_minibatch  # noqa: E402
 
 GB = 1e9
 
@@ -144,6 +144,7 @@ def main(argv=None) -> dict:
 
     iterations = []
     for it in range(args.iters):
+        begin_step(policy, args.param_offload)  # the worker's weight sync: one param_offload round trip per step
         seeds = [1000 * it + i for i in range(args.batch)]
         reset_peak(device)
         sync(device)

@@ -11,7 +11,8 @@ One call, :func:`init_ray`, for the trainer, the tests and the benchmarks:
 - Every Ray worker process caps torch (and BLAS) threads, via a process setup hook and env vars: with 2
   physical cores, a few actors each spawning one thread per core would wreck every timing. A worker that owns a
   GPU is not capped to 1 (its CPU threads feed the device): :func:`configure_worker` gives it
-  ``trainer.ray.gpu_worker_torch_threads`` (null: torch's default) and places its model on ``cuda``.
+  ``trainer.ray.gpu_worker_torch_threads`` (null: torch's default, one per physical core) and places its model on
+  the GPU Ray assigned it. Workers allocate CUDA memory with ``expandable_segments``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from omegaconf import DictConfig
 THREADS_ENV = "OMNI_ASYNC_TORCH_THREADS"
 RESTART_POLL_S = 0.2  # how often a restarting actor is probed
 GPU_THREADS_ENV = "OMNI_ASYNC_GPU_WORKER_TORCH_THREADS"
+ALLOC_CONF_ENV, ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"
 
 
 def setup_worker_process() -> None:
@@ -42,19 +44,42 @@ def setup_worker_process() -> None:
         pass
 
 
+def torch_default_threads() -> int:
+    """The intra-op thread count torch picks in a process without ``OMP_NUM_THREADS``: one per physical core this
+    process may run on (the runtime env sets ``OMP_NUM_THREADS=1`` for every worker, so torch's own default in a
+    worker is 1 and has to be computed)."""
+    import psutil
+
+    physical = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else physical
+    return max(1, min(physical, usable))
+
+
+def local_device_index(gpu_id: str, visible: str | None) -> int:
+    """The CUDA index in this process of the GPU Ray assigned (``ray.get_gpu_ids()[0]``, a physical id). Ray
+    normally sets ``CUDA_VISIBLE_DEVICES`` to the assigned GPU, which is then index 0; with
+    ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` (as verl supports) it does not, and the index is the physical id,
+    or its position in a ``CUDA_VISIBLE_DEVICES`` set by the user."""
+    ids = [v.strip() for v in visible.split(",")] if visible else []
+    return ids.index(str(gpu_id)) if str(gpu_id) in ids else int(gpu_id)
+
+
 def configure_worker() -> str:
     """Called in a Ray actor's ``__init__``: its torch threads and the device its model goes on.
 
-    A worker Ray assigned a GPU (Ray sets ``CUDA_VISIBLE_DEVICES`` to it, so it is ``cuda:0`` in the process) gets
-    ``trainer.ray.gpu_worker_torch_threads`` threads (unset: torch's default); a CPU worker keeps the cap.
+    A worker Ray assigned a GPU gets that GPU as its current CUDA device (:func:`local_device_index`) and
+    ``trainer.ray.gpu_worker_torch_threads`` threads (null: :func:`torch_default_threads`); a CPU worker keeps the
+    cap.
     """
     import ray
     import torch
 
-    if ray.get_gpu_ids() and torch.cuda.is_available():
-        if os.environ.get(GPU_THREADS_ENV):
-            torch.set_num_threads(int(os.environ[GPU_THREADS_ENV]))
-        return "cuda:0"
+    gpu_ids = ray.get_gpu_ids()
+    if gpu_ids and torch.cuda.is_available():
+        index = local_device_index(str(gpu_ids[0]), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        torch.cuda.set_device(index)
+        torch.set_num_threads(int(os.environ.get(GPU_THREADS_ENV) or torch_default_threads()))
+        return f"cuda:{index}"
     torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
     return "cpu"
 
@@ -73,6 +98,8 @@ def worker_runtime_env(torch_threads: int = 1, gpu_worker_threads: int | None = 
             "TOKENIZERS_PARALLELISM": "false",
             "OMNI_ASYNC_CACHE": str(cache_root()),
             "RAY_DEDUP_LOGS": "0",
+            # Fewer fragmentation OOMs when generation and updates alternate on one device (a user's value wins).
+            ALLOC_CONF_ENV: os.environ.get(ALLOC_CONF_ENV, ALLOC_CONF),
         },
         "worker_process_setup_hook": "omni_async.cluster.setup_worker_process",
     }

@@ -70,3 +70,43 @@ def test_gpu_box_lets_ray_detect_its_devices(monkeypatch):
     seen.clear()
     init_ray(cfg)
     assert seen["num_gpus"] == 4 and seen["num_cpus"] >= 16
+
+
+def test_gpu_worker_takes_its_assigned_device_and_torch_default_threads(monkeypatch):
+    """``configure_worker`` in a GPU worker: the device Ray assigned (index 0 when Ray set CUDA_VISIBLE_DEVICES to
+    it; the physical id under RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES, as verl supports), made current, and
+    ``gpu_worker_torch_threads: null`` = torch's default (one per physical core), not the CPU workers' cap of 1."""
+    import psutil
+    import torch
+
+    from omni_async import cluster
+
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: ["3"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    current, threads = [], []
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 16 if logical else 8)
+    monkeypatch.setattr(cluster.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.delenv(cluster.GPU_THREADS_ENV, raising=False)
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # Ray's default: only the assigned GPU is visible
+    assert cluster.configure_worker() == "cuda:0" and current == [0]
+    assert threads == [8]  # torch's default: the physical cores (the runtime env's OMP_NUM_THREADS=1 would give 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # NOSET: every GPU visible, the assigned one by its id
+    monkeypatch.setenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
+    assert cluster.configure_worker() == "cuda:3" and current[-1] == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # NOSET under a user's own visible list
+    assert cluster.configure_worker() == "cuda:1" and current[-1] == 1
+    monkeypatch.setenv(cluster.GPU_THREADS_ENV, "4")  # trainer.ray.gpu_worker_torch_threads=4
+    cluster.configure_worker()
+    assert threads[-1] == 4
+
+
+def test_workers_allocate_cuda_memory_with_expandable_segments(monkeypatch):
+    from omni_async.cluster import worker_runtime_env
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert worker_runtime_env()["env_vars"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # a user's own setting wins
+    assert worker_runtime_env()["env_vars"]["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"

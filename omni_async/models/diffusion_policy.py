@@ -30,8 +30,9 @@ import torch
 
 from omni_async.algos.sde import SDEStep, sde_step_with_logprob
 from omni_async.models.experts import step_denoisers, trained_module
+from omni_async.models.loading import pipeline_load_kwargs
 from omni_async.models.lora import TrainableModule
-from omni_async.models.offload import OFFLOAD_DEVICE, place
+from omni_async.models.offload import HostOffload
 from omni_async.models.tiny import resolve_model_path
 from omni_async.sample import ImageResult
 
@@ -281,19 +282,23 @@ class DiffusionPolicy(TrainableModule):
 
     def __init__(self, model_path: Any, sampling: SamplingConfig, *, lora_rank: int = 8, lora_alpha: int = 16,
                  target_modules: list[str] | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 gradient_checkpointing: bool = False):
+                 gradient_checkpointing: bool = False, trainable_dtype: torch.dtype | None = None):
         """``model_path``: a local directory, hub id or ``tiny:<name>``, or an already built pipeline whose weights
         are in ``dtype`` (``bench/gpu_step.py`` builds the real Qwen-Image architecture with random weights, which
-        no directory holds). ``dtype``: the frozen weights' dtype (``fsdp_config.model_dtype``). Trainable weights are
-        fp32 (LoRA, or the whole transformer for a full fine-tune); latents, the SDE step, log-probs and KL are fp32
-        too, and tensors are cast to the transformer's dtype only at its input (``step``)."""
+        no directory holds). ``dtype``: the frozen weights' dtype (``fsdp_config.model_dtype``), which the
+        transformer computes in. The trainable weights (LoRA, or the whole transformer for a full fine-tune) compute
+        in ``trainable_dtype`` (``None``: ``dtype``) and are stepped as fp32 masters (``models.lora``); latents, the
+        SDE step, log-probs and KL are fp32, and tensors are cast to ``dtype`` only at the transformer's input
+        (``step``). A directory loads straight onto ``device`` (``models.loading``)."""
         from diffusers import DiffusionPipeline
 
         if isinstance(model_path, DiffusionPipeline):
-            self.pipe = model_path
+            self.pipe = model_path.to(device)
         else:
-            self.pipe = DiffusionPipeline.from_pretrained(resolve_model_path(model_path), dtype=dtype)
-        self.pipe.to(device)
+            self.pipe = DiffusionPipeline.from_pretrained(resolve_model_path(model_path),
+                                                          **pipeline_load_kwargs(device, dtype))
+            if self.pipe.device != torch.device(device):  # e.g. "cuda" asked, the current device given
+                self.pipe.to(device)
         self.pipe.set_progress_bar_config(disable=True)
         family = type(self.pipe).__name__
         if family not in _ADAPTERS:
@@ -306,13 +311,15 @@ class DiffusionPolicy(TrainableModule):
         self.transformer = self.pipe.transformer
         # The transformer, or Wan 2.2's two experts as one module (models.experts): LoRA / full fine-tune on both.
         self.init_trainable(trained_module(self.pipe), lora_rank, lora_alpha,
-                            target_modules or ["to_q", "to_k", "to_v"])
-        # The transformer's input dtype: the frozen weights' (LoRA casts its fp32 branch itself), fp32 when all train.
-        self.compute_dtype = dtype if lora_rank > 0 else torch.float32
+                            target_modules or ["to_q", "to_k", "to_v"], dtype=trainable_dtype or dtype)
+        # The transformer's input dtype: the frozen weights', LoRA or full fine-tune (fp32 only as masters).
+        self.compute_dtype = dtype
         if gradient_checkpointing:  # recompute each block's activations in backward instead of keeping them
             self.trainable.enable_gradient_checkpointing()
         self.configure_vae()
         self.frozen_offloaded = False  # param_offload: text encoder(s) and VAE on the CPU (offload_frozen)
+        self.frozen_offloaded_this_step = False  # at most one offload (so one round trip) per step (begin_step)
+        self.host_offload: HostOffload | None = None  # made on the first offload
         self._set_schedule()
 
     @property
@@ -369,12 +376,26 @@ class DiffusionPolicy(TrainableModule):
                 if isinstance(m, torch.nn.Module) and not any(m is d for d in denoisers)]
 
     def offload_frozen(self, offload: bool = True) -> None:
-        """``param_offload``: move the frozen modules to the CPU (``offload=True``, before an update) or back to the
-        transformer's device (``False``; :meth:`rollout` does it, so generation never finds them away). Moves only
-        on a change, so consecutive updates, or a worker that never generates, move nothing more."""
-        if offload != self.frozen_offloaded:
-            place(self.frozen_modules(), OFFLOAD_DEVICE if offload else self.device)
-            self.frozen_offloaded = offload
+        """``param_offload``: move the frozen modules to the host (``offload=True``, before an update) or back to the
+        transformer's device (``False``; :meth:`rollout` does it, so generation never finds them away), through
+        persistent (pinned on CUDA) host buffers with non-blocking copies (``models.offload.HostOffload``).
+
+        Moves only on a change, and offloads at most once per training step (:meth:`begin_step`): when generation
+        and updates interleave on the device (one-step off-policy, the mini-batch pipeline), the frozen modules
+        make one round trip per step and then stay on the device for the rest of the step's updates, instead of
+        moving at every switch."""
+        if offload and not self.frozen_offloaded and not self.frozen_offloaded_this_step:
+            if self.host_offload is None:
+                self.host_offload = HostOffload(self.frozen_modules())
+            self.host_offload.to_host()
+            self.frozen_offloaded = self.frozen_offloaded_this_step = True
+        elif not offload and self.frozen_offloaded:
+            self.host_offload.to_device(self.device)
+            self.frozen_offloaded = False
+
+    def begin_step(self) -> None:
+        """A new training step (the worker's weight sync): ``param_offload`` may offload once more."""
+        self.frozen_offloaded_this_step = False
 
     # ---- schedule -------------------------------------------------------------------------------------------
     def _set_schedule(self) -> None:

@@ -1,17 +1,102 @@
 """The trainable part of a policy, shared by the diffusion and text policies: LoRA via peft on one module (the
 diffusion transformer, or the causal LM), or that whole module for a full fine-tune; the weights a sync ships; the
-reference policy for KL (the same module with the adapter switched off)."""
+reference policy for KL (the same module with the adapter switched off).
+
+Precision. The trainable weights compute in the frozen weights' dtype (bf16 on CUDA): the module holds them as a
+*working copy* in that dtype, and the optimizer steps fp32 *master* weights (:class:`MasterWeights`). Each backward
+moves a working weight's gradient into its master's fp32 ``.grad`` as soon as it is accumulated, so gradients
+accumulate over micro-batches in fp32; after each optimizer step :meth:`TrainableModule.refresh_working_weights`
+rounds the masters into the working copy. Without it, peft's LoRA layer casts every LoRA site's input to the fp32
+adapter's dtype and runs two skinny fp32 GEMMs per site, and a full fine-tune keeps a whole fp32 transformer on the
+device before FSDP2 shards it. fp32 frozen weights (the CPU default) make the working weights their own masters.
+
+Masters are made on the first :meth:`TrainableModule.trainable_parameters` call (the optimizer's), so a full
+fine-tune that FSDP2 shards first (``trainer.data_parallel.shard_module``: fp32 shards, bf16 compute) and a
+generation-only replica never hold a full fp32 copy.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+from collections import Counter
+from collections.abc import Iterator
+from functools import partial
 
 import torch
 
 # The adapter the rollout reads in the hybrid layout when an update may run while it generates (one-step
 # off-policy, the mini-batch pipeline): a frozen copy of the live ("default") adapter at the last published version.
 LIVE_ADAPTER, ROLLOUT_ADAPTER = "default", "rollout"
+
+
+def dominant_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The floating dtype holding most of a module's parameters (diffusers keeps a few small modules in fp32)."""
+    count: Counter[torch.dtype] = Counter()
+    for p in module.parameters():
+        if p.is_floating_point():
+            count[p.dtype] += p.numel()
+    return count.most_common(1)[0][0] if count else torch.float32
+
+
+def _grad_to_master(master: torch.nn.Parameter, working: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of a working weight: its gradient moves into the master's fp32 ``.grad``."""
+    g = working.grad.float()
+    if master.grad is None:
+        master.grad = g
+    else:
+        master.grad.add_(g)
+    working.grad = None
+
+
+class MasterWeights:
+    """fp32 master copies of the low-precision trainable weights of a module (fp32 ones are their own masters)."""
+
+    def __init__(self, module: torch.nn.Module, names: list[str]):
+        params = dict(module.named_parameters())
+        owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):  # every owner of a tied weight
+            prefix, _, attr = name.rpartition(".")
+            owners.setdefault(id(p), []).append((module.get_submodule(prefix), attr))
+        self.masters: list[torch.nn.Parameter] = []
+        self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter, list[tuple[torch.nn.Module, str]]]] = []
+        self._hooks = []
+        for name in names:
+            p = params[name]
+            if p.dtype == torch.float32:
+                self.masters.append(p)
+                continue
+            master = torch.nn.Parameter(p.detach().float(), requires_grad=True)
+            self._hooks.append(p.register_post_accumulate_grad_hook(partial(_grad_to_master, master)))
+            self.pairs.append((p, master, owners[id(p)]))
+            self.masters.append(master)
+
+    def refresh(self) -> None:
+        """Round the masters into the working copy (in place: modules and autograd keep the same tensors)."""
+        with torch.no_grad():
+            for working, master, _ in self.pairs:
+                working.copy_(master)
+
+    @contextlib.contextmanager
+    def installed(self, refresh: bool = True) -> Iterator[None]:
+        """The masters registered on the module in place of the working weights (state dicts read and load fp32,
+        and an optimizer over the masters maps to the module's names); the working copy is refreshed after (a
+        load may have changed the masters) unless ``refresh=False`` (a read)."""
+        for _, master, owners in self.pairs:
+            for mod, attr in owners:
+                mod._parameters[attr] = master
+        try:
+            yield
+        finally:
+            for working, _, owners in self.pairs:
+                for mod, attr in owners:
+                    mod._parameters[attr] = working
+            if refresh:
+                self.refresh()
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
 
 
 class TrainableModule:
@@ -21,8 +106,12 @@ class TrainableModule:
     trainable: torch.nn.Module
     lora: bool
 
-    def init_trainable(self, module: torch.nn.Module, lora_rank: int, lora_alpha: int, target_modules: list[str]) -> None:
+    def init_trainable(self, module: torch.nn.Module, lora_rank: int, lora_alpha: int, target_modules: list[str],
+                       dtype: torch.dtype | None = None) -> None:
+        """``dtype``: what the trainable weights compute in; ``None`` = the module's (the frozen weights') dtype. A
+        full fine-tune's weights stay as loaded (no fp32 copy here: see the module docstring)."""
         self.trainable, self.lora = module, lora_rank > 0
+        self.work_dtype = dtype or dominant_dtype(module)
         if self.lora:
             from peft import LoraConfig
 
@@ -30,19 +119,38 @@ class TrainableModule:
                                           target_modules=list(target_modules)))
         else:
             module.requires_grad_(True)
-        # Trainable weights (and so AdamW's state) are fp32 whatever the frozen weights' dtype.
-        self.rebind_trainable_parameters()
-        for p in self._trainable:
-            p.data = p.data.float()
+        # Fixed at init: peft's set_adapter flips requires_grad, so it is no longer a test of "trained".
+        self._trainable_names = [n for n, p in module.named_parameters() if p.requires_grad]
+        if self.lora:
+            for name, p in module.named_parameters():
+                if f".{LIVE_ADAPTER}." in name:
+                    p.data = p.data.to(self.work_dtype)  # peft makes the adapter fp32; compute in the base dtype
+        self._masters: MasterWeights | None = None
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        # Fixed at init: peft's set_adapter flips requires_grad, so it is no longer a test of "trained".
-        return self._trainable
+        """What the optimizer steps and the gradient clip / all-reduce reads: fp32 masters (made on first call)."""
+        if self._masters is None:
+            self._masters = MasterWeights(self.trainable, self._trainable_names)
+        return self._masters.masters
 
     def rebind_trainable_parameters(self) -> None:
         """Read the trainable parameters again after a wrapper replaced them (FSDP2's ``fully_shard`` registers
-        sharded ones); call it before the optimizer is built, while no adapter switch has flipped requires_grad."""
-        self._trainable = [p for p in self.trainable.parameters() if p.requires_grad]
+        sharded fp32 ones, their own masters); call it before the optimizer is built."""
+        if self._masters is not None:
+            self._masters.remove()
+        self._masters = MasterWeights(self.trainable, self._trainable_names)
+
+    def refresh_working_weights(self) -> None:
+        """After the masters changed (an optimizer step, a broadcast): the working copy takes their values."""
+        if self._masters is not None:
+            self._masters.refresh()
+
+    @contextlib.contextmanager
+    def master_weights(self, refresh: bool = True) -> Iterator[None]:
+        """The module's trainable weights are the fp32 masters inside the block (a rollout copy without an optimizer
+        has none: its module keeps the working copy); ``refresh=False`` for a block that only reads them."""
+        with self._masters.installed(refresh) if self._masters is not None else contextlib.nullcontext():
+            yield
 
     def snapshot_for_rollout(self) -> None:
         """Copy the live LoRA adapter into the rollout adapter (created on first use): a device-local copy of the
@@ -58,7 +166,8 @@ class TrainableModule:
             module.set_adapter(LIVE_ADAPTER)  # add_adapter activates the new one
             for name, p in module.named_parameters():
                 if f".{ROLLOUT_ADAPTER}." in name:
-                    p.data = p.data.float()
+                    p.data = p.data.to(self.work_dtype)
+        # The live adapter's working copy: exactly the weights the live adapter computes with.
         set_peft_model_state_dict(module, get_peft_model_state_dict(module, adapter_name=LIVE_ADAPTER),
                                   adapter_name=ROLLOUT_ADAPTER)
 
@@ -72,44 +181,44 @@ class TrainableModule:
             self.trainable.set_adapter(LIVE_ADAPTER)
 
     def weights_state_dict(self) -> dict[str, torch.Tensor]:
-        """The trainable weights only (LoRA adapter, or the full module): what a weight sync ships."""
-        if self.lora:
-            from peft.utils import get_peft_model_state_dict
-
-            return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.trainable).items()}
-        return {k: v.detach().clone() for k, v in self.trainable.state_dict().items()}
+        """The trainable weights only (LoRA adapter, or the full module), masters where they exist: what a weight
+        sync ships and a checkpoint keeps."""
+        return {k: v.clone() for k, v in self.weights_views().items()}
 
     def weights_views(self) -> dict[str, torch.Tensor]:
-        """The keys of :meth:`weights_state_dict`, as tensors sharing storage with the parameters (no copy): what a
-        bucketed sync reads from (trainer) or writes into (rollout worker) in place."""
-        if self.lora:
-            from peft.utils import get_peft_model_state_dict
+        """The keys of :meth:`weights_state_dict`, as tensors sharing storage with the weights (no copy): what a
+        bucketed sync reads from (trainer: the fp32 masters where they exist) or writes into (rollout worker: its
+        working copy, in place)."""
+        with self.master_weights(refresh=False):
+            if self.lora:
+                from peft.utils import get_peft_model_state_dict
 
-            views = get_peft_model_state_dict(self.trainable)
-        else:
-            views = self.trainable.state_dict()
-        return {k: v.detach() for k, v in views.items()}
+                views = get_peft_model_state_dict(self.trainable)
+            else:
+                views = self.trainable.state_dict()
+            return {k: v.detach() for k, v in views.items()}
 
     def freeze_for_inference(self, dtype: torch.dtype) -> None:
-        """Make this an inference-only copy (a rollout worker): nothing requires a gradient, and a full fine-tune's
-        trainable module is stored in the frozen weights' ``dtype`` (LoRA adapters stay fp32 as trained: small).
-        No optimizer is ever built on it."""
+        """Make this an inference-only copy (a rollout worker): nothing requires a gradient and no optimizer, so no
+        fp32 master, is ever built on it; its trainable weights are in the frozen weights' ``dtype``, the trainer's
+        working copy's (a LoRA adapter included)."""
         self.trainable.requires_grad_(False)
         if not self.lora:
             self.trainable.to(dtype)
             if hasattr(self, "compute_dtype"):  # the diffusion transformer's input dtype follows its weights
                 self.compute_dtype = dtype
-        self._trainable = []
+        self._trainable_names, self._masters = [], None
 
     def load_weights_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if self.lora:
-            from peft.utils import set_peft_model_state_dict
+        with self.master_weights():  # a trainer loads its fp32 masters; the working copy is refreshed after
+            if self.lora:
+                from peft.utils import set_peft_model_state_dict
 
-            result = set_peft_model_state_dict(self.trainable, state)
-            if getattr(result, "unexpected_keys", None):
-                raise KeyError(f"LoRA weights do not match this model: {result.unexpected_keys[:3]}")
-        else:
-            self.trainable.load_state_dict(state)
+                result = set_peft_model_state_dict(self.trainable, state)
+                if getattr(result, "unexpected_keys", None):
+                    raise KeyError(f"LoRA weights do not match this model: {result.unexpected_keys[:3]}")
+            else:
+                self.trainable.load_state_dict(state)
 
     @contextlib.contextmanager
     def reference(self):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from omni_async.models.loading import causal_lm_load_kwargs
 from omni_async.models.lora import TrainableModule
 from omni_async.models.tiny import resolve_model_path
 from omni_async.sample import TextResult
@@ -56,7 +57,7 @@ class TextPolicy(TrainableModule):
 
         path = resolve_model_path(model_path)
         self.tok = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        self.model = AutoModelForCausalLM.from_pretrained(path, **causal_lm_load_kwargs(device, dtype))
         self.model.requires_grad_(False)
         self.sampling = sampling
         # generation_config.eos_token_id is an int or a list (Qwen2.5/Qwen3-Instruct: [<|im_end|>, <|endoftext|>]);

@@ -89,6 +89,13 @@ def offload_frozen(policy: Any, offload: bool) -> None:
         policy.offload_frozen(True)
 
 
+def begin_step(policy: Any, param_offload: bool) -> None:
+    """A new training step: ``param_offload`` may move the frozen modules off the device once more (at most one
+    round trip per step, ``DiffusionPolicy.offload_frozen``)."""
+    if param_offload:
+        policy.begin_step()
+
+
 def train_minibatch(modality: Modality, policy: Any, optimizer: torch.optim.Optimizer, data: Any, actor_cfg: Any, *,
                     param_offload: bool = False, optimizer_offload: bool = False,
                     dp: DataParallel | None = None) -> dict[str, list[float]]:
@@ -108,6 +115,7 @@ def train_minibatch(modality: Modality, policy: Any, optimizer: torch.optim.Opti
         dp.all_reduce_grads(policy.trainable_parameters())
     with optimizer_state_on_device(optimizer, optimizer_offload):
         grad_norm = clipped_step(optimizer, policy.trainable_parameters(), actor_cfg.grad_clip)
+    policy.refresh_working_weights()  # the compute-dtype copy takes the stepped fp32 masters (models.lora)
     if sharded:
         full_params(policy.trainable)  # generation and log-probs run on the gathered weights until the next update
     metrics["actor/skipped_steps"].append(0.0 if grad_norm is not None else 1.0)

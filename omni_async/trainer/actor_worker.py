@@ -17,7 +17,8 @@ Data parallelism (``trainer.data_parallel``): the ranks form one process group; 
 ``update_minibatch`` take a share of the batch each (whole ``uid`` groups, balanced by samples) and an update is one
 optimizer step of the whole group (LoRA gradients all-reduced, a full fine-tune sharded with FSDP2 and its full
 weights gathered again for generation after each step). Rank 0 writes the LoRA checkpoint; FSDP2 writes one
-sharded checkpoint.
+sharded checkpoint. Each of these calls runs under ``DataParallel.failfast``: a rank that raises tears the group down
+and the others stop at once with ``RankFailedError`` naming it, instead of waiting ``actor_rollout_ref.nccl_timeout``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from omni_async.cluster import configure_worker
 from omni_async.modality import get_modality
 from omni_async.modality.base import model_dtype
 from omni_async.trainer import data_parallel as dpm
-from omni_async.trainer.actor_core import compute_log_prob, train_minibatch
+from omni_async.trainer.actor_core import begin_step, compute_log_prob, train_minibatch
 
 TRAINED_ROWS_KEPT = 1 << 16  # the (uid, index) rows this rank trained on, newest kept (ActorWorker.trained_rows)
 
@@ -67,21 +68,25 @@ class ActorWorker(Worker):
     def _init_model(self) -> None:
         cfg = self.cfg
         m, a, r = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
-        self.dp = dpm.DataParallel(self.device)  # the actor ranks' process group (none with one rank)
+        # The actor ranks' process group (none with one rank); collectives time out after verl's nccl_timeout.
+        self.dp = dpm.DataParallel(self.device, timeout_s=cfg.actor_rollout_ref.nccl_timeout)
         torch.manual_seed(int(cfg.trainer.seed))
         sampling = vars(self.modality.sampling_config(cfg))
         dtype = model_dtype(a.fsdp_config.model_dtype, self.device)
         self.policy = self.modality.build_policy(OmegaConf.to_container(m, resolve=True), sampling, self.device,
                                                  dtype=dtype)
-        if self.dp.active and self.policy.lora:
-            self.dp.broadcast_(self.policy.trainable_parameters())  # one starting adapter on every rank
-        elif self.dp.active:
-            dpm.shard_module(self.policy.trainable, self.dp)  # full fine-tune: FSDP2 over the ranks
-            self.policy.rebind_trainable_parameters()  # the sharded parameters, for the optimizer and the clip
-        self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=a.optim.lr,
-                                           weight_decay=a.optim.weight_decay)
-        if self.dp.sharded:
-            dpm.full_params(self.policy.trainable)  # generation runs on the gathered weights
+        with self.dp.failfast("init_model"):
+            if self.dp.active and self.policy.lora:
+                self.dp.broadcast_(self.policy.trainable_parameters())  # one starting adapter on every rank
+                self.policy.refresh_working_weights()
+            elif self.dp.active:
+                # Full fine-tune: FSDP2 over the ranks, sharded from the loaded (bf16) weights, fp32 shards.
+                dpm.shard_module(self.policy.trainable, self.dp, dtype)
+                self.policy.rebind_trainable_parameters()  # the sharded parameters, for the optimizer and the clip
+            self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=a.optim.lr,
+                                               weight_decay=a.optim.weight_decay)
+            if self.dp.sharded:
+                dpm.full_params(self.policy.trainable)  # generation runs on the gathered (bf16) weights
         overlap = cfg.async_reward.one_step_off_policy or cfg.async_reward.update_pipeline
         hybrid = cfg.actor_rollout_ref.hybrid_engine and int(r.nnodes) == 0  # not with a rollout pool
         self.snapshot = bool(hybrid and overlap)
@@ -107,6 +112,7 @@ class ActorWorker(Worker):
         def publish() -> int:
             if self.snapshot:
                 self.policy.snapshot_for_rollout()
+            begin_step(self.policy, self.cfg.actor_rollout_ref.actor.fsdp_config.param_offload)
             self.rollout_version = int(version)
             return self.rollout_version
 
@@ -168,9 +174,10 @@ class ActorWorker(Worker):
         """Log-probs of the stored trajectories under the current weights (pi_old when not bypassed), in
         micro-batches of ``rollout.log_prob_micro_batch_size_per_gpu`` samples (``trainer.actor_core``)."""
         arr = self.cfg.actor_rollout_ref
-        return dpm.rows_result(data, compute_log_prob(self.modality, self.policy, data,
-                                                      arr.rollout.log_prob_micro_batch_size_per_gpu,
-                                                      param_offload=arr.actor.fsdp_config.param_offload))
+        with self.dp.failfast("compute_log_prob"):
+            return dpm.rows_result(data, compute_log_prob(self.modality, self.policy, data,
+                                                          arr.rollout.log_prob_micro_batch_size_per_gpu,
+                                                          param_offload=arr.actor.fsdp_config.param_offload))
 
     @register(dispatch_mode=dpm.BY_GROUPS_METRICS)
     async def update_minibatch(self, data: DataProto) -> dict[str, float]:
@@ -187,9 +194,10 @@ class ActorWorker(Worker):
         (``trainer.actor_core``, ``models.offload``).
         """
         a = self.cfg.actor_rollout_ref.actor
-        metrics = train_minibatch(self.modality, self.policy, self.optimizer, data, a,
-                                  param_offload=a.fsdp_config.param_offload,
-                                  optimizer_offload=a.fsdp_config.optimizer_offload, dp=self.dp)
+        with self.dp.failfast("update_minibatch"):  # a rank that raises stops the others at once, naming itself
+            metrics = train_minibatch(self.modality, self.policy, self.optimizer, data, a,
+                                      param_offload=a.fsdp_config.param_offload,
+                                      optimizer_offload=a.fsdp_config.optimizer_offload, dp=self.dp)
         metrics[dpm.SAMPLES_KEY] = [dpm.trained_samples(data)]
         index = data.meta_info.get(dpm.DP_INDEX_KEY)
         real = range(len(data)) if index is None else [i for i, k in enumerate(index) if k >= 0]
@@ -204,7 +212,8 @@ class ActorWorker(Worker):
     def _save_checkpoint(self, path: str) -> None:
         """One checkpoint set: rank 0's ``actor.pt`` (LoRA, or one rank), or one sharded ``actor_dcp/`` (FSDP2)."""
         os.makedirs(path, exist_ok=True)
-        dpm.save_actor(path, self.policy, self.optimizer, self.dp)
+        with self.dp.failfast("save_checkpoint"):
+            dpm.save_actor(path, self.policy, self.optimizer, self.dp)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     async def load_checkpoint(self, path: str) -> None:
@@ -212,4 +221,5 @@ class ActorWorker(Worker):
 
     def _load_checkpoint(self, path: str) -> None:
         """Every rank reads it; a LoRA checkpoint resumes on any number of ranks."""
-        dpm.load_actor(path, self.policy, self.optimizer, self.dp)
+        with self.dp.failfast("load_checkpoint"):
+            dpm.load_actor(path, self.policy, self.optimizer, self.dp)

@@ -231,6 +231,9 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(cfg.trainer.total_training_steps is None or cfg.trainer.total_training_steps >= 1,
            "trainer.total_training_steps", "must be >= 1 (or null: trainer.total_epochs passes over the data)", "e.g. 4")
     _check_verl_keys(cfg)
+    _check(arr.nccl_timeout > 0, "actor_rollout_ref.nccl_timeout",
+           f"the actor ranks' collectives need a positive timeout in seconds, got {arr.nccl_timeout}",
+           "use verl's default 600 (a failing rank stops the others at once whatever the value)")
     _check(cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes >= 1, "trainer.n_gpus_per_node",
            "the actor/rollout pool has no devices", "set trainer.n_gpus_per_node=1 (or more)")
     _check_layout(cfg)

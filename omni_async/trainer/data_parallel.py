@@ -22,13 +22,27 @@ all-gather of the trainable weights per optimizer step, and the full weights res
 optimizer state, gradients and master weights stay sharded: 12 of AdamW's 16 bytes per fp32 parameter). Inside an
 update every rank runs the same number of forward/backward passes (:func:`lockstep`), padding with zero-weighted
 passes, because each one is a collective.
+
+FSDP2 precision. The module is sharded as loaded (bf16 on CUDA), then each rank upcasts *its shard* to fp32: the fp32
+master weights exist only as shards, never as a whole model on one device. ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)`` all-gathers bf16 weights for the forwards (so :func:`full_params` keeps a bf16 copy for
+generation, not the fp32 model) and reduce-scatters fp32 gradients into the fp32 shards the optimizer steps.
+
+A failing rank (:meth:`DataParallel.failfast`). One rank raising between collectives (an OOM, a bad sample) would
+leave the others inside a collective until the process group's timeout (``actor_rollout_ref.nccl_timeout``, verl's
+key). Instead the first rank to fail publishes its exception in the group's store and tears its process group down;
+the others' pending collectives then fail at once (gloo: the failed peer's connections close; NCCL: each rank's
+watcher thread sees the published error and aborts its own communicator) and raise :class:`RankFailedError`
+naming that rank and its exception. The group is unusable afterwards: the run stops, as with a dead rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -42,7 +56,9 @@ from omni_async.modality import REF_TIME_KEY
 DP_INDEX_KEY = "dp_index"  # meta_info of a rank's share: its rows' indices in the dispatched batch (-1: padding)
 SAMPLES_KEY = "perf/samples_per_rank"  # the most samples a rank trained on in a mini-batch
 GRAD_BUCKET_ELEMENTS = 1 << 24  # gradients all-reduced in flat buckets of at most this many elements (64 MB fp32)
-PROCESS_GROUP_TIMEOUT_S = 1800.0
+PROCESS_GROUP_TIMEOUT_S = 600.0  # verl's actor_rollout_ref.nccl_timeout default
+ERROR_KEY = "first_failure"  # in the group's store: "<rank>\t<exception>" of the first rank that failed
+ERROR_WATCH_INTERVAL_S = 0.2  # how often a rank inside a collective call looks for a peer's published failure
 LORA_CKPT, FSDP_CKPT = "actor.pt", "actor_dcp"
 
 
@@ -147,24 +163,113 @@ def trained_samples(data: Any) -> float:
 
 
 # ---- the group (worker side) ----------------------------------------------------------------------------------
+class RankFailedError(RuntimeError):
+    """Another actor rank failed while this one was in a collective call with it; names that rank's exception."""
+
+
+class _ErrorWatch:
+    """While a collective call runs: polls the store for a published failure and calls ``on_error`` once (NCCL:
+    abort this rank's communicator, which ends a collective still waiting for the failed peer)."""
+
+    def __init__(self, store: dist.Store, on_error: Callable[[], None], interval_s: float = ERROR_WATCH_INTERVAL_S):
+        self.store, self.on_error, self.interval_s = store, on_error, interval_s
+        self.stopped = threading.Event()
+        self.fired = False
+        self.thread = threading.Thread(target=self._run, name="dp-error-watch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.interval_s):
+            try:
+                found = self.store.check([ERROR_KEY])
+            except Exception:  # the store's host (rank 0) is gone: the collective fails by itself
+                return
+            if found and not self.stopped.is_set():
+                self.fired = True
+                self.on_error()
+                return
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
 class DataParallel:
     """This actor rank's view of the data-parallel group, from the environment verl's ``RayWorkerGroup`` gives
-    each worker (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): ``nccl`` on CUDA, ``gloo`` on CPU.
-    With one rank nothing is initialised and every collective is the identity."""
+    each worker (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): ``nccl`` on CUDA (bound to this rank's
+    device), ``gloo`` on CPU; ``timeout_s`` bounds every collective (``actor_rollout_ref.nccl_timeout``). With one
+    rank nothing is initialised and every collective is the identity."""
 
     def __init__(self, device: str = "cpu", timeout_s: float = PROCESS_GROUP_TIMEOUT_S):
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         self.device = torch.device(device)
         self.sharded = False  # set by shard_module (FSDP2 full fine-tune)
+        self.store: dist.Store | None = None  # where a failing rank publishes its error (failfast)
+        self.failure: tuple[int, str] | None = None  # (rank, exception) once the group failed
         if self.world > 1 and not dist.is_initialized():
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, rank=self.rank, world_size=self.world,
-                                    timeout=timedelta(seconds=timeout_s))
+            timeout = timedelta(seconds=float(timeout_s))
+            # Our own handle on the rendezvous store (the one init_process_group would make from the same env).
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world,
+                                  self.rank == 0, timeout=timeout)
+            cuda = self.device.type == "cuda"
+            dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=self.rank, world_size=self.world,
+                                    timeout=timeout, **({"device_id": self.device} if cuda else {}))
+            self.store = dist.PrefixStore("omni_async_dp", store)
 
     @property
     def active(self) -> bool:
         return self.world > 1
 
+    # ---- a failing rank -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def failfast(self, what: str) -> Iterator[None]:
+        """Around a call that runs collectives on every rank (an update, a log-prob recompute, a checkpoint): if
+        this rank raises first, it publishes the exception and tears the group down; if a peer failed first, this
+        rank's failed collective becomes :class:`RankFailedError` naming the peer and its exception."""
+        if not self.active or self.store is None:
+            yield
+            return
+        if self.failure is not None:
+            raise self._peer_error(what)
+        watch = _ErrorWatch(self.store, self._abort) if self.device.type == "cuda" else None
+        try:
+            yield
+        except BaseException as e:
+            if watch is not None:
+                watch.stop()
+            first = self._publish(f"{type(e).__name__}: {str(e).strip()[:2000]}")
+            self.failure = first
+            if first[0] != self.rank:
+                raise self._peer_error(what) from e
+            self._abort()
+            raise
+        finally:
+            if watch is not None:
+                watch.stop()
+
+    def _publish(self, error: str) -> tuple[int, str]:
+        """Record this rank's failure unless a peer's is already there; return the first one."""
+        first = self.store.compare_set(ERROR_KEY, "", f"{self.rank}\t{error}").decode()
+        rank, _, message = first.partition("\t")
+        return int(rank), message
+
+    def _peer_error(self, what: str) -> RankFailedError:
+        rank, message = self.failure
+        who = "earlier" if rank == self.rank else f"while rank {self.rank} waited for it in {what}"
+        return RankFailedError(f"actor rank {rank} failed {who}: {message}. The process group is torn down: fix the "
+                               "cause and resume from the last checkpoint (trainer.resume_mode=auto)")
+
+    def _abort(self) -> None:
+        """Tear this rank's process group down so pending collectives end now. NCCL: ``_abort_process_group``
+        (a destroy would wait for the stuck kernels); gloo: closing the connections fails the peers' reads."""
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+
+    # ---- collectives ----------------------------------------------------------------------------------------
     def sum(self, x: float) -> float:
         if not self.active:
             return float(x)
@@ -261,19 +366,31 @@ def fsdp_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
-def shard_module(module: torch.nn.Module, dp: DataParallel) -> None:
+def shard_module(module: torch.nn.Module, dp: DataParallel, compute_dtype: torch.dtype | None = None) -> None:
     """FSDP2 (``fully_shard``) on each transformer block (the model's ``_no_split_modules``), then the root, over
-    all ranks; gradients reduce-scattered as a sum (the loss is already weighted by :func:`loss_scales`). Leaves the
-    module sharded: build the optimizer over its (sharded) parameters, then gather them with :func:`full_params`."""
+    all ranks; gradients reduce-scattered as a sum (the loss is already weighted by :func:`loss_scales`). The module
+    comes in as loaded (its weights in ``compute_dtype``, bf16 on CUDA): forwards all-gather ``compute_dtype``
+    weights and gradients reduce in fp32 (``MixedPrecisionPolicy``), and each rank's shard is upcast to fp32 only
+    after sharding, so no rank ever holds the whole model in fp32. Leaves the module sharded: build the optimizer
+    over its (sharded, fp32) parameters, then gather them with :func:`full_params`."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
 
+    from omni_async.models.lora import dominant_dtype
+
+    compute = compute_dtype or dominant_dtype(module)
+    # Inputs are left as the caller made them (the policy casts latents and prompt encodings itself): FSDP2's
+    # default cast would also round fp32 inputs the model keeps fp32 on one rank, e.g. the timestep to bf16.
+    mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=False)
     mesh = init_device_mesh(dp.device.type, (dp.world,))
     blocks = set(getattr(module, "_no_split_modules", None) or [])
     for m in list(module.modules()):
         if m is not module and type(m).__name__ in blocks:
-            fully_shard(m, mesh=mesh)
-    fully_shard(module, mesh=mesh)
+            fully_shard(m, mesh=mesh, mp_policy=mp)
+    fully_shard(module, mesh=mesh, mp_policy=mp)
+    # The fp32 masters: each rank's own shard upcast (FSDP2 re-registers it); buffers keep their dtype.
+    module._apply(lambda t: t.float() if isinstance(t, DTensor) and t.is_floating_point() else t)
     for m in fsdp_modules(module):
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
@@ -281,8 +398,9 @@ def shard_module(module: torch.nn.Module, dp: DataParallel) -> None:
 
 
 def full_params(module: torch.nn.Module) -> None:
-    """All-gather the (fresh) parameters and keep them: forwards then run locally (generation, log-probs).
-    A collective: every rank calls it at the same point."""
+    """All-gather the (fresh) parameters and keep them: forwards then run locally (generation, log-probs) on the
+    gathered compute-dtype copy (bf16 on CUDA; the fp32 masters stay sharded). A collective: every rank calls it at
+    the same point."""
     mods = fsdp_modules(module)
     for m in mods:
         m.reshard()  # drop a stale gathered copy: the optimizer step updated the shards
@@ -349,10 +467,12 @@ def load_actor(path: str | Path, policy: Any, optimizer: torch.optim.Optimizer, 
 
         if dp.sharded:
             sharded_params(policy.trainable)
-        model_state, optim_state = get_state_dict(policy.trainable, optimizer)
-        state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(path / FSDP_CKPT), no_dist=not dist.is_initialized())
-        set_state_dict(policy.trainable, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        with policy.master_weights():  # one rank: the optimizer's fp32 masters under the module's names
+            model_state, optim_state = get_state_dict(policy.trainable, optimizer)
+            state = {"model": model_state, "optim": optim_state}
+            dcp.load(state, checkpoint_id=str(path / FSDP_CKPT), no_dist=not dist.is_initialized())
+            set_state_dict(policy.trainable, optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
         if dp.sharded:
             full_params(policy.trainable)
         return

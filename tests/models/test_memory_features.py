@@ -17,11 +17,11 @@ from omegaconf import OmegaConf
 from verl import DataProto
 
 from omni_async.modality.image import ImageModality
-from omni_async.models import diffusion_policy, offload
+from omni_async.models import offload
 from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
 from omni_async.reward.worker import sample_to_proto
 from omni_async.sample import PromptRow, RewardOutcome, Sample
-from omni_async.trainer.actor_core import TensorBatch, update_minibatch
+from omni_async.trainer.actor_core import TensorBatch, begin_step, update_minibatch
 
 # Byte-level tiny tokenizer: prompts of different lengths, so Qwen-Image pads a batch and needs its text mask.
 PROMPTS = ["a red sign", "a very much longer prompt about a blue sign", "hi", "a sign that says 12"]
@@ -123,16 +123,19 @@ def test_param_and_optimizer_offload_move_at_the_right_times_and_change_nothing(
 
     plain = two_updates()
     moves, state_moves, offloaded_at_forward = [], [], []
-    real_place, real_move = diffusion_policy.place, offload.move_optimizer_state
-    monkeypatch.setattr(diffusion_policy, "place", lambda mods, dev: moves.append((len(mods), str(dev)))
-                        or real_place(mods, dev))
+    host, back, real_move = offload.HostOffload.to_host, offload.HostOffload.to_device, offload.move_optimizer_state
+    monkeypatch.setattr(offload.HostOffload, "to_host", lambda self: moves.append((len(self.modules), "host"))
+                        or host(self))
+    monkeypatch.setattr(offload.HostOffload, "to_device", lambda self, dev: moves.append((len(self.modules), str(dev)))
+                        or back(self, dev))
     monkeypatch.setattr(offload, "move_optimizer_state", lambda opt, dev: state_moves.append(dev)
                         or real_move(opt, dev))
+    policy.begin_step()
     hook = policy.transformer.register_forward_pre_hook(lambda *_: offloaded_at_forward.append(policy.frozen_offloaded))
     try:
         offloaded = two_updates(param_offload=True, optimizer_offload=True)
         n_update_forwards = len(offloaded_at_forward)
-        assert moves == [(2, "cpu")]  # the text encoder and the VAE, once for both updates
+        assert moves == [(2, "host")]  # the text encoder and the VAE, once for both updates
         assert {id(m) for m in policy.frozen_modules()} == {id(policy.pipe.text_encoder), id(policy.pipe.vae)}
         assert state_moves == [None, offload.OFFLOAD_DEVICE] * 2  # to the params' device for each step, then back
         policy.generate(PROMPTS[:1], [9], range(1, 2))  # generation brings them back first
@@ -143,3 +146,48 @@ def test_param_and_optimizer_offload_move_at_the_right_times_and_change_nothing(
     assert max((plain[k] - offloaded[k]).abs().max().item() for k in plain) < 1e-6
     assert max((plain[k] - start[k]).abs().max().item() for k in plain) > 1e-5  # the updates did something
     policy.load_weights_state_dict(start)
+
+
+def test_param_offload_makes_one_round_trip_per_step_through_reused_host_buffers(policy, samples):
+    """In overlap modes generation batches and updates interleave on the device: the frozen modules go to the host
+    at the step's first update, come back for the next generation and then stay, so one round trip per step (not
+    one per switch), and every offload writes into the same host buffers, allocated once."""
+    modality = ImageModality()
+    batch = TensorBatch({**modality.batch_tensors(samples[:2]), "advantages": torch.tensor([1.0, -1.0]),
+                         "loss_mask": torch.tensor([True, True])}, {"window_start": 1})
+    cfg = OmegaConf.create({"clip_ratio": 0.2, "kl_loss_coef": 0.0, "grad_clip": 1.0,
+                            "ppo_micro_batch_size_per_gpu": None})
+    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=0.0)  # lr 0: the shared policy stays as it is
+    policy.offload_frozen(False)
+    before = dict(policy.host_offload.moves) if policy.host_offload else {"to_host": 0, "to_device": 0}
+    storage = []
+    for _ in range(2):  # two steps
+        begin_step(policy, param_offload=True)  # the worker's weight sync
+        for k in range(3):  # update, generation batch, update, ...
+            update_minibatch(modality, policy, optimizer, batch, cfg, param_offload=True)
+            if k == 0:
+                assert policy.frozen_offloaded
+                storage.append([p.data_ptr() for m in policy.frozen_modules() for p in m.parameters()])
+            else:
+                assert not policy.frozen_offloaded  # the step's round trip is done: they stay for its updates
+            policy.generate(PROMPTS[:1], [9], range(1, 2))
+    moves = {k: v - before[k] for k, v in policy.host_offload.moves.items()}
+    assert moves == {"to_host": 2, "to_device": 2}  # not 6 each
+    assert storage[0] == storage[1]  # the second step's offload wrote into the first one's buffers
+    assert policy.host_offload.buffers_allocated == len(policy.host_offload.host)  # each buffer made once
+
+
+def test_host_buffers_are_pinned_only_for_a_cuda_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not offload.pinned_host_memory("cuda:0") and not offload.pinned_host_memory("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert offload.pinned_host_memory("cuda:0") and offload.pinned_host_memory(torch.device("cuda", 1))
+    assert not offload.pinned_host_memory("cpu")
+
+    pinned, real_empty = [], torch.empty  # the choice reaches the allocation (pinning itself needs CUDA)
+    layer = torch.nn.Linear(3, 2)
+    monkeypatch.setattr(offload, "pinned_host_memory", lambda device: True)
+    monkeypatch.setattr(offload.torch, "empty", lambda *a, pin_memory=False, **kw: pinned.append(pin_memory)
+                        or real_empty(*a, **kw))
+    offload.HostOffload([layer]).to_host()
+    assert pinned == [True, True]  # weight and bias

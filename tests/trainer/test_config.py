@@ -139,6 +139,7 @@ def test_missing_train_files():
     (["trainer.n_gpus_per_node=2", "trainer.nnodes=2", "actor_rollout_ref.rollout.agent.num_workers=4",
       "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=3"],
      "actor_rollout_ref.actor.ppo_mini_batch_size", "data.train_batch_size to a multiple of 4"),
+    (["actor_rollout_ref.nccl_timeout=0"], "actor_rollout_ref.nccl_timeout", "600"),
 ])
 def test_semantic_errors_name_key_and_fix(overrides, key, fix):
     with pytest.raises(ConfigError) as exc:

@@ -2,16 +2,20 @@
 the whole batch, for LoRA (all-reduced gradients) and a full fine-tune (FSDP2), images and text, with a failed
 sample on one rank only and unequal micro-batch counts; each sample is trained on by exactly one rank; a save is one
 checkpoint set, read back by the two ranks and by one process (FSDP2: resharded 2 -> 1); rank 0 generates alone on
-the trained weights (FSDP2: the gathered ones) and its samples are the single process's."""
+the trained weights (FSDP2: the gathered ones) and its samples are the single process's; a rank that raises
+between collectives stops the other at once, whose error names it (not a wait for the collective timeout)."""
 
 from __future__ import annotations
 
+import copy
 import os
+import time
 
 import pytest
 import ray
 import torch
 from omegaconf import OmegaConf
+from ray.exceptions import RayTaskError
 
 from omni_async.cluster import init_ray, shutdown_ray
 from omni_async.modality import get_modality
@@ -20,7 +24,7 @@ from omni_async.sample import PromptRow, RewardOutcome, Sample
 from omni_async.trainer.actor_core import compute_log_prob, update_minibatch
 from omni_async.trainer.actor_worker import ActorWorker
 from omni_async.trainer.config import compose
-from omni_async.trainer.data_parallel import DataParallel, load_actor
+from omni_async.trainer.data_parallel import DataParallel, load_actor, shard_batch
 from omni_async.trainer.step_ops import StepOps
 
 pytestmark = pytest.mark.slow  # training runs: not in the fast tier (pytest -m 'not slow')
@@ -128,6 +132,20 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_batch(case, ray_sess
         ref = generate(policy, modality, [PROMPTS[0]], [5], [window])[0]
         got_lp, ref_lp = gen.result.log_probs, ref.log_probs
         assert torch.allclose(torch.as_tensor(got_lp), torch.as_tensor(ref_lp), atol=1e-4)
+
+        if case == "text-lora":  # last: rank 1 raises between collectives (out-of-vocabulary tokens in its group)
+            bad = copy.deepcopy(batch)
+            bad.batch["response_ids"][3:6] = 10**6  # group 1: rank 1's share
+            t0 = time.monotonic()
+            refs = [w.update_minibatch.remote(s) for w, s in zip(wg.workers, shard_batch(bad, 2), strict=True)]
+            errors = []
+            for ref in refs:  # rank 0 waits in the gradient all-reduce: it must not wait for nccl_timeout (600 s)
+                with pytest.raises(RayTaskError) as exc:
+                    ray.get(ref, timeout=60)
+                errors.append(str(exc.value))
+            assert time.monotonic() - t0 < 60
+            assert "IndexError" in errors[1]  # rank 1's own error
+            assert "RankFailedError: actor rank 1 failed" in errors[0] and "IndexError" in errors[0], errors[0]
     finally:
         for w in wg.workers:
             ray.kill(w)

@@ -13,9 +13,14 @@ import torch
 
 def pipeline_load_kwargs(device: torch.device | str, dtype: torch.dtype) -> dict:
     """``DiffusionPipeline.from_pretrained``'s placement arguments. diffusers takes a device *type* as a pipeline's
-    ``device_map`` (``"cuda"``: the current device, which ``cluster.configure_worker`` sets to the worker's own)."""
+    ``device_map`` (``"cuda"``: the current device, which ``cluster.configure_worker`` sets to the worker's own), and
+    only the accelerator it detected at import (``SUPPORTED_DEVICE_MAP``); any other device loads on the CPU and the
+    caller moves the pipeline."""
+    from diffusers.pipelines.pipeline_utils import SUPPORTED_DEVICE_MAP
+
     kind = torch.device(device).type
-    return {"dtype": dtype, "low_cpu_mem_usage": True, **({"device_map": kind} if kind != "cpu" else {})}
+    direct = kind != "cpu" and kind in SUPPORTED_DEVICE_MAP
+    return {"dtype": dtype, "low_cpu_mem_usage": True, **({"device_map": kind} if direct else {})}
 
 
 def causal_lm_load_kwargs(device: torch.device | str, dtype: torch.dtype) -> dict:

@@ -26,8 +26,12 @@ def spy(calls):
 
 
 def test_diffusion_pipeline_loads_onto_the_worker_device(monkeypatch):
+    from diffusers.pipelines import pipeline_utils
+
     calls = []
     monkeypatch.setattr(DiffusionPipeline, "from_pretrained", spy(calls))
+    # diffusers accepts the accelerator it detected at import: on a CUDA machine ["balanced", "cuda", "cpu"]
+    monkeypatch.setattr(pipeline_utils, "SUPPORTED_DEVICE_MAP", ["balanced", "cuda", "cpu"])
     with pytest.raises(Loaded):
         DiffusionPolicy("tiny:sd3", SamplingConfig(), device="cuda:0", dtype=torch.bfloat16)
     # diffusers' pipeline device_map takes a device type; "cuda" is the worker's current device (configure_worker)
@@ -35,6 +39,10 @@ def test_diffusion_pipeline_loads_onto_the_worker_device(monkeypatch):
     with pytest.raises(Loaded):
         DiffusionPolicy("tiny:sd3", SamplingConfig(), device="cpu")
     assert calls[-1] == {"dtype": torch.float32, "low_cpu_mem_usage": True}  # CPU: loaded where it runs
+    monkeypatch.setattr(pipeline_utils, "SUPPORTED_DEVICE_MAP", ["balanced", "cpu", "cpu"])  # no accelerator seen
+    with pytest.raises(Loaded):
+        DiffusionPolicy("tiny:sd3", SamplingConfig(), device="cuda:0")
+    assert "device_map" not in calls[-1]  # diffusers would refuse it: loaded on the CPU, then moved
 
 
 def test_causal_lm_loads_onto_the_worker_device(monkeypatch):

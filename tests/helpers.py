@@ -83,6 +83,8 @@ class Trainers:
 
     def close(self) -> None:
         for t in self.made:
+            if hasattr(t.source, "stop"):  # fully async: the rollouter's tasks end before the loop does
+                t.source.stop()
             t.agent.shutdown()
         shutdown_ray()
 

@@ -88,6 +88,10 @@ class AgentLoopManager:
             self.dispatcher = self.on_loop(dispatcher_factory)
         self._generating = (self.on_loop(lambda: asyncio.Semaphore(max_generating)) if max_generating else None)
         self._revived: asyncio.Condition = self.on_loop(asyncio.Condition)
+        # Rollout idle time: while no generation request is out at any worker (fully async's rollouter idle ratio).
+        self._requests_out = 0
+        self._idle_since: float | None = time.perf_counter()
+        self._idle_s = 0.0
 
     def call(self, coro):
         """Run a coroutine on the agent loop and wait for its result."""
@@ -114,6 +118,25 @@ class AgentLoopManager:
             return m
 
         return self.on_loop(read)
+
+    def take_idle_s(self) -> float:
+        """Seconds since the last call during which no generation request was out at any rollout worker."""
+
+        def read() -> float:
+            now = time.perf_counter()
+            idle = self._idle_s + (now - self._idle_since if self._idle_since is not None else 0.0)
+            self._idle_s = 0.0
+            if self._idle_since is not None:
+                self._idle_since = now
+            return idle
+
+        return self.on_loop(read)
+
+    async def run_group(self, samples: list[Sample]) -> list[Sample]:
+        """On the agent loop: generate and score ``samples`` (one GRPO group) and return them once all are done."""
+        collection = Collection(samples)
+        await self._run(collection)
+        return samples
 
     def start(self, samples: list[Sample], *, sampling: dict | None = None) -> Collection:
         """Begin generating (and, when streaming, scoring) ``samples``, each with its own SDE window
@@ -197,6 +220,22 @@ class AgentLoopManager:
 
     async def _generate(self, s: Sample, sampling: dict | None = None) -> Generation:
         kwargs = {"sampling": sampling} if sampling else {}  # training requests use the policy's own settings
+        self._request_out(+1)
+        try:
+            return await self._generate_on_a_worker(s, kwargs)
+        finally:
+            self._request_out(-1)
+
+    def _request_out(self, change: int) -> None:
+        now = time.perf_counter()
+        if self._requests_out == 0 and self._idle_since is not None:
+            self._idle_s += now - self._idle_since
+            self._idle_since = None
+        self._requests_out += change
+        if self._requests_out == 0:
+            self._idle_since = now
+
+    async def _generate_on_a_worker(self, s: Sample, kwargs: dict) -> Generation:
         w = s.index % len(self.workers)
         while True:
             w = await self._live_worker(w)

@@ -15,8 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from omni_async.cluster import reward_pool_size, rollout_pool_size
 from omni_async.reward.wiring import streaming_enabled
 
-__all__ = ["ConfigError", "actor_ranks", "compose", "layout", "streaming_enabled", "sync_period_steps",
-           "total_training_steps", "validate"]
+__all__ = ["ConfigError", "actor_ranks", "compose", "fully_async_bounds", "groups_per_update", "layout",
+           "streaming_enabled", "sync_period_steps", "total_training_steps", "validate"]
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 
@@ -55,11 +55,37 @@ def compose(overrides: list[str] | None = None, config_name: str = "flowgrpo_tra
 
 def total_training_steps(cfg: DictConfig, train_rows: int) -> int:
     """verl's rule: ``trainer.total_training_steps`` when set, else ``trainer.total_epochs`` passes over the training
-    data, each ``train_rows // data.train_batch_size`` steps (the last partial batch is dropped, as verl's loader)."""
+    data, each ``train_rows // data.train_batch_size`` steps (the last partial batch is dropped, as verl's loader).
+
+    ``async_reward.fully_async``: a step is one update of ``require_batches x ppo_mini_batch_size`` groups, and
+    the run trains ``rollout.total_rollout_steps`` prompts (verl's meaning; null: as many as the lock-step run
+    above, steps x ``data.train_batch_size``), so ``total_rollout_steps // (require_batches x mini-batch)`` steps."""
     t = cfg.trainer
     if t.total_training_steps is not None:
-        return int(t.total_training_steps)
-    return int(t.total_epochs) * (int(train_rows) // int(cfg.data.train_batch_size))
+        steps = int(t.total_training_steps)
+    else:
+        steps = int(t.total_epochs) * (int(train_rows) // int(cfg.data.train_batch_size))
+    if not cfg.async_reward.fully_async:
+        return steps
+    prompts = cfg.rollout.total_rollout_steps
+    prompts = int(prompts) if prompts is not None else steps * int(cfg.data.train_batch_size)
+    return prompts // groups_per_update(cfg)
+
+
+def groups_per_update(cfg: DictConfig) -> int:
+    """Fully async: GRPO groups (prompts) one trainer step takes, ``require_batches x ppo_mini_batch_size``."""
+    return int(cfg.async_training.require_batches) * int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
+
+
+def fully_async_bounds(cfg: DictConfig) -> tuple[int, int]:
+    """Fully async: ``(cap, B)``: groups the rollouter may start per sync window and the largest lag a trained
+    group may have (``algos.staleness``; verl-omni's ``max_off_policy_threshold`` tightens both)."""
+    from omni_async.algos.staleness import effective_bound, groups_per_window
+
+    a, n = cfg.async_training, groups_per_update(cfg)
+    cap = groups_per_window(a.staleness_threshold, sync_period_steps(cfg), a.require_batches,
+                            cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
+    return effective_bound(cap, n, cfg.trainer.v1.sampler.max_off_policy_threshold)
 
 
 def actor_ranks(cfg: DictConfig) -> int:
@@ -224,6 +250,7 @@ def validate(cfg: DictConfig) -> DictConfig:
         _check(streaming_enabled(cfg), "async_reward.update_pipeline",
                "needs streamed rewards (groups complete one by one); with reward.streaming=false the whole batch "
                "is scored at once", "set reward.streaming=auto (or true)")
+    _check_fully_async(cfg)
     _check(cfg.trainer.max_ckpt_to_keep != 0, "trainer.max_ckpt_to_keep", "0 would delete every checkpoint",
            "keep at least 1 (or -1 for all)")
     _check(cfg.trainer.resume_mode in ("auto", "disable"), "trainer.resume_mode",
@@ -249,6 +276,56 @@ def validate(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+def _check_fully_async(cfg: DictConfig) -> None:
+    """``async_reward.fully_async`` and verl's ``async_training.*`` / verl v1's ``trainer.v1.sampler.*`` keys."""
+    a, at, sampler = cfg.async_reward, cfg.async_training, cfg.trainer.v1.sampler
+    threshold = sampler.max_off_policy_threshold
+    _check(sampler.max_off_policy_strategy in ("drop", "wait"), "trainer.v1.sampler.max_off_policy_strategy",
+           f"unknown strategy {sampler.max_off_policy_strategy!r}", "use drop or wait (verl v1's values)")
+    if not a.fully_async:
+        _check(threshold is None, "trainer.v1.sampler.max_off_policy_threshold",
+               "bounds the versions a sample may span in fully async training, which is off",
+               "set async_reward.fully_async=true (or trainer.v1.trainer_mode=separate_async), or drop the key")
+        return
+    key = "async_reward.fully_async"
+    for other in ("one_step_off_policy", "update_pipeline"):
+        _check(not a[other], key, f"fully async training is its own mode; async_reward.{other}=true is another "
+               "(fully async already trains each update as soon as its groups are scored)",
+               f"set async_reward.{other}=false")
+    _check(layout(cfg) != "hybrid", key,
+           "the rollouter generates while the trainer updates, so the rollout needs devices (or a copy of the "
+           "weights) of its own; in the hybrid layout one process per device does both",
+           "add a rollout pool: actor_rollout_ref.rollout.nnodes=1 actor_rollout_ref.rollout.n_gpus_per_node=N "
+           "(agent.num_workers=N), or actor_rollout_ref.hybrid_engine=false")
+    _check(streaming_enabled(cfg), "reward.streaming", "fully async training scores each sample as it is generated",
+           "set reward.streaming=auto (or true)")
+    _check(bool(cfg.algorithm.rollout_correction.bypass_mode), "algorithm.rollout_correction.bypass_mode",
+           f"{key}=true trains on samples of older weights, so pi_old must be the rollout's log-probs (verl's "
+           "use_rollout_log_probs)", "set algorithm.rollout_correction.bypass_mode=true")
+    _check(not cfg.algorithm.global_std, "algorithm.global_std",
+           "fully async training takes groups as they complete; a batch-wide std would mix updates", "set it false")
+    _check(at.staleness_threshold >= 0, "async_training.staleness_threshold",
+           f"must be >= 0, got {at.staleness_threshold}", "0 (synchronous), or e.g. 0.5 / 1")
+    _check(at.require_batches >= 1, "async_training.require_batches", f"must be >= 1, got {at.require_batches}",
+           "verl's default 1")
+    k = at.trigger_parameter_sync_step
+    _check(k is None or k >= 1, "async_training.trigger_parameter_sync_step", f"must be >= 1, got {k}",
+           "e.g. 1 (a sync after every update), or null")
+    _check(cfg.rollout.total_rollout_steps is None or cfg.rollout.total_rollout_steps >= groups_per_update(cfg),
+           "rollout.total_rollout_steps", f"{cfg.rollout.total_rollout_steps} prompts is less than one update of "
+           f"require_batches x ppo_mini_batch_size = {groups_per_update(cfg)}", "raise it (verl counts prompts)")
+    if threshold is not None:
+        _check(threshold >= sync_period_steps(cfg), "trainer.v1.sampler.max_off_policy_threshold",
+               f"{threshold} versions is less than the {sync_period_steps(cfg)} updates between two weight syncs, "
+               "which all train on the same version", f"set it >= {sync_period_steps(cfg)} "
+               "(async_training.trigger_parameter_sync_step), or lower the sync period")
+    _check(not (at.partial_rollout and cfg.actor_rollout_ref.model.modality == "text"),
+           "async_training.partial_rollout",
+           "pausing a text response at a weight sync and continuing it under the new weights is not implemented; "
+           "a response in flight finishes under the version that started it",
+           "set async_training.partial_rollout=false")
+
+
 # ---- the layout and its upstream spellings ----------------------------------------------------------------------
 def layout(cfg: DictConfig) -> str:
     """``disaggregated`` (a rollout pool: ``actor_rollout_ref.rollout.nnodes`` > 0), else ``hybrid``
@@ -265,6 +342,8 @@ def sync_period_steps(cfg: DictConfig) -> int:
     k = cfg.async_training.trigger_parameter_sync_step
     if k is None:
         return 1
+    if cfg.async_reward.fully_async:  # a fully async step is one local update (of require_batches mini-batches)
+        return int(k)
     return int(k) * int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size) // int(cfg.data.train_batch_size)
 
 
@@ -304,14 +383,19 @@ def _resolve_aliases(cfg: DictConfig) -> None:
            "the nearest mode: async_reward.one_step_off_policy=true on the hybrid layout (trainer.v1.trainer_mode=null)")
     one_step_off = cfg.async_reward.one_step_off_policy
     if mode == "sync":
-        _check(not one_step_off, "trainer.v1.trainer_mode",
-               "sync trains on-policy but async_reward.one_step_off_policy=true asks for one-step-off",
-               "drop one of them (separate_async is one-step-off on a rollout pool)")
+        for key in ("one_step_off_policy", "fully_async"):
+            _check(not cfg.async_reward[key], "trainer.v1.trainer_mode",
+                   f"sync trains on-policy but async_reward.{key}=true asks for off-policy training",
+                   "drop one of them (separate_async is fully async training on a rollout pool)")
         return
     _check(int(r.nnodes) > 0, "trainer.v1.trainer_mode",
            "separate_async runs rollout on its own devices, but there is no rollout pool (nnodes=0)",
            "set actor_rollout_ref.rollout.nnodes=1 and actor_rollout_ref.rollout.n_gpus_per_node=N")
-    cfg.async_reward.one_step_off_policy = True
+    _check(not one_step_off, "trainer.v1.trainer_mode",
+           "separate_async is fully async training here (a rollouter that never stops, versions bounded by "
+           "trainer.v1.sampler.max_off_policy_threshold), but async_reward.one_step_off_policy=true asks for lock-step "
+           "one-step-off", "drop async_reward.one_step_off_policy=true (or trainer.v1.trainer_mode)")
+    cfg.async_reward.fully_async = True
 
 
 def _check_weight_sync(cfg: DictConfig) -> None:
@@ -337,7 +421,7 @@ def _check_weight_sync(cfg: DictConfig) -> None:
                f"nccl loads weights into in-process rollout workers; rollout.name={r.name} serves from its own "
                "server (it takes LoRA adapters)", "set actor_rollout_ref.rollout.checkpoint_engine.backend=naive")
     k = cfg.async_training.trigger_parameter_sync_step
-    if k is None:
+    if k is None or cfg.async_reward.fully_async:  # fully async: any count of updates (_check_fully_async)
         return
     key = "async_training.trigger_parameter_sync_step"
     mb, tbs = int(arr.actor.ppo_mini_batch_size), int(data.train_batch_size)

@@ -49,6 +49,8 @@ NULLABLE: dict[str, Any] = {
     "rollout.nnodes": int,
     "rollout.n_gpus_per_node": int,
     "async_training.trigger_parameter_sync_step": int,
+    "rollout.total_rollout_steps": int,
+    "trainer.v1.sampler.max_off_policy_threshold": int,
     "trainer.ray.address": str,
     "trainer.ray.num_cpus": int,
     "trainer.ray.gpu_worker_torch_threads": int,

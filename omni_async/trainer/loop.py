@@ -47,7 +47,7 @@ from omni_async.trainer.metrics import (
 from omni_async.trainer.metrics_logger import MetricsLogger
 from omni_async.trainer.placement import place
 from omni_async.trainer.step_ops import RewardFailureError, StepOps
-from omni_async.trainer.strategies import FullBatchUpdate, OneStepOffPolicy, OnPolicy, PipelinedUpdate
+from omni_async.trainer.strategies import FullBatchUpdate, FullyAsync, OneStepOffPolicy, OnPolicy, PipelinedUpdate
 from omni_async.trainer.timeline import save_timeline, timeline_record
 from omni_async.trainer.timer import Timer
 
@@ -86,7 +86,12 @@ class RLTrainer:
                            self.placement.rollout_workers, self.placement.hybrid,
                            last_checkpoint=self.latest_checkpoint, layout=self.placement.layout)
         a = cfg.async_reward
-        self.source = OneStepOffPolicy(self.ops, self.total_steps) if a.one_step_off_policy else OnPolicy(self.ops)
+        if a.fully_async:
+            self.source = FullyAsync(self.ops, self.total_steps)
+        elif a.one_step_off_policy:
+            self.source = OneStepOffPolicy(self.ops, self.total_steps)
+        else:
+            self.source = OnPolicy(self.ops)
         self.update = (PipelinedUpdate if a.update_pipeline else FullBatchUpdate)(self.ops)
         self.last_timeline: dict | None = None
         self._last_save = time.monotonic()
@@ -109,7 +114,8 @@ class RLTrainer:
                    "rollout/policy_version": float(version), "async_reward/policy_version_lag": float(step - version),
                    "training/off_policy/trajectory_staleness/mean": float(staleness.mean()),
                    "training/off_policy/trajectory_staleness/max": float(staleness.max()),
-                   "weight_sync/bytes": float(self.ops.take_sync_bytes())}
+                   "weight_sync/bytes": float(self.ops.take_sync_bytes()),
+                   **self.source.metrics(timing["timing_s/step"])}
         if self.cfg.actor_rollout_ref.model.modality == "text":
             metrics.update(response_length_metrics(samples, int(self.cfg.actor_rollout_ref.rollout.response_length)))
         self.last_timeline = timeline_record(step + 1, collection, samples, timer)
@@ -161,7 +167,12 @@ class RLTrainer:
         # A look-ahead rollout (one-step off-policy) may already have drawn the next prompts: save the sampler as
         # it was before that, so a resumed run trains on exactly those prompts (regenerated with its weights).
         sampler = self.ops.sampler_state_before.get(step, self.sampler.state_dict())
-        (path / "trainer.json").write_text(json.dumps({"step": step, "sampler": sampler}))
+        state = {"step": step, "sampler": sampler}
+        if isinstance(self.source, FullyAsync):
+            # Fully async: the oldest draw with a group not yet trained and which groups of it (and later draws)
+            # are done; a resumed run makes those draws again and regenerates the rest from their seeds.
+            state["fully_async"] = self.source.position()
+        (path / "trainer.json").write_text(json.dumps(state))
         self._last_save = time.monotonic()
         keep = int(self.cfg.trainer.max_ckpt_to_keep)
         if keep > 0:
@@ -178,6 +189,8 @@ class RLTrainer:
         state = json.loads((ckpt / "trainer.json").read_text())
         self.placement.actor_wg.load_checkpoint(str(ckpt))
         self.sampler.load_state_dict(state["sampler"])
+        if isinstance(self.source, FullyAsync):
+            self.source.resume_position = state.get("fully_async")
         return int(state["step"])
 
     def _checkpoint_due(self, done: int) -> bool:
@@ -210,6 +223,8 @@ class RLTrainer:
                     self.save_checkpoint(done)
         finally:
             logger.close()
+            if isinstance(self.source, FullyAsync):
+                self.source.stop()
             self.agent.shutdown()
         return self.run_dir
 

@@ -7,10 +7,13 @@ steps* (:class:`FullBatchUpdate`, :class:`PipelinedUpdate`). Any pair works, wit
     stream+pipeline        OnPolicy         + PipelinedUpdate   (async_reward.update_pipeline)
     stream+one_step_off    OneStepOffPolicy + FullBatchUpdate   (async_reward.one_step_off_policy)
     all                    OneStepOffPolicy + PipelinedUpdate
+    fully_async            FullyAsync       + FullBatchUpdate   (async_reward.fully_async: a step is one update
+                                                                 of require_batches x ppo_mini_batch_size groups)
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import numpy as np
@@ -18,7 +21,9 @@ import torch
 from verl import DataProto
 
 from omni_async.agent_loop.manager import Collection
+from omni_async.agent_loop.rollouter import Rollouter
 from omni_async.sample import Sample
+from omni_async.trainer.config import fully_async_bounds, groups_per_update
 from omni_async.trainer.data_parallel import SAMPLES_KEY
 from omni_async.trainer.step_ops import StepOps
 from omni_async.trainer.timer import Timer
@@ -33,6 +38,11 @@ MODE_OVERRIDES: dict[str, list[str]] = {
 }
 
 
+def fully_async_overrides(staleness: float) -> list[str]:
+    """The fully async mode at ``async_training.staleness_threshold=staleness`` (needs a rollout pool)."""
+    return ["reward.streaming=true", "async_reward.fully_async=true", f"async_training.staleness_threshold={staleness}"]
+
+
 class OnPolicy:
     """Step k's rollout starts at step k with the newest weights; weights are pushed right after the update."""
 
@@ -44,6 +54,9 @@ class OnPolicy:
 
     def after_update(self, step: int, timer: Timer) -> None:
         self.ops.publish(step + 1, timer)
+
+    def metrics(self, step_s: float) -> dict[str, float]:
+        return {}
 
 
 class OneStepOffPolicy:
@@ -76,6 +89,83 @@ class OneStepOffPolicy:
             if self.pending is not None:
                 self.pending[1].all_generated.result()
         self.ops.publish(step + 1, timer)
+
+    def metrics(self, step_s: float) -> dict[str, float]:
+        return {}
+
+
+class FullyAsync:
+    """Each step takes ``require_batches x ppo_mini_batch_size`` scored groups from the rollouter, which never stops
+    (``agent_loop.rollouter``: production bounded per sync window, lag bounded per group); every
+    ``trigger_parameter_sync_step`` steps the weights go to the rollout workers and a new window opens.
+
+    Draws are the lock-step modes' (``data.train_batch_size`` prompts, seeds from (seed, draw, index)), so a fully
+    async run sees the same prompts and samples-per-seed as a lock-step one; only the weights that generate them
+    and the grouping into updates differ.
+    """
+
+    def __init__(self, ops: StepOps, total_steps: int):
+        self.ops, self.total_steps = ops, int(total_steps)
+        cfg = ops.cfg
+        self.n = groups_per_update(cfg)
+        self.cap, self.bound = fully_async_bounds(cfg)
+        self.wait_for_stale = cfg.trainer.v1.sampler.max_off_policy_strategy == "wait"
+        self.rollouter: Rollouter | None = None
+        self.resume_position: dict | None = None  # set by the trainer's resume before the first step
+        self.waited_s = 0.0
+        self._t_metrics = time.perf_counter()
+
+    def _draw(self, d: int) -> tuple[dict, list[Sample]]:
+        state = self.ops.sampler.state_dict()
+        return state, self.ops.make_samples(d, self.ops.sampler.next_batch())
+
+    def _start(self, step: int) -> None:
+        pos = self.resume_position or {}
+        if pos.get("sampler") is not None:
+            self.ops.sampler.load_state_dict(pos["sampler"])
+        self.rollouter = self.ops.agent.on_loop(lambda: Rollouter(
+            self.ops.agent, self._draw, self.ops.sampler.state_dict, cap=self.cap, bound=self.bound,
+            wait_for_stale=self.wait_for_stale, groups_to_train=(self.total_steps - step) * self.n,
+            rollout_version=step, first_draw=int(pos.get("draw", 0)), finished=pos.get("finished")))
+        self.ops.agent.call(self.rollouter.start())
+        self._t_metrics = time.perf_counter()
+
+    def collection(self, step: int) -> Collection:
+        if self.rollouter is None:
+            self._start(step)
+        t0 = time.perf_counter()
+        groups = self.ops.agent.call(self.rollouter.take(step, self.n))
+        self.waited_s = time.perf_counter() - t0
+        samples = [s for g in groups for s in g.samples]
+        collection = Collection(samples)
+        collection.t_start = min(s.times.gen_start for s in samples)
+        collection.t_done = max(g.t_done for g in groups)
+        collection.all_generated.set_result(None)
+        collection.groups.put(None)
+        collection.done.set_result(samples)
+        return collection
+
+    def after_update(self, step: int, timer: Timer) -> None:
+        if self.ops.sync_due(step + 1):
+            self.ops.publish(step + 1, timer)
+            self.ops.agent.call(self.rollouter.on_sync(step + 1))
+
+    def position(self) -> dict | None:
+        """The rollouter's data position for a checkpoint (``Rollouter.position``)."""
+        return None if self.rollouter is None else self.ops.agent.on_loop(self.rollouter.position)
+
+    def metrics(self, step_s: float) -> dict[str, float]:
+        now = time.perf_counter()
+        wall, self._t_metrics = now - self._t_metrics, now
+        rollout_idle = self.ops.agent.take_idle_s()
+        m = self.ops.agent.on_loop(self.rollouter.metrics)
+        m["fully_async/trainer/idle_ratio"] = self.waited_s / step_s if step_s > 0 else 0.0
+        m["fully_async/rollouter/idle_ratio"] = min(1.0, rollout_idle / wall) if wall > 0 else 0.0
+        return m
+
+    def stop(self) -> None:
+        if self.rollouter is not None:
+            self.ops.agent.call(self.rollouter.stop())
 
 
 # Per-optimizer-step counters reported as the step's total, not its mean.

@@ -35,12 +35,14 @@ def test_both_spellings_compose_to_the_same_layout():
         assert layout(cfg) == "disaggregated"
         assert (cfg.actor_rollout_ref.rollout.nnodes, cfg.actor_rollout_ref.rollout.n_gpus_per_node) == (1, 1)
     assert layout(valid()) == "hybrid" and layout(valid("actor_rollout_ref.hybrid_engine=false")) == "split"
-    # verl's V1 spelling of one-step-off on a rollout pool, with its sync-period alias (verl's meaning: local updates
-    # of ppo_mini_batch_size prompts; 4 of 2 prompts = 2 steps of 4 prompts here)
+    # verl's V1 spelling of async training on a rollout pool (fully async here), with its sync-period alias (verl's
+    # meaning: local updates; in fully async a step is one update)
     v1 = valid(*POOL, "trainer.use_v1=true", "trainer.v1.trainer_mode=separate_async",
                "trainer.v1.separate_async.parameter_sync_step=4")
-    assert v1.async_reward.one_step_off_policy and v1.async_training.trigger_parameter_sync_step == 4
-    assert sync_period_steps(v1) == 2 and sync_period_steps(valid(*POOL)) == 1
+    assert v1.async_reward.fully_async and v1.async_training.trigger_parameter_sync_step == 4
+    assert sync_period_steps(v1) == 4 and sync_period_steps(valid(*POOL)) == 1
+    # lock-step modes: 4 updates of 2 prompts = 2 steps of 4 prompts
+    assert sync_period_steps(valid(*POOL, "async_training.trigger_parameter_sync_step=4")) == 2
 
 
 @pytest.mark.parametrize(("overrides", "key", "fix"), [

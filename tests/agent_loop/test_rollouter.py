@@ -1,0 +1,92 @@
+"""The rollouter's bounds as a schedule (no Ray): groups are "generated" by a stand-in for the rollout workers that
+stamps each sample with the weights version the pool holds when its generation ends after a random delay (a long
+tail included), and a trainer that takes its groups, spends a random time updating and syncs every K steps. The
+real rollout workers run the same scheduler in tests/trainer/test_fully_async.py; here it runs hundreds of steps
+in seconds, under many (staleness, K, R, m) settings."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from omni_async.agent_loop.rollouter import Rollouter
+from omni_async.algos.staleness import effective_bound, groups_per_window, lag_bound
+from omni_async.sample import PromptRow, Sample
+
+
+class Pool:
+    """Generates a group: each sample after a random time (seeded), stamped with the version held then."""
+
+    def __init__(self, rng: random.Random, tail: float):
+        self.rng, self.tail, self.version = rng, tail, 0
+
+    async def run_group(self, samples: list[Sample]) -> list[Sample]:
+        async def one(s: Sample) -> None:
+            delay = 0.001 * (self.rng.random() + (20 if self.rng.random() < self.tail else 0))
+            await asyncio.sleep(delay)
+            s.result, s.version = object(), self.version
+
+        await asyncio.gather(*(one(s) for s in samples))
+        return samples
+
+
+def draws(group_size: int, batch: int):
+    def draw(d: int):
+        row = PromptRow(prompt="p", data_source="x", ground_truth="", extra_info={})
+        return {"d": d}, [Sample(index=i, uid=f"{d}-{i // group_size}", row=row, seed=i)
+                          for i in range(batch * group_size)]
+    return draw
+
+
+async def train(staleness: float, k: int, r: int, m: int, steps: int, strategy: str, seed: int, tail: float,
+                threshold: int | None = None):
+    rng = random.Random(seed)
+    pool, n = Pool(rng, tail), r * m
+    cap, bound = effective_bound(groups_per_window(staleness, k, r, m), n, threshold)
+    rollouter = Rollouter(pool, draws(2, 3), lambda: {}, cap=cap, bound=bound, wait_for_stale=strategy == "wait",
+                          groups_to_train=steps * n, rollout_version=0)
+    await rollouter.start()
+    lags, trained, peak_window = [], [], 0
+    for step in range(steps):
+        groups = await rollouter.take(step, n)
+        assert len(groups) == n and all(len(g.samples) == 2 for g in groups)  # whole groups, n per update
+        lags += [step - g.version() for g in groups]
+        trained += [g.uid for g in groups]
+        await asyncio.sleep(0.001 * rng.random() * 3)  # the update: often slower than generating a group
+        peak_window = max(peak_window, rollouter.window)
+        if (step + 1) % k == 0:
+            pool.version = step + 1
+            await rollouter.on_sync(step + 1)
+    await rollouter.stop()
+    return lags, trained, rollouter, cap, bound, peak_window
+
+
+@pytest.mark.parametrize(("staleness", "k", "r", "m"), [(0, 1, 1, 2), (0.5, 1, 1, 2), (1, 1, 2, 1), (1, 2, 1, 2),
+                                                        (2, 1, 1, 1), (3, 2, 1, 1), (0.1, 4, 1, 2)])
+def test_lag_never_passes_the_bound_and_every_group_is_trained_once(staleness, k, r, m):
+    lags, trained, rollouter, cap, bound, peak = asyncio.run(train(staleness, k, r, m, 120, "wait", 0, 0.1))
+    assert max(lags) <= bound == lag_bound(cap, r * m)
+    assert len(trained) == len(set(trained)) == 120 * r * m and rollouter.dropped_groups == 0
+    assert peak <= cap  # production paused at the cap
+    if staleness == 0 and k == 1:
+        assert max(lags) == 0  # synchronous
+    assert max(lags) >= min(bound, 1)  # the bound is reached: a slow trainer lets the rollouter run ahead
+
+
+def test_drop_strategy_never_trains_past_the_bound_and_counts_what_it_drops():
+    # verl v1's span threshold 2 (lag <= 1) under staleness 3 with a heavy tail: stale groups arrive late.
+    lags, trained, rollouter, cap, bound, _ = asyncio.run(train(3, 1, 1, 2, 150, "drop", 1, 0.3, threshold=2))
+    assert bound == 1 and max(lags) <= 1 and cap == 4
+    finished = set(rollouter.finished)
+    assert len(trained) == len(set(trained)) == 300  # dropped groups were replaced by fresh prompts
+    assert len(finished) == 300 + rollouter.dropped_groups and rollouter.dropped_samples == 2 * rollouter.dropped_groups
+
+
+def test_staleness_formulas_match_verl():
+    assert groups_per_window(0.1, 4, 1, 32) == 140  # verl: int(32 * 1.1 * 4)
+    assert groups_per_window(0, 1, 1, 8) == 8 and lag_bound(8, 8) == 0
+    assert lag_bound(groups_per_window(1, 1, 1, 8), 8) == 1  # one-step-off
+    assert lag_bound(groups_per_window(0.5, 2, 1, 4), 4) == 2
+    assert effective_bound(16, 4, 2) == (8, 1) and effective_bound(16, 4, None) == (16, 3)

@@ -6,9 +6,12 @@ code runs with real rollout workers, reward workers and trainer ranks."""
 
 from __future__ import annotations
 
+import threading
 import time
 
+import numpy as np
 import pytest
+import ray
 from helpers import Trainers, record_trained_uids, write_prompts
 
 from omni_async.trainer.config import (
@@ -92,10 +95,11 @@ def trainers(tmp_path):
 
 
 @pytest.mark.slow
-def test_image_run_with_a_slow_trainer_stays_in_its_bounds_and_trains_every_group_once(trainers):
+def test_image_run_with_a_slow_trainer_and_a_killed_rollout_worker_stays_in_bounds_trains_every_group_once(trainers):
     """Staleness 1, a sync every 2 updates of 1 group (K=2, n=1): at most floor(2 x 2) = 4 groups started per window
     and a lag of at most ceil(4 / 1) - 1 = 3 steps. Each update is slowed by 1 s, far longer than a group takes to
-    generate, so the rollouter runs into both bounds. verl's default partial_rollout=true on images."""
+    generate, so the rollouter runs into both bounds. verl's default partial_rollout=true on images. The rollout
+    worker is killed during the first step."""
     t = trainers(*FULLY_ASYNC, *QUIET, "async_training.staleness_threshold=1",
                  "async_training.trigger_parameter_sync_step=2")
     assert (t.source.cap, t.source.bound, t.total_steps) == (4, 3, 8)
@@ -107,8 +111,22 @@ def test_image_run_with_a_slow_trainer_stays_in_its_bounds_and_trains_every_grou
         return real_step(minibatch, timer)
 
     t.ops.optimizer_step = slow_step
-    rows = []
-    for step in range(t.total_steps):
+    # The rollout worker is killed (as kill -9) once its first batch is done: Ray restarts it, it gets the newest
+    # weights and the requests it had are generated again, identical (same seed, window and weights version).
+    replica = t.placement.rollout_workers[0]
+    out: list = []
+    first = threading.Thread(target=lambda: out.append(t.train_step(0)))
+    first.start()
+    deadline = time.time() + 120
+    while not ray.get(replica.stats.remote())["batch_sizes"] and time.time() < deadline:
+        time.sleep(0.05)
+    ray.kill(replica, no_restart=False)
+    first.join(timeout=300)
+    rows = [out[0][0]]
+    for s in out[0][1]:  # before the first sync (at step 2) the rollout still holds version 0
+        again = ray.get(replica.generate.remote(s.row.prompt, s.seed, s.window))
+        assert again.version == s.version == 0 and np.array_equal(again.result.pixels, s.result.pixels)
+    for step in range(1, t.total_steps):
         metrics, samples = t.train_step(step)
         rows.append(metrics)
         assert len({s.uid for s in samples}) == 1 and len(samples) == 4  # one whole group per update
@@ -116,10 +134,12 @@ def test_image_run_with_a_slow_trainer_stays_in_its_bounds_and_trains_every_grou
         assert step - min(s.version for s in samples) <= 3
         assert metrics["fully_async/rollouter/window"] <= 4
         assert metrics["fully_async/count/started_groups"] <= step + 1 + 4  # trained + at most one window ahead
+    assert sum(r["rollout/regenerated"] for r in rows) >= 1
     lags = [r["training/off_policy/trajectory_staleness/max"] for r in rows]
     assert max(lags) == 3  # the slow trainer let the rollouter run to its bound, not past it
     # every group of the 4 draws of 2 prompts trained exactly once (all its 4 samples), none dropped
     assert sorted(trained) == sorted(f"{d}-{p}" for d in range(4) for p in range(2) for _ in range(4))
+    assert len(trained) == 8 * 4
     assert rows[-1]["fully_async/count/dropped_stale_samples"] == 0
     assert max(r["fully_async/rollouter/idle_ratio"] for r in rows[1:]) > 0.3  # paused at the bound
     assert all(r["actor/grad_norm"] > 0 for r in rows)
@@ -151,7 +171,7 @@ def test_kill_9_of_the_trainer_then_resume_trains_every_group_once(tmp_path):
     data = write_prompts(tmp_path / "train.jsonl", 8)
     run = tmp_path / "run"
     overrides = [f"data.train_files={data}", f"trainer.run_dir={run}", *SMALL_IMAGE_TRAINER, *FULLY_ASYNC, *QUIET,
-                 "trainer.resume_mode=auto", "async_training.staleness_threshold=1", "trainer.total_training_steps=4",
+                 "trainer.resume_mode=auto", "async_training.staleness_threshold=1", "trainer.total_training_steps=3",
                  "trainer.save_freq=2", "trainer.save_interval_min=-1"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     runner = [sys.executable, str(ROOT / "tests/trainer/logging_trainer.py")]
@@ -182,13 +202,13 @@ def test_kill_9_of_the_trainer_then_resume_trains_every_group_once(tmp_path):
     first, second = rows(logs[0]), rows(logs[1])
     kept = [r for r in first if r[0] < 2]
     lost = [r for r in first if r[0] >= 2]
-    assert {r[0] for r in second} == set(range(2, 8))  # resumed at step 2, ran to the end
+    assert {r[0] for r in second} == set(range(2, 6))  # resumed at step 2, ran to the end
     trained = [(uid, index) for _, uid, index, _ in kept + second]
-    assert len(trained) == len(set(trained)) == 8 * 4  # every sample of every group once
-    assert {uid for uid, _ in trained} == {f"{d}-{p}" for d in range(4) for p in range(2)}
+    assert len(trained) == len(set(trained)) == 6 * 4  # every sample of every group once
+    assert {uid for uid, _ in trained} == {f"{d}-{p}" for d in range(3) for p in range(2)}
     # the unfinished groups were regenerated with the same seeds (deterministic from (seed, draw, index))
     seeds = {(uid, index): seed for _, uid, index, seed in first + second}
     assert all(seeds[(uid, index)] == seed for _, uid, index, seed in lost)
     assert position["draw"] >= 0 and set(position["finished"]) >= {r[1] for r in kept if int(r[1][0]) >= position["draw"]}
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(1, 9)) and metrics[-1]["fully_async/count/dropped_stale_samples"] == 0
+    assert [m["step"] for m in metrics] == list(range(1, 7)) and metrics[-1]["fully_async/count/dropped_stale_samples"] == 0

@@ -3,10 +3,14 @@
 For one window step, per sample i with log-probs of the stored transition under the current and old policy::
 
     rho_i   = exp(logp_theta_i - logp_old_i)
-    L_pg    = mean_i max(-A_i * rho_i, -A_i * clip(rho_i, 1 - eps, 1 + eps))       (eps = clip_ratio)
+    L_pg    = mean_i w_i max(-A_i * rho_i, -A_i * clip(rho_i, 1 - eps, 1 + eps))   (eps = clip_ratio)
     L       = L_pg + beta * mean_i KL_i                                            (beta = kl_loss_coef)
 
 with ``KL_i = mean_dims (mu_theta - mu_ref)^2 / (2 std_dev_t^2)``, flow_grpo's scale (see ``sde.kl_to_reference``).
+``w_i = 1`` unless verl's decoupled rollout correction is on (``algorithm.rollout_correction.rollout_is``): then
+``w_i = min(pi_old_i / pi_rollout_i, C)``, the truncated importance weight of the step (verl's
+``compute_rollout_correction_weights``, computed on the driver), as verl's ``compute_policy_loss_vanilla`` multiplies
+its per-token loss by ``rollout_is_weights``.
 Means run over the kept samples only (``mask``); a masked sample contributes nothing to the loss or to the metrics.
 """
 
@@ -29,6 +33,7 @@ def flow_grpo_loss(
     clip_ratio: float,
     kl: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Return ``(loss, metrics)`` for one window step; all inputs are ``[B]``. The metrics are detached 0-d tensors
     on the inputs' device: reading them (``.item()``) waits for the device, so a caller reads them once, after its
@@ -39,7 +44,10 @@ def flow_grpo_loss(
     adv = advantages.detach()
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
-    pg_loss = _masked_mean(torch.maximum(unclipped, clipped), mask)
+    per_sample = torch.maximum(unclipped, clipped)
+    if is_weights is not None:  # verl's decoupled-mode rollout correction: w_i multiplies the clipped term
+        per_sample = per_sample * is_weights.detach()
+    pg_loss = _masked_mean(per_sample, mask)
     loss = pg_loss
     metrics: dict[str, torch.Tensor] = {}
     if kl is not None and kl_coef > 0:
@@ -73,7 +81,8 @@ TEXT_KL_ESTIMATOR = "low_var_kl"
 
 def grpo_token_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
                     token_mask: torch.Tensor, *, clip_ratio: float, ref_log_prob: torch.Tensor | None = None,
-                    kl_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+                    kl_coef: float = 0.0,
+                    rollout_is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO for text, token level, with verl's ``core_algos`` (vanilla PPO clip, token-mean aggregation)::
 
         rho_t = exp(logp_theta_t - logp_old_t)
@@ -82,6 +91,8 @@ def grpo_token_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantag
 
     All inputs are ``[B, T]``; ``advantages`` is the sample's advantage broadcast over its tokens and
     ``token_mask`` is the response mask times the sample's loss mask (a failed sample contributes nothing).
+    ``rollout_is_weights`` [B, T]: verl's decoupled-mode truncated IS weights, multiplying each token's clipped
+    term (verl's ``compute_policy_loss_vanilla`` applies them).
     """
     from omegaconf import OmegaConf
     from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
@@ -89,7 +100,8 @@ def grpo_token_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantag
     loss_cfg = OmegaConf.create({"clip_ratio": clip_ratio, "clip_ratio_low": None, "clip_ratio_high": None,
                                  "clip_ratio_c": DUAL_CLIP_RATIO_C, "global_batch_info": {}})
     pg_loss, m = get_policy_loss_fn("vanilla")(old_log_prob, log_prob, advantages, token_mask,
-                                               loss_agg_mode="token-mean", config=loss_cfg)
+                                               loss_agg_mode="token-mean", config=loss_cfg,
+                                               rollout_is_weights=rollout_is_weights)
     loss = pg_loss
     metrics = {"actor/pg_loss": pg_loss.item(), **{k: float(v) for k, v in m.items()}}
     if ref_log_prob is not None and kl_coef > 0:

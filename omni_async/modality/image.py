@@ -112,6 +112,9 @@ class ImageModality:
         latents, old_lp, adv = (batch.batch[k].to(policy.device) for k in ("window_latents", "old_log_probs",
                                                                             "advantages"))
         loss_mask = loss_mask.to(policy.device)
+        # verl's decoupled rollout correction (StepOps.rollout_correction): a weight and a keep flag per window step.
+        is_w, rs = (batch.batch[k].to(policy.device) if k in batch.batch.keys() else None
+                    for k in ("rollout_is_weights", "rollout_rs_mask"))
         n_steps = latents.shape[1] - 1
         step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)  # read after the last backward, in one sync
         ref_s = 0.0
@@ -123,8 +126,10 @@ class ImageModality:
                     ref = policy.step(cond, latents[:, j], start + j, prev_sample=latents[:, j + 1])
                 ref_s += device_clock(policy.device) - t0
                 kl = kl_to_reference(out.mean, ref.mean, out.std_dev_t)
-            loss, m = flow_grpo_loss(out.log_prob, old_lp[:, j], adv, loss_mask, clip_ratio=actor_cfg.clip_ratio,
-                                     kl=kl, kl_coef=actor_cfg.kl_loss_coef)
+            mask_j = loss_mask if rs is None else loss_mask.bool() & rs[:, j].bool()
+            loss, m = flow_grpo_loss(out.log_prob, old_lp[:, j], adv, mask_j, clip_ratio=actor_cfg.clip_ratio,
+                                     kl=kl, kl_coef=actor_cfg.kl_loss_coef,
+                                     is_weights=None if is_w is None else is_w[:, j])
             (loss * loss_scale / n_steps).backward()  # the window's steps are averaged
             for k, v in m.items():
                 step_metrics[k].append(v)

@@ -104,6 +104,11 @@ class TextModality:
         response_mask, old_log_probs, advantages = (batch.batch[k].to(device) for k in ("response_mask",
                                                                                           "old_log_probs", "advantages"))
         token_mask = response_mask.float() * loss_mask.to(device)[:, None].float()
+        # verl's decoupled rollout correction (StepOps.rollout_correction): IS weights and the rejection mask.
+        is_w, rs = (batch.batch[k].to(device) if k in batch.batch.keys() else None
+                    for k in ("rollout_is_weights", "rollout_rs_mask"))
+        if rs is not None:
+            token_mask = token_mask * rs.float()
         log_prob = self._log_probs(policy, batch)
         ref, ref_s = None, 0.0
         if actor_cfg.kl_loss_coef > 0:
@@ -113,7 +118,7 @@ class TextModality:
             ref_s = device_clock(device) - t0
         loss, metrics = grpo_token_loss(log_prob, old_log_probs, advantages[:, None].expand_as(token_mask),
                                         token_mask, clip_ratio=actor_cfg.clip_ratio, ref_log_prob=ref,
-                                        kl_coef=actor_cfg.kl_loss_coef)
+                                        kl_coef=actor_cfg.kl_loss_coef, rollout_is_weights=is_w)
         (loss * loss_scale).backward()
         return {**{k: [v] for k, v in metrics.items()}, REF_TIME_KEY: [ref_s]}
 

@@ -237,6 +237,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(cfg.algorithm.adv_std_eps >= 0, "algorithm.adv_std_eps", "must be >= 0", "flow_grpo uses 1e-4")
     _check(cfg.algorithm.adv_estimator == "grpo", "algorithm.adv_estimator",
            f"{cfg.algorithm.adv_estimator!r} is not supported by FlowGRPO", "use grpo")
+    _check_rollout_correction(cfg)
     a = cfg.async_reward
     if a.one_step_off_policy or a.update_pipeline:
         key = "async_reward.one_step_off_policy" if a.one_step_off_policy else "async_reward.update_pipeline"
@@ -276,6 +277,40 @@ def validate(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+def _check_rollout_correction(cfg: DictConfig) -> None:
+    """verl's ``algorithm.rollout_correction`` keys, in its decoupled mode (the only one where they change the loss
+    here: in bypass mode pi_old is the rollout's log-prob and the ratio they are computed on is 1)."""
+    from verl.trainer.ppo.rollout_corr_helper import (
+        SUPPORTED_ROLLOUT_RS_OPTIONS,
+        _parse_rollout_is_threshold,
+        _parse_rollout_rs_thresholds,
+    )
+
+    rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    _check(rc.rollout_is in (None, "token", "sequence"), f"{key}.rollout_is", f"unknown level {rc.rollout_is!r}",
+           "use null, token or sequence (verl's values)")
+    if rc.rollout_is is None and rc.rollout_rs is None:
+        return
+    on = f"{key}.rollout_is" if rc.rollout_is is not None else f"{key}.rollout_rs"
+    _check(not rc.bypass_mode, on, "corrects between pi_old recomputed by the trainer and the rollout's log-probs "
+           "(verl's decoupled mode); with bypass_mode=true pi_old is the rollout's log-prob and every weight is 1",
+           f"set {key}.bypass_mode=false (pi_old recomputed: one more forward per batch), or drop {on}")
+    try:
+        if rc.rollout_is is not None:
+            _parse_rollout_is_threshold(rc.rollout_is_threshold)
+        if rc.rollout_rs is not None:
+            options = [o.strip() for o in str(rc.rollout_rs).split(",") if o.strip()]
+            unknown = sorted(set(options) - SUPPORTED_ROLLOUT_RS_OPTIONS)
+            _check(not unknown, f"{key}.rollout_rs", f"unknown option(s) {unknown}",
+                   f"use verl's: {', '.join(sorted(SUPPORTED_ROLLOUT_RS_OPTIONS))}")
+            _check(rc.rollout_rs_threshold is not None, f"{key}.rollout_rs_threshold",
+                   "rejection sampling needs a threshold (verl has no default)",
+                   'e.g. rollout_rs=token_k1 rollout_rs_threshold="0.5_2.0"')
+            _parse_rollout_rs_thresholds(options, rc.rollout_rs_threshold)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{key}: {e}. Fix: use verl's threshold forms (a number, or 'lower_upper')") from e
+
+
 def _check_fully_async(cfg: DictConfig) -> None:
     """``async_reward.fully_async`` and verl's ``async_training.*`` / verl v1's ``trainer.v1.sampler.*`` keys."""
     a, at, sampler = cfg.async_reward, cfg.async_training, cfg.trainer.v1.sampler
@@ -299,9 +334,12 @@ def _check_fully_async(cfg: DictConfig) -> None:
            "(agent.num_workers=N), or actor_rollout_ref.hybrid_engine=false")
     _check(streaming_enabled(cfg), "reward.streaming", "fully async training scores each sample as it is generated",
            "set reward.streaming=auto (or true)")
-    _check(bool(cfg.algorithm.rollout_correction.bypass_mode), "algorithm.rollout_correction.bypass_mode",
-           f"{key}=true trains on samples of older weights, so pi_old must be the rollout's log-probs (verl's "
-           "use_rollout_log_probs)", "set algorithm.rollout_correction.bypass_mode=true")
+    rc = cfg.algorithm.rollout_correction
+    _check(bool(rc.bypass_mode) or rc.rollout_is is not None, "algorithm.rollout_correction.bypass_mode",
+           f"{key}=true trains on samples of older weights: pi_old must be the rollout's log-probs (verl's "
+           "use_rollout_log_probs), or, recomputed (decoupled mode), corrected by importance weights to the rollout's",
+           "set algorithm.rollout_correction.bypass_mode=true, or keep it false and set "
+           "algorithm.rollout_correction.rollout_is=token (or sequence)")
     _check(not cfg.algorithm.global_std, "algorithm.global_std",
            "fully async training takes groups as they complete; a batch-wide std would mix updates", "set it false")
     _check(at.staleness_threshold >= 0, "async_training.staleness_threshold",

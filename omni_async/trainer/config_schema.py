@@ -50,6 +50,11 @@ NULLABLE: dict[str, Any] = {
     "rollout.n_gpus_per_node": int,
     "async_training.trigger_parameter_sync_step": int,
     "rollout.total_rollout_steps": int,
+    "algorithm.rollout_correction.rollout_is": str,
+    "algorithm.rollout_correction.rollout_rs": str,
+    # verl's thresholds: a number, or a string ("lower_upper", one per comma-separated rollout_rs option)
+    "algorithm.rollout_correction.rollout_is_threshold": Any,
+    "algorithm.rollout_correction.rollout_rs_threshold": Any,
     "trainer.v1.sampler.max_off_policy_threshold": int,
     "trainer.ray.address": str,
     "trainer.ray.num_cpus": int,

@@ -114,7 +114,7 @@ class RLTrainer:
                    "rollout/policy_version": float(version), "async_reward/policy_version_lag": float(step - version),
                    "training/off_policy/trajectory_staleness/mean": float(staleness.mean()),
                    "training/off_policy/trajectory_staleness/max": float(staleness.max()),
-                   "weight_sync/bytes": float(self.ops.take_sync_bytes()),
+                   "weight_sync/bytes": float(self.ops.take_sync_bytes()), **self.ops.take_corr_metrics(),
                    **self.source.metrics(timing["timing_s/step"])}
         if self.cfg.actor_rollout_ref.model.modality == "text":
             metrics.update(response_length_metrics(samples, int(self.cfg.actor_rollout_ref.rollout.response_length)))

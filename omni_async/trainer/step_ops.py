@@ -62,6 +62,7 @@ class StepOps:
         self.pool_sync = PoolSync(cfg, actor_wg, rollout_workers) if self.layout == "disaggregated" else None
         self.sync_period = sync_period_steps(cfg)  # steps between weight syncs (async_training.*)
         self.sync_bytes = 0  # bytes moved by weight syncs since the last step_metrics read
+        self.corr_metrics: dict[str, list[float]] = defaultdict(list)  # rollout_corr/* of the step's batches
         self.last_checkpoint = last_checkpoint  # for the error when an actor rank dies
         self.sampler_state_before: dict[int, dict] = {}  # sampler state before each step's prompts were drawn
         # Split layout: (object ref of the newest weights, version), for a restarted replica. The hybrid layout's
@@ -200,10 +201,46 @@ class StepOps:
         return batch
 
     def recompute_old_log_probs(self, batch: DataProto, timer: Timer) -> None:
-        """pi_old: the rollout's log-probs (bypass mode) or recomputed under the current weights."""
+        """pi_old: the rollout's log-probs (bypass mode) or recomputed under the current weights (verl's decoupled
+        mode), then verl's rollout correction between the two when configured (:meth:`rollout_correction`)."""
         with timer("old_log_prob"):
             if not self.cfg.algorithm.rollout_correction.bypass_mode:
+                rollout_log_probs = batch.batch["old_log_probs"]
                 batch.batch["old_log_probs"] = self._actor_call("compute_log_prob", batch)
+                self.rollout_correction(batch, rollout_log_probs)
+
+    def rollout_correction(self, batch: DataProto, rollout_log_probs: torch.Tensor) -> None:
+        """verl's decoupled-mode rollout correction (``algorithm.rollout_correction.rollout_is`` / ``rollout_rs``),
+        computed by verl's ``compute_rollout_correction_and_rejection_mask`` between pi_old (recomputed) and the
+        rollout's log-probs: truncated IS weights ``rollout_is_weights`` and a rejection mask ``rollout_rs_mask``,
+        per token (text) or per SDE-window step (image), which the loss applies; ``rollout_corr/*`` metrics."""
+        rc = self.cfg.algorithm.rollout_correction
+        if rc.rollout_is is None and rc.rollout_rs is None:
+            return
+        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+        old = batch.batch["old_log_probs"]
+        keep = batch.batch["loss_mask"].bool()[:, None]
+        mask = (batch.batch["response_mask"].bool() if "response_mask" in batch.batch.keys()
+                else torch.ones_like(old, dtype=torch.bool)) & keep
+        if not mask.any():  # nothing in the loss: nothing to correct
+            return
+        weights, rs_mask, metrics = compute_rollout_correction_and_rejection_mask(
+            old_log_prob=old.float(), rollout_log_prob=rollout_log_probs.float(), response_mask=mask.float(),
+            rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold, rollout_rs=rc.rollout_rs,
+            rollout_rs_threshold=rc.rollout_rs_threshold)
+        if weights is not None:
+            batch.batch["rollout_is_weights"] = weights.batch["rollout_is_weights"]
+        if rc.rollout_rs is not None:
+            batch.batch["rollout_rs_mask"] = rs_mask.float()
+        for k, v in metrics.items():
+            self.corr_metrics[k].append(float(v))
+
+    def take_corr_metrics(self) -> dict[str, float]:
+        """The step's ``rollout_corr/*`` metrics (means over its batches); resets them."""
+        out = {k: float(np.mean(v)) for k, v in self.corr_metrics.items()}
+        self.corr_metrics.clear()
+        return out
 
     def optimizer_step(self, minibatch: DataProto, timer: Timer) -> dict[str, float]:
         """One optimizer step of the actor on one mini-batch; nothing when no sample of it is in the loss."""

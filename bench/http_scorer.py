@@ -59,6 +59,27 @@ def full_size_scorer(images, prompts, ground_truths, metadata):
     return [float(img.shape[0]) for img in images]
 
 
+def gpu_like_judge(images, prompts, ground_truths, metadata):
+    """A GPU-like judge: a fixed cost per call (50 ms, a model forward on an accelerator) plus a small cost per
+    image (2 ms), spent waiting (the GIL is free, as while a GPU computes); scores the mean pixel value."""
+    time.sleep(JUDGE_FIXED_S + JUDGE_PER_IMAGE_S * len(images))
+    return [float(img.mean()) / 255.0 for img in images]
+
+
+JUDGE_FIXED_S, JUDGE_PER_IMAGE_S = 0.05, 0.002
+
+
+def serial_scorer(images, prompts, ground_truths, metadata):
+    """A scorer that cannot batch: 100 ms per image, one image after another, spent waiting. It has the structure
+    of a CPU-bound scorer (one busy core per process) without needing idle cores, so on a shared machine it shows
+    what the serving structure costs (connection spread, batch tails, gaps) apart from CPU contention."""
+    time.sleep(SERIAL_PER_IMAGE_S * len(images))
+    return [float(img.mean()) / 255.0 for img in images]
+
+
+SERIAL_PER_IMAGE_S = 0.1
+
+
 def start(scorer: str, args) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -107,9 +128,25 @@ def main() -> None:
     p.add_argument("--sleep-s", type=float, default=0.05, help="per-batch latency of the sleep scorer")
     p.add_argument("--out", type=Path, default=None, help="default: bench/results/http_scorer[_memory].json")
     p.add_argument("--memory", action="store_true", help="the memory-bound flood instead of throughput")
+    p.add_argument("--reference", action="store_true",
+                   help="side by side with the common reference (Flask + pickle under gunicorn sync workers): "
+                        "bench/http_scorer_compare.py")
+    p.add_argument("--scenarios", default="judge,ocr", help="--reference: judge (GPU-like) and/or ocr (CPU-bound)")
+    p.add_argument("--sides", default="ours,reference",
+                   help="--reference: ours (JSON), ours-pickle (our server's pickle route), ours-binary, reference")
+    p.add_argument("--workers", type=int, default=2, help="--reference: processes of each server")
+    p.add_argument("--rounds", type=int, default=3, help="--reference: interleaved rounds per side")
+    p.add_argument("--judge-seconds", type=float, default=10.0, help="--reference: load time per side and round")
+    p.add_argument("--ocr-seconds", type=float, default=30.0, help="--reference: load time per side and round")
+    p.add_argument("--settle-s", type=float, default=3.0, help="--reference: completions before this are not counted")
+    p.add_argument("--ours-args", default="", help="--reference: extra flags for our server")
     args = p.parse_args()
     if args.memory:
         return memory(args)
+    if args.reference:
+        from http_scorer_compare import compare  # this script's directory is on sys.path
+
+        return compare(args)
     args.out = args.out or ROOT / "bench/results/http_scorer.json"
     image = png_b64("HELLO 42")
     results = {}
@@ -142,8 +179,15 @@ def main() -> None:
 
 
 def vm(pid: int, key: str) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith(key + ":"))
+    """``key`` (VmRSS / VmHWM) of the server and its scorer processes together, in MB (VmHWM: the sum of the
+    processes' peaks, at least the peak of their sum)."""
+    import psutil
+
+    total = 0.0
+    for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        with open(f"/proc/{p.pid}/status") as f:
+            total += next(int(line.split()[1]) / 1024 for line in f if line.startswith(key + ":"))
+    return total
 
 
 async def flood(url: str, body: dict, n: int) -> tuple[list[int], list[float], float]:

@@ -1,97 +1,135 @@
-"""Server-side batching: items of concurrent requests are packed into one scorer call.
+"""Server-side batching: items of concurrent requests are packed into one scorer call, on whichever scorer process
+is free.
 
-Each request puts its items in a queue and awaits their futures. One loop takes up to ``max_batch`` items with
-the same metadata (one model call has one set of options), waiting at most ``max_wait_ms`` after the first for
-more, and runs the scorer on them in a worker thread, so the event loop keeps accepting requests meanwhile.
+Each request puts its items in the one queue (:meth:`Batcher.submit`) and awaits their outcomes. The loop waits for a free scorer process,
+then takes up to ``max_batch`` waiting items with the same metadata (one model call has one set of options). If
+fewer than ``max_batch`` are waiting, it waits for more until the oldest has waited ``max_wait_ms``, then sends
+what it has. Items never queue behind a busy process while another is free (see pool.py for why).
 """
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from http_scorer.scorers import Scorer, normalize
+from http_scorer.pool import Outcome, ScorerPool
 
 
 @dataclass
 class Item:
-    image: np.ndarray
+    payload: Any  # (raw, fmt, field) or a list of them: decoded in the scorer process
     prompt: str
     ground_truth: Any
     metadata: dict[str, Any]
     future: asyncio.Future
+    settled: asyncio.Event  # set when no scorer process holds the item (done, or withdrawn before it was sent)
+    arrived: float = field(default_factory=time.monotonic)
+    sent: bool = False
 
 
 class Batcher:
-    def __init__(self, scorer: Scorer, spec: str, max_batch: int, max_wait_ms: float, on_batch=None):
-        self.scorer, self.spec = scorer, spec
+    def __init__(self, pool: ScorerPool, max_batch: int, max_wait_ms: float, on_batch=None):
+        self.pool = pool
         self.max_batch, self.max_wait_s = int(max_batch), float(max_wait_ms) / 1000.0
         self.pending: list[Item] = []
         self._arrived = asyncio.Event()
         self.on_batch = on_batch or (lambda size, seconds: None)
-        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scorer")
+        self._free: asyncio.Queue = asyncio.Queue()
         self._task: asyncio.Task | None = None
+        self._running: set[asyncio.Task] = set()
 
     def start(self) -> None:
+        for w in self.pool.workers:
+            self._free.put_nowait(w)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-        self._device.shutdown(wait=False, cancel_futures=True)
+        for t in list(self._running):
+            t.cancel()
 
-    async def score(self, images, prompts, ground_truths, metadata) -> list[tuple[float, dict]]:
+    def submit(self, payloads, prompts, ground_truths, metadata) -> list[Item]:
+        """Queue a request's items; await :meth:`results` for their outcomes."""
         loop = asyncio.get_running_loop()
-        items = [Item(i, p, g, metadata, loop.create_future()) for i, p, g in zip(images, prompts, ground_truths,
-                                                                                   strict=True)]
+        items = [Item(x, p, g, metadata, loop.create_future(), asyncio.Event())
+                 for x, p, g in zip(payloads, prompts, ground_truths, strict=True)]
         self.pending.extend(items)
         self._arrived.set()
-        try:
-            return list(await asyncio.gather(*(it.future for it in items)))
-        finally:
-            for it in items:  # a request that timed out gives its items up (they are skipped if not started)
-                it.future.cancel()
-            if any(it.future.cancelled() for it in items):  # and lets go of their images now, not at the next batch
-                mine = {id(it) for it in items}
-                self.pending = [it for it in self.pending if id(it) not in mine]
+        return items
+
+    async def results(self, items: list[Item]) -> list[Outcome]:
+        return list(await asyncio.gather(*(it.future for it in items)))
+
+    def withdraw(self, items: list[Item]) -> None:
+        """A request that gave up (timeout, client gone): its items not yet sent leave the queue, and their bytes
+        with them; items already in a scorer process finish there (see :meth:`settled`)."""
+        mine = {id(it) for it in items}
+        self.pending = [it for it in self.pending if id(it) not in mine]
+        for it in items:
+            if not it.sent:
+                it.payload = None
+                it.settled.set()
+            it.future.cancel()
+
+    async def settled(self, items: list[Item]) -> None:
+        """Returns once no scorer process holds any of these items (their pixels can be counted as free)."""
+        for it in items:
+            await it.settled.wait()
 
     def queue_depth(self) -> int:
         return len(self.pending)
 
     async def _run(self) -> None:
         while True:
-            while not self.pending:
+            worker = await self._free.get()
+            batch = await self._take()
+            task = asyncio.get_running_loop().create_task(self._dispatch(worker, batch))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _take(self) -> list[Item]:
+        """The next batch: waits for items, and for more of them until the oldest has waited max_wait_ms."""
+        while True:
+            self.pending = [it for it in self.pending if not it.future.done()]
+            if not self.pending:
                 self._arrived.clear()
                 await self._arrived.wait()
-            if len(self.pending) < self.max_batch:
-                await asyncio.sleep(self.max_wait_s)  # let concurrent requests join the batch
-            await self._one_batch()  # its locals (the batch's images) are gone when it returns
-
-    async def _one_batch(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.pending = [it for it in self.pending if not it.future.done()]
-        if not self.pending:
-            return
-        meta = self.pending[0].metadata
-        batch = [it for it in self.pending if it.metadata == meta][: self.max_batch]
-        taken = {id(it) for it in batch}
-        self.pending = [it for it in self.pending if id(it) not in taken]
-        t0 = loop.time()
-        try:
-            raw = await loop.run_in_executor(
-                self._device, self.scorer, [it.image for it in batch], [it.prompt for it in batch],
-                [it.ground_truth for it in batch], meta)
-            results = normalize(raw, len(batch), self.spec)
-        except Exception as e:  # a scorer failure fails this batch's requests, not the server
+                continue
+            meta = self.pending[0].metadata
+            same = [it for it in self.pending if it.metadata == meta]
+            wait = self.pending[0].arrived + self.max_wait_s - time.monotonic()
+            if len(same) < self.max_batch and wait > 0:
+                self._arrived.clear()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), wait)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            batch = same[: self.max_batch]
             for it in batch:
-                if not it.future.done():
-                    it.future.set_exception(e)
-            return
-        self.on_batch(len(batch), loop.time() - t0)
-        for it, res in zip(batch, results, strict=True):
+                it.sent = True
+            taken = {id(it) for it in batch}
+            self.pending = [it for it in self.pending if id(it) not in taken]
+            return batch
+
+    async def _dispatch(self, worker, batch: list[Item]) -> None:
+        t0 = time.monotonic()
+        try:
+            outcomes = await self.pool.run(worker, [it.payload for it in batch], [it.prompt for it in batch],
+                                           [it.ground_truth for it in batch], batch[0].metadata)
+        except Exception as e:  # noqa: BLE001 - e.g. the pool was stopped: the requests are told, the loop lives
+            outcomes = [("error", f"scorer {self.pool.spec}: {type(e).__name__}: {e}")] * len(batch)
+        self.on_batch(len(batch), time.monotonic() - t0)
+        for it, outcome in zip(batch, outcomes, strict=True):
+            it.payload = None  # the encoded bytes are not needed any more
+            it.settled.set()
             if not it.future.done():
-                it.future.set_result(res)
+                it.future.set_result(outcome)
+        try:
+            if worker.dead:  # answered first, then a fresh process; meanwhile the other processes take the queue
+                await self.pool.restart(worker)
+        finally:
+            self._free.put_nowait(worker)

@@ -65,11 +65,11 @@ class Limits:
 
 @dataclass
 class Planned:
-    """A request's images, headers read and checked, nothing decoded: ``items[i]`` is one lazy PIL image or a
-    list of frames; ``kept_pixels`` / ``peak_pixels`` are what the in-flight budget reserves (see budget.py)."""
+    """A request's images, headers read and checked, nothing decoded: ``items[i]`` is ``(raw, fmt, field)`` or a
+    list of them (a video's frames), as a scorer process decodes them (:func:`decode_item`);
+    ``kept_pixels`` / ``peak_pixels`` are what the in-flight budget reserves (see budget.py)."""
 
     items: list[Any]
-    fields: list[Any]
     kept_pixels: int
     peak_pixels: int
 
@@ -89,9 +89,11 @@ def open_image(raw: bytes, fmt: str, field: str, limits: Limits) -> Image.Image:
     except Exception:
         raise BadRequest(field, f"{field}: not a readable {fmt} image") from None
     if img.format is None or img.format.lower() not in ({"png"} if fmt == "png" else {"jpeg", "mpo"}):
+        img.close()
         raise BadRequest(field, f"{field}: declared format {fmt!r} but the bytes are {img.format or 'unknown'}")
     w, h = img.size
     if w * h > limits.max_pixels or w <= 0 or h <= 0:
+        img.close()
         raise BadRequest(field, f"{field}: {w}x{h} exceeds the server's limit of {limits.max_pixels} pixels per "
                                 "image; send a smaller image", status=413)
     return img
@@ -128,6 +130,14 @@ def decode_image(raw: bytes, fmt: str, field: str, limits: Limits, max_side: int
     return decode_opened(open_image(raw, fmt, field, limits), field, max_side)
 
 
+def decode_item(item: Any, limits: Limits, max_side: int | None = None) -> np.ndarray:
+    """One planned item -> uint8 [H, W, 3], or [T, H, W, 3] for a video (its frames decoded one after another)."""
+    if isinstance(item, list):
+        return np.stack([decode_image(raw, fmt, field, limits, max_side) for raw, fmt, field in item])
+    raw, fmt, field = item
+    return decode_image(raw, fmt, field, limits, max_side)
+
+
 def b64_bytes(item: ImageItem, field: str) -> bytes:
     try:
         return base64.b64decode(item.data, validate=True)
@@ -145,21 +155,23 @@ def check_counts(n_items: int, n_frames: int, limits: Limits) -> None:
 
 def plan_images(items: list[Any], limits: Limits, max_side: int | None = None) -> Planned:
     """``items[i]`` = ``(raw, fmt, field)`` or a list of them (a video). Headers only; nothing is decoded."""
-    opened, fields, kept, largest = [], [], 0, 0
+    kept, largest = 0, 0
     for i, item in enumerate(items):
         frames = item if isinstance(item, list) else [item]
         if not frames:
             raise BadRequest(f"images[{i}]", f"images[{i}]: a video with no frames")
-        imgs = [open_image(raw, fmt, field, limits) for raw, fmt, field in frames]
-        if len({im.size for im in imgs}) != 1:
+        sizes = set()
+        for raw, fmt, field in frames:
+            img = open_image(raw, fmt, field, limits)
+            sizes.add(img.size)
+            img.close()
+        if len(sizes) != 1:
             raise BadRequest(f"images[{i}]", f"images[{i}]: frames of different sizes")
-        w, h = imgs[0].size
+        w, h = sizes.pop()
         kw, kh = kept_size(w, h, max_side)
-        kept += kw * kh * len(imgs)
+        kept += kw * kh * len(frames)
         largest = max(largest, w * h)
-        opened.append(imgs if isinstance(item, list) else imgs[0])
-        fields.append([f for _, _, f in frames] if isinstance(item, list) else frames[0][2])
-    return Planned(opened, fields, kept, kept + largest)
+    return Planned(list(items), kept, kept + largest)
 
 
 def plan_request(req: ScoreRequest, limits: Limits, max_side: int | None = None) -> Planned:
@@ -178,23 +190,3 @@ def plan_request(req: ScoreRequest, limits: Limits, max_side: int | None = None)
         else:
             items.append((b64_bytes(item, f"images[{i}]"), item.format, f"images[{i}].data"))
     return plan_images(items, limits, max_side)
-
-
-def decode_planned(plan: Planned, max_side: int | None = None) -> list[np.ndarray]:
-    """Decode a plan's images one after another (a video becomes [T, H, W, 3]); the plan lets go of each lazy
-    image as it is decoded."""
-    out = []
-    for i, item in enumerate(plan.items):
-        if isinstance(item, list):
-            frames = [decode_opened(im, f, max_side) for im, f in zip(item, plan.fields[i], strict=True)]
-            out.append(np.stack(frames))
-            del frames
-        else:
-            out.append(decode_opened(item, plan.fields[i], max_side))
-        plan.items[i] = None
-    return out
-
-
-def decode_request(req: ScoreRequest, limits: Limits, max_side: int | None = None) -> list[np.ndarray]:
-    """Validate counts and decode every item (a video becomes [T, H, W, 3])."""
-    return decode_planned(plan_request(req, limits, max_side), max_side)

@@ -1,6 +1,10 @@
-"""The scorer service: FastAPI app with protocol v1 (JSON), optional flow_grpo pickle compatibility, batching,
-limits, a server-wide budget of decoded pixels in flight (503 + Retry-After past it), bearer auth and Prometheus
-metrics. Built by :func:`create_app`; served by ``python -m http_scorer serve``.
+"""The scorer service: FastAPI app with protocol v1 (JSON, or one raw image per request), optional flow_grpo pickle
+compatibility, batching onto ``--workers`` scorer processes fed from one queue (pool.py), limits, a server-wide
+budget of decoded pixels in flight (503 + Retry-After past it), bearer auth and Prometheus metrics. Built by
+:func:`create_app`; served by ``python -m http_scorer serve``.
+
+One HTTP process serves every request and records every metric (so ``/metrics`` covers all scorer processes);
+the scorer processes decode and score.
 """
 
 from __future__ import annotations
@@ -8,9 +12,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import os
 import pickle
-from concurrent.futures import ThreadPoolExecutor
+import time
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -21,22 +24,25 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from http_scorer.batcher import Batcher
-from http_scorer.budget import PixelBudget, TooLarge, default_inflight_pixels, return_freed_memory_to_os
+from http_scorer.budget import PixelBudget, TooLarge, default_inflight_pixels
+from http_scorer.pool import ScorerPool
 from http_scorer.protocol import (
+    PROTOCOL_VERSION,
     BadRequest,
     Limits,
     Planned,
     ScoreRequest,
     ScoreResponse,
     check_counts,
-    decode_planned,
     plan_images,
     plan_request,
 )
-from http_scorer.scorers import load_scorer, max_side, needs_target
 from omni_async.reward.safe_pickle import UnsafePickleError, safe_loads
 
-CONFIG_ENV = "HTTP_SCORER_CONFIG"  # how `--workers N` hands the config to each uvicorn worker process
+# Paths get their own metric label; anything else is counted as "other" (a scanner cannot grow the label set).
+ROUTES = ("/v1/score", "/v1/score/image", "/", "/health", "/metrics", "/docs", "/openapi.json")
+PUBLIC = ("/health", "/metrics", "/docs", "/openapi.json")  # no token needed, not counted as requests
+IMAGE_TYPES = {"image/png": "png", "image/jpeg": "jpeg"}
 
 
 @dataclass
@@ -53,7 +59,7 @@ class ServerConfig:
     max_inflight_pixels: int | None = None  # server-wide; None: default_inflight_pixels() (see budget.py)
     inflight_wait_s: float = 2.0  # how long a request waits for budget before its 503
     retry_after_s: int = 1  # the 503's Retry-After
-    workers: int = 1  # processes sharing max_inflight_pixels (each gets its share)
+    workers: int = 1  # scorer processes, fed from one queue (pool.py)
 
     def limits(self) -> Limits:
         return Limits(self.max_body_bytes, self.max_images, self.max_pixels)
@@ -66,7 +72,8 @@ class _Metrics:
         self.errors = Counter("scorer_errors", "error responses by status code", ["code"], registry=self.registry)
         self.batch_size = Histogram("scorer_batch_size", "items per scorer call", registry=self.registry,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128))
-        self.batch_seconds = Histogram("scorer_batch_seconds", "seconds per scorer call", registry=self.registry)
+        self.batch_seconds = Histogram("scorer_batch_seconds", "seconds per scorer call (decoding included)",
+                                       registry=self.registry)
         self.latency = Histogram("scorer_request_seconds", "request latency", ["route"], registry=self.registry,
                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.queue_depth = Gauge("scorer_queue_depth", "items waiting for a scorer call", registry=self.registry)
@@ -74,6 +81,8 @@ class _Metrics:
                                      registry=self.registry)
         self.busy = Counter("scorer_busy_rejections", "requests answered 503: the pixel budget stayed full",
                             registry=self.registry)
+        self.restarts = Gauge("scorer_process_restarts", "scorer processes started again after they died",
+                              registry=self.registry)
 
 
 def _error(status: int, message: str, field: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -84,90 +93,105 @@ class _Busy(Exception):
     """The pixel budget stayed full for the whole wait: 503 with Retry-After."""
 
 
-class BodyLimit:
-    """ASGI middleware: refuse a body past ``max_bytes`` while it streams in (a missing or lying Content-Length
-    cannot make the server buffer more)."""
-
-    def __init__(self, app, max_bytes: int, metrics: _Metrics):
-        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        too_big = _error(413, f"body: larger than the server's limit of {self.max_bytes} bytes", "body")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            self.metrics.errors.labels("413").inc()
-            return await too_big(scope, receive, send)
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _BodyTooLarge
-            return message
-
-        try:
-            await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            self.metrics.errors.labels("413").inc()
-            await too_big(scope, receive, send)
+class ScorerFailed(Exception):
+    """The scorer raised, broke its contract, or its process died: 500 with the message."""
 
 
 class _BodyTooLarge(Exception):
     pass
 
 
-def create_app(config: ServerConfig | None = None) -> FastAPI:
-    if config is None:  # a uvicorn worker process: the CLI left the config in the environment
-        config = ServerConfig(**json.loads(os.environ[CONFIG_ENV]))
-    scorer = load_scorer(config.scorer)
-    side, wants_target = max_side(scorer), needs_target(scorer)
-    metrics = _Metrics()
+class Gate:
+    """ASGI middleware, outermost: bearer token, body size (refused while it streams in: a missing or lying
+    Content-Length cannot make the server buffer more), request / error counts and latency by route."""
+
+    def __init__(self, app, config: ServerConfig, metrics: _Metrics):
+        self.app, self.config, self.metrics = app, config, metrics
+        self.expected = f"Bearer {config.token}".encode() if config.token is not None else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in ROUTES else "other"
+        public = path in PUBLIC
+        status = 500
+        t0 = time.perf_counter()
+
+        async def send_counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if not public:
+                self.metrics.requests.labels(route).inc()
+            headers = dict(scope.get("headers") or [])
+            if not public and self.expected is not None and not hmac.compare_digest(
+                    headers.get(b"authorization", b""), self.expected):
+                return await _error(401, "authorization: missing or wrong bearer token; send "
+                                         "'Authorization: Bearer <token>'", "authorization")(scope, receive,
+                                                                                              send_counted)
+            limit = self.config.max_body_bytes
+            too_big = _error(413, f"body: larger than the server's limit of {limit} bytes", "body")
+            declared = headers.get(b"content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                return await too_big(scope, receive, send_counted)
+            seen = 0
+
+            async def limited_receive():
+                nonlocal seen
+                message = await receive()
+                if message["type"] == "http.request":
+                    seen += len(message.get("body", b""))
+                    if seen > limit:
+                        raise _BodyTooLarge
+                return message
+
+            try:
+                await self.app(scope, limited_receive, send_counted)
+            except _BodyTooLarge:
+                await too_big(scope, receive, send_counted)
+        finally:
+            if status >= 400:
+                self.metrics.errors.labels(str(status)).inc()
+            self.metrics.latency.labels(route).observe(time.perf_counter() - t0)
+
+
+def create_app(config: ServerConfig | None = None, pool: ScorerPool | None = None) -> FastAPI:
+    """The app; ``pool``: scorer processes already started (the CLI starts them first, so a scorer that cannot
+    load stops the server with its message); without one, the app starts its own at startup."""
+    config = config or ServerConfig()
     limits = config.limits()
-    total_budget = config.max_inflight_pixels or default_inflight_pixels()
-    budget = PixelBudget(max(1, total_budget // max(1, config.workers)))
-    return_freed_memory_to_os()
-    # Decoding gets its own few threads: more would only add transient decode buffers and GIL contention with the
-    # event loop (which must keep answering /health), not speed, on a CPU-bound step.
-    decoder = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="decode")
+    own_pool = pool is None
+    pool = pool or ScorerPool(config.scorer, config.workers, limits)
+    metrics = _Metrics()
+    budget = PixelBudget(config.max_inflight_pixels or default_inflight_pixels())
 
     def on_batch(size: int, seconds: float) -> None:
         metrics.batch_size.observe(size)
         metrics.batch_seconds.observe(seconds)
+        metrics.queue_depth.set(batcher.queue_depth())
+        metrics.restarts.set(pool.restarts)
 
-    batcher = Batcher(scorer, config.scorer, config.max_batch, config.max_wait_ms, on_batch)
+    batcher = Batcher(pool, config.max_batch, config.max_wait_ms, on_batch)
 
     @asynccontextmanager
     async def lifespan(app):
+        if own_pool:
+            await asyncio.get_running_loop().run_in_executor(None, pool.start)
         batcher.start()
-        yield
-        await batcher.stop()
-        decoder.shutdown(wait=False, cancel_futures=True)
+        try:
+            yield
+        finally:
+            await batcher.stop()
+            pool.stop()  # here, not only in the CLI: uvicorn re-raises SIGTERM after shutdown, skipping finally
 
     app = FastAPI(title="omni_async scorer server", version="1", lifespan=lifespan,
-                  description="Scores images (OCR, JPEG, ...) for RL training. Protocol v1: POST /v1/score.")
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, metrics=metrics)
-
-    @app.middleware("http")
-    async def auth_and_count(request: Request, call_next):
-        route = request.url.path
-        if route not in ("/health", "/metrics", "/docs", "/openapi.json"):
-            metrics.requests.labels(route).inc()
-            if config.token is not None:
-                given = request.headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {config.token}".encode()):
-                    metrics.errors.labels("401").inc()
-                    return _error(401, "authorization: missing or wrong bearer token; send "
-                                       "'Authorization: Bearer <token>'", "authorization")
-        with metrics.latency.labels(route).time():
-            response = await call_next(request)
-        if response.status_code >= 400:
-            metrics.errors.labels(str(response.status_code)).inc()
-        return response
+                  description="Scores images (OCR, JPEG, ...) for RL training. Protocol v1: POST /v1/score (JSON) "
+                              "or POST /v1/score/image (one raw PNG / JPEG).")
+    app.add_middleware(Gate, config=config, metrics=metrics)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -175,17 +199,16 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         field = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or "body"
         return _error(422, f"{field}: {first.get('msg', 'invalid request')}; see /docs for protocol v1", field)
 
-    async def run_scorer(images, prompts, ground_truths, metadata):
-        metrics.queue_depth.set(batcher.queue_depth() + len(images))
-        try:
-            return await asyncio.wait_for(batcher.score(images, prompts, ground_truths, metadata),
-                                          config.request_timeout_s)
-        finally:
-            metrics.queue_depth.set(batcher.queue_depth())
+    def max_side() -> int | None:
+        return pool.info.max_side if pool.info else None
 
-    async def score_planned(plan: Planned, prompts, targets, metadata):
-        """Reserve the plan's pixels (waiting at most ``inflight_wait_s``), decode, score, give the pixels back.
-        Raises BadRequest (413 when it could never fit), _Busy (503), TimeoutError, TypeError."""
+    def wants_target() -> bool:
+        return bool(pool.info and pool.info.needs_target)
+
+    async def score_planned(plan: Planned, prompts, targets, metadata) -> list[tuple[float, dict]]:
+        """Reserve the plan's pixels (waiting at most ``inflight_wait_s``), score it on the scorer processes, give
+        the pixels back once no scorer process holds them. Raises BadRequest (413 when it could never fit, or a
+        corrupt image), _Busy (503), TimeoutError, ScorerFailed (500)."""
         try:
             granted = await budget.acquire(plan.peak_pixels, config.inflight_wait_s)
         except TooLarge:
@@ -196,26 +219,29 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         if not granted:
             metrics.busy.inc()
             raise _Busy
-        held = plan.peak_pixels
         metrics.inflight_pixels.set(budget.used)
+
+        def give_back(_=None) -> None:
+            budget.release(plan.peak_pixels)
+            metrics.inflight_pixels.set(budget.used)
+
+        items = batcher.submit(plan.items, prompts, targets, metadata)
+        plan.items = []  # the queue holds the bytes now, until their batch is sent
+        metrics.queue_depth.set(batcher.queue_depth())
         try:
-            decoding = asyncio.get_running_loop().run_in_executor(decoder, decode_planned, plan, side)
-            try:
-                images = await asyncio.shield(decoding)
-            except asyncio.CancelledError:  # the thread keeps decoding: its pixels stay reserved until it ends
-                decoding.add_done_callback(lambda _f, n=held: budget.release(n))
-                held = 0
-                raise
-            budget.release(held - plan.kept_pixels)  # the full-size decode buffer is gone
-            held = plan.kept_pixels
-            metrics.inflight_pixels.set(budget.used)
-            try:
-                return await run_scorer(images, prompts, targets, metadata)
-            finally:
-                del images  # the last reference this request holds to its decoded arrays
-        finally:
-            budget.release(held)
-            metrics.inflight_pixels.set(budget.used)
+            outcomes = await asyncio.wait_for(batcher.results(items), config.request_timeout_s)
+        except BaseException:  # timeout or cancel: items still in a scorer process keep their pixels reserved
+            batcher.withdraw(items)
+            asyncio.ensure_future(batcher.settled(items)).add_done_callback(give_back)
+            raise
+        give_back()
+        for outcome in outcomes:
+            if outcome[0] == "bad":
+                raise BadRequest(outcome[1], outcome[2], status=outcome[3])
+        for outcome in outcomes:
+            if outcome[0] == "error":
+                raise ScorerFailed(outcome[1])
+        return [(o[1], o[2]) for o in outcomes]
 
     def busy_message() -> str:
         return (f"server busy: the budget of {budget.capacity} decoded pixels in flight stayed full for "
@@ -227,28 +253,18 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
                                  "it in ground_truths (one string per image) or quote it in the prompt "
                                  '(a sign that says "HELLO")', status=422)
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "scorer": config.scorer, "protocol_version": "1",
-                "flow_grpo_pickle": config.allow_flow_grpo_pickle, "inflight_pixels": budget.used,
-                "max_inflight_pixels": budget.capacity}
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/v1/score", response_model=ScoreResponse)
-    async def score_v1(req: ScoreRequest):
+    async def answer_json(plan_fn, prompts, targets, metadata, target_field) -> Response:
+        """Plan (headers only: nothing is decoded before the budget admits it), check targets, score; every
+        failure becomes a JSON error naming its field."""
         retry = {"Retry-After": str(config.retry_after_s)}
         try:
-            plan = plan_request(req, limits, side)  # headers only: nothing is decoded before the budget admits it
-            targets: list[Any] = list(req.ground_truths or [None] * len(req.prompts))
-            if wants_target:
-                for i, prompt in enumerate(req.prompts):
-                    targets[i] = (targets[i] if targets[i] and targets[i].strip() else None) or _quoted(prompt)
+            plan = plan_fn()
+            if wants_target():
+                for i, prompt in enumerate(prompts):
+                    targets[i] = (targets[i] if targets[i] and str(targets[i]).strip() else None) or _quoted(prompt)
                     if not targets[i]:
-                        raise missing_target(f"ground_truths[{i}]" if req.ground_truths else "ground_truths")
-            results = await score_planned(plan, req.prompts, targets, req.metadata)
+                        raise missing_target(target_field(i))
+            results = await score_planned(plan, prompts, targets, metadata)
         except BadRequest as e:
             return _error(e.status, str(e), e.field)
         except _Busy:
@@ -256,9 +272,49 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         except asyncio.TimeoutError:
             return _error(504, f"scoring took longer than the server's request timeout of "
                                f"{config.request_timeout_s:g}s; retry or send fewer images")
-        except TypeError as e:  # the scorer broke its contract: a server-side error, said plainly
-            return _error(500, f"scorer {config.scorer}: {e}")
-        return ScoreResponse(scores=[s for s, _ in results], details=[d for _, d in results])
+        except ScorerFailed as e:
+            return _error(500, str(e))
+        return JSONResponse({"protocol_version": PROTOCOL_VERSION, "scores": [s for s, _ in results],
+                             "details": [d for _, d in results]})
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "scorer": config.scorer, "protocol_version": PROTOCOL_VERSION,
+                "flow_grpo_pickle": config.allow_flow_grpo_pickle, "workers": config.workers,
+                "scorer_process_restarts": pool.restarts, "inflight_pixels": budget.used,
+                "max_inflight_pixels": budget.capacity}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        metrics.restarts.set(pool.restarts)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/score", response_model=ScoreResponse)
+    async def score_v1(req: ScoreRequest):
+        targets: list[Any] = list(req.ground_truths or [None] * len(req.prompts))
+        return await answer_json(lambda: plan_request(req, limits, max_side()), req.prompts, targets, req.metadata,
+                                 lambda i: f"ground_truths[{i}]" if req.ground_truths else "ground_truths")
+
+    @app.post("/v1/score/image", response_model=ScoreResponse)
+    async def score_image(request: Request, prompt: str = "", ground_truth: str | None = None,
+                          metadata: str | None = None):
+        """One image as the raw body (``Content-Type: image/png`` or ``image/jpeg``): no base64, no JSON around
+        it. ``prompt``, ``ground_truth`` and ``metadata`` (a JSON object) are query parameters."""
+        fmt = IMAGE_TYPES.get(request.headers.get("content-type", "").split(";")[0].strip().lower())
+        if fmt is None:
+            return _error(415, "content-type: send the image bytes as the body with Content-Type image/png or "
+                               "image/jpeg (or JSON to POST /v1/score)", "content-type")
+        try:
+            meta = json.loads(metadata) if metadata else {}
+        except ValueError:
+            meta = None
+        if not isinstance(meta, dict):
+            return _error(400, "metadata: must be a JSON object (URL-encoded in the query)", "metadata")
+        body = await request.body()
+        if not body:
+            return _error(400, "body: empty; send the encoded image", "body")
+        return await answer_json(lambda: plan_images([(body, fmt, "body")], limits, max_side()), [prompt],
+                                 [ground_truth], meta, lambda i: "ground_truth")
 
     @app.post("/", include_in_schema=False)
     async def score_flow_grpo(request: Request):
@@ -295,10 +351,10 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             check_counts(len(raw_images), len(raw_images), limits)
             plan = plan_images([(b, "jpeg" if b[:2] == b"\xff\xd8" else "png", f"images[{i}]")
                                 if isinstance(b, bytes) else _not_bytes(i) for i, b in enumerate(raw_images)],
-                               limits, side)
+                               limits, max_side())
             del raw_images, payload
             targets = [_target(given[i] if given else None, str(p)) for i, p in enumerate(prompts)]
-            if wants_target:
+            if wants_target():
                 for i, t in enumerate(targets):
                     if not t:
                         raise missing_target(f"metadata.ground_truths[{i}]" if given else f"prompts[{i}]")
@@ -309,12 +365,13 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             return fail(503, busy_message(), {"Retry-After": str(config.retry_after_s)})
         except asyncio.TimeoutError:
             return fail(504, "scoring took longer than the server's request timeout")
-        except TypeError as e:
-            return fail(500, f"scorer {config.scorer}: {e}")
+        except ScorerFailed as e:
+            return fail(500, str(e))
         return Response(pickle.dumps({"scores": [s for s, _ in results], "details": [d for _, d in results]}),
                         media_type="application/octet-stream")
 
     app.state.config = asdict(config)
+    app.state.pool = pool
     return app
 
 

@@ -46,13 +46,30 @@ class Server:
         self.proc.terminate()
         self.proc.wait(timeout=10)
 
+    def pids(self) -> list[int]:
+        """The server process and its scorer processes (its children, recursively)."""
+        out, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    todo += [int(c) for c in (task / "children").read_text().split()]
+                except OSError:
+                    pass
+        return out
+
     def memory_mb(self, key: str = "VmRSS") -> float:
-        """The server process's resident memory now (``VmRSS``) or at its peak so far (``VmHWM``), in MB."""
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) / 1024
-        raise KeyError(key)
+        """Resident memory of the server's processes together, now (``VmRSS``) or the sum of their peaks so far
+        (``VmHWM``: at least the peak of the sum), in MB."""
+        total = 0.0
+        for pid in self.pids():
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    total += next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024
+            except (OSError, StopIteration):
+                pass
+        return total
 
 
 def hold_scorer(images, prompts, ground_truths, metadata):
@@ -60,6 +77,15 @@ def hold_scorer(images, prompts, ground_truths, metadata):
     each image's height, so a test can see what size the scorer was given."""
     time.sleep(float(metadata.get("hold_s", 0.3)))
     return [{"score": float(img.shape[-3]), "shape": list(img.shape)} for img in images]
+
+
+def pid_scorer(images, prompts, ground_truths, metadata):
+    """Holds its batch ``metadata.hold_s`` (default 0) and says which scorer process scored each item; with
+    ``metadata.crash`` the process dies mid-batch, as a segfault in native code would."""
+    if metadata.get("crash"):
+        os._exit(7)
+    time.sleep(float(metadata.get("hold_s", 0)))
+    return [{"score": 1.0, "pid": os.getpid(), "batch": len(images)} for _ in images]
 
 
 def small_side_scorer(images, prompts, ground_truths, metadata):

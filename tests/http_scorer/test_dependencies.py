@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +77,55 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("omni_asyn
             "print([m for m in sys.modules if m.split('.')[0] == 'http_scorer'])"
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr)
+
+
+def scorer_distribution() -> tuple[set[str], set[str]]:
+    """What ``packages/scorer`` (the standalone install) ships: its modules, and the top-level import names of its
+    declared dependencies (read from this environment's installed distributions)."""
+    from importlib.metadata import packages_distributions
+
+    import tomllib
+
+    cfg = tomllib.loads((ROOT / "packages/scorer/pyproject.toml").read_text())
+    setup = cfg["tool"]["setuptools"]
+    shipped = set()
+    for package in setup["packages"]:
+        shipped |= {".".join(p.relative_to(ROOT).with_suffix("").parts) for p in (ROOT / package).glob("*.py")}
+        shipped.add(package)
+    for module in setup["py-modules"]:
+        parts = module.split(".")
+        shipped |= {".".join(parts[:k]) for k in range(1, len(parts) + 1)}
+    declared = {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0].lower().replace("_", "-")
+                for d in cfg["project"]["dependencies"]}
+    names = {top for top, dists in packages_distributions().items()
+             if any(d.lower().replace("_", "-") in declared for d in dists)}
+    return {s.removesuffix(".__init__") for s in shipped}, names
+
+
+def test_the_standalone_scorer_install_ships_everything_the_server_imports():
+    shipped, dependency_names = scorer_distribution()
+    assert {"http_scorer.server", "http_scorer.pool", "omni_async.reward.scorers.ocr"} <= shipped
+    assert {"fastapi", "uvicorn", "PIL", "numpy", "rapidocr", "onnxruntime", "Levenshtein"} <= dependency_names
+    assert not {"torch", "ray", "verl", "diffusers"} & dependency_names
+    missing = {}
+    for module in sorted(shipped):
+        path = ROOT / (module.replace(".", "/") + ".py")
+        path = path if path.exists() else ROOT / module.replace(".", "/") / "__init__.py"
+        tree = ast.parse(path.read_text())
+        # http_scorer runs its lazy imports while serving; the omni_async modules' lazy imports (torch in
+        # contract.to_solution_image, verl's text rewards, paddleocr) are not on the server's path.
+        nodes = ast.walk(tree) if module.startswith("http_scorer") else tree.body
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                ok = (top in sys.stdlib_module_names or top == "__future__" or top in dependency_names
+                      or (top in ("http_scorer", "omni_async") and name in shipped))
+                if not ok:
+                    missing.setdefault(module, []).append(name)
+    assert not missing, f"imports the standalone install (packages/scorer/pyproject.toml) lacks: {missing}"

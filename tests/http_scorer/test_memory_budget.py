@@ -87,7 +87,7 @@ def test_flood_of_bomb_requests_gets_503_and_rss_stays_bounded(server_factory, b
           f"peak {peak:.0f} MB, bound {bound:.0f} MB; /health answered {len(health)} times")
 
 
-def test_scorer_max_side_downscales_before_the_scorer_and_shrinks_the_reservation(server_factory, bomb_b64):
+def test_scorer_max_side_downscales_before_the_scorer_and_reserves_the_downscaled_size(server_factory, bomb_b64):
     # 2 x 4000^2 at full size would need 48 M pixels; downscaled to 256 px the request needs
     # 2 x 256^2 kept + 16 M while decoding, which fits a 20 M budget.
     server = server_factory("--scorer", "scorer_server_helpers:small_side_scorer", "--max-inflight-pixels",

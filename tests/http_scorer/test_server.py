@@ -8,6 +8,8 @@ import base64
 import os
 import pickle
 import re
+import subprocess
+import sys
 import time
 
 import httpx
@@ -48,6 +50,52 @@ def test_v1_ocr_round_trip(ocr_server, no_network):
     assert "42" in out["details"][0]["ocr_text"]
     spec = httpx.get(f"{ocr_server.url}/openapi.json").json()
     assert "/v1/score" in spec["paths"]
+
+
+def test_raw_image_route_scores_without_base64_and_refuses_bad_input(ocr_server, limited_server):
+    url = f"{ocr_server.url}/v1/score/image"
+    jpeg = encode(text_image("HELLO 42"), "jpeg")
+    r = httpx.post(url, params={"prompt": "a sign", "ground_truth": "HELLO 42"}, content=jpeg,
+                   headers={"content-type": "image/jpeg"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["protocol_version"] == "1" and r.json()["scores"][0] > 0.8 and "42" in r.json()["details"][0][
+        "ocr_text"]
+    png = encode(BLANK)
+    r = httpx.post(url, params={"prompt": 'a sign that says "HELLO 42"'}, content=png,
+                   headers={"content-type": "image/png"}, timeout=60)  # the quoted prompt is the target
+    assert r.status_code == 200 and r.json()["scores"] == [0.0]
+
+    def err(content, ctype="image/png", **params):
+        r = httpx.post(url, params={"ground_truth": "x", **params}, content=content,
+                       headers={"content-type": ctype}, timeout=60)
+        return r.status_code, r.json()
+
+    assert err(png, "application/octet-stream") == (415, {"error": err(png, "text/plain")[1]["error"],
+                                                         "field": "content-type"})
+    code, e = err(png, "image/jpeg")
+    assert code == 400 and "declared format 'jpeg'" in e["error"] and e["field"] == "body"
+    code, e = err(png[:40])
+    assert code == 400 and e["field"] == "body" and "not a readable png" in e["error"]
+    cut = encode(text_image("HELLO 42"))  # the header reads, the pixels end early: found by the scorer process
+    code, e = err(cut[: len(cut) * 2 // 3])
+    assert code == 400 and e["field"] == "body" and "truncated or corrupt" in e["error"]
+    code, e = err(b"")
+    assert code == 400 and e["field"] == "body"
+    code, e = err(png, metadata="[1, 2]")
+    assert code == 400 and e["field"] == "metadata"
+    r = httpx.post(url, params={"prompt": "a sign"}, content=png, headers={"content-type": "image/png"})
+    assert r.status_code == 422 and r.json()["field"] == "ground_truth"
+
+    limited = f"{limited_server.url}/v1/score/image"
+    small = encode(np.zeros((32, 32, 3), np.uint8))
+    assert httpx.post(limited, content=small, headers={"content-type": "image/png"}).status_code == 401
+    r = httpx.post(limited, content=small, headers={"content-type": "image/png", **AUTH})
+    assert r.status_code == 200 and len(r.json()["scores"]) == 1
+    r = httpx.post(limited, content=b"\x89PNG" + b"\0" * 400_000, headers={"content-type": "image/png", **AUTH})
+    assert r.status_code == 413 and r.json()["field"] == "body"
+    bomb = encode(np.zeros((2000, 2000, 3), np.uint8))
+    r = httpx.post(limited, content=bomb, headers={"content-type": "image/png", **AUTH})
+    assert r.status_code == 413 and "1000000 pixels" in r.json()["error"]
 
 
 def test_flow_grpo_pickle_compat_and_gadget_refused(ocr_server, server_factory, tmp_path):
@@ -160,14 +208,53 @@ def test_200_concurrent_requests_are_batched(limited_server):
     assert os.environ.get("HTTP_SCORER_CONFIG") is None  # the test process is untouched by the server's config
 
 
-def test_request_timeout_and_worker_processes(server_factory):
-    slow = server_factory("--scorer", "sleep", "--request-timeout-s", "0.5", "--workers", "2")
-    body = {"images": [b64(np.zeros((8, 8, 3), np.uint8))], "prompts": ["p"], "metadata": {"sleep_s": 2.0}}
-    r = httpx.post(f"{slow.url}/v1/score", json=body, timeout=30)
-    assert r.status_code == 504 and "request timeout" in r.json()["error"]
-    time.sleep(2.0)  # the abandoned 2 s batch still holds that worker's scorer thread until it ends
-    body["metadata"]["sleep_s"] = 0.01
-    assert [httpx.post(f"{slow.url}/v1/score", json=body).status_code for _ in range(4)] == [200] * 4
+def test_worker_processes_share_one_queue_metrics_count_all_timeouts_and_crashes_are_survived(server_factory):
+    server = server_factory("--scorer", "scorer_server_helpers:pid_scorer", "--workers", "2", "--max-batch", "1",
+                            "--request-timeout-s", "3")
+    url = f"{server.url}/v1/score"
+
+    def body(**metadata):
+        return {"images": [b64(np.zeros((8, 8, 3), np.uint8))], "prompts": ["p"], "metadata": metadata}
+
+    # 4 clients, each request holding a scorer process 0.6 s: the one queue feeds both processes (whatever HTTP
+    # connection a request came on), so they take 2 each and the 4 finish in about 2 x 0.6 s.
+    async def four():
+        async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=4)) as client:
+            return await asyncio.gather(*(client.post(url, json=body(hold_s=0.6)) for _ in range(4)))
+
+    t0 = time.monotonic()
+    responses = asyncio.run(four())
+    wall = time.monotonic() - t0
+    assert [r.status_code for r in responses] == [200] * 4, [r.text for r in responses]
+    pids = [r.json()["details"][0]["pid"] for r in responses]
+    assert len(set(pids)) == 2 and max(pids.count(p) for p in pids) <= 3, pids
+    assert wall < 4 * 0.6, wall  # never all behind one process
+    # /metrics is the one HTTP process's, and it counted the batches of both scorer processes.
+    text = httpx.get(f"{server.url}/metrics").text
+    assert 'scorer_requests_total{route="/v1/score"} 4.0' in text
+    assert "scorer_batch_size_count 4.0" in text and "scorer_batch_size_sum 4.0" in text
+
+    # A request past --request-timeout-s is answered 504 while its batch goes on; its pixels stay reserved until
+    # the scorer process lets go of them.
+    r = httpx.post(url, json=body(hold_s=4.0), timeout=30)
+    assert r.status_code == 504 and "request timeout of 3s" in r.json()["error"]
+    assert httpx.get(f"{server.url}/health").json()["inflight_pixels"] == 2 * 8 * 8
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{server.url}/health").json()["inflight_pixels"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert httpx.get(f"{server.url}/health").json()["inflight_pixels"] == 0
+
+    # A scorer process that dies mid-batch fails that batch with 500 naming the exit code; it is started again
+    # and the server keeps serving.
+    r = httpx.post(url, json=body(crash=True), timeout=60)
+    assert r.status_code == 500 and "exited (code 7)" in r.json()["error"] and "restarted" in r.json()["error"]
+    assert [httpx.post(url, json=body(), timeout=60).status_code for _ in range(4)] == [200] * 4
+    deadline = time.monotonic() + 60  # the restart happens after the answer, beside the other process's work
+    while httpx.get(f"{server.url}/health").json()["scorer_process_restarts"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["scorer_process_restarts"] == 1 and health["workers"] == 2
+    assert "scorer_process_restarts 1.0" in httpx.get(f"{server.url}/metrics").text
 
 
 def test_ocr_without_target_text_is_422_and_bare_ground_truth_is_the_target(ocr_server):
@@ -196,3 +283,23 @@ def test_ocr_without_target_text_is_422_and_bare_ground_truth_is_the_target(ocr_
         "scores"][0] > 0.8
     r = httpx.post(ocr_server.url + "/", content=pickle.dumps({**req, "prompts": ["", "x"], "metadata": {}}))
     assert r.status_code == 422 and "prompts[0]" in pickle.loads(r.content)["error"]
+
+
+def test_help_shows_every_flag_with_help_text_and_its_default():
+    from http_scorer.__main__ import build_parser
+
+    out = subprocess.run([sys.executable, "-m", "http_scorer", "serve", "--help"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "HTTP_SCORER_TOKEN": "from-env"})
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())  # argparse wraps lines
+    serve = next(a for a in build_parser()._actions if a.dest == "command").choices["serve"]
+    flags = [a for a in serve._actions if a.dest != "help"]
+    assert len(flags) >= 15
+    for action in flags:
+        assert action.help and len(action.help) > 10, action.option_strings
+        flag = action.option_strings[0]
+        shown = text.split(flag, 2)[-1].split(" --")[0]  # this flag's entry in the options list
+        assert action.help.split()[0] in shown and "default" in shown, (flag, shown)
+        if action.default not in (None, False):
+            assert f"(default: {action.default})" in shown, (flag, shown)
+    assert "from-env" not in out.stdout  # --help never prints the token

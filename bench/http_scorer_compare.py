@@ -1,0 +1,280 @@
+"""``bench/http_scorer.py --reference``: the scorer server against the common reference, side by side, interleaved.
+
+The reference (``bench/reference_server.py``) is a Flask app under gunicorn sync workers, pickle in and out, one
+scorer call per request -- what flow_grpo's reward servers are. Both servers run the same scorer function with the
+same number of processes (``--workers``), on this machine, at the same time (only one is loaded at a time); the
+load is ``--concurrency`` closed-loop clients, each sending one 512x512 JPEG per request and the next as soon as
+the answer comes. Rounds alternate the order (ours, ref / ref, ours, ...) so that both sides see the same
+background load on a shared machine; each side's figure is the median over rounds, and the ratio is taken per
+round (ours / the reference measured next to it) and its median reported.
+
+Per side and round: images/s over the measured window (completions after ``--settle-s``, until the deadline),
+p50 / p99 latency, the servers' CPU seconds per image (all their processes, from /proc), the client's CPU seconds
+per image, and how the clients' connections were spread over the server's worker processes (sampled mid-run).
+
+Scenarios: ``judge`` (``bench.http_scorer:gpu_like_judge``: 50 ms per call + 2 ms per image, waiting as on a GPU)
+and ``ocr`` (the ``ocr`` scorer, PP-OCR on CPU). flask and gunicorn are installed on first use into
+``bench/.reference-deps`` (pinned in ``bench/reference-requirements.txt``), never into the project's environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import pickle
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlencode
+
+import httpx
+import numpy as np
+import psutil
+from PIL import Image, ImageDraw, ImageFont
+
+ROOT = Path(__file__).resolve().parents[1]
+REF_DEPS = ROOT / "bench/.reference-deps"
+REF_REQUIREMENTS = ROOT / "bench/reference-requirements.txt"
+SCENARIOS = {"judge": "bench.http_scorer:gpu_like_judge", "serial": "bench.http_scorer:serial_scorer", "ocr": "ocr"}
+TARGET = "HELLO 42"
+
+
+def sample_jpeg(side: int = 512, seed: int = 0) -> bytes:
+    """A 512x512 JPEG with the target text on a noisy background (what a text-rendering policy produces)."""
+    rng = np.random.default_rng(seed)
+    ramp = np.linspace(170, 250, side, dtype=np.float32)
+    base = (ramp[None, :, None] + ramp[:, None, None]) / 2 + rng.normal(0, 6, size=(side, side, 3))
+    img = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8))
+    ImageDraw.Draw(img).text((side // 8, side // 3), TARGET, fill=(10, 10, 40),
+                             font=ImageFont.load_default(size=side // 8))
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def ensure_reference_deps() -> None:
+    if (REF_DEPS / "flask").is_dir() and (REF_DEPS / "gunicorn").is_dir():
+        return
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(REF_DEPS), "-r",
+                    str(REF_REQUIREMENTS)], check=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """One server (ours or the reference) as a process tree on a port."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str]):
+        self.name, self.port, self.url = name, port, f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited: {self.proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"{name} did not come up on {self.url}")
+
+    def processes(self) -> list[psutil.Process]:
+        root = psutil.Process(self.proc.pid)
+        return [root, *root.children(recursive=True)]
+
+    def cpu_by_process(self) -> dict[int, float]:
+        out = {}
+        for p in self.processes():
+            try:
+                t = p.cpu_times()
+                out[p.pid] = t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def cpu_seconds(self) -> float:
+        return sum(self.cpu_by_process().values())
+
+    def connections(self) -> list[int]:
+        """Established client connections held by each worker process (sorted, largest first)."""
+        counts = []
+        for p in self.processes()[1:] or self.processes():
+            try:
+                conns = p.net_connections(kind="tcp")
+            except psutil.NoSuchProcess:
+                continue
+            counts.append(sum(1 for c in conns if c.status == psutil.CONN_ESTABLISHED and c.laddr
+                              and c.laddr.port == self.port))
+        return sorted(counts, reverse=True)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_ours(scorer: str, args, env) -> Served:
+    port = free_port()
+    cmd = [sys.executable, "-m", "http_scorer", "serve", "--scorer", scorer, "--port", str(port), "--workers",
+           str(args.workers), "--max-batch", str(args.max_batch), "--max-wait-ms", str(args.max_wait_ms),
+           "--allow-flow-grpo-pickle", *args.ours_args.split()]
+    return Served("ours", cmd, port, env)
+
+
+def start_reference(scorer: str, args, env) -> Served:
+    port = free_port()
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(REF_DEPS), str(ROOT), env.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "gunicorn", "-w", str(args.workers), "-b", f"127.0.0.1:{port}", "--timeout", "300",
+           "--log-level", "warning", f"bench.reference_server:create_app(scorer={scorer!r})"]
+    return Served("reference", cmd, port, env)
+
+
+def requests_for(jpeg: bytes) -> dict[str, tuple[str, bytes, dict[str, str]]]:
+    """(path, body, headers) per request form, serialised once (the client's cost is the same every request)."""
+    json_body = json.dumps({"images": [{"data": base64.b64encode(jpeg).decode(), "format": "jpeg"}],
+                            "prompts": ["a sign"], "ground_truths": [TARGET]}).encode()
+    pickled = pickle.dumps({"images": [jpeg], "prompts": ["a sign"], "metadata": {"ground_truths": [TARGET]}})
+    return {"json": ("/v1/score", json_body, {"content-type": "application/json"}),
+            "pickle": ("/", pickled, {"content-type": "application/octet-stream"}),
+            "binary": ("/v1/score/image?" + urlencode({"prompt": "a sign", "ground_truth": TARGET}), jpeg,
+                       {"content-type": "image/jpeg"})}
+
+
+async def drive(server: Served, request: tuple[str, bytes, dict], concurrency: int, seconds: float,
+                settle_s: float) -> dict:
+    path, body, headers = request
+    url = server.url + path
+    done: list[tuple[float, float]] = []  # (completion time, latency)
+    errors: list[str] = []
+    conn_samples: list[list[int]] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        t0 = time.perf_counter()
+        stop_at = t0 + seconds
+
+        async def one_client():
+            while time.perf_counter() < stop_at:
+                t = time.perf_counter()
+                try:
+                    r = await client.post(url, content=body, headers=headers)
+                except httpx.HTTPError as e:
+                    errors.append(type(e).__name__)
+                    continue
+                if r.status_code != 200:
+                    errors.append(f"{r.status_code}: {r.text[:200]}")
+                    continue
+                end = time.perf_counter()
+                done.append((end - t0, end - t))
+
+        async def sample_connections():
+            for frac in (0.3, 0.6, 0.9):
+                await asyncio.sleep(max(0.0, t0 + frac * seconds - time.perf_counter()))
+                conn_samples.append(server.connections())
+
+        cpu0, client0 = server.cpu_by_process(), time.process_time()
+        sampler = asyncio.create_task(sample_connections())
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        await sampler
+        cpu1, client1 = server.cpu_by_process(), time.process_time()
+        wall = time.perf_counter() - t0
+    window = [lat for t, lat in done if settle_s <= t <= seconds]
+    n_all = max(1, len(done))
+    q = np.quantile([lat for _, lat in done], [0.5, 0.99]) if done else [float("nan")] * 2
+    last = max((t for t, _ in done), default=seconds)
+    return {"images_per_s": len(done) / last, "images": len(done), "wall_s": last,
+            "steady_images_per_s": len(window) / (seconds - settle_s), "errors": len(errors),
+            "first_errors": errors[:3], "p50_ms": float(q[0] * 1000), "p99_ms": float(q[1] * 1000),
+            "server_cpu_s_per_image": (sum(cpu1.values()) - sum(cpu0.values())) / n_all,
+            "client_cpu_s_per_image": (client1 - client0) / n_all,
+            "server_cores_busy_by_process": sorted((round((cpu1[p] - cpu0.get(p, 0.0)) / wall, 2) for p in cpu1),
+                                                   reverse=True),
+            "connections_per_process": conn_samples}
+
+
+def warm(server: Served, request, n: int) -> None:
+    """Enough concurrent requests that every worker process has loaded its scorer (OCR engines load lazily)."""
+    async def go():
+        async with httpx.AsyncClient(timeout=300) as client:
+            path, body, headers = request
+            for _ in range(2):
+                rs = await asyncio.gather(*(client.post(server.url + path, content=body, headers=headers)
+                                            for _ in range(n)))
+                bad = [r for r in rs if r.status_code != 200]
+                if bad:
+                    raise RuntimeError(f"{server.name} warm-up: {bad[0].status_code} {bad[0].text[:300]}")
+    asyncio.run(go())
+
+
+def compare(args) -> None:
+    ensure_reference_deps()
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    forms = requests_for(sample_jpeg())
+    sides = args.sides.split(",")  # e.g. ours (JSON), ours-pickle, ours-binary, reference
+    report: dict = {"scenarios": {}, "machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}}
+    for scenario in args.scenarios.split(","):
+        scorer = SCENARIOS[scenario]
+        seconds = args.ocr_seconds if scenario == "ocr" else args.judge_seconds
+        ours, ref = start_ours(scorer, args, env), start_reference(scorer, args, env)
+        try:
+            servers = {"ours": ours, "reference": ref}
+            plan = {side: (servers["reference" if side == "reference" else "ours"],
+                           forms["pickle" if side == "reference" else side.split("-")[1] if "-" in side else "json"])
+                    for side in sides}
+            for server, request in plan.values():
+                warm(server, request, 4 * args.workers)
+            rounds: dict[str, list[dict]] = {side: [] for side in sides}
+            for r in range(args.rounds):
+                order = sides if r % 2 == 0 else sides[::-1]
+                for side in order:
+                    server, request = plan[side]
+                    res = asyncio.run(drive(server, request, args.concurrency, seconds, args.settle_s))
+                    res["round"], res["loadavg"] = r, os.getloadavg()[0]
+                    rounds[side].append(res)
+                    print(f"{scenario:5s} round {r} {side:12s} {res['images_per_s']:7.1f} img/s  p50 "
+                          f"{res['p50_ms']:7.0f} ms  server cpu {res['server_cpu_s_per_image'] * 1000:6.1f} "
+                          f"ms/img  conns {res['connections_per_process'][1]}  busy {res['server_cores_busy_by_process']}  errors {res['errors']}", flush=True)
+            summary = {}
+            for side, rs in rounds.items():
+                summary[side] = {"images_per_s_median": statistics.median(x["images_per_s"] for x in rs),
+                                 "p50_ms_median": statistics.median(x["p50_ms"] for x in rs),
+                                 "p99_ms_median": statistics.median(x["p99_ms"] for x in rs),
+                                 "server_cpu_ms_per_image_median": 1000 * statistics.median(
+                                     x["server_cpu_s_per_image"] for x in rs),
+                                 "rounds": rs}
+            ratios = {side: [a["images_per_s"] / b["images_per_s"] for a, b in zip(rounds[side], rounds["reference"],
+                                                                                     strict=True)]
+                      for side in sides if side != "reference" and "reference" in rounds}
+            report["scenarios"][scenario] = {
+                "scorer": scorer, "seconds_per_side_and_round": seconds, "sides": summary,
+                "ratio_to_reference_per_round": ratios,
+                "ratio_to_reference_median": {k: statistics.median(v) for k, v in ratios.items()}}
+        finally:
+            ours.stop()
+            ref.stop()
+    report["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    report["machine"]["loadavg_end"] = os.getloadavg()
+    out = args.out or ROOT / "bench/results/http_scorer_reference.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"\n{'scenario':8s} {'side':12s} {'img/s':>7s} {'× ref':>6s} {'p50 ms':>7s} {'cpu ms/img':>10s}")
+    for scenario, sc in report["scenarios"].items():
+        for side, s in sc["sides"].items():
+            ratio = sc["ratio_to_reference_median"].get(side, 1.0)
+            print(f"{scenario:8s} {side:12s} {s['images_per_s_median']:7.1f} {ratio:6.2f} {s['p50_ms_median']:7.0f} "
+                  f"{s['server_cpu_ms_per_image_median']:10.1f}")
+    print(f"written: {out}")

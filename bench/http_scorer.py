@@ -59,27 +59,6 @@ def full_size_scorer(images, prompts, ground_truths, metadata):
     return [float(img.shape[0]) for img in images]
 
 
-def gpu_like_judge(images, prompts, ground_truths, metadata):
-    """A GPU-like judge: a fixed cost per call (50 ms, a model forward on an accelerator) plus a small cost per
-    image (2 ms), spent waiting (the GIL is free, as while a GPU computes); scores the mean pixel value."""
-    time.sleep(JUDGE_FIXED_S + JUDGE_PER_IMAGE_S * len(images))
-    return [float(img.mean()) / 255.0 for img in images]
-
-
-JUDGE_FIXED_S, JUDGE_PER_IMAGE_S = 0.05, 0.002
-
-
-def serial_scorer(images, prompts, ground_truths, metadata):
-    """A scorer that cannot batch: 100 ms per image, one image after another, spent waiting. It has the structure
-    of a CPU-bound scorer (one busy core per process) without needing idle cores, so on a shared machine it shows
-    what the serving structure costs (connection spread, batch tails, gaps) apart from CPU contention."""
-    time.sleep(SERIAL_PER_IMAGE_S * len(images))
-    return [float(img.mean()) / 255.0 for img in images]
-
-
-SERIAL_PER_IMAGE_S = 0.1
-
-
 def start(scorer: str, args) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -133,13 +112,16 @@ def main() -> None:
                         "bench/http_scorer_compare.py")
     p.add_argument("--scenarios", default="judge,ocr", help="--reference: judge (GPU-like) and/or ocr (CPU-bound)")
     p.add_argument("--sides", default="ours,reference",
-                   help="--reference: ours (JSON), ours-pickle (our server's pickle route), ours-binary, reference")
+                   help="--reference: ours (JSON), ours-pickle (our server's pickle route), ours-binary "
+                        "(/v1/score/image), before (--before-tree, JSON), reference")
     p.add_argument("--workers", type=int, default=2, help="--reference: processes of each server")
     p.add_argument("--rounds", type=int, default=3, help="--reference: interleaved rounds per side")
     p.add_argument("--judge-seconds", type=float, default=10.0, help="--reference: load time per side and round")
     p.add_argument("--ocr-seconds", type=float, default=30.0, help="--reference: load time per side and round")
     p.add_argument("--settle-s", type=float, default=3.0, help="--reference: completions before this are not counted")
     p.add_argument("--ours-args", default="", help="--reference: extra flags for our server")
+    p.add_argument("--before-tree", default=None,
+                   help="--reference: a checkout of an earlier commit, served as side 'before' (add it to --sides)")
     args = p.parse_args()
     if args.memory:
         return memory(args)

@@ -12,7 +12,7 @@ Per side and round: images/s over the measured window (completions after ``--set
 p50 / p99 latency, the servers' CPU seconds per image (all their processes, from /proc), the client's CPU seconds
 per image, and how the clients' connections were spread over the server's worker processes (sampled mid-run).
 
-Scenarios: ``judge`` (``bench.http_scorer:gpu_like_judge``: 50 ms per call + 2 ms per image, waiting as on a GPU)
+Scenarios: ``judge`` (``bench.scorer_stand_ins:gpu_like_judge``: 50 ms per call + 2 ms per image, waiting as on a GPU)
 and ``ocr`` (the ``ocr`` scorer, PP-OCR on CPU). flask and gunicorn are installed on first use into
 ``bench/.reference-deps`` (pinned in ``bench/reference-requirements.txt``), never into the project's environment.
 """
@@ -41,7 +41,8 @@ from PIL import Image, ImageDraw, ImageFont
 ROOT = Path(__file__).resolve().parents[1]
 REF_DEPS = ROOT / "bench/.reference-deps"
 REF_REQUIREMENTS = ROOT / "bench/reference-requirements.txt"
-SCENARIOS = {"judge": "bench.http_scorer:gpu_like_judge", "serial": "bench.http_scorer:serial_scorer", "ocr": "ocr"}
+SCENARIOS = {"judge": "bench.scorer_stand_ins:gpu_like_judge", "serial": "bench.scorer_stand_ins:serial_scorer",
+             "ocr": "ocr"}
 TARGET = "HELLO 42"
 
 
@@ -74,9 +75,9 @@ def free_port() -> int:
 class Served:
     """One server (ours or the reference) as a process tree on a port."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str]):
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str], cwd: Path = ROOT):
         self.name, self.port, self.url = name, port, f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -108,9 +109,9 @@ class Served:
         return sum(self.cpu_by_process().values())
 
     def connections(self) -> list[int]:
-        """Established client connections held by each worker process (sorted, largest first)."""
+        """Established client connections held by each of the server's processes (sorted, largest first)."""
         counts = []
-        for p in self.processes()[1:] or self.processes():
+        for p in self.processes():
             try:
                 conns = p.net_connections(kind="tcp")
             except psutil.NoSuchProcess:
@@ -128,12 +129,15 @@ class Served:
             self.proc.wait()
 
 
-def start_ours(scorer: str, args, env) -> Served:
+def start_ours(scorer: str, args, env, tree: Path = ROOT, name: str = "ours") -> Served:
+    """Our server from this checkout, or (``tree``) from another checkout of the repository, e.g. an earlier
+    commit (``git worktree add --detach /tmp/before <commit>``), to measure a change side by side."""
     port = free_port()
     cmd = [sys.executable, "-m", "http_scorer", "serve", "--scorer", scorer, "--port", str(port), "--workers",
            str(args.workers), "--max-batch", str(args.max_batch), "--max-wait-ms", str(args.max_wait_ms),
-           "--allow-flow-grpo-pickle", *args.ours_args.split()]
-    return Served("ours", cmd, port, env)
+           "--allow-flow-grpo-pickle", "--request-timeout-s", "300", *args.ours_args.split()]  # gunicorn's below
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)])}  # the scorer specs live in bench/ here
+    return Served(name, cmd, port, env, cwd=tree)
 
 
 def start_reference(scorer: str, args, env) -> Served:
@@ -155,28 +159,66 @@ def requests_for(jpeg: bytes) -> dict[str, tuple[str, bytes, dict[str, str]]]:
                        {"content-type": "image/jpeg"})}
 
 
+class Connection:
+    """One keep-alive HTTP/1.1 client connection, the load generator's: a fraction of a millisecond of CPU per
+    request where httpx spends several, so on a shared 2-core machine the CPU goes to the servers under test.
+    Reconnects when the server closed the connection (gunicorn's sync workers close after every response)."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, head: bytes, body: bytes) -> tuple[int, bytes]:
+        for attempt in (0, 1):
+            if self.writer is None:
+                self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+            try:
+                self.writer.write(head + body)
+                raw = await self.reader.readuntil(b"\r\n\r\n")
+                break
+            except (ConnectionError, asyncio.IncompleteReadError):  # a kept-alive connection the server closed
+                self.close()
+                if attempt:
+                    raise
+        lines = raw.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = dict(line.lower().split(": ", 1) for line in lines[1:] if ": " in line)
+        body = await self.reader.readexactly(int(headers.get("content-length", "0")))
+        if headers.get("connection") == "close":
+            self.close()
+        return status, body
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
 async def drive(server: Served, request: tuple[str, bytes, dict], concurrency: int, seconds: float,
                 settle_s: float) -> dict:
     path, body, headers = request
-    url = server.url + path
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nContent-Length: {len(body)}\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode()
     done: list[tuple[float, float]] = []  # (completion time, latency)
     errors: list[str] = []
     conn_samples: list[list[int]] = []
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+    conns = [Connection(server.port) for _ in range(concurrency)]
+    try:
         t0 = time.perf_counter()
         stop_at = t0 + seconds
 
-        async def one_client():
+        async def one_client(conn: Connection):
             while time.perf_counter() < stop_at:
                 t = time.perf_counter()
                 try:
-                    r = await client.post(url, content=body, headers=headers)
-                except httpx.HTTPError as e:
+                    status, answer = await conn.post(head, body)
+                except (OSError, asyncio.IncompleteReadError) as e:
                     errors.append(type(e).__name__)
+                    conn.close()
                     continue
-                if r.status_code != 200:
-                    errors.append(f"{r.status_code}: {r.text[:200]}")
+                if status != 200:
+                    errors.append(f"{status}: {answer[:200]!r}")
                     continue
                 end = time.perf_counter()
                 done.append((end - t0, end - t))
@@ -188,10 +230,13 @@ async def drive(server: Served, request: tuple[str, bytes, dict], concurrency: i
 
         cpu0, client0 = server.cpu_by_process(), time.process_time()
         sampler = asyncio.create_task(sample_connections())
-        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        await asyncio.gather(*(one_client(c) for c in conns))
         await sampler
         cpu1, client1 = server.cpu_by_process(), time.process_time()
         wall = time.perf_counter() - t0
+    finally:
+        for c in conns:
+            c.close()
     window = [lat for t, lat in done if settle_s <= t <= seconds]
     n_all = max(1, len(done))
     q = np.quantile([lat for _, lat in done], [0.5, 0.99]) if done else [float("nan")] * 2
@@ -229,10 +274,12 @@ def compare(args) -> None:
     for scenario in args.scenarios.split(","):
         scorer = SCENARIOS[scenario]
         seconds = args.ocr_seconds if scenario == "ocr" else args.judge_seconds
-        ours, ref = start_ours(scorer, args, env), start_reference(scorer, args, env)
+        servers = {"ours": start_ours(scorer, args, env), "reference": start_reference(scorer, args, env)}
+        if args.before_tree:
+            servers["before"] = start_ours(scorer, args, env, Path(args.before_tree), "before")
         try:
-            servers = {"ours": ours, "reference": ref}
-            plan = {side: (servers["reference" if side == "reference" else "ours"],
+            # side = server[-form]: ours (JSON), ours-binary, ours-pickle, before (JSON), reference (pickle)
+            plan = {side: (servers[side.split("-")[0]],
                            forms["pickle" if side == "reference" else side.split("-")[1] if "-" in side else "json"])
                     for side in sides}
             for server, request in plan.values():
@@ -264,8 +311,8 @@ def compare(args) -> None:
                 "ratio_to_reference_per_round": ratios,
                 "ratio_to_reference_median": {k: statistics.median(v) for k, v in ratios.items()}}
         finally:
-            ours.stop()
-            ref.stop()
+            for server in servers.values():
+                server.stop()
     report["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     report["machine"]["loadavg_end"] = os.getloadavg()
     out = args.out or ROOT / "bench/results/http_scorer_reference.json"

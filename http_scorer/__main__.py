@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token", default=None,
                    help=f"require 'Authorization: Bearer <token>' on scoring routes (default: ${TOKEN_ENV} if set, "
                         "else no token)")
-    s.add_argument("--max-batch", type=int, default=16, help="items per scorer call")
+    s.add_argument("--max-batch", type=int, default=16,
+                   help="items per scorer call (at most the scorer's own max_batch: ocr 1)")
     s.add_argument("--max-wait-ms", type=float, default=10.0,
                    help="how long the oldest waiting item waits for more to fill a batch")
     s.add_argument("--allow-flow-grpo-pickle", action="store_true",

@@ -41,6 +41,8 @@ class Batcher:
         self._running: set[asyncio.Task] = set()
 
     def start(self) -> None:
+        if self.pool.info and self.pool.info.max_batch:  # the scorer's own limit (scorers.py)
+            self.max_batch = min(self.max_batch, self.pool.info.max_batch)
         for w in self.pool.workers:
             self._free.put_nowait(w)
         self._task = asyncio.get_running_loop().create_task(self._run())

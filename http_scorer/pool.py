@@ -28,7 +28,7 @@ from typing import Any
 
 from http_scorer.budget import return_freed_memory_to_os
 from http_scorer.protocol import BadRequest, Limits, decode_item
-from http_scorer.scorers import load_scorer, max_side, needs_target, normalize
+from http_scorer.scorers import load_scorer, max_batch, max_side, needs_target, normalize
 
 START_TIMEOUT_S = 600.0  # loading a model onto a GPU can take minutes
 
@@ -41,6 +41,7 @@ class ScorerLoadError(RuntimeError):
 class ScorerInfo:
     max_side: int | None
     needs_target: bool
+    max_batch: int | None
 
 
 # Per-item outcome of a batch, as the scorer process sends it back:
@@ -59,7 +60,7 @@ def _worker_main(conn, spec: str, limits: Limits) -> None:
         conn.send(("error", f"loading {spec!r}: {type(e).__name__}: {e}"))
         return
     side = max_side(scorer)
-    conn.send(("ready", side, needs_target(scorer)))
+    conn.send(("ready", side, needs_target(scorer), max_batch(scorer)))
     while True:
         try:
             message = conn.recv()
@@ -149,7 +150,7 @@ class ScorerPool:
                                   f"{self.spec!r}") from None
         if message[0] != "ready":
             raise ScorerLoadError(message[1])
-        info = ScorerInfo(message[1], message[2])
+        info = ScorerInfo(*message[1:])
         with self._lock:
             self.info = self.info or info
 

@@ -14,6 +14,11 @@ Optional attributes on the function tell the server what the scorer needs:
   1024 px (flow_grpo's OCR images are 512-1024 px; PP-OCR's detector works at 736 px or less).
 - ``needs_target`` (bool): every item must carry the target text; a request without it is answered 422 naming
   the field, instead of being scored 0.
+- ``max_batch`` (int): the most items one call should get (the server uses the smaller of this and
+  ``--max-batch``). A scorer that reads its images one after another gains nothing from a batch: a batch only
+  holds every item until its last is scored, and leaves nothing queued for a process that frees up, so it idles
+  while the answers travel and the next requests arrive. ``ocr``: 1 (measured in
+  bench/results/http_scorer_reference.json).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ def ocr_scorer(images, prompts, ground_truths, metadata):
 
 ocr_scorer.max_side = 1024
 ocr_scorer.needs_target = True
+ocr_scorer.max_batch = 1  # rapidocr reads one image per call
 
 
 def jpeg_scorer(images, prompts, ground_truths, metadata):
@@ -77,6 +83,11 @@ def max_side(scorer: Scorer) -> int | None:
 
 def needs_target(scorer: Scorer) -> bool:
     return bool(getattr(scorer, "needs_target", False))
+
+
+def max_batch(scorer: Scorer) -> int | None:
+    n = getattr(scorer, "max_batch", None)
+    return max(1, int(n)) if n else None
 
 
 def normalize(results: list[Any], n: int, spec: str) -> list[tuple[float, dict[str, Any]]]:

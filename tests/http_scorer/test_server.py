@@ -48,6 +48,10 @@ def test_v1_ocr_round_trip(ocr_server, no_network):
     assert hello > 0.8 and hello_jpeg > 0.8 and blank == 0.0
     assert video == pytest.approx(hello / 2)  # mean over frames
     assert "42" in out["details"][0]["ocr_text"]
+    # ocr reads one image per call (its max_batch is 1): the 4 items went one by one, whatever --max-batch says
+    text = httpx.get(f"{ocr_server.url}/metrics").text
+    calls = float(re.search(r"^scorer_batch_size_count (\S+)", text, re.M).group(1))
+    assert calls >= 4 and float(re.search(r"^scorer_batch_size_sum (\S+)", text, re.M).group(1)) == calls
     spec = httpx.get(f"{ocr_server.url}/openapi.json").json()
     assert "/v1/score" in spec["paths"]
 

@@ -318,10 +318,19 @@ def compare(args) -> None:
     out = args.out or ROOT / "bench/results/http_scorer_reference.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
-    print(f"\n{'scenario':8s} {'side':12s} {'img/s':>7s} {'× ref':>6s} {'p50 ms':>7s} {'cpu ms/img':>10s}")
+    print(markdown_table(report))
+    print(f"written: {out}")
+
+
+def markdown_table(report: dict) -> str:
+    """The README's table, from the JSON this writes (``python -c`` it on a saved report to redo the table)."""
+    rows = ["| scenario | side | images/s (median) | × reference (median of rounds) | per round | p50 ms | "
+            "server CPU ms/image |", "|---|---|---|---|---|---|---|"]
     for scenario, sc in report["scenarios"].items():
         for side, s in sc["sides"].items():
-            ratio = sc["ratio_to_reference_median"].get(side, 1.0)
-            print(f"{scenario:8s} {side:12s} {s['images_per_s_median']:7.1f} {ratio:6.2f} {s['p50_ms_median']:7.0f} "
-                  f"{s['server_cpu_ms_per_image_median']:10.1f}")
-    print(f"written: {out}")
+            per_round = sc["ratio_to_reference_per_round"].get(side)
+            rows.append(f"| {scenario} | {side} | {s['images_per_s_median']:.1f} | "
+                        f"{sc['ratio_to_reference_median'].get(side, 1.0):.2f} | "
+                        f"{' / '.join(f'{r:.2f}' for r in per_round) if per_round else '—'} | "
+                        f"{s['p50_ms_median']:.0f} | {s['server_cpu_ms_per_image_median']:.1f} |")
+    return "\n".join(rows)

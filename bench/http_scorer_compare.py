@@ -25,6 +25,7 @@ import io
 import json
 import os
 import pickle
+import re
 import socket
 import statistics
 import subprocess
@@ -75,8 +76,8 @@ def free_port() -> int:
 class Served:
     """One server (ours or the reference) as a process tree on a port."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str], cwd: Path = ROOT):
-        self.name, self.port, self.url = name, port, f"http://127.0.0.1:{port}"
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str], cwd: Path = ROOT, workers: int = 1):
+        self.name, self.port, self.url, self.workers = name, port, f"http://127.0.0.1:{port}", workers
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
         deadline = time.time() + 120
@@ -120,6 +121,14 @@ class Served:
                               and c.laddr.port == self.port))
         return sorted(counts, reverse=True)
 
+    def scorer_seconds(self) -> float | None:
+        """Seconds our scorer processes spent decoding and scoring so far (their /metrics), None for the reference."""
+        if self.name == "reference":
+            return None
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        found = re.findall(r'^scorer_process_seconds_sum\{stage="\w+"\} (\S+)$', text, re.M)
+        return sum(float(x) for x in found) if found else None
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -137,7 +146,7 @@ def start_ours(scorer: str, args, env, tree: Path = ROOT, name: str = "ours") ->
            str(args.workers), "--max-batch", str(args.max_batch), "--max-wait-ms", str(args.max_wait_ms),
            "--allow-flow-grpo-pickle", "--request-timeout-s", "300", *args.ours_args.split()]  # gunicorn's below
     env = {**env, "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)])}  # the scorer specs live in bench/ here
-    return Served(name, cmd, port, env, cwd=tree)
+    return Served(name, cmd, port, env, cwd=tree, workers=args.workers)
 
 
 def start_reference(scorer: str, args, env) -> Served:
@@ -145,7 +154,7 @@ def start_reference(scorer: str, args, env) -> Served:
     env = {**env, "PYTHONPATH": os.pathsep.join([str(REF_DEPS), str(ROOT), env.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "gunicorn", "-w", str(args.workers), "-b", f"127.0.0.1:{port}", "--timeout", "300",
            "--log-level", "warning", f"bench.reference_server:create_app(scorer={scorer!r})"]
-    return Served("reference", cmd, port, env)
+    return Served("reference", cmd, port, env, workers=args.workers)
 
 
 def requests_for(jpeg: bytes) -> dict[str, tuple[str, bytes, dict[str, str]]]:
@@ -228,11 +237,11 @@ async def drive(server: Served, request: tuple[str, bytes, dict], concurrency: i
                 await asyncio.sleep(max(0.0, t0 + frac * seconds - time.perf_counter()))
                 conn_samples.append(server.connections())
 
-        cpu0, client0 = server.cpu_by_process(), time.process_time()
+        cpu0, client0, inside0 = server.cpu_by_process(), time.process_time(), server.scorer_seconds()
         sampler = asyncio.create_task(sample_connections())
         await asyncio.gather(*(one_client(c) for c in conns))
         await sampler
-        cpu1, client1 = server.cpu_by_process(), time.process_time()
+        cpu1, client1, inside1 = server.cpu_by_process(), time.process_time(), server.scorer_seconds()
         wall = time.perf_counter() - t0
     finally:
         for c in conns:
@@ -246,6 +255,10 @@ async def drive(server: Served, request: tuple[str, bytes, dict], concurrency: i
             "first_errors": errors[:3], "p50_ms": float(q[0] * 1000), "p99_ms": float(q[1] * 1000),
             "server_cpu_s_per_image": (sum(cpu1.values()) - sum(cpu0.values())) / n_all,
             "client_cpu_s_per_image": (client1 - client0) / n_all,
+            # our server only: the share of the run its scorer processes spent decoding and scoring (the rest is
+            # waiting for work or for the CPU); from their own metrics
+            "scorer_processes_busy": (None if inside0 is None or inside1 is None
+                                      else round((inside1 - inside0) / wall / server.workers, 3)),
             "server_cores_busy_by_process": sorted((round((cpu1[p] - cpu0.get(p, 0.0)) / wall, 2) for p in cpu1),
                                                    reverse=True),
             "connections_per_process": conn_samples}
@@ -294,7 +307,8 @@ def compare(args) -> None:
                     rounds[side].append(res)
                     print(f"{scenario:5s} round {r} {side:12s} {res['images_per_s']:7.1f} img/s  p50 "
                           f"{res['p50_ms']:7.0f} ms  server cpu {res['server_cpu_s_per_image'] * 1000:6.1f} "
-                          f"ms/img  conns {res['connections_per_process'][1]}  busy {res['server_cores_busy_by_process']}  errors {res['errors']}", flush=True)
+                          f"ms/img  conns {res['connections_per_process'][1]}  cores {res['server_cores_busy_by_process']}"
+                          f"  scorer busy {res['scorer_processes_busy']}  errors {res['errors']}", flush=True)
             summary = {}
             for side, rs in rounds.items():
                 summary[side] = {"images_per_s_median": statistics.median(x["images_per_s"] for x in rs),

@@ -22,11 +22,13 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from http_scorer.budget import return_freed_memory_to_os
+from http_scorer.metrics import ScorerProcessMetrics, new_dir, process_gone, remove_dir, use_dir
 from http_scorer.protocol import BadRequest, Limits, decode_item
 from http_scorer.scorers import load_scorer, max_batch, max_side, needs_target, normalize
 
@@ -49,8 +51,9 @@ class ScorerInfo:
 Outcome = tuple
 
 
-def _worker_main(conn, spec: str, limits: Limits) -> None:
+def _worker_main(conn, spec: str, limits: Limits, metrics_dir: str) -> None:
     return_freed_memory_to_os()
+    use_dir(metrics_dir)
     try:
         scorer = load_scorer(spec)
     except (ValueError, ImportError) as e:  # a bad --scorer: its message says what to use instead
@@ -60,6 +63,7 @@ def _worker_main(conn, spec: str, limits: Limits) -> None:
         conn.send(("error", f"loading {spec!r}: {type(e).__name__}: {e}"))
         return
     side = max_side(scorer)
+    metrics = ScorerProcessMetrics()
     conn.send(("ready", side, needs_target(scorer), max_batch(scorer)))
     while True:
         try:
@@ -68,20 +72,25 @@ def _worker_main(conn, spec: str, limits: Limits) -> None:
             return
         if message is None:
             return
-        conn.send(score_batch(scorer, spec, side, limits, *message))
+        outcomes = score_batch(scorer, spec, side, limits, *message, metrics=metrics)
+        conn.send(outcomes)
+        metrics.sample()
 
 
 def score_batch(scorer, spec: str, side: int | None, limits: Limits, items: list[Any], prompts: list[str],
-                targets: list[Any], metadata: dict[str, Any]) -> list[Outcome]:
+                targets: list[Any], metadata: dict[str, Any],
+                metrics: ScorerProcessMetrics | None = None) -> list[Outcome]:
     """Decode each item (a corrupt one fails alone, with its field) and score the rest in one call."""
     out: list[Outcome | None] = [None] * len(items)
     images, kept = [], []
+    t0 = time.perf_counter()
     for i, item in enumerate(items):
         try:
             images.append(decode_item(item, limits, side))
             kept.append(i)
         except BadRequest as e:
             out[i] = ("bad", e.field, str(e), e.status)
+    t1 = time.perf_counter()
     if kept:
         try:
             raw = scorer(images, [prompts[i] for i in kept], [targets[i] for i in kept], metadata)
@@ -94,6 +103,12 @@ def score_batch(scorer, spec: str, side: int | None, limits: Limits, items: list
         else:
             for i, (score, details) in zip(kept, results, strict=True):
                 out[i] = ("ok", score, details)
+    if metrics is not None:
+        metrics.seconds.labels("decode").observe(t1 - t0)
+        if kept:
+            metrics.seconds.labels("score").observe(time.perf_counter() - t1)
+        for outcome in out:
+            metrics.items.labels(outcome[0]).inc()
     return out  # type: ignore[return-value]
 
 
@@ -115,6 +130,7 @@ class ScorerPool:
         self.workers = [_Worker(i) for i in range(workers)]
         self.info: ScorerInfo | None = None
         self.restarts = 0
+        self.metrics_dir: str | None = None  # the scorer processes' metric files (metrics.py), from start() on
         self._stopping = False
         self._ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited threads, locks or GPU state
         self._lock = threading.Lock()
@@ -122,6 +138,7 @@ class ScorerPool:
     def start(self) -> ScorerInfo:
         """Start every scorer process and wait until each has loaded the scorer (raises ScorerLoadError)."""
         try:
+            self.metrics_dir = self.metrics_dir or new_dir()
             for w in self.workers:
                 self._spawn(w)
             for w in self.workers:
@@ -134,8 +151,8 @@ class ScorerPool:
     def _spawn(self, w: _Worker) -> None:
         parent, child = self._ctx.Pipe()
         w.conn = parent
-        w.process = self._ctx.Process(target=_worker_main, args=(child, self.spec, self.limits), daemon=True,
-                                      name=f"http_scorer-scorer{w.index}")
+        w.process = self._ctx.Process(target=_worker_main, args=(child, self.spec, self.limits, self.metrics_dir),
+                                      daemon=True, name=f"http_scorer-scorer{w.index}")
         w.process.start()
         child.close()
 
@@ -180,8 +197,9 @@ class ScorerPool:
     def _restart(self, w: _Worker) -> None:
         if self._stopping:
             return
-        self.restarts += 1
         w.conn.close()
+        process_gone(self.metrics_dir, w.process.pid)
+        self.restarts += 1
         try:
             self._spawn(w)
             self._handshake(w)
@@ -209,4 +227,7 @@ class ScorerPool:
             w.conn.close()
             w.io.shutdown(wait=False, cancel_futures=True)
             w.process = None
+        if self.metrics_dir is not None:
+            remove_dir(self.metrics_dir)
+            self.metrics_dir = None
 

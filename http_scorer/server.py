@@ -3,8 +3,8 @@ compatibility, batching onto ``--workers`` scorer processes fed from one queue (
 budget of decoded pixels in flight (503 + Retry-After past it), bearer auth and Prometheus metrics. Built by
 :func:`create_app`; served by ``python -m http_scorer serve``.
 
-One HTTP process serves every request and records every metric (so ``/metrics`` covers all scorer processes);
-the scorer processes decode and score.
+One HTTP process serves every request; the scorer processes decode and score. ``/metrics`` is the HTTP process's
+metrics and the scorer processes' merged (metrics.py).
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from http_scorer.batcher import Batcher
 from http_scorer.budget import PixelBudget, TooLarge, default_inflight_pixels
+from http_scorer.metrics import ServerMetrics
 from http_scorer.pool import ScorerPool
 from http_scorer.protocol import (
     PROTOCOL_VERSION,
@@ -65,26 +66,6 @@ class ServerConfig:
         return Limits(self.max_body_bytes, self.max_images, self.max_pixels)
 
 
-class _Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter("scorer_requests", "requests by route", ["route"], registry=self.registry)
-        self.errors = Counter("scorer_errors", "error responses by status code", ["code"], registry=self.registry)
-        self.batch_size = Histogram("scorer_batch_size", "items per scorer call", registry=self.registry,
-                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128))
-        self.batch_seconds = Histogram("scorer_batch_seconds", "seconds per scorer call (decoding included)",
-                                       registry=self.registry)
-        self.latency = Histogram("scorer_request_seconds", "request latency", ["route"], registry=self.registry,
-                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
-        self.queue_depth = Gauge("scorer_queue_depth", "items waiting for a scorer call", registry=self.registry)
-        self.inflight_pixels = Gauge("scorer_inflight_pixels", "decoded pixels reserved by requests in flight",
-                                     registry=self.registry)
-        self.busy = Counter("scorer_busy_rejections", "requests answered 503: the pixel budget stayed full",
-                            registry=self.registry)
-        self.restarts = Gauge("scorer_process_restarts", "scorer processes started again after they died",
-                              registry=self.registry)
-
-
 def _error(status: int, message: str, field: str | None = None, headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": message, "field": field}, status_code=status, headers=headers)
 
@@ -105,7 +86,7 @@ class Gate:
     """ASGI middleware, outermost: bearer token, body size (refused while it streams in: a missing or lying
     Content-Length cannot make the server buffer more), request / error counts and latency by route."""
 
-    def __init__(self, app, config: ServerConfig, metrics: _Metrics):
+    def __init__(self, app, config: ServerConfig, metrics: ServerMetrics):
         self.app, self.config, self.metrics = app, config, metrics
         self.expected = f"Bearer {config.token}".encode() if config.token is not None else None
 
@@ -166,7 +147,7 @@ def create_app(config: ServerConfig | None = None, pool: ScorerPool | None = Non
     limits = config.limits()
     own_pool = pool is None
     pool = pool or ScorerPool(config.scorer, config.workers, limits)
-    metrics = _Metrics()
+    metrics = ServerMetrics(lambda: pool.metrics_dir)
     budget = PixelBudget(config.max_inflight_pixels or default_inflight_pixels())
 
     def on_batch(size: int, seconds: float) -> None:

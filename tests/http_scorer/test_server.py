@@ -10,7 +10,9 @@ import pickle
 import re
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -212,9 +214,20 @@ def test_200_concurrent_requests_are_batched(limited_server):
     assert os.environ.get("HTTP_SCORER_CONFIG") is None  # the test process is untouched by the server's config
 
 
+def scorer_process_gauge_pids(text: str) -> set[int]:
+    """The pids of the per-process gauge scorer_process_resident_memory_bytes{pid="..."} in /metrics."""
+    return {int(pid) for pid in re.findall(r'scorer_process_resident_memory_bytes\{pid="(\d+)"\} [1-9]', text)}
+
+
 def test_worker_processes_share_one_queue_metrics_count_all_timeouts_and_crashes_are_survived(server_factory):
+    stale = Path(tempfile.gettempdir()) / "http_scorer-metrics-999999999-left-by-a-killed-server"
+    stale.mkdir(exist_ok=True)
     server = server_factory("--scorer", "scorer_server_helpers:pid_scorer", "--workers", "2", "--max-batch", "1",
                             "--request-timeout-s", "3")
+    # The server keeps its scorer processes' metric files in a directory of its own for this run, and removed the
+    # one a server no longer running left behind.
+    assert not stale.exists()
+    (metrics_dir,) = Path(tempfile.gettempdir()).glob(f"http_scorer-metrics-{server.proc.pid}-*")
     url = f"{server.url}/v1/score"
 
     def body(**metadata):
@@ -237,6 +250,14 @@ def test_worker_processes_share_one_queue_metrics_count_all_timeouts_and_crashes
     text = httpx.get(f"{server.url}/metrics").text
     assert 'scorer_requests_total{route="/v1/score"} 4.0' in text
     assert "scorer_batch_size_count 4.0" in text and "scorer_batch_size_sum 4.0" in text
+    # ... and the scorer processes' own metrics, merged (prometheus_client's multiprocess mode): items and stage
+    # times summed over both processes, a memory / CPU gauge per scorer process.
+    assert 'scorer_process_items_total{outcome="ok"} 4.0' in text, text
+    assert 'scorer_process_seconds_count{stage="score"} 4.0' in text
+    assert 'scorer_process_seconds_count{stage="decode"} 4.0' in text
+    first_pids = scorer_process_gauge_pids(text)
+    assert first_pids == set(pids), (first_pids, pids)
+    assert len(re.findall(r'scorer_process_cpu_seconds\{pid="\d+"\} ', text)) == 2
 
     # A request past --request-timeout-s is answered 504 while its batch goes on; its pixels stay reserved until
     # the scorer process lets go of them.
@@ -259,6 +280,20 @@ def test_worker_processes_share_one_queue_metrics_count_all_timeouts_and_crashes
     health = httpx.get(f"{server.url}/health").json()
     assert health["scorer_process_restarts"] == 1 and health["workers"] == 2
     assert "scorer_process_restarts 1.0" in httpx.get(f"{server.url}/metrics").text
+    # The dead process's counts stay in the sums (4 + the timed-out one + 4; the crashed batch never finished); its
+    # gauges are gone and its successor's are there.
+    deadline = time.monotonic() + 30
+    while True:
+        text = httpx.get(f"{server.url}/metrics").text
+        now_pids = scorer_process_gauge_pids(text)
+        if len(now_pids) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert len(now_pids) == 2 and len(now_pids & first_pids) == 1, (now_pids, first_pids)
+    assert 'scorer_process_items_total{outcome="ok"} 9.0' in text, text
+
+    server.stop()
+    assert not metrics_dir.exists()  # removed when the server stops
 
 
 def test_ocr_without_target_text_is_422_and_bare_ground_truth_is_the_target(ocr_server):

@@ -30,8 +30,11 @@ of the same workload (same prompts and seeds, hence the same per-sample latencie
     all:                  max(rollout, train, work)                  scores one batch, overlapped)
 
 The overlapped bounds assume rollout and training run on different devices: the one-step-off recipe's split
-layout (``--layout split``, the default here: ``actor_rollout_ref.hybrid_engine=False``). With ``--layout hybrid``
-one process per device does both, so on one device generation and update take turns. ``--layout disaggregated``
+layout (``--layout split``, the default here: ``actor_rollout_ref.hybrid_engine=False``) and the disaggregated one.
+With ``--layout hybrid`` one process per device does both, so generation and update take turns and the overlapped
+modes' bound is max(rollout + train, work). ``--layout hybrid,disaggregated`` runs both layouts in one run on the
+same devices (hybrid: ``--rollout-devices + --actor-ranks`` ranks) and writes them under ``layouts``; each layout's
+bounds and ``hidden_fraction`` come from its own sync run, and ``to_bound`` = mean step / bound. ``--layout disaggregated``
 puts ``--rollout-devices`` inference-only rollout workers on a rollout pool and ``--actor-ranks`` trainer ranks on
 theirs (weights over a gloo group, ``checkpoint_engine.backend=nccl``); ``--pin-cores`` pins each rollout worker and
 trainer rank (all its threads) to a core of its own, so on a CPU box the two pools really run side by side.
@@ -91,6 +94,7 @@ def workload(args, data: Path) -> list[str]:
         f"trainer.seed={args.seed}", f"trainer.total_training_steps={args.warmup + args.steps}",
         "trainer.logger=[jsonl]", "trainer.resume_mode=disable",
         *layout_overrides(args),
+        *([f"actor_rollout_ref.model.lora_rank={args.lora_rank}"] if args.lora_rank is not None else []),
         *([f"actor_rollout_ref.rollout.response_length_pareto_alpha={args.long_tail_alpha}"]
           if args.long_tail_alpha is not None else []),
     ]
@@ -214,10 +218,14 @@ def fifo_makespan(ready: list[float], latency: list[float], capacity: int) -> fl
     return end
 
 
-def bounds(p: dict, minibatches: int) -> dict[str, float]:
-    """Every mode's lower bound for one step, from that step's sync-run parts (see the module docstring)."""
+def bounds(p: dict, minibatches: int, shared_devices: bool = False) -> dict[str, float]:
+    """Every mode's lower bound for one step, from that step's sync-run parts (see the module docstring).
+
+    ``shared_devices`` (hybrid layout): generation and update take turns on every device, so the overlapped modes
+    can hide only the reward: max(rollout + train, work)."""
     ready = max(p["rollout_s"], p["last_s"])
-    overlapped = max(p["rollout_s"], p["train_s"], p["work_s"])
+    overlapped = (max(p["rollout_s"] + p["train_s"], p["work_s"]) if shared_devices
+                  else max(p["rollout_s"], p["train_s"], p["work_s"]))
     return {"sync": p["rollout_s"] + p["busy_s"] + p["train_s"], "stream": ready + p["train_s"],
             "stream+pipeline": ready + p["train_s"] / minibatches, "stream+one_step_off": overlapped,
             "all": overlapped}
@@ -239,14 +247,18 @@ def main() -> None:
     p.add_argument("--latency-scale", type=float, default=1 / 40)
     p.add_argument("--scorer-capacity", type=int, default=8, help="requests the scorer serves at once (0 = no limit)")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--layout", choices=["split", "hybrid", "disaggregated"], default="split",
+    p.add_argument("--layout", default="split",
                    help="split: rollout replicas beside the actor (hybrid_engine=False); hybrid: one process per device; "
-                        "disaggregated: rollout workers on their own pool (rollout.nnodes=1)")
+                        "disaggregated: rollout workers on their own pool (rollout.nnodes=1); a comma list runs each "
+                        "on the same devices and writes them side by side")
     p.add_argument("--rollout-devices", type=int, default=1, help="disaggregated: rollout workers (devices)")
     p.add_argument("--pin-cores", action="store_true", help="each rollout worker / trainer rank on its own core")
     p.add_argument("--long-tail-alpha", type=float, default=None, help="text: response_length_pareto_alpha")
     p.add_argument("--actor-ranks", type=int, choices=[1, 2], default=1,
                    help="data-parallel actor ranks (trainer.n_gpus_per_node; one rollout worker each)")
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help="actor_rollout_ref.model.lora_rank (default: the config's; text is a full fine-tune, which "
+                        "the hybrid layout's one-step-off refuses)")
     p.add_argument("--modes", default=",".join(MODE_OVERRIDES))
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/async_reward.json")
     args = p.parse_args()
@@ -254,6 +266,8 @@ def main() -> None:
     modes = args.modes.split(",")
     if unknown := set(modes) - set(MODE_OVERRIDES):
         p.error(f"--modes: unknown {sorted(unknown)}; choose from {', '.join(MODE_OVERRIDES)}")
+    if bad := set(args.layout.split(",")) - {"split", "hybrid", "disaggregated"}:
+        p.error(f"--layout: unknown {sorted(bad)}; choose from split, hybrid, disaggregated")
     if "sync" not in modes:
         p.error("--modes must include sync: every figure is relative to the sync baseline of the same run")
 
@@ -262,9 +276,33 @@ def main() -> None:
         data.write_text("".join(json.dumps({"prompt": f"a sign that says WORD{i}", "data_source": "bench",
                                             "reward_model": {"ground_truth": f"WORD{i}"}}) + "\n" for i in range(256)))
         t0 = time.time()
-        results = {name: run_mode(name, MODE_OVERRIDES[name], args, data, Path(tmp) / "runs") for name in modes}
+        layouts = args.layout.split(",")
+        reports = {lay: layout_report(lay, modes, args, data, Path(tmp) / "runs" / lay) for lay in layouts}
     minibatches = args.batch // args.mini_batch
-    per_step = [bounds(p, minibatches) for p in results["sync"]["parts_per_step"]]
+    config = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "minibatches": minibatches, "machine": f"{platform.machine()} {platform.processor()}",
+              "load_average_at_end": os.getloadavg(), "cpu_count": os.cpu_count(),
+              "wall_s": time.time() - t0, "bound_parts_from": "sync run of the same layout, per step",
+              "hidden_fraction_on": "mean step times"}
+    report = ({**reports[layouts[0]], "config": config} if len(layouts) == 1
+              else {"layouts": reports, "config": config})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    for lay in layouts:
+        print_table(lay, reports[lay])
+    print(f"\nwritten: {args.out}")
+
+
+def layout_report(lay: str, modes: list[str], args, data: Path, runs: Path) -> dict:
+    """Every mode on one layout, with bounds and hidden fractions from that layout's own sync run. In a comparison
+    (``--layout hybrid,disaggregated``) a hybrid or split layout gets as many actor ranks as the disaggregated one
+    has devices in all (rollout + trainer), so both run on the same devices."""
+    own = argparse.Namespace(**{**vars(args), "layout": lay})
+    if lay != "disaggregated" and "disaggregated" in args.layout.split(","):
+        own.actor_ranks = args.rollout_devices + args.actor_ranks
+    results = {name: run_mode(name, MODE_OVERRIDES[name], own, data, runs) for name in modes}
+    minibatches = args.batch // args.mini_batch
+    per_step = [bounds(p, minibatches, shared_devices=lay == "hybrid") for p in results["sync"]["parts_per_step"]]
     t_sync = results["sync"]["mean_step_s"]
     hidden = {}
     for name, r in results.items():
@@ -273,16 +311,16 @@ def main() -> None:
         if name != "sync":
             hideable = t_sync - r["bound_s"]
             hidden[name] = (t_sync - r["mean_step_s"]) / hideable if hideable > 1e-9 else float("nan")
-    report = {"modes": results, "hidden_fraction": hidden,
-              "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                         "minibatches": minibatches, "machine": f"{platform.machine()} {platform.processor()}",
-                         "load_average_at_end": os.getloadavg(), "cpu_count": os.cpu_count(),
-                         "wall_s": time.time() - t0, "bound_parts_from": "sync run, per step",
-                         "hidden_fraction_on": "mean step times"}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+        r["to_bound"] = r["mean_step_s"] / r["bound_s"]
+    return {"modes": results, "hidden_fraction": hidden,
+            "devices": {"actor_ranks": own.actor_ranks,
+                        "rollout_devices": own.rollout_devices if lay == "disaggregated" else 0}}
 
-    print(f"\n{'mode':22s} {'median step s':>13s} {'x sync':>7s} {'mean step s':>11s} {'bound s':>8s} {'hidden':>7s} "
+
+def print_table(lay: str, report: dict) -> None:
+    results, hidden = report["modes"], report["hidden_fraction"]
+    print(f"\nlayout {lay} ({report['devices']})")
+    print(f"{'mode':22s} {'median step s':>13s} {'x sync':>7s} {'mean step s':>11s} {'bound s':>8s} {'hidden':>7s} "
           f"{'overhead ms':>11s} {'step-1 ratio':>12s} {'clipfrac_lower':>14s}")
     for name, r in results.items():
         ovh = r["timing"].get("timing_s/stream_overhead/median")
@@ -290,7 +328,6 @@ def main() -> None:
               f"{r['bound_s']:8.2f} {hidden.get(name, float('nan')):7.2f} "
               f"{'' if ovh is None else f'{ovh * 1000:.2f}':>11s} {_fmt(r['step1'], STEP1_KEYS[0]):>12s} "
               f"{_fmt(r['step1'], STEP1_KEYS[1]):>14s}")
-    print(f"\nwritten: {args.out}")
 
 
 def _fmt(values: dict, key: str) -> str:

@@ -18,10 +18,22 @@ def test_async_reward_bench_smoke(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(ROOT / "bench/async_reward.py"), "--steps", "1", "--warmup", "0", "--batch", "2",
            "--group", "2", "--mini-batch", "2", "--denoise-steps", "3", "--size", "32", "--latency-scale", "0.005",
-           "--modes", "sync,stream+one_step_off", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+           "--modes", "sync,stream+one_step_off", "--layout", "hybrid,disaggregated", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(out.read_text())
+    # Both layouts on the same two devices: hybrid with two ranks, disaggregated with one rollout + one trainer.
+    assert set(report["layouts"]) == {"hybrid", "disaggregated"}
+    assert report["layouts"]["hybrid"]["devices"] == {"actor_ranks": 2, "rollout_devices": 0}
+    assert report["layouts"]["disaggregated"]["devices"] == {"actor_ranks": 1, "rollout_devices": 1}
+    for layout in report["layouts"].values():
+        check_layout(layout)
+    assert "hidden" in proc.stdout and "layout disaggregated" in proc.stdout  # the printed tables
+    bad = subprocess.run([*cmd[:-6], "--modes", "stream"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "must include sync" in bad.stderr
+
+
+def check_layout(report: dict) -> None:
     assert set(report["modes"]) == {"sync", "stream+one_step_off"}
     for mode in report["modes"].values():
         assert len(mode["step_s"]) == 1 and mode["bound_s"] > 0 and "timing_s/gen" in mode["timing"]
@@ -29,6 +41,3 @@ def test_async_reward_bench_smoke(tmp_path):
         # log-probs as pi_old (bypass mode), so its ratio is 1 and nothing is clipped below.
         assert abs(mode["step1"]["actor/ratio_mean"] - 1.0) <= 1e-5 and mode["step1"]["actor/pg_clipfrac_lower"] == 0.0
     assert set(report["hidden_fraction"]) == {"stream+one_step_off"}
-    assert "hidden" in proc.stdout  # the printed table
-    bad = subprocess.run([*cmd[:-4], "--modes", "stream"], capture_output=True, text=True)
-    assert bad.returncode != 0 and "must include sync" in bad.stderr

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.slow  # training runs: not in the fast tier (pytest -m 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.timeout(900)  # four short training runs (two layouts x two modes), each on a fresh Ray cluster
 def test_async_reward_bench_smoke(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(ROOT / "bench/async_reward.py"), "--steps", "1", "--warmup", "0", "--batch", "2",

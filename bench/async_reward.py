@@ -50,6 +50,17 @@ when the previous step starts, so its reward tail may run into the next period; 
 ``hidden_fraction = (T_sync - T_mode) / (T_sync - bound_mode)`` on mean step times: the share of the hideable
 time a mode hid. Means, not medians, because the overlapped modes carry work from one step into the next.
 
+``--fully-async-staleness 0.5,1,2,3`` runs another comparison (issue 30): fully async training
+(``async_reward.fully_async``, one update = ``--batch`` prompts in ``--batch / --mini-batch`` mini-batches, a sync
+after every update) on the disaggregated layout (1 rollout + 1 trainer device) at each staleness threshold, against
+the hybrid layout's colocated sync and one-step-off on the same 2 devices (2 ranks), every process pinned to a core
+of its own. Per row: samples/s over the measured steps, ×one-step-off, each pool's busy fraction, the largest lag, and
+the bound (``fully_async_bound``): the smaller of latency-bound = samples in flight / (judge latency + generation +
+update) and device-bound = samples / busy time of the busier pool (hybrid: generation + update take turns on each
+device). ``--min-latency 2 --max-latency 3 --latency-scale 1 --scorer-capacity 0`` is a remote judge of 2-3 s with
+ample concurrency; ``--modality text --long-tail-alpha 1.2 --lora-rank 8`` the long tail (LoRA: hybrid one-step-off
+snapshots a LoRA adapter only).
+
 ``step1`` per mode: ``actor/ratio_mean`` and ``actor/pg_clipfrac_lower`` of the first training step (warm-up
 included), as the trainer logs them (means over the step's mini-batches). Its first mini-batch scores the rollout's
 samples before any optimizer step with the rollout's log-probs as pi_old (bypass mode), so with one mini-batch per
@@ -61,6 +72,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import math
 import os
 import platform
 import statistics
@@ -95,7 +107,12 @@ def workload(args, data: Path) -> list[str]:
         f"+reward.custom_reward_function.reward_kwargs.latency_scale={args.latency_scale}",
         f"+reward.custom_reward_function.reward_kwargs.seed={args.seed}",
         f"+reward.custom_reward_function.reward_kwargs.capacity={args.scorer_capacity}", "reward.num_workers=1",
-        f"trainer.seed={args.seed}", f"trainer.total_training_steps={args.warmup + args.steps + TAIL_STEPS}",
+        f"+reward.custom_reward_function.reward_kwargs.min_latency_s={args.min_latency}",
+        f"+reward.custom_reward_function.reward_kwargs.max_latency_s={args.max_latency}",
+        *([f"reward.max_inflight_per_worker={args.reward_inflight}", f"reward.queue_size={args.reward_inflight}"]
+          if args.reward_inflight is not None else []),
+        f"trainer.seed={args.seed}",
+        f"trainer.total_training_steps={args.warmup + args.steps + max(TAIL_STEPS, getattr(args, 'tail_steps', 0))}",
         "trainer.logger=[jsonl]", "trainer.resume_mode=disable",
         *layout_overrides(args),
         *([f"actor_rollout_ref.model.lora_rank={args.lora_rank}"] if args.lora_rank is not None else []),
@@ -170,7 +187,7 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
             t0 = trainer.last_timeline["t0"]
             ready = [s.times.gen_end - t0 for s in samples]
             latency = [s.outcome.extra["simulated_latency_s"] for s in samples]
-            parts = {"rollout_s": metrics["timing_s/gen"],
+            parts = {"rollout_s": metrics["timing_s/gen"], "latency_mean_s": statistics.fmean(latency),
                      "train_s": metrics["timing_s/step"] - metrics["timing_s/collect_wait"] - metrics["timing_s/reward"],
                      "last_s": fifo_makespan(ready, latency, args.scorer_capacity),
                      "busy_s": fifo_makespan([0.0] * len(latency), latency, args.scorer_capacity),
@@ -178,20 +195,28 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
             steps.append({"metrics": metrics, "parts": parts, "samples": len(samples)})
             print(f"  {name:20s} step {step + 1}: {metrics['timing_s/step']:.2f}s", flush=True)
     finally:
+        if hasattr(trainer.source, "stop"):  # fully async: the rollouter's tasks end before the loop
+            trainer.source.stop()
         trainer.agent.shutdown()
         shutdown_ray()
     med = lambda key: statistics.median(s["metrics"].get(key, 0.0) for s in steps)  # noqa: E731
     timing_keys = ["timing_s/gen", "timing_s/reward", "timing_s/reward_wait", "timing_s/collect_wait",
                    "timing_s/update_actor", "timing_s/weight_sync", "timing_s/update_weights",
                    "timing_s/wait_next_rollout", "weight_sync/bytes", "training/off_policy/trajectory_staleness/mean",
-                   "timing_s/reward_compute/mean", "timing_s/reward_compute/max", "timing_s/stream_overhead/median"]
+                   "timing_s/reward_compute/mean", "timing_s/reward_compute/max", "timing_s/stream_overhead/median",
+                   "training/off_policy/trajectory_staleness/max", "fully_async/rollouter/idle_ratio",
+                   "fully_async/trainer/idle_ratio", "fully_async/count/dropped_stale_samples",
+                   "fully_async/static/max_required_samples", "timing_s/old_log_prob"]
     step_s = [s["metrics"]["timing_s/step"] for s in steps]
     wall = max(window[1] - window[0], 1e-9)
     clipped = [(max(a, window[0]), min(b, window[1])) for a, b in gen_intervals if b > window[0] and a < window[1]]
     trainer_busy = sum(s["metrics"].get(k, 0.0) for s in steps
                        for k in ("timing_s/old_log_prob", "timing_s/update_actor", "timing_s/update_weights"))
     return {
-        "layout": args.layout, "pinned_cores": pinned,
+        "layout": args.layout, "pinned_cores": pinned, "overrides": overrides, "wall_s": wall,
+        "samples": sum(s["samples"] for s in steps), "trainer_busy_s": trainer_busy,
+        "rollout_busy_s": union_length(clipped),
+        "latency_mean_s": statistics.fmean(s["parts"]["latency_mean_s"] for s in steps),
         "samples_per_s": sum(s["samples"] for s in steps) / wall,
         "busy_fraction": {"rollout": union_length(clipped) / wall, "trainer": trainer_busy / wall},
         "own_bound_s": statistics.fmean(max(s["metrics"]["timing_s/gen"], s["metrics"].get("timing_s/update_actor", 0.0)
@@ -235,6 +260,79 @@ def bounds(p: dict, minibatches: int, shared_devices: bool = False) -> dict[str,
             "all": overlapped}
 
 
+def fully_async_bound(r: dict, in_flight_samples: float, step_samples: int) -> dict[str, float]:
+    """A row's throughput bounds from its own run, samples/s (the issue's two, the smaller is the bound):
+
+    - latency-bound: samples in flight / (judge latency + generation + update), with the generation and update
+      time of one step's samples (for the lock-step modes ``timing_s/gen`` and ``timing_s/update_actor``; for
+      fully async the pools' busy time per step's worth of samples);
+    - device-bound: samples / max(rollout busy s, trainer busy s) when the two pools are separate (disaggregated),
+      samples / (rollout busy s + trainer busy s) / devices when both jobs share the devices (hybrid: generation
+      and update take turns on each device).
+    """
+    n = r["samples"]
+    gen = r["rollout_busy_s"] / n * step_samples
+    upd = r["trainer_busy_s"] / n * step_samples
+    latency = in_flight_samples / (r["latency_mean_s"] + gen + upd)
+    if r["layout"] == "disaggregated":
+        device = n / max(r["rollout_busy_s"], r["trainer_busy_s"])
+    else:  # hybrid: each of the 2 devices generates and updates in turn, its half of the samples
+        device = n / (r["rollout_busy_s"] / 2 + r["trainer_busy_s"])
+    return {"latency_bound": latency, "device_bound": device, "bound": min(latency, device),
+            "in_flight_samples": in_flight_samples}
+
+
+def compare_fully_async(args, staleness: list[float]) -> None:
+    """Fully async (disaggregated: 1 rollout + 1 trainer device) at each staleness against the hybrid layout's
+    colocated sync and one-step-off on the same 2 devices (2 ranks), each process pinned to its own core."""
+    from argparse import Namespace
+
+    from omni_async.trainer.strategies import fully_async_overrides
+
+    # A run ends with steps that train what is already generated (one-step-off's last step has no look-ahead; fully
+    # async's last ceil(1 + s) updates drain the rollouter): they run after the measured steps (``tail_steps`` in
+    # the run's total, not measured), so each row is measured in its steady state.
+    hybrid = Namespace(**{**vars(args), "layout": "hybrid", "actor_ranks": 2, "tail_steps": 1})
+    disagg = Namespace(**{**vars(args), "layout": "disaggregated", "actor_ranks": 1, "rollout_devices": 1})
+    per_update = args.batch // args.mini_batch
+    step_samples = args.batch * args.group
+    rows = {"colocated sync": (hybrid, MODE_OVERRIDES["sync"], step_samples),
+            "hybrid one-step-off": (hybrid, MODE_OVERRIDES["stream+one_step_off"], 2 * step_samples)}
+    for st in staleness:  # one update = one lock-step step's prompts (require_batches mini-batches)
+        cap = int((1 + st) * per_update * args.mini_batch)  # groups per window (K = 1)
+        disagg_s = Namespace(**{**vars(disagg), "tail_steps": math.ceil(1 + st)})
+        text = ["async_training.partial_rollout=false"] if args.modality == "text" else []  # refused for text
+        rows[f"fully_async s={st:g}"] = (disagg_s, [*fully_async_overrides(st), *text,
+                                                  f"async_training.require_batches={per_update}"], cap * args.group)
+    load = {"before": os.getloadavg()}
+    t0 = time.time()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "train.jsonl"
+        data.write_text("".join(json.dumps({"prompt": f"a sign that says WORD{i}", "data_source": "bench",
+                                            "reward_model": {"ground_truth": f"WORD{i}"}}) + "\n" for i in range(256)))
+        for name, (a, overrides, in_flight) in rows.items():
+            results[name] = run_mode(name.replace(" ", "_").replace("=", ""), overrides, a, data, Path(tmp) / "runs")
+            results[name].update(fully_async_bound(results[name], in_flight, step_samples))
+    load["after"] = os.getloadavg()
+    base = results["hybrid one-step-off"]["samples_per_s"]
+    for r in results.values():
+        r["x_one_step_off"] = r["samples_per_s"] / base
+    report = {"rows": results, "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                                          "load_average": load, "cpu_count": os.cpu_count(),
+                                          "wall_s": time.time() - t0}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(f"\n{'row':24s} {'samples/s':>9s} {'x 1-off':>7s} {'bound/s':>8s} {'lat.b':>6s} {'dev.b':>6s} "
+          f"{'rollout':>7s} {'trainer':>7s} {'lag max':>7s}")
+    for name, r in results.items():
+        print(f"{name:24s} {r['samples_per_s']:9.2f} {r['x_one_step_off']:7.2f} {r['bound']:8.2f} "
+              f"{r['latency_bound']:6.2f} {r['device_bound']:6.2f} {r['busy_fraction']['rollout']:7.2f} "
+              f"{r['busy_fraction']['trainer']:7.2f} "
+              f"{r['timing'].get('training/off_policy/trajectory_staleness/max', 0.0):7.1f}")
+    print(f"\nwritten: {args.out}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8)
@@ -264,9 +362,19 @@ def main() -> None:
                    help="actor_rollout_ref.model.lora_rank (default: the config's; text is a full fine-tune, which "
                         "the hybrid layout's one-step-off refuses)")
     p.add_argument("--modes", default=",".join(MODE_OVERRIDES))
+    p.add_argument("--min-latency", type=float, default=1.0, help="simulated scorer: min latency before scaling")
+    p.add_argument("--max-latency", type=float, default=40.0, help="simulated scorer: max latency before scaling")
+    p.add_argument("--reward-inflight", type=int, default=None,
+                   help="reward.max_inflight_per_worker and queue_size (default: config's 32 / 64)")
+    p.add_argument("--fully-async-staleness", default=None,
+                   help="e.g. 0.5,1,2,3: compare fully async (disaggregated, 1+1 devices) at these thresholds with "
+                        "colocated sync and hybrid one-step-off (2 ranks); ignores --modes / --layout")
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/async_reward.json")
     args = p.parse_args()
     args.model = args.model or ("tiny:qwen2" if args.modality == "text" else "tiny:qwen_image")
+    if args.fully_async_staleness:
+        compare_fully_async(args, [float(x) for x in args.fully_async_staleness.split(",")])
+        return
     modes = args.modes.split(",")
     if unknown := set(modes) - set(MODE_OVERRIDES):
         p.error(f"--modes: unknown {sorted(unknown)}; choose from {', '.join(MODE_OVERRIDES)}")

@@ -12,6 +12,7 @@ from helpers import score_on_one_worker
 from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
 from omni_async.trainer.loop import FlowGRPOTrainer
+from omni_async.trainer.strategies import fully_async_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_REWARDS = str(ROOT / "tests/reward/rewards_for_tests.py")
@@ -71,11 +72,19 @@ def test_text_stream_scores_land_on_last_token_and_match_sync(arith, tmp_path):
         close(sync)
 
 
+# Fully async at staleness 1 on rollout replicas of their own (split layout): an update = the lock-step step's 4 prompts.
+FULLY_ASYNC_1 = ["actor_rollout_ref.hybrid_engine=false", *fully_async_overrides(1), "async_training.require_batches=2",
+                 "async_training.partial_rollout=false"]
+
+
 @pytest.mark.slow
-def test_text_grpo_learns_a_format_reward(arith, tmp_path):
+@pytest.mark.parametrize("mode", [[], FULLY_ASYNC_1], ids=["on_policy", "fully_async_staleness_1"])
+def test_text_grpo_learns_a_format_reward(arith, tmp_path, mode):
     """Digits share of the response (a random tiny LM emits a digit ~4% of the time): measured 0.05 -> 0.49 over
-    20 steps with these settings (0.99 after 40); per-step noise of the mean is ~0.01, the margin is 0.15."""
-    trainer = make(arith, tmp_path, *DIGITS, "trainer.total_training_steps=20", "trainer.log_image_freq=-1")
+    20 steps with these settings (0.99 after 40); per-step noise of the mean is ~0.01, the margin is 0.15. Fully
+    async at staleness 1 (every update trains on samples of the weights one update old at most) must clear the same
+    margin."""
+    trainer = make(arith, tmp_path, *DIGITS, "trainer.total_training_steps=20", "trainer.log_image_freq=-1", *mode)
     try:
         trainer.fit()
     finally:

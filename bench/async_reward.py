@@ -260,15 +260,16 @@ def bounds(p: dict, minibatches: int, shared_devices: bool = False) -> dict[str,
             "all": overlapped}
 
 
-def fully_async_bound(r: dict, in_flight_samples: float, step_samples: int) -> dict[str, float]:
-    """A row's throughput bounds from its own run, samples/s (the issue's two, the smaller is the bound):
+def fully_async_bound(r: dict, in_flight_samples: float, step_samples: int, capacity: int = 0) -> dict[str, float]:
+    """A row's throughput bounds from its own run, samples/s (the smallest is the bound):
 
     - latency-bound: samples in flight / (judge latency + generation + update), with the generation and update
       time of one step's samples (for the lock-step modes ``timing_s/gen`` and ``timing_s/update_actor``; for
       fully async the pools' busy time per step's worth of samples);
     - device-bound: samples / max(rollout busy s, trainer busy s) when the two pools are separate (disaggregated),
       samples / (rollout busy s + trainer busy s) / devices when both jobs share the devices (hybrid: generation
-      and update take turns on each device).
+      and update take turns on each device);
+    - judge-bound (``--scorer-capacity`` > 0): capacity / mean judge latency, the judge's own throughput.
     """
     n = r["samples"]
     gen = r["rollout_busy_s"] / n * step_samples
@@ -278,8 +279,9 @@ def fully_async_bound(r: dict, in_flight_samples: float, step_samples: int) -> d
         device = n / max(r["rollout_busy_s"], r["trainer_busy_s"])
     else:  # hybrid: each of the 2 devices generates and updates in turn, its half of the samples
         device = n / (r["rollout_busy_s"] / 2 + r["trainer_busy_s"])
-    return {"latency_bound": latency, "device_bound": device, "bound": min(latency, device),
-            "in_flight_samples": in_flight_samples}
+    judge = capacity / r["latency_mean_s"] if capacity > 0 else None
+    return {"latency_bound": latency, "device_bound": device, "judge_bound": judge,
+            "bound": min(latency, device, judge if judge is not None else latency), "in_flight_samples": in_flight_samples}
 
 
 def compare_fully_async(args, staleness: list[float]) -> None:
@@ -313,7 +315,7 @@ def compare_fully_async(args, staleness: list[float]) -> None:
                                             "reward_model": {"ground_truth": f"WORD{i}"}}) + "\n" for i in range(256)))
         for name, (a, overrides, in_flight) in rows.items():
             results[name] = run_mode(name.replace(" ", "_").replace("=", ""), overrides, a, data, Path(tmp) / "runs")
-            results[name].update(fully_async_bound(results[name], in_flight, step_samples))
+            results[name].update(fully_async_bound(results[name], in_flight, step_samples, args.scorer_capacity))
     load["after"] = os.getloadavg()
     base = results["hybrid one-step-off"]["samples_per_s"]
     for r in results.values():
@@ -323,11 +325,12 @@ def compare_fully_async(args, staleness: list[float]) -> None:
                                           "wall_s": time.time() - t0}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
-    print(f"\n{'row':24s} {'samples/s':>9s} {'x 1-off':>7s} {'bound/s':>8s} {'lat.b':>6s} {'dev.b':>6s} "
+    print(f"\n{'row':24s} {'samples/s':>9s} {'x 1-off':>7s} {'bound/s':>8s} {'lat.b':>6s} {'dev.b':>6s} {'judge':>6s} "
           f"{'rollout':>7s} {'trainer':>7s} {'lag max':>7s}")
     for name, r in results.items():
         print(f"{name:24s} {r['samples_per_s']:9.2f} {r['x_one_step_off']:7.2f} {r['bound']:8.2f} "
-              f"{r['latency_bound']:6.2f} {r['device_bound']:6.2f} {r['busy_fraction']['rollout']:7.2f} "
+              f"{r['latency_bound']:6.2f} {r['device_bound']:6.2f} {r['judge_bound'] or float('inf'):6.2f} "
+              f"{r['busy_fraction']['rollout']:7.2f} "
               f"{r['busy_fraction']['trainer']:7.2f} "
               f"{r['timing'].get('training/off_policy/trajectory_staleness/max', 0.0):7.1f}")
     print(f"\nwritten: {args.out}")

@@ -5,9 +5,10 @@ OCR task. Deterministic for a given --seed. Usage:
 
     python examples/data/prepare_ocr_prompts.py --out-dir data/ocr [--num-train 64 --num-val 16 --format jsonl]
 
-``--vocab tiny_text`` writes prompts in the vocabulary of ``tiny:qwen_image_text`` instead (the CPU default of
-the main job): its template (``Text "K47"``) over 2- and 3-character words of its alphabet; train rows from the
-words it was pre-trained on, validation rows from the words it never saw (``prompts.json``'s ``val``).
+``--vocab tiny_text_bimodal`` writes prompts in the vocabulary of ``tiny:qwen_image_text_bimodal`` instead (the CPU
+default of the main job): its template (``Text "K4"``) over the 2-character words of its alphabet; train rows from
+the words it was pre-trained on, validation rows from the words it never saw (``prompts.json``'s ``val``).
+``--vocab tiny_text`` does the same for ``tiny:qwen_image_text`` (2- and 3-character words).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import json
 import random
 from pathlib import Path
 
-TINY_TEXT_META = Path(__file__).resolve().parents[2] / "omni_async/models/weights/tiny_qwen_image_text/prompts.json"
+_WEIGHTS = Path(__file__).resolve().parents[2] / "omni_async/models/weights"
+# --vocab name -> the shipped renderer whose prompts.json (template, alphabet, word lengths, held-out words) it uses
+TINY_VOCABS = {"tiny_text": _WEIGHTS / "tiny_qwen_image_text/prompts.json",
+               "tiny_text_bimodal": _WEIGHTS / "tiny_qwen_image_text_bimodal/prompts.json"}
 
 WORDS = ["HELLO", "OPEN", "CAFE", "SALE", "EXIT", "STOP", "RL", "FLOW", "GRPO", "RAY", "TEXT", "SIGN",
          "PIZZA", "BOOKS", "TRAIN", "LUCKY", "NORTH", "SOUTH", "DREAM", "SHOP"]
@@ -44,12 +48,12 @@ def make_rows(n: int, rng: random.Random, split: str) -> list[dict]:
 
 
 def make_tiny_text_rows(n: int, rng: random.Random, split: str, meta: dict) -> list[dict]:
-    """Rows for ``tiny:qwen_image_text``: its pre-training words for ``train``, its held-out words for ``val``."""
+    """Rows for a shipped tiny text renderer: its pre-training words for ``train``, its held-out words for ``val``."""
     held_out = set(meta["val"])
     if split == "val":
         pool = sorted(held_out)
     else:
-        pool = ["".join(p) for k in (2, 3) for p in itertools.product(meta["alphabet"], repeat=k)]
+        pool = ["".join(p) for k in meta["lengths"] for p in itertools.product(meta["alphabet"], repeat=k)]
         pool = [w for w in pool if w not in held_out]
     return [{"prompt": meta["template"].format(text=w), "data_source": "ocr",
              "reward_model": {"ground_truth": w, "style": "rule"}, "extra_info": {"split": split, "index": i}}
@@ -73,8 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-val", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
-    ap.add_argument("--vocab", choices=["scenes", "tiny_text"], default="scenes",
-                    help="scenes: sign/banner scenes with words; tiny_text: tiny:qwen_image_text's strings")
+    ap.add_argument("--vocab", choices=["scenes", *TINY_VOCABS], default="scenes",
+                    help="scenes: sign/banner scenes with words; tiny_text_bimodal / tiny_text: the strings of "
+                         "tiny:qwen_image_text_bimodal / tiny:qwen_image_text")
     args = ap.parse_args(argv)
 
     out = Path(args.out_dir)
@@ -82,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(args.seed)
     for split, n in (("train", args.num_train), ("val", args.num_val)):
         path = out / f"{split}.{args.format}"
-        if args.vocab == "tiny_text":
-            rows = make_tiny_text_rows(n, rng, split, json.loads(TINY_TEXT_META.read_text()))
+        if args.vocab in TINY_VOCABS:
+            rows = make_tiny_text_rows(n, rng, split, json.loads(TINY_VOCABS[args.vocab].read_text()))
         else:
             rows = make_rows(n, rng, split)
         write(rows, path, args.format)

@@ -203,6 +203,7 @@ def encode_prompts(pipe, words: list[str], batch: int = 128) -> tuple[torch.Tens
     embs, masks = [], []
     for i in range(0, len(words), batch):
         e, m = pipe.encode_prompt(prompt=[prompt_of(w) for w in words[i:i + batch]], device="cpu")
+        m = torch.ones(e.shape[:2], dtype=torch.long) if m is None else m  # None when no prompt is padded
         embs.append(e)
         masks.append(m)
     L = max(e.shape[1] for e in embs)
@@ -373,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(out)
     pipe.to(torch.float16).save_pretrained(out)
     (out / "prompts.json").write_text(json.dumps({"template": prompt_of("{text}"), "alphabet": ALPHABET,
-                                                  "height": HEIGHT, "width": WIDTH,
+                                                  "lengths": [2, 3], "height": HEIGHT, "width": WIDTH,
                                                   "val": val_words}, indent=0) + "\n")
     t_total = time.time() - t_start
     log(f"time: vae+latents {t_vae:.0f}s, transformer {t_dit:.0f}s, total {t_total:.0f}s")

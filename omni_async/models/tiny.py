@@ -13,6 +13,7 @@ model.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -160,16 +161,47 @@ def build_qwen_image(out: Path) -> None:
     pipe.save_pretrained(out)
 
 
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+# tiny:<name> -> the directory under WEIGHTS_DIR its pre-trained weights ship in
+SHIPPED = {"qwen_image_text": "tiny_qwen_image_text", "qwen_image_text_bimodal": "tiny_qwen_image_text_bimodal"}
+
+
+def _copy_shipped(name: str, out: Path) -> None:
+    src = WEIGHTS_DIR / SHIPPED[name]
+    if not (src / "model_index.json").exists():
+        raise FileNotFoundError(f"{src} is missing; the script named in models/tiny.py's builder for it makes it")
+    shutil.copytree(src, out, dirs_exist_ok=True)
+
+
+def _shipped_digest(name: str) -> str:
+    """A short hash of a shipped model's files: its cache entry follows the weights when they are re-made."""
+    h = hashlib.sha256()
+    src = WEIGHTS_DIR / SHIPPED[name]
+    for f in sorted(p for p in src.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(src)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def build_qwen_image_text(out: Path) -> None:
     """Qwen-Image (same classes as ``build_qwen_image``) pre-trained to draw short strings such as ``Text "K47"``.
 
     Not built here: the weights ship in ``models/weights/tiny_qwen_image_text`` (made, and reproducible, by
     ``examples/pretrain/tiny_text_renderer.py``; its ``prompts.json`` lists the held-out strings). 64x64 images.
+    Every sample is partially legible in the same way; FlowGRPO did not raise its OCR reward on CPU
+    (``bench/results/ocr_learning_cpu.json``): kept as the control for ``tiny:qwen_image_text_bimodal``.
     """
-    src = Path(__file__).parent / "weights" / "tiny_qwen_image_text"
-    if not (src / "model_index.json").exists():
-        raise FileNotFoundError(f"{src} is missing; run examples/pretrain/tiny_text_renderer.py to make it")
-    shutil.copytree(src, out, dirs_exist_ok=True)
+    _copy_shipped("qwen_image_text", out)
+
+
+def build_qwen_image_text_bimodal(out: Path) -> None:
+    """Qwen-Image pre-trained to draw 2-character strings (``Text "K4"``) legibly or, with the same prompt, faint and
+    blurred (PP-OCR reads nothing), about half each: the noise picks the mode, so the OCR reward is hit-or-miss.
+
+    Shipped in ``models/weights/tiny_qwen_image_text_bimodal``, made by ``examples/pretrain/tiny_bimodal_renderer.py``
+    (its ``prompts.json`` lists the held-out strings). 64x64 images. The main job's CPU default.
+    """
+    _copy_shipped("qwen_image_text_bimodal", out)
 
 
 def build_sd3(out: Path) -> None:
@@ -321,6 +353,7 @@ def build_qwen2(out: Path) -> None:
 TINY_BUILDERS: dict[str, Callable[[Path], None]] = {
     "qwen_image": build_qwen_image,
     "qwen_image_text": build_qwen_image_text,
+    "qwen_image_text_bimodal": build_qwen_image_text_bimodal,
     "sd3": build_sd3,
     "wan": build_wan,
     "wan22": build_wan22,
@@ -348,7 +381,8 @@ def resolve_model_path(name_or_path: str) -> str:
             f"unknown tiny model {name_or_path!r}; choose one of "
             f"{', '.join(TINY_PREFIX + n for n in TINY_BUILDERS)} or give a local path"
         )
-    target = cache_root() / "tiny" / f"{name}-{_BUILD_VERSION}"
+    version = f"{_BUILD_VERSION}-{_shipped_digest(name)}" if name in SHIPPED else _BUILD_VERSION
+    target = cache_root() / "tiny" / f"{name}-{version}"
     if (target / ".complete").exists():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -54,8 +54,19 @@ ILLEGIBLE_FILL = (205, 225)  # faint grey ...
 ILLEGIBLE_BLUR = (3.0, 4.0)  # ... and blurred (Gaussian sigma, px): PP-OCR reads nothing
 ILLEGIBLE_SHARE = 0.5
 SEED = 0
-RUN_TIME = "to be measured"
-MEASURED = "to be measured"
+RUN_TIME = (
+    "shipped weights (defaults, 1 thread on a 2-core box shared with other jobs, load varying): first run, VAE 400 "
+    "steps 1269 s + latents of 2832 renders 157 s; the second run (the shipped weights) reused both from --work "
+    "(71 s to load and check them) and trained the transformer, 1800 steps, in 696 s: 768 s in all (~36 min from "
+    "scratch), plus 215 s of evaluation"
+)
+MEASURED = (
+    "VAE reconstructions of clean middle-valued renders of the held-out words: OCR 0.947 legible, 0.000 illegible. "
+    "Saved pipeline, 10 steps, 19 held-out words x 4 seeds: ODE mean 0.309 (share >= 0.9: 0.171, <= 0.1: 0.553, "
+    "5-bin histogram [42, 0, 21, 0, 13], within-word std 0.298), SDE (noise 0.7 on all steps) 0.375 (0.289 / 0.539); "
+    "19 training words x 4 seeds: ODE 0.401 (0.276 / 0.474, histogram [36, 0, 19, 0, 21], within-word std 0.314), "
+    "SDE 0.368 (0.250 / 0.513). Bimodal: a read is all, one of the two characters (0.5), or nothing"
+)
 
 
 def all_words() -> tuple[list[str], list[str]]:
@@ -240,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=16)
     ap.add_argument("--variants", type=int, default=16, help="renders per training word, half of them illegible")
-    ap.add_argument("--eval-seeds", type=int, default=8, help="samples per word in the evaluation (a GRPO group)")
+    ap.add_argument("--eval-seeds", type=int, default=4, help="samples per word in the evaluation (a GRPO group)")
     ap.add_argument("--threads", type=int, default=1,
                     help="1 is ~7x faster than 2 on a shared 2-core box (OpenMP spin-waits under contention)")
     args = ap.parse_args(argv)

@@ -5,12 +5,15 @@
 # the batch generates; when rollout returns the batch already holds rm_scores and the trainer skips its
 # colocated reward phase.
 #
-# With no arguments, on a CPU box: LoRA-trains tiny:qwen_image_text (a tiny Qwen-Image pre-trained in the repo to
-# draw short strings such as Text "K47", partially legibly) on prompts in its vocabulary, with a dedicated
-# (logical) reward device running PP-OCR, for 20 steps (about 2-3 min on 2 CPU cores); the run writes
-# plots/reward.png (reward per step, validation before training and every 5 steps) and sample grids, and prints
-# the run directory. The OCR reward is real and varies within groups, so gradients flow, but it does not rise
-# measurably within a CPU budget (README, "The main job on CPU": measured, with the numbers). On GPUs, point it at real weights and size the pools with env
+# With no arguments, on a CPU box: LoRA-trains tiny:qwen_image_text_bimodal (a tiny Qwen-Image shipped in the repo
+# that draws short strings such as Text "K4" legibly or, for the same prompt, too faint for OCR, about half each) on
+# prompts in its vocabulary, with a dedicated (logical) reward device running PP-OCR, for 20 steps of 8 prompts x 8
+# samples (7-8 min measured on 2 CPU cores shared with other jobs); the OCR reward rises as the policy moves samples
+# to the legible mode (README, "The main job on CPU": measured curves). The run writes plots/reward.png (reward per
+# step, validation on the held-out words before training and every 10 steps) and sample grids, and prints the run
+# directory.
+# MODEL_PATH=tiny:qwen_image_text runs the same recipe on the previous renderer, whose reward did not rise. On GPUs,
+# point it at real weights and size the pools with env
 # variables (the VeRL-Omni async-reward layout: 4 actor/rollout GPUs + 1 reward GPU):
 #   MODEL_PATH=/models/Qwen-Image NUM_GPUS_ACTOR_ROLLOUT=4 NUM_GPUS_REWARD=1 bash examples/run_qwen_image_ocr_async_reward.sh
 # PP-OCR reads on the reward GPU when onnxruntime has CUDA (pip uninstall -y onnxruntime && pip install
@@ -21,8 +24,9 @@
 # true CFG 4 (CFG); each is an env variable or a Hydra override. One hybrid worker per actor GPU; each optimizer
 # step takes 2 prompts (groups) per actor GPU (MINI_BATCH, default 2 x NUM_GPUS_ACTOR_ROLLOUT x NNODES: a group is
 # never split across GPUs, so fewer groups than GPUs would leave GPUs idle; BATCH is rounded up to a multiple).
-# Also: LR, LORA_RANK, LORA_ALPHA, NOISE_LEVEL, VAL_FREQ (validation every N steps), VOCAB (scenes | tiny_text:
-# the prompt set examples/data/prepare_ocr_prompts.py writes into DATA_DIR when it has no train.jsonl).
+# Also: LR, LORA_RANK, LORA_ALPHA, NOISE_LEVEL, VAL_FREQ (validation every N steps), STEPS, BATCH, GROUP; on the
+# tiny renderers WINDOW_SIZE, WINDOW_RANGE, NUM_VAL; VOCAB (scenes | tiny_text_bimodal | tiny_text: the prompt set
+# examples/data/prepare_ocr_prompts.py writes into DATA_DIR when it has no train.jsonl).
 # Extra Hydra overrides pass through, e.g. the colocated comparison:
 #   bash examples/run_qwen_image_ocr_async_reward.sh reward.reward_model.enable_resource_pool=False
 # or the sync baseline: ... reward.streaming=false
@@ -73,15 +77,16 @@ if [[ "$MODEL_PATH" == tiny:qwen_image_text* ]]; then
   # still decides whether the text comes out legible (README, "The main job on CPU").
   [[ "$MODEL_PATH" == tiny:qwen_image_text ]] && VOCAB="${VOCAB:-tiny_text}"
   VOCAB="${VOCAB:-tiny_text_bimodal}"
-  STEPS="${STEPS:-30}"
-  BATCH="${BATCH:-4}"
+  STEPS="${STEPS:-20}"
+  BATCH="${BATCH:-8}"
   GROUP="${GROUP:-8}"
-  LR="${LR:-1e-3}"
+  LR="${LR:-2e-3}"
   NOISE_LEVEL="${NOISE_LEVEL:-0.7}"
   VAL_FREQ="${VAL_FREQ:-10}"
   NUM_VAL="${NUM_VAL:-19}"
   CPU_RECIPE=(trainer.val_before_train=True data.val_batch_size="$NUM_VAL"
-              "actor_rollout_ref.rollout.algo.sde_window_range=${WINDOW_RANGE:-[0,2]}")
+              actor_rollout_ref.rollout.algo.sde_window_size="${WINDOW_SIZE:-4}"
+              "actor_rollout_ref.rollout.algo.sde_window_range=${WINDOW_RANGE:-[0,4]}")
 elif [[ "$MODEL_PATH" == tiny:* ]]; then
   VOCAB="${VOCAB:-scenes}"
   STEPS="${STEPS:-4}"

@@ -94,27 +94,3 @@ def test_qwen_image_ocr_smoke(tmp_path, data_dir):
                           "trainer.total_training_steps=1")
     assert metrics[0]["reward/failed"] == 0
     assert 0.0 <= metrics[0]["critic/rewards/mean"] <= 1.0
-
-
-@pytest.mark.slow
-def test_main_job_script_short_variant(tmp_path):
-    """The main job's CPU default (tiny:qwen_image_text, LoRA, PP-OCR on the reward pool), one step of 2 prompts x 4:
-    validation before training and after the step, a real OCR signal (the issue-17 symptom was every reward 0,
-    every group's std 0, no gradient), the reward curve written."""
-    env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(tmp_path / "data"), "RUN_DIR": str(tmp_path / "run"),
-           "STEPS": "1", "BATCH": "2", "GROUP": "4", "VAL_FREQ": "1"}
-    proc = subprocess.run(["bash", str(ROOT / "examples/run_qwen_image_ocr_async_reward.sh"), "trainer.logger=[jsonl]"],
-                          capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "run directory:" in proc.stdout
-    rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1] and val_reward(rows[0]) is not None and val_reward(rows[1]) is not None
-    step = rows[1]
-    # The main job streams to a dedicated reward pool: no colocated reward phase, every sample through the queue.
-    # (the queue's counter is cumulative: 8 validation samples before training, then the step's 8)
-    assert step["timing_s/reward"] == 0.0 and step["reward_queue/total_consumed"] == 16
-    assert step["reward/failed"] == 0
-    # Partially legible strings: OCR reads some characters, groups differ within, so the policy gradient is not 0.
-    assert 0.05 < step["critic/rewards/mean"] < 0.95 and step["critic/rewards/zero_std_ratio"] < 1.0, step
-    assert step["actor/grad_norm"] > 0
-    assert (tmp_path / "run/plots/reward.png").exists() and (tmp_path / "run/samples/step_0001.png").exists()

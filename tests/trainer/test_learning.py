@@ -97,8 +97,9 @@ def test_main_job_learns_ocr_on_the_bimodal_renderer(tmp_path):
     step rose by +0.297 / +0.195 / +0.203 over seeds 42 / 2 / 3. Validation reuses the same seeds and the ODE, so at
     a fixed policy it does not move at all (0.368 at every validation of the lr-0 run); here 0.368 -> 0.737
     (+0.368); with these settings over seeds 42 / 2 / 3 it rose by +0.13 to +0.47 at steps 10, 20 and 30. Its
-    margin, 0.05, is two half-read words of the 19 (a word reads 0, 0.5 or 1) and 0.08 below the smallest measured
-    rise. 169 s here (load average 6-13).
+    margin, 0.05, is about two half-read words of the 19 (a word reads 0, 0.5 or 1) and 0.08 below the smallest measured
+    rise. Run on the previous renderer (MODEL_PATH=tiny:qwen_image_text), the same test fails: training 0.347 ->
+    0.396 (+0.049), validation 0.386 -> 0.333. 169 s here (load average 6-13).
     """
     env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(tmp_path / "data"), "RUN_DIR": str(tmp_path / "run"),
            "BATCH": "4", "STEPS": str(OCR_STEPS), "VAL_FREQ": str(OCR_STEPS)}

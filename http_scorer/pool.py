@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from http_scorer.budget import return_freed_memory_to_os
+from http_scorer.budget import tune_allocator
 from http_scorer.metrics import ScorerProcessMetrics, new_dir, process_gone, remove_dir, use_dir
 from http_scorer.protocol import BadRequest, Limits, decode_item
 from http_scorer.scorers import load_scorer, max_batch, max_side, needs_target, normalize
@@ -52,7 +52,7 @@ Outcome = tuple
 
 
 def _worker_main(conn, spec: str, limits: Limits, metrics_dir: str) -> None:
-    return_freed_memory_to_os()
+    tune_allocator()
     use_dir(metrics_dir)
     try:
         scorer = load_scorer(spec)

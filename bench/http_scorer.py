@@ -21,6 +21,7 @@ import asyncio
 import base64
 import io
 import json
+import os
 import re
 import socket
 import statistics
@@ -119,6 +120,9 @@ def main() -> None:
     p.add_argument("--judge-seconds", type=float, default=10.0, help="--reference: load time per side and round")
     p.add_argument("--ocr-seconds", type=float, default=30.0, help="--reference: load time per side and round")
     p.add_argument("--settle-s", type=float, default=3.0, help="--reference: completions before this are not counted")
+    p.add_argument("--together", action="store_true",
+                   help="--reference: run each of our sides at the same time as the reference (32 clients each), "
+                        "so both see the same background load; for a busy shared machine")
     p.add_argument("--ours-args", default="", help="--reference: extra flags for our server")
     p.add_argument("--before-tree", default=None,
                    help="--reference: a checkout of an earlier commit, served as side 'before' (add it to --sides)")
@@ -132,6 +136,7 @@ def main() -> None:
     args.out = args.out or ROOT / "bench/results/http_scorer.json"
     image = png_b64("HELLO 42")
     results = {}
+    loadavg_start = os.getloadavg()
     for scorer in args.scorers.split(","):
         proc, url = start(scorer, args)
         try:
@@ -150,7 +155,8 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=10)
-    report = {"scorers": results, "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    report = {"scorers": results, "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "machine": {"cpus": os.cpu_count(), "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(f"{'scorer':8s} {'req/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s} {'batch':>6s} {'errors':>6s}")
@@ -202,6 +208,7 @@ def memory(args) -> None:
     Image.fromarray(np.zeros((4000, 4000, 3), np.uint8)).save(buf, format="PNG")
     png = base64.b64encode(buf.getvalue()).decode()
     results = {}
+    loadavg_start = os.getloadavg()
     for scorer, per_request in (("ocr_sized_scorer", 16), ("full_size_scorer", 4)):
         proc, url = start(f"bench.http_scorer:{scorer}", args)
         try:
@@ -222,7 +229,8 @@ def memory(args) -> None:
             proc.wait(timeout=10)
     out = args.out or ROOT / "bench/results/http_scorer_memory.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"scenarios": results}, indent=1))
+    out.write_text(json.dumps({"scenarios": results, "machine": {"cpus": os.cpu_count(), "loadavg_start": loadavg_start,
+                                                                 "loadavg_end": os.getloadavg()}}, indent=1))
     for name, r in results.items():
         print(f"{name}: {r['responses']} in {r['wall_s']:.1f}s; RSS {r['rss_baseline_mb']:.0f} -> peak "
               f"{r['rss_peak_mb']:.0f} MB (after {r['rss_after_mb']:.0f}); budget {r['max_inflight_pixels']} px; "

@@ -2,11 +2,13 @@
 
 The reference (``bench/reference_server.py``) is a Flask app under gunicorn sync workers, pickle in and out, one
 scorer call per request -- what flow_grpo's reward servers are. Both servers run the same scorer function with the
-same number of processes (``--workers``), on this machine, at the same time (only one is loaded at a time); the
-load is ``--concurrency`` closed-loop clients, each sending one 512x512 JPEG per request and the next as soon as
-the answer comes. Rounds alternate the order (ours, ref / ref, ours, ...) so that both sides see the same
-background load on a shared machine; each side's figure is the median over rounds, and the ratio is taken per
-round (ours / the reference measured next to it) and its median reported.
+same number of processes (``--workers``), on this machine, both started at once; the load is ``--concurrency``
+closed-loop clients, each sending one 512x512 JPEG per request and the next as soon as the answer comes. By
+default one server is loaded at a time and rounds alternate the order (ours, ref / ref, ours, ...); with
+``--together`` each of our sides is loaded at the same time as the reference (``--concurrency`` clients each),
+so both see the same background load at every instant -- on a shared machine whose load swings within seconds,
+back-to-back runs do not. Each side's figure is the median over rounds, and the ratio is taken per round (ours /
+the reference measured next to it, or with it) and its median reported.
 
 Per side and round: images/s over the measured window (completions after ``--settle-s``, until the deadline),
 p50 / p99 latency, the servers' CPU seconds per image (all their processes, from /proc), the client's CPU seconds
@@ -121,13 +123,18 @@ class Served:
                               and c.laddr.port == self.port))
         return sorted(counts, reverse=True)
 
-    def scorer_seconds(self) -> float | None:
-        """Seconds our scorer processes spent decoding and scoring so far (their /metrics), None for the reference."""
+    def scorer_counters(self) -> tuple[float, float, float] | None:
+        """Our server's (seconds its scorer processes spent decoding and scoring, scorer calls, items in them) so
+        far, from /metrics; None for the reference (and for a tree without the scorer processes' metrics)."""
         if self.name == "reference":
             return None
         text = httpx.get(f"{self.url}/metrics", timeout=30).text
-        found = re.findall(r'^scorer_process_seconds_sum\{stage="\w+"\} (\S+)$', text, re.M)
-        return sum(float(x) for x in found) if found else None
+        inside = re.findall(r'^scorer_process_seconds_sum\{stage="\w+"\} (\S+)$', text, re.M)
+        calls = re.search(r"^scorer_batch_size_count (\S+)$", text, re.M)
+        items = re.search(r"^scorer_batch_size_sum (\S+)$", text, re.M)
+        if not inside or not calls or not items:
+            return None
+        return sum(float(x) for x in inside), float(calls.group(1)), float(items.group(1))
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -237,11 +244,11 @@ async def drive(server: Served, request: tuple[str, bytes, dict], concurrency: i
                 await asyncio.sleep(max(0.0, t0 + frac * seconds - time.perf_counter()))
                 conn_samples.append(server.connections())
 
-        cpu0, client0, inside0 = server.cpu_by_process(), time.process_time(), server.scorer_seconds()
+        cpu0, client0, inside0 = server.cpu_by_process(), time.process_time(), server.scorer_counters()
         sampler = asyncio.create_task(sample_connections())
         await asyncio.gather(*(one_client(c) for c in conns))
         await sampler
-        cpu1, client1, inside1 = server.cpu_by_process(), time.process_time(), server.scorer_seconds()
+        cpu1, client1, inside1 = server.cpu_by_process(), time.process_time(), server.scorer_counters()
         wall = time.perf_counter() - t0
     finally:
         for c in conns:
@@ -258,10 +265,21 @@ async def drive(server: Served, request: tuple[str, bytes, dict], concurrency: i
             # our server only: the share of the run its scorer processes spent decoding and scoring (the rest is
             # waiting for work or for the CPU); from their own metrics
             "scorer_processes_busy": (None if inside0 is None or inside1 is None
-                                      else round((inside1 - inside0) / wall / server.workers, 3)),
+                                      else round((inside1[0] - inside0[0]) / wall / server.workers, 3)),
+            "mean_batch": (None if inside0 is None or inside1 is None or inside1[1] == inside0[1]
+                           else round((inside1[2] - inside0[2]) / (inside1[1] - inside0[1]), 2)),
             "server_cores_busy_by_process": sorted((round((cpu1[p] - cpu0.get(p, 0.0)) / wall, 2) for p in cpu1),
                                                    reverse=True),
             "connections_per_process": conn_samples}
+
+
+async def drive_together(plans: list[tuple[Served, tuple]], concurrency: int, seconds: float,
+                         settle_s: float) -> list[dict]:
+    """Load several servers at the same time, ``concurrency`` clients each: they share the machine's background
+    load at every instant, so their ratio holds on a busy shared machine where back-to-back runs do not.
+    (``client_cpu_s_per_image`` then counts the one client process's CPU for both.)"""
+    return list(await asyncio.gather(*(drive(server, request, concurrency, seconds, settle_s)
+                                       for server, request in plans)))
 
 
 def warm(server: Served, request, n: int) -> None:
@@ -276,6 +294,15 @@ def warm(server: Served, request, n: int) -> None:
                 if bad:
                     raise RuntimeError(f"{server.name} warm-up: {bad[0].status_code} {bad[0].text[:300]}")
     asyncio.run(go())
+
+
+def record(rounds: dict[str, list[dict]], scenario: str, r: int, side: str, res: dict) -> None:
+    res["round"], res["loadavg"] = r, os.getloadavg()[0]
+    rounds[side].append(res)
+    print(f"{scenario:5s} round {r} {side:12s} {res['images_per_s']:7.1f} img/s  p50 {res['p50_ms']:7.0f} ms  "
+          f"server cpu {res['server_cpu_s_per_image'] * 1000:6.1f} ms/img  conns {res['connections_per_process'][1]}  "
+          f"cores {res['server_cores_busy_by_process']}  scorer busy {res['scorer_processes_busy']}  "
+          f"batch {res['mean_batch']}  errors {res['errors']}", flush=True)
 
 
 def compare(args) -> None:
@@ -298,17 +325,23 @@ def compare(args) -> None:
             for server, request in plan.values():
                 warm(server, request, 4 * args.workers)
             rounds: dict[str, list[dict]] = {side: [] for side in sides}
+            ratios: dict[str, list[float]] = {side: [] for side in sides if side != "reference"}
+
             for r in range(args.rounds):
-                order = sides if r % 2 == 0 else sides[::-1]
-                for side in order:
+                if args.together:  # each of our sides at the same time as the reference, 32 clients each
+                    for side in ratios:
+                        ours, ref = asyncio.run(drive_together([plan[side], plan["reference"]], args.concurrency,
+                                                               seconds, args.settle_s))
+                        record(rounds, scenario, r, side, ours)
+                        record(rounds, scenario, r, "reference", ref)
+                        ratios[side].append(ours["images_per_s"] / ref["images_per_s"])
+                    continue
+                for side in sides if r % 2 == 0 else sides[::-1]:
                     server, request = plan[side]
-                    res = asyncio.run(drive(server, request, args.concurrency, seconds, args.settle_s))
-                    res["round"], res["loadavg"] = r, os.getloadavg()[0]
-                    rounds[side].append(res)
-                    print(f"{scenario:5s} round {r} {side:12s} {res['images_per_s']:7.1f} img/s  p50 "
-                          f"{res['p50_ms']:7.0f} ms  server cpu {res['server_cpu_s_per_image'] * 1000:6.1f} "
-                          f"ms/img  conns {res['connections_per_process'][1]}  cores {res['server_cores_busy_by_process']}"
-                          f"  scorer busy {res['scorer_processes_busy']}  errors {res['errors']}", flush=True)
+                    record(rounds, scenario, r, side, asyncio.run(drive(server, request, args.concurrency, seconds, args.settle_s)))
+            if not args.together and "reference" in rounds:
+                ratios = {side: [a["images_per_s"] / b["images_per_s"]
+                                 for a, b in zip(rounds[side], rounds["reference"], strict=True)] for side in ratios}
             summary = {}
             for side, rs in rounds.items():
                 summary[side] = {"images_per_s_median": statistics.median(x["images_per_s"] for x in rs),
@@ -317,11 +350,9 @@ def compare(args) -> None:
                                  "server_cpu_ms_per_image_median": 1000 * statistics.median(
                                      x["server_cpu_s_per_image"] for x in rs),
                                  "rounds": rs}
-            ratios = {side: [a["images_per_s"] / b["images_per_s"] for a, b in zip(rounds[side], rounds["reference"],
-                                                                                     strict=True)]
-                      for side in sides if side != "reference" and "reference" in rounds}
             report["scenarios"][scenario] = {
-                "scorer": scorer, "seconds_per_side_and_round": seconds, "sides": summary,
+                "scorer": scorer, "seconds_per_side_and_round": seconds, "together": bool(args.together),
+                "sides": summary,
                 "ratio_to_reference_per_round": ratios,
                 "ratio_to_reference_median": {k: statistics.median(v) for k, v in ratios.items()}}
         finally:
@@ -339,12 +370,14 @@ def compare(args) -> None:
 def markdown_table(report: dict) -> str:
     """The README's table, from the JSON this writes (``python -c`` it on a saved report to redo the table)."""
     rows = ["| scenario | side | images/s (median) | × reference (median of rounds) | per round | p50 ms | "
-            "server CPU ms/image |", "|---|---|---|---|---|---|---|"]
+            "server CPU ms/image | load avg per round |", "|---|---|---|---|---|---|---|---|"]
     for scenario, sc in report["scenarios"].items():
         for side, s in sc["sides"].items():
             per_round = sc["ratio_to_reference_per_round"].get(side)
+            loads = " / ".join(f"{x['loadavg']:.1f}" for x in s["rounds"])
             rows.append(f"| {scenario} | {side} | {s['images_per_s_median']:.1f} | "
                         f"{sc['ratio_to_reference_median'].get(side, 1.0):.2f} | "
                         f"{' / '.join(f'{r:.2f}' for r in per_round) if per_round else '—'} | "
-                        f"{s['p50_ms_median']:.0f} | {s['server_cpu_ms_per_image_median']:.1f} |")
+                        f"{s['p50_ms_median']:.0f} | {s['server_cpu_ms_per_image_median']:.1f} | "
+                        f"{loads} |")
     return "\n".join(rows)

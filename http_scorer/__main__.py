@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--inflight-wait-s", type=float, default=2.0,
                    help="how long a request waits for budget before it is answered 503")
     s.add_argument("--retry-after-s", type=int, default=1, help="the Retry-After header of a 503")
+    p.formatter_class = argparse.RawDescriptionHelpFormatter  # the epilog below is already formatted
+    p.epilog = s.format_help()  # `python -m http_scorer --help` shows serve's flags and defaults too
     return p
 
 

@@ -1,9 +1,9 @@
 """Scorer processes: the scorer runs in ``--workers`` processes of its own, fed batches from the server's one queue.
 
-Why processes fed from one queue (measured in bench/results/http_scorer_reference.json): with N uvicorn worker
-processes each holding its own batcher, a client's keep-alive connection stays with the process that accepted
-it, and asyncio accepts a burst of connections in whichever process wakes first (32 clients were spread 30/2,
-27/5, 24/8 over 2 processes); items then queue behind their own process's batch while the other may be idle,
+Why processes fed from one queue (measured: bench/results/http_scorer_reference_before.json): with N uvicorn
+worker processes each holding its own batcher, a client's keep-alive connection stays with the process that
+accepted it, and asyncio accepts a burst of connections in whichever process wakes first (32 clients were spread
+26/6 and 20/12 over 2 processes); items then queue behind their own process's batch while the other may be idle,
 and a step's last samples wait for the busiest process. Here the HTTP process keeps one queue, and a batch is
 formed when a scorer process is free, from everything waiting: no process idles while work waits, and a
 GPU-like scorer still gets full batches. Decoding happens in the scorer processes too (in parallel, and off the

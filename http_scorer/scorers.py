@@ -5,7 +5,7 @@ A scorer takes a batch and returns one result per item::
     scorer(images: list[np.ndarray], prompts: list[str], ground_truths: list[str | None], metadata: dict)
         -> list[float | dict]       # a dict needs "score"; its other keys are that item's details
 
-It runs in a worker thread (never on the event loop), one batch at a time per process.
+It runs in a scorer process of the server (pool.py), one batch at a time per process.
 
 Optional attributes on the function tell the server what the scorer needs:
 
@@ -17,8 +17,7 @@ Optional attributes on the function tell the server what the scorer needs:
 - ``max_batch`` (int): the most items one call should get (the server uses the smaller of this and
   ``--max-batch``). A scorer that reads its images one after another gains nothing from a batch: a batch only
   holds every item until its last is scored, and leaves nothing queued for a process that frees up, so it idles
-  while the answers travel and the next requests arrive. ``ocr``: 1 (measured in
-  bench/results/http_scorer_reference.json).
+  while the answers travel and the next requests arrive. ``ocr``: 1.
 """
 
 from __future__ import annotations

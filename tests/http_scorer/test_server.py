@@ -324,10 +324,11 @@ def test_ocr_without_target_text_is_422_and_bare_ground_truth_is_the_target(ocr_
     assert r.status_code == 422 and "prompts[0]" in pickle.loads(r.content)["error"]
 
 
-def test_help_shows_every_flag_with_help_text_and_its_default():
+@pytest.mark.parametrize("command", [["serve", "--help"], ["--help"]])
+def test_help_shows_every_flag_with_help_text_and_its_default(command):
     from http_scorer.__main__ import build_parser
 
-    out = subprocess.run([sys.executable, "-m", "http_scorer", "serve", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "http_scorer", *command], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "HTTP_SCORER_TOKEN": "from-env"})
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())  # argparse wraps lines

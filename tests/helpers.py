@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -111,3 +112,37 @@ def record_trained_uids(ops) -> list[str]:
 
     ops.optimizer_step = recording_step
     return trained
+
+
+def train_step_killing_rollout(trainer, step: int, replica, after_batches: int = 1) -> tuple[dict, list]:
+    """``trainer.train_step(step)`` with rollout worker ``replica`` killed (as kill -9; Ray restarts it) once it has
+    generated ``after_batches`` request batches, i.e. with the rest of its requests in flight. Returns the step's
+    ``(metrics, samples)``."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(trainer.train_step(step)))
+    thread.start()
+    deadline = time.time() + 120
+    while len(ray.get(replica.stats.remote())["batch_sizes"]) < after_batches and time.time() < deadline:
+        time.sleep(0.05)
+    ray.kill(replica, no_restart=False)
+    thread.join(timeout=300)
+    return out[0]
+
+
+def shipped_renderer_policy(tmp_path_factory, name: str):
+    """A module fixture's body: the shipped tiny text renderer ``name`` resolved into an empty cache (the offline
+    route a fresh clone takes) and loaded by ``DiffusionPolicy`` as the OCR example samples it (64², 10 steps, noise
+    0.7, LoRA r4)."""
+    import pytest
+
+    from omni_async.models import tiny
+    from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("OMNI_ASYNC_CACHE", str(tmp_path_factory.mktemp("cache")))
+    try:
+        path = tiny.resolve_model_path(name)
+        yield DiffusionPolicy(path, SamplingConfig(height=64, width=64, num_inference_steps=10, noise_level=0.7),
+                              lora_rank=4, lora_alpha=8)
+    finally:
+        mp.undo()

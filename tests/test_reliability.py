@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import ray
-from helpers import SMALL_IMAGE_TRAINER, record_trained_uids, score_on_one_worker
+from helpers import SMALL_IMAGE_TRAINER, record_trained_uids, score_on_one_worker, train_step_killing_rollout
 
 from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
@@ -42,15 +40,8 @@ def test_rollout_worker_killed_mid_step_regenerates_the_same_samples(tmp_path):
     trained = record_trained_uids(trainer.ops)
     try:
         pid = ray.get(replica.stats.remote())["pid"]
-        out: list = []
-        step = threading.Thread(target=lambda: out.append(trainer.train_step(0)))
-        step.start()
-        deadline = time.time() + 120
-        while not ray.get(replica.stats.remote())["batch_sizes"] and time.time() < deadline:
-            time.sleep(0.05)
-        ray.kill(replica, no_restart=False)  # the process dies with the rest of the batch in flight
-        step.join(timeout=300)
-        metrics, samples = out[0]
+        # the process dies with the rest of the batch in flight
+        metrics, samples = train_step_killing_rollout(trainer, 0, replica)
         assert ray.get(replica.stats.remote())["pid"] != pid  # restarted
         assert metrics["rollout/regenerated"] >= 1
         assert all(s.outcome.ok for s in samples) and len(samples) == 8

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import shipped_renderer_policy
 
 from omni_async.models import tiny
-from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
 from omni_async.reward.scorers.ocr import compute_score
 
 N_WORDS = 12
@@ -18,14 +18,7 @@ N_WORDS = 12
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("OMNI_ASYNC_CACHE", str(tmp_path_factory.mktemp("cache")))
-    try:
-        path = tiny.resolve_model_path("tiny:qwen_image_text")
-        yield DiffusionPolicy(path, SamplingConfig(height=64, width=64, num_inference_steps=10, noise_level=0.7),
-                              lora_rank=4, lora_alpha=8)
-    finally:
-        mp.undo()
+    yield from shipped_renderer_policy(tmp_path_factory, "tiny:qwen_image_text")
 
 
 def held_out_words(policy) -> list[str]:

@@ -7,12 +7,11 @@ Real Ray workers on logical devices; one trainer per test, small models, few ste
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import ray
 import torch
-from helpers import Trainers, record_trained_uids, write_prompts
+from helpers import Trainers, record_trained_uids, train_step_killing_rollout, write_prompts
 
 from omni_async.agent_loop.weight_sync import meta_bytes, plan_buckets
 from omni_async.trainer.config import ConfigError, compose, layout, sync_period_steps, validate
@@ -178,15 +177,7 @@ def test_image_lora_pools_sync_over_the_group_logprobs_match_and_a_killed_worker
     trained = record_trained_uids(t.ops)
     t.ops.recompute_old_log_probs = real
     before = pid(rollout)
-    out: list = []
-    step = threading.Thread(target=lambda: out.append(t.train_step(2)))
-    step.start()
-    deadline = time.time() + 120
-    while len(ray.get(rollout.stats.remote())["batch_sizes"]) < 9 and time.time() < deadline:
-        time.sleep(0.05)
-    ray.kill(rollout, no_restart=False)
-    step.join(timeout=300)
-    metrics, samples = out[0]
+    metrics, samples = train_step_killing_rollout(t, 2, rollout, after_batches=9)
     assert pid(rollout) != before and metrics["rollout/regenerated"] >= 1
     assert {s.version for s in samples} == {2}  # the restarted worker generated with the newest weights
     assert sorted(trained) == sorted(s.uid for s in samples) and all(s.outcome.ok for s in samples)

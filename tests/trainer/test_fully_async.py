@@ -6,13 +6,12 @@ code runs with real rollout workers, reward workers and trainer ranks."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
 import pytest
 import ray
-from helpers import Trainers, record_trained_uids, write_prompts
+from helpers import Trainers, record_trained_uids, train_step_killing_rollout, write_prompts
 
 from omni_async.trainer.config import (
     ConfigError,
@@ -114,16 +113,9 @@ def test_image_run_with_a_slow_trainer_and_a_killed_rollout_worker_stays_in_boun
     # The rollout worker is killed (as kill -9) once its first batch is done: Ray restarts it, it gets the newest
     # weights and the requests it had are generated again, identical (same seed, window and weights version).
     replica = t.placement.rollout_workers[0]
-    out: list = []
-    first = threading.Thread(target=lambda: out.append(t.train_step(0)))
-    first.start()
-    deadline = time.time() + 120
-    while not ray.get(replica.stats.remote())["batch_sizes"] and time.time() < deadline:
-        time.sleep(0.05)
-    ray.kill(replica, no_restart=False)
-    first.join(timeout=300)
-    rows = [out[0][0]]
-    for s in out[0][1]:  # before the first sync (at step 2) the rollout still holds version 0
+    first_metrics, first_samples = train_step_killing_rollout(t, 0, replica)
+    rows = [first_metrics]
+    for s in first_samples:  # before the first sync (at step 2) the rollout still holds version 0
         again = ray.get(replica.generate.remote(s.row.prompt, s.seed, s.window))
         assert again.version == s.version == 0 and np.array_equal(again.result.pixels, s.result.pixels)
     for step in range(1, t.total_steps):

@@ -94,41 +94,65 @@ STEP1_KEYS = ("actor/ratio_mean", "actor/pg_clipfrac_lower")
 
 
 def workload(args, data: Path) -> list[str]:
-    modality = ([f"actor_rollout_ref.rollout.response_length={args.response_length}"] if args.modality == "text" else
-                [f"actor_rollout_ref.rollout.height={args.size}", f"actor_rollout_ref.rollout.width={args.size}",
-                 f"actor_rollout_ref.rollout.num_inference_steps={args.denoise_steps}",
-                 f"actor_rollout_ref.rollout.algo.sde_window_range=[0,{min(5, args.denoise_steps)}]"])
+    modality = (
+        [f"actor_rollout_ref.rollout.response_length={args.response_length}"]
+        if args.modality == "text"
+        else [
+            f"actor_rollout_ref.rollout.height={args.size}",
+            f"actor_rollout_ref.rollout.width={args.size}",
+            f"actor_rollout_ref.rollout.num_inference_steps={args.denoise_steps}",
+            f"actor_rollout_ref.rollout.algo.sde_window_range=[0,{min(5, args.denoise_steps)}]",
+        ]
+    )
     return [
-        *modality, f"data.train_files={data}", "data.shuffle=false", f"actor_rollout_ref.model.path={args.model}",
-        f"data.train_batch_size={args.batch}", f"actor_rollout_ref.rollout.n={args.group}",
+        *modality,
+        f"data.train_files={data}",
+        "data.shuffle=false",
+        f"actor_rollout_ref.model.path={args.model}",
+        f"data.train_batch_size={args.batch}",
+        f"actor_rollout_ref.rollout.n={args.group}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.mini_batch}",
         f"actor_rollout_ref.rollout.agent.max_batch_size={args.device_batch}",
         "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.simulated",
         f"+reward.custom_reward_function.reward_kwargs.latency_scale={args.latency_scale}",
         f"+reward.custom_reward_function.reward_kwargs.seed={args.seed}",
-        f"+reward.custom_reward_function.reward_kwargs.capacity={args.scorer_capacity}", "reward.num_workers=1",
+        f"+reward.custom_reward_function.reward_kwargs.capacity={args.scorer_capacity}",
+        "reward.num_workers=1",
         f"+reward.custom_reward_function.reward_kwargs.min_latency_s={args.min_latency}",
         f"+reward.custom_reward_function.reward_kwargs.max_latency_s={args.max_latency}",
-        *([f"reward.max_inflight_per_worker={args.reward_inflight}", f"reward.queue_size={args.reward_inflight}"]
-          if args.reward_inflight is not None else []),
+        *(
+            [f"reward.max_inflight_per_worker={args.reward_inflight}", f"reward.queue_size={args.reward_inflight}"]
+            if args.reward_inflight is not None
+            else []
+        ),
         f"trainer.seed={args.seed}",
         f"trainer.total_training_steps={args.warmup + args.steps + max(TAIL_STEPS, getattr(args, 'tail_steps', 0))}",
-        "trainer.logger=[jsonl]", "trainer.resume_mode=disable",
+        "trainer.logger=[jsonl]",
+        "trainer.resume_mode=disable",
         *layout_overrides(args),
         *([f"actor_rollout_ref.model.lora_rank={args.lora_rank}"] if args.lora_rank is not None else []),
-        *([f"actor_rollout_ref.rollout.response_length_pareto_alpha={args.long_tail_alpha}"]
-          if args.long_tail_alpha is not None else []),
+        *(
+            [f"actor_rollout_ref.rollout.response_length_pareto_alpha={args.long_tail_alpha}"]
+            if args.long_tail_alpha is not None
+            else []
+        ),
     ]
 
 
 def layout_overrides(args) -> list[str]:
     if args.layout == "disaggregated":
-        return [f"trainer.n_gpus_per_node={args.actor_ranks}", "actor_rollout_ref.rollout.nnodes=1",
-                f"actor_rollout_ref.rollout.n_gpus_per_node={args.rollout_devices}",
-                f"actor_rollout_ref.rollout.agent.num_workers={args.rollout_devices}",
-                "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"]
-    return [f"actor_rollout_ref.hybrid_engine={args.layout == 'hybrid'}",
-            f"trainer.n_gpus_per_node={args.actor_ranks}", f"actor_rollout_ref.rollout.agent.num_workers={args.actor_ranks}"]
+        return [
+            f"trainer.n_gpus_per_node={args.actor_ranks}",
+            "actor_rollout_ref.rollout.nnodes=1",
+            f"actor_rollout_ref.rollout.n_gpus_per_node={args.rollout_devices}",
+            f"actor_rollout_ref.rollout.agent.num_workers={args.rollout_devices}",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+        ]
+    return [
+        f"actor_rollout_ref.hybrid_engine={args.layout == 'hybrid'}",
+        f"trainer.n_gpus_per_node={args.actor_ranks}",
+        f"actor_rollout_ref.rollout.agent.num_workers={args.actor_ranks}",
+    ]
 
 
 def pin_cores(trainer) -> dict[str, int]:
@@ -147,8 +171,10 @@ def pin_cores(trainer) -> dict[str, int]:
             os.sched_setaffinity(int(tid), {core})
         return os.getpid()
 
-    return {str(ray.get(h.__ray_call__.remote(pin, cores[i % len(cores)]))): cores[i % len(cores)]
-            for i, h in enumerate(handles)}
+    return {
+        str(ray.get(h.__ray_call__.remote(pin, cores[i % len(cores)]))): cores[i % len(cores)]
+        for i, h in enumerate(handles)
+    }
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
@@ -166,8 +192,10 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
     from omni_async.trainer.loop import FlowGRPOTrainer
 
     shutdown_ray()
-    cfg = compose([*workload(args, data), f"trainer.run_dir={out_dir / name}", *overrides],
-                  config_name="grpo_text_trainer" if args.modality == "text" else "flowgrpo_trainer")
+    cfg = compose(
+        [*workload(args, data), f"trainer.run_dir={out_dir / name}", *overrides],
+        config_name="grpo_text_trainer" if args.modality == "text" else "flowgrpo_trainer",
+    )
     trainer = FlowGRPOTrainer(cfg)
     pinned = pin_cores(trainer) if args.pin_cores else {}
     trainer.ops.sync_weights(0)
@@ -187,11 +215,14 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
             t0 = trainer.last_timeline["t0"]
             ready = [s.times.gen_end - t0 for s in samples]
             latency = [s.outcome.extra["simulated_latency_s"] for s in samples]
-            parts = {"rollout_s": metrics["timing_s/gen"], "latency_mean_s": statistics.fmean(latency),
-                     "train_s": metrics["timing_s/step"] - metrics["timing_s/collect_wait"] - metrics["timing_s/reward"],
-                     "last_s": fifo_makespan(ready, latency, args.scorer_capacity),
-                     "busy_s": fifo_makespan([0.0] * len(latency), latency, args.scorer_capacity),
-                     "work_s": sum(latency) / args.scorer_capacity if args.scorer_capacity > 0 else max(latency)}
+            parts = {
+                "rollout_s": metrics["timing_s/gen"],
+                "latency_mean_s": statistics.fmean(latency),
+                "train_s": metrics["timing_s/step"] - metrics["timing_s/collect_wait"] - metrics["timing_s/reward"],
+                "last_s": fifo_makespan(ready, latency, args.scorer_capacity),
+                "busy_s": fifo_makespan([0.0] * len(latency), latency, args.scorer_capacity),
+                "work_s": sum(latency) / args.scorer_capacity if args.scorer_capacity > 0 else max(latency),
+            }
             steps.append({"metrics": metrics, "parts": parts, "samples": len(samples)})
             print(f"  {name:20s} step {step + 1}: {metrics['timing_s/step']:.2f}s", flush=True)
     finally:
@@ -200,27 +231,53 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
         trainer.agent.shutdown()
         shutdown_ray()
     med = lambda key: statistics.median(s["metrics"].get(key, 0.0) for s in steps)  # noqa: E731
-    timing_keys = ["timing_s/gen", "timing_s/reward", "timing_s/reward_wait", "timing_s/collect_wait",
-                   "timing_s/update_actor", "timing_s/weight_sync", "timing_s/update_weights",
-                   "timing_s/wait_next_rollout", "weight_sync/bytes", "training/off_policy/trajectory_staleness/mean",
-                   "timing_s/reward_compute/mean", "timing_s/reward_compute/max", "timing_s/stream_overhead/median",
-                   "training/off_policy/trajectory_staleness/max", "fully_async/rollouter/idle_ratio",
-                   "fully_async/trainer/idle_ratio", "fully_async/count/dropped_stale_samples",
-                   "fully_async/static/max_required_samples", "timing_s/old_log_prob"]
+    timing_keys = [
+        "timing_s/gen",
+        "timing_s/reward",
+        "timing_s/reward_wait",
+        "timing_s/collect_wait",
+        "timing_s/update_actor",
+        "timing_s/weight_sync",
+        "timing_s/update_weights",
+        "timing_s/wait_next_rollout",
+        "weight_sync/bytes",
+        "training/off_policy/trajectory_staleness/mean",
+        "timing_s/reward_compute/mean",
+        "timing_s/reward_compute/max",
+        "timing_s/stream_overhead/median",
+        "training/off_policy/trajectory_staleness/max",
+        "fully_async/rollouter/idle_ratio",
+        "fully_async/trainer/idle_ratio",
+        "fully_async/count/dropped_stale_samples",
+        "fully_async/static/max_required_samples",
+        "timing_s/old_log_prob",
+    ]
     step_s = [s["metrics"]["timing_s/step"] for s in steps]
     wall = max(window[1] - window[0], 1e-9)
     clipped = [(max(a, window[0]), min(b, window[1])) for a, b in gen_intervals if b > window[0] and a < window[1]]
-    trainer_busy = sum(s["metrics"].get(k, 0.0) for s in steps
-                       for k in ("timing_s/old_log_prob", "timing_s/update_actor", "timing_s/update_weights"))
+    trainer_busy = sum(
+        s["metrics"].get(k, 0.0)
+        for s in steps
+        for k in ("timing_s/old_log_prob", "timing_s/update_actor", "timing_s/update_weights")
+    )
     return {
-        "layout": args.layout, "pinned_cores": pinned, "overrides": overrides, "wall_s": wall,
-        "samples": sum(s["samples"] for s in steps), "trainer_busy_s": trainer_busy,
+        "layout": args.layout,
+        "pinned_cores": pinned,
+        "overrides": overrides,
+        "wall_s": wall,
+        "samples": sum(s["samples"] for s in steps),
+        "trainer_busy_s": trainer_busy,
         "rollout_busy_s": union_length(clipped),
         "latency_mean_s": statistics.fmean(s["parts"]["latency_mean_s"] for s in steps),
         "samples_per_s": sum(s["samples"] for s in steps) / wall,
         "busy_fraction": {"rollout": union_length(clipped) / wall, "trainer": trainer_busy / wall},
-        "own_bound_s": statistics.fmean(max(s["metrics"]["timing_s/gen"], s["metrics"].get("timing_s/update_actor", 0.0)
-                                            + s["metrics"].get("timing_s/update_weights", 0.0)) for s in steps),
+        "own_bound_s": statistics.fmean(
+            max(
+                s["metrics"]["timing_s/gen"],
+                s["metrics"].get("timing_s/update_actor", 0.0) + s["metrics"].get("timing_s/update_weights", 0.0),
+            )
+            for s in steps
+        ),
         "step_s": step_s,
         "median_step_s": statistics.median(step_s),
         "mean_step_s": statistics.fmean(step_s),
@@ -253,11 +310,18 @@ def bounds(p: dict, minibatches: int, shared_devices: bool = False) -> dict[str,
     ``shared_devices`` (hybrid layout): generation and update take turns on every device, so the overlapped modes
     can hide only the reward: max(rollout + train, work)."""
     ready = max(p["rollout_s"], p["last_s"])
-    overlapped = (max(p["rollout_s"] + p["train_s"], p["work_s"]) if shared_devices
-                  else max(p["rollout_s"], p["train_s"], p["work_s"]))
-    return {"sync": p["rollout_s"] + p["busy_s"] + p["train_s"], "stream": ready + p["train_s"],
-            "stream+pipeline": ready + p["train_s"] / minibatches, "stream+one_step_off": overlapped,
-            "all": overlapped}
+    overlapped = (
+        max(p["rollout_s"] + p["train_s"], p["work_s"])
+        if shared_devices
+        else max(p["rollout_s"], p["train_s"], p["work_s"])
+    )
+    return {
+        "sync": p["rollout_s"] + p["busy_s"] + p["train_s"],
+        "stream": ready + p["train_s"],
+        "stream+pipeline": ready + p["train_s"] / minibatches,
+        "stream+one_step_off": overlapped,
+        "all": overlapped,
+    }
 
 
 def fully_async_bound(r: dict, in_flight_samples: float, step_samples: int, capacity: int = 0) -> dict[str, float]:
@@ -280,8 +344,13 @@ def fully_async_bound(r: dict, in_flight_samples: float, step_samples: int, capa
     else:  # hybrid: each of the 2 devices generates and updates in turn, its half of the samples
         device = n / (r["rollout_busy_s"] / 2 + r["trainer_busy_s"])
     judge = capacity / r["latency_mean_s"] if capacity > 0 else None
-    return {"latency_bound": latency, "device_bound": device, "judge_bound": judge,
-            "bound": min(latency, device, judge if judge is not None else latency), "in_flight_samples": in_flight_samples}
+    return {
+        "latency_bound": latency,
+        "device_bound": device,
+        "judge_bound": judge,
+        "bound": min(latency, device, judge if judge is not None else latency),
+        "in_flight_samples": in_flight_samples,
+    }
 
 
 def compare_fully_async(args, staleness: list[float]) -> None:
@@ -298,21 +367,37 @@ def compare_fully_async(args, staleness: list[float]) -> None:
     disagg = Namespace(**{**vars(args), "layout": "disaggregated", "actor_ranks": 1, "rollout_devices": 1})
     per_update = args.batch // args.mini_batch
     step_samples = args.batch * args.group
-    rows = {"colocated sync": (hybrid, MODE_OVERRIDES["sync"], step_samples),
-            "hybrid one-step-off": (hybrid, MODE_OVERRIDES["stream+one_step_off"], 2 * step_samples)}
+    rows = {
+        "colocated sync": (hybrid, MODE_OVERRIDES["sync"], step_samples),
+        "hybrid one-step-off": (hybrid, MODE_OVERRIDES["stream+one_step_off"], 2 * step_samples),
+    }
     for st in staleness:  # one update = one lock-step step's prompts (require_batches mini-batches)
         cap = int((1 + st) * per_update * args.mini_batch)  # groups per window (K = 1)
         disagg_s = Namespace(**{**vars(disagg), "tail_steps": math.ceil(1 + st)})
         text = ["async_training.partial_rollout=false"] if args.modality == "text" else []  # refused for text
-        rows[f"fully_async s={st:g}"] = (disagg_s, [*fully_async_overrides(st), *text,
-                                                  f"async_training.require_batches={per_update}"], cap * args.group)
+        rows[f"fully_async s={st:g}"] = (
+            disagg_s,
+            [*fully_async_overrides(st), *text, f"async_training.require_batches={per_update}"],
+            cap * args.group,
+        )
     load = {"before": os.getloadavg()}
     t0 = time.time()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "train.jsonl"
-        data.write_text("".join(json.dumps({"prompt": f"a sign that says WORD{i}", "data_source": "bench",
-                                            "reward_model": {"ground_truth": f"WORD{i}"}}) + "\n" for i in range(256)))
+        data.write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "prompt": f"a sign that says WORD{i}",
+                        "data_source": "bench",
+                        "reward_model": {"ground_truth": f"WORD{i}"},
+                    }
+                )
+                + "\n"
+                for i in range(256)
+            )
+        )
         for name, (a, overrides, in_flight) in rows.items():
             results[name] = run_mode(name.replace(" ", "_").replace("=", ""), overrides, a, data, Path(tmp) / "runs")
             results[name].update(fully_async_bound(results[name], in_flight, step_samples, args.scorer_capacity))
@@ -320,19 +405,29 @@ def compare_fully_async(args, staleness: list[float]) -> None:
     base = results["hybrid one-step-off"]["samples_per_s"]
     for r in results.values():
         r["x_one_step_off"] = r["samples_per_s"] / base
-    report = {"rows": results, "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                                          "load_average": load, "cpu_count": os.cpu_count(),
-                                          "wall_s": time.time() - t0}}
+    report = {
+        "rows": results,
+        "config": {
+            **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "load_average": load,
+            "cpu_count": os.cpu_count(),
+            "wall_s": time.time() - t0,
+        },
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
-    print(f"\n{'row':24s} {'samples/s':>9s} {'x 1-off':>7s} {'bound/s':>8s} {'lat.b':>6s} {'dev.b':>6s} {'judge':>6s} "
-          f"{'rollout':>7s} {'trainer':>7s} {'lag max':>7s}")
+    print(
+        f"\n{'row':24s} {'samples/s':>9s} {'x 1-off':>7s} {'bound/s':>8s} {'lat.b':>6s} {'dev.b':>6s} {'judge':>6s} "
+        f"{'rollout':>7s} {'trainer':>7s} {'lag max':>7s}"
+    )
     for name, r in results.items():
-        print(f"{name:24s} {r['samples_per_s']:9.2f} {r['x_one_step_off']:7.2f} {r['bound']:8.2f} "
-              f"{r['latency_bound']:6.2f} {r['device_bound']:6.2f} {r['judge_bound'] or float('inf'):6.2f} "
-              f"{r['busy_fraction']['rollout']:7.2f} "
-              f"{r['busy_fraction']['trainer']:7.2f} "
-              f"{r['timing'].get('training/off_policy/trajectory_staleness/max', 0.0):7.1f}")
+        print(
+            f"{name:24s} {r['samples_per_s']:9.2f} {r['x_one_step_off']:7.2f} {r['bound']:8.2f} "
+            f"{r['latency_bound']:6.2f} {r['device_bound']:6.2f} {r['judge_bound'] or float('inf'):6.2f} "
+            f"{r['busy_fraction']['rollout']:7.2f} "
+            f"{r['busy_fraction']['trainer']:7.2f} "
+            f"{r['timing'].get('training/off_policy/trajectory_staleness/max', 0.0):7.1f}"
+        )
     print(f"\nwritten: {args.out}")
 
 
@@ -352,26 +447,45 @@ def main() -> None:
     p.add_argument("--latency-scale", type=float, default=1 / 40)
     p.add_argument("--scorer-capacity", type=int, default=8, help="requests the scorer serves at once (0 = no limit)")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--layout", default="split",
-                   help="split: rollout replicas beside the actor (hybrid_engine=False); hybrid: one process per device; "
-                        "disaggregated: rollout workers on their own pool (rollout.nnodes=1); a comma list runs each "
-                        "on the same devices and writes them side by side")
+    p.add_argument(
+        "--layout",
+        default="split",
+        help="split: rollout replicas beside the actor (hybrid_engine=False); hybrid: one process per device; "
+        "disaggregated: rollout workers on their own pool (rollout.nnodes=1); a comma list runs each "
+        "on the same devices and writes them side by side",
+    )
     p.add_argument("--rollout-devices", type=int, default=1, help="disaggregated: rollout workers (devices)")
     p.add_argument("--pin-cores", action="store_true", help="each rollout worker / trainer rank on its own core")
     p.add_argument("--long-tail-alpha", type=float, default=None, help="text: response_length_pareto_alpha")
-    p.add_argument("--actor-ranks", type=int, choices=[1, 2], default=1,
-                   help="data-parallel actor ranks (trainer.n_gpus_per_node; one rollout worker each)")
-    p.add_argument("--lora-rank", type=int, default=None,
-                   help="actor_rollout_ref.model.lora_rank (default: the config's; text is a full fine-tune, which "
-                        "the hybrid layout's one-step-off refuses)")
+    p.add_argument(
+        "--actor-ranks",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="data-parallel actor ranks (trainer.n_gpus_per_node; one rollout worker each)",
+    )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="actor_rollout_ref.model.lora_rank (default: the config's; text is a full fine-tune, which "
+        "the hybrid layout's one-step-off refuses)",
+    )
     p.add_argument("--modes", default=",".join(MODE_OVERRIDES))
     p.add_argument("--min-latency", type=float, default=1.0, help="simulated scorer: min latency before scaling")
     p.add_argument("--max-latency", type=float, default=40.0, help="simulated scorer: max latency before scaling")
-    p.add_argument("--reward-inflight", type=int, default=None,
-                   help="reward.max_inflight_per_worker and queue_size (default: config's 32 / 64)")
-    p.add_argument("--fully-async-staleness", default=None,
-                   help="e.g. 0.5,1,2,3: compare fully async (disaggregated, 1+1 devices) at these thresholds with "
-                        "colocated sync and hybrid one-step-off (2 ranks); ignores --modes / --layout")
+    p.add_argument(
+        "--reward-inflight",
+        type=int,
+        default=None,
+        help="reward.max_inflight_per_worker and queue_size (default: config's 32 / 64)",
+    )
+    p.add_argument(
+        "--fully-async-staleness",
+        default=None,
+        help="e.g. 0.5,1,2,3: compare fully async (disaggregated, 1+1 devices) at these thresholds with "
+        "colocated sync and hybrid one-step-off (2 ranks); ignores --modes / --layout",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/async_reward.json")
     args = p.parse_args()
     args.model = args.model or ("tiny:qwen2" if args.modality == "text" else "tiny:qwen_image")
@@ -388,19 +502,34 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "train.jsonl"
-        data.write_text("".join(json.dumps({"prompt": f"a sign that says WORD{i}", "data_source": "bench",
-                                            "reward_model": {"ground_truth": f"WORD{i}"}}) + "\n" for i in range(256)))
+        data.write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "prompt": f"a sign that says WORD{i}",
+                        "data_source": "bench",
+                        "reward_model": {"ground_truth": f"WORD{i}"},
+                    }
+                )
+                + "\n"
+                for i in range(256)
+            )
+        )
         t0 = time.time()
         layouts = args.layout.split(",")
         reports = {lay: layout_report(lay, modes, args, data, Path(tmp) / "runs" / lay) for lay in layouts}
     minibatches = args.batch // args.mini_batch
-    config = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "minibatches": minibatches, "machine": f"{platform.machine()} {platform.processor()}",
-              "load_average_at_end": os.getloadavg(), "cpu_count": os.cpu_count(),
-              "wall_s": time.time() - t0, "bound_parts_from": "sync run of the same layout, per step",
-              "hidden_fraction_on": "mean step times"}
-    report = ({**reports[layouts[0]], "config": config} if len(layouts) == 1
-              else {"layouts": reports, "config": config})
+    config = {
+        **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "minibatches": minibatches,
+        "machine": f"{platform.machine()} {platform.processor()}",
+        "load_average_at_end": os.getloadavg(),
+        "cpu_count": os.cpu_count(),
+        "wall_s": time.time() - t0,
+        "bound_parts_from": "sync run of the same layout, per step",
+        "hidden_fraction_on": "mean step times",
+    }
+    report = {**reports[layouts[0]], "config": config} if len(layouts) == 1 else {"layouts": reports, "config": config}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     for lay in layouts:
@@ -427,22 +556,31 @@ def layout_report(lay: str, modes: list[str], args, data: Path, runs: Path) -> d
             hideable = t_sync - r["bound_s"]
             hidden[name] = (t_sync - r["mean_step_s"]) / hideable if hideable > 1e-9 else float("nan")
         r["to_bound"] = r["mean_step_s"] / r["bound_s"]
-    return {"modes": results, "hidden_fraction": hidden,
-            "devices": {"actor_ranks": own.actor_ranks,
-                        "rollout_devices": own.rollout_devices if lay == "disaggregated" else 0}}
+    return {
+        "modes": results,
+        "hidden_fraction": hidden,
+        "devices": {
+            "actor_ranks": own.actor_ranks,
+            "rollout_devices": own.rollout_devices if lay == "disaggregated" else 0,
+        },
+    }
 
 
 def print_table(lay: str, report: dict) -> None:
     results, hidden = report["modes"], report["hidden_fraction"]
     print(f"\nlayout {lay} ({report['devices']})")
-    print(f"{'mode':22s} {'median step s':>13s} {'x sync':>7s} {'mean step s':>11s} {'bound s':>8s} {'hidden':>7s} "
-          f"{'overhead ms':>11s} {'step-1 ratio':>12s} {'clipfrac_lower':>14s}")
+    print(
+        f"{'mode':22s} {'median step s':>13s} {'x sync':>7s} {'mean step s':>11s} {'bound s':>8s} {'hidden':>7s} "
+        f"{'overhead ms':>11s} {'step-1 ratio':>12s} {'clipfrac_lower':>14s}"
+    )
     for name, r in results.items():
         ovh = r["timing"].get("timing_s/stream_overhead/median")
-        print(f"{name:22s} {r['median_step_s']:13.2f} {r['ratio_to_sync']:7.2f} {r['mean_step_s']:11.2f} "
-              f"{r['bound_s']:8.2f} {hidden.get(name, float('nan')):7.2f} "
-              f"{'' if ovh is None else f'{ovh * 1000:.2f}':>11s} {_fmt(r['step1'], STEP1_KEYS[0]):>12s} "
-              f"{_fmt(r['step1'], STEP1_KEYS[1]):>14s}")
+        print(
+            f"{name:22s} {r['median_step_s']:13.2f} {r['ratio_to_sync']:7.2f} {r['mean_step_s']:11.2f} "
+            f"{r['bound_s']:8.2f} {hidden.get(name, float('nan')):7.2f} "
+            f"{'' if ovh is None else f'{ovh * 1000:.2f}':>11s} {_fmt(r['step1'], STEP1_KEYS[0]):>12s} "
+            f"{_fmt(r['step1'], STEP1_KEYS[1]):>14s}"
+        )
 
 
 def _fmt(values: dict, key: str) -> str:

@@ -29,8 +29,9 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length",
 
 
 class FaultProxy:
-    def __init__(self, upstream: str, p_503: float, p_hang: float, p_reset: float, hang_s: float,
-                 retry_after: int, seed: int):
+    def __init__(
+        self, upstream: str, p_503: float, p_hang: float, p_reset: float, hang_s: float, retry_after: int, seed: int
+    ):
         self.upstream = upstream.rstrip("/")
         self.p_503, self.p_hang, self.p_reset, self.hang_s = p_503, p_hang, p_reset, hang_s
         self.retry_after = retry_after
@@ -61,8 +62,9 @@ class FaultProxy:
                 lower = {k.lower(): v for k, v in headers}
                 body = await reader.readexactly(int(lower.get("content-length", 0) or 0))
                 if target == "/__proxy_stats":
-                    await self.respond(writer, 200, {"content-type": "application/json"},
-                                       json.dumps(self.counts).encode())
+                    await self.respond(
+                        writer, 200, {"content-type": "application/json"}, json.dumps(self.counts).encode()
+                    )
                     continue
                 self.counts["requests"] += 1
                 fate = self.fate()
@@ -79,8 +81,12 @@ class FaultProxy:
                     return
                 if fate == "503":
                     extra = {"retry-after": str(self.retry_after)} if self.retry_after >= 0 else {}
-                    await self.respond(writer, 503, {"content-type": "application/json", **extra},
-                                       b'{"error": "fault proxy: injected 503"}')
+                    await self.respond(
+                        writer,
+                        503,
+                        {"content-type": "application/json", **extra},
+                        b'{"error": "fault proxy: injected 503"}',
+                    )
                     continue
                 fwd = {k: v for k, v in headers if k.lower() not in HOP_BY_HOP and k.lower() != "host"}
                 try:
@@ -103,15 +109,22 @@ class FaultProxy:
     @staticmethod
     async def respond(writer: asyncio.StreamWriter, status: int, headers: dict[str, str], body: bytes) -> None:
         reason = {200: "OK", 502: "Bad Gateway", 503: "Service Unavailable"}.get(status, "Status")
-        head = [f"HTTP/1.1 {status} {reason}", *(f"{k}: {v}" for k, v in headers.items()),
-                f"content-length: {len(body)}", "connection: keep-alive"]
+        head = [
+            f"HTTP/1.1 {status} {reason}",
+            *(f"{k}: {v}" for k, v in headers.items()),
+            f"content-length: {len(body)}",
+            "connection: keep-alive",
+        ]
         writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
         await writer.drain()
 
     async def serve(self, host: str, port: int) -> None:
         # httpx decodes compressed bodies: ask the upstream for none, so relayed bytes equal its payload.
-        self.client = httpx.AsyncClient(timeout=None, headers={"accept-encoding": "identity"},
-                                        limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+        self.client = httpx.AsyncClient(
+            timeout=None,
+            headers={"accept-encoding": "identity"},
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+        )
         server = await asyncio.start_server(self.handle, host, port, backlog=512)
         print(f"fault proxy on http://{host}:{port} -> {self.upstream}", flush=True)
         async with server:

@@ -39,11 +39,18 @@ def main() -> None:
         t0 = time.time()
         with tempfile.TemporaryDirectory() as tmp:
             curve, rows = learn(Path(tmp), *fully_async_overrides(s), *FULLY_ASYNC_LEARN, with_rows=True)
-        runs[str(s)] = {"reward_mean": curve, "first3": float(np.mean(curve[:3])), "last3": float(np.mean(curve[-3:])),
-                        "staleness_max": [r["training/off_policy/trajectory_staleness/max"] for r in rows],
-                        "wall_s": time.time() - t0}
-        print(f"staleness {s}: {np.mean(curve[:3]):.3f} -> {np.mean(curve[-3:]):.3f} kB "
-              f"(lag max {max(runs[str(s)]['staleness_max'])})", flush=True)
+        runs[str(s)] = {
+            "reward_mean": curve,
+            "first3": float(np.mean(curve[:3])),
+            "last3": float(np.mean(curve[-3:])),
+            "staleness_max": [r["training/off_policy/trajectory_staleness/max"] for r in rows],
+            "wall_s": time.time() - t0,
+        }
+        print(
+            f"staleness {s}: {np.mean(curve[:3]):.3f} -> {np.mean(curve[-3:]):.3f} kB "
+            f"(lag max {max(runs[str(s)]['staleness_max'])})",
+            flush=True,
+        )
     load["after"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"runs": runs, "load_average": load, "cpu_count": os.cpu_count()}, indent=1))

@@ -64,8 +64,11 @@ def build_qwen_image(device: str, dtype: torch.dtype, layers: int | None = None)
     te_lib, te_cls, te_cfg = spec["text_encoder"]
     if layers:
         tr_cfg = {**tr_cfg, "num_layers": layers}
-        te_cfg = {**te_cfg, "text_config": {**te_cfg["text_config"], "num_hidden_layers": layers},
-                  "vision_config": {**te_cfg["vision_config"], "depth": layers, "fullatt_block_indexes": [0]}}
+        te_cfg = {
+            **te_cfg,
+            "text_config": {**te_cfg["text_config"], "num_hidden_layers": layers},
+            "vision_config": {**te_cfg["vision_config"], "depth": layers, "fullatt_block_indexes": [0]},
+        }
     _, sched_cls, sched_cfg = spec["scheduler"]
     return QwenImagePipeline(
         scheduler=getattr(diffusers, sched_cls)(**sched_cfg),
@@ -98,8 +101,11 @@ def reset_peak(device: str) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen_image",
-                    help="qwen_image (real architecture, random weights) or a model path / tiny:<name>")
+    ap.add_argument(
+        "--model",
+        default="qwen_image",
+        help="qwen_image (real architecture, random weights) or a model path / tiny:<name>",
+    )
     ap.add_argument("--height", type=int, default=512)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4, help="images per rollout batch = samples per update")
@@ -124,20 +130,29 @@ def main(argv=None) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = model_dtype(args.dtype, device)
     torch.manual_seed(0)
-    sampling = SamplingConfig(height=args.height, width=args.width, num_inference_steps=args.steps,
-                              true_cfg_scale=args.true_cfg_scale)
+    sampling = SamplingConfig(
+        height=args.height, width=args.width, num_inference_steps=args.steps, true_cfg_scale=args.true_cfg_scale
+    )
     t0 = time.perf_counter()
     source = build_qwen_image(device, dtype, args.layers) if args.model == "qwen_image" else args.model
-    policy = DiffusionPolicy(source, sampling, lora_rank=args.lora_rank, lora_alpha=args.lora_rank,
-                             target_modules=QWEN_TARGETS if args.model == "qwen_image" else ["to_q", "to_k", "to_v"],
-                             device=device, dtype=dtype, gradient_checkpointing=not args.no_checkpointing)
+    policy = DiffusionPolicy(
+        source,
+        sampling,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_rank,
+        target_modules=QWEN_TARGETS if args.model == "qwen_image" else ["to_q", "to_k", "to_v"],
+        device=device,
+        dtype=dtype,
+        gradient_checkpointing=not args.no_checkpointing,
+    )
     sync(device)
     build_s = time.perf_counter() - t0
     weights_gb = peak_gb(device)
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-5)
     modality = ImageModality()
-    actor_cfg = SimpleNamespace(clip_ratio=1e-4, kl_loss_coef=0.0, grad_clip=1.0,
-                                ppo_micro_batch_size_per_gpu=args.micro_batch)
+    actor_cfg = SimpleNamespace(
+        clip_ratio=1e-4, kl_loss_coef=0.0, grad_clip=1.0, ppo_micro_batch_size_per_gpu=args.micro_batch
+    )
     start = max(0, min(2, args.steps - args.window))
     window = range(start, start + args.window)
     prompts = [f'A shop sign that says "OMNI {i}"' for i in range(args.batch)]
@@ -153,56 +168,104 @@ def main(argv=None) -> dict:
         sync(device)
         rollout_s, rollout_peak = time.perf_counter() - t, peak_gb(device)
 
-        samples = [Sample(i, f"g{i // 2}", PromptRow(p, "bench", ""), s, result=r, outcome=RewardOutcome("ok", 0.0))
-                   for i, (p, s, r) in enumerate(zip(prompts, seeds, results, strict=True))]
+        samples = [
+            Sample(i, f"g{i // 2}", PromptRow(p, "bench", ""), s, result=r, outcome=RewardOutcome("ok", 0.0))
+            for i, (p, s, r) in enumerate(zip(prompts, seeds, results, strict=True))
+        ]
         adv = torch.randn(args.batch, generator=torch.Generator().manual_seed(it))
-        batch = TensorBatch({**modality.batch_tensors(samples), "advantages": (adv - adv.mean()) / (adv.std() + 1e-6),
-                             "loss_mask": torch.ones(args.batch, dtype=torch.bool)}, {"window_start": window.start})
+        batch = TensorBatch(
+            {
+                **modality.batch_tensors(samples),
+                "advantages": (adv - adv.mean()) / (adv.std() + 1e-6),
+                "loss_mask": torch.ones(args.batch, dtype=torch.bool),
+            },
+            {"window_start": window.start},
+        )
         reset_peak(device)
         sync(device)
         t = time.perf_counter()
-        metrics = update_minibatch(modality, policy, optimizer, batch, actor_cfg, param_offload=args.param_offload,
-                                   optimizer_offload=args.optimizer_offload)
+        metrics = update_minibatch(
+            modality,
+            policy,
+            optimizer,
+            batch,
+            actor_cfg,
+            param_offload=args.param_offload,
+            optimizer_offload=args.optimizer_offload,
+        )
         sync(device)
         update_s, update_peak = time.perf_counter() - t, peak_gb(device)
-        iterations.append({"rollout_s": rollout_s, "update_s": update_s, "rollout_peak_gb": rollout_peak,
-                           "update_peak_gb": update_peak, "grad_norm": metrics["actor/grad_norm"],
-                           "skipped_step": metrics["actor/skipped_steps"], "ratio_mean": metrics["actor/ratio_mean"],
-                           "pg_clipfrac_lower": metrics["actor/pg_clipfrac_lower"]})
-        print(f"iter {it}: rollout {rollout_s:.2f}s ({rollout_s / args.batch:.3f} s/image), "
-              f"update {update_s:.2f}s ({update_s / args.batch:.3f} s/sample)", flush=True)
+        iterations.append(
+            {
+                "rollout_s": rollout_s,
+                "update_s": update_s,
+                "rollout_peak_gb": rollout_peak,
+                "update_peak_gb": update_peak,
+                "grad_norm": metrics["actor/grad_norm"],
+                "skipped_step": metrics["actor/skipped_steps"],
+                "ratio_mean": metrics["actor/ratio_mean"],
+                "pg_clipfrac_lower": metrics["actor/pg_clipfrac_lower"],
+            }
+        )
+        print(
+            f"iter {it}: rollout {rollout_s:.2f}s ({rollout_s / args.batch:.3f} s/image), "
+            f"update {update_s:.2f}s ({update_s / args.batch:.3f} s/sample)",
+            flush=True,
+        )
 
     last = iterations[-1]
     name = device_name(device)
-    params = {"transformer": sum(p.numel() for p in policy.transformer.parameters()) - sum(
-                  p.numel() for p in policy.trainable_parameters()),
-              "text_encoder": sum(p.numel() for p in policy.pipe.text_encoder.parameters()),
-              "vae": sum(p.numel() for p in policy.pipe.vae.parameters()),
-              "lora": sum(p.numel() for p in policy.trainable_parameters())}
+    params = {
+        "transformer": sum(p.numel() for p in policy.transformer.parameters())
+        - sum(p.numel() for p in policy.trainable_parameters()),
+        "text_encoder": sum(p.numel() for p in policy.pipe.text_encoder.parameters()),
+        "vae": sum(p.numel() for p in policy.pipe.vae.parameters()),
+        "lora": sum(p.numel() for p in policy.trainable_parameters()),
+    }
     report = {
-        "device": name, "device_kind": device, "torch": torch.__version__,
-        "model": args.model if not args.layers else f"{args.model} (layers={args.layers}: a build check, not the model)",
+        "device": name,
+        "device_kind": device,
+        "torch": torch.__version__,
+        "model": args.model
+        if not args.layers
+        else f"{args.model} (layers={args.layers}: a build check, not the model)",
         "weights": "random (class initialisation)" if args.model == "qwen_image" else "from the model path",
-        "config": {"height": args.height, "width": args.width, "batch": args.batch, "denoising_steps": args.steps,
-                   "sde_window": args.window, "true_cfg_scale": args.true_cfg_scale, "lora_rank": args.lora_rank,
-                   "micro_batch": args.micro_batch, "gradient_checkpointing": not args.no_checkpointing,
-                   "model_dtype": str(dtype).replace("torch.", ""), "param_offload": args.param_offload,
-                   "optimizer_offload": args.optimizer_offload, "vae_slicing": sampling.vae_slicing},
-        "params": params, "build_s": build_s,
+        "config": {
+            "height": args.height,
+            "width": args.width,
+            "batch": args.batch,
+            "denoising_steps": args.steps,
+            "sde_window": args.window,
+            "true_cfg_scale": args.true_cfg_scale,
+            "lora_rank": args.lora_rank,
+            "micro_batch": args.micro_batch,
+            "gradient_checkpointing": not args.no_checkpointing,
+            "model_dtype": str(dtype).replace("torch.", ""),
+            "param_offload": args.param_offload,
+            "optimizer_offload": args.optimizer_offload,
+            "vae_slicing": sampling.vae_slicing,
+        },
+        "params": params,
+        "build_s": build_s,
         "rollout_s_per_image": last["rollout_s"] / args.batch,
         "update_s_per_sample": last["update_s"] / args.batch,
-        "peak_memory_gb": {"weights": weights_gb, "rollout": last["rollout_peak_gb"],
-                           "update": last["update_peak_gb"]},
-        "step1": {"actor/ratio_mean": iterations[0]["ratio_mean"],
-                  "actor/pg_clipfrac_lower": iterations[0]["pg_clipfrac_lower"]},
+        "peak_memory_gb": {"weights": weights_gb, "rollout": last["rollout_peak_gb"], "update": last["update_peak_gb"]},
+        "step1": {
+            "actor/ratio_mean": iterations[0]["ratio_mean"],
+            "actor/pg_clipfrac_lower": iterations[0]["pg_clipfrac_lower"],
+        },
         "iterations": iterations,
     }
     slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") if device.startswith("cuda") else "cpu"
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"gpu_step_{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report[k] for k in ("device", "rollout_s_per_image", "update_s_per_sample",
-                                              "peak_memory_gb", "step1")}, indent=2))
+    print(
+        json.dumps(
+            {k: report[k] for k in ("device", "rollout_s_per_image", "update_s_per_sample", "peak_memory_gb", "step1")},
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
     return report
 

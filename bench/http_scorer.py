@@ -64,9 +64,25 @@ def start(scorer: str, args) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "http_scorer", "serve", "--scorer", scorer, "--port", str(port),
-                             "--max-batch", str(args.max_batch), "--max-wait-ms", str(args.max_wait_ms)],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "http_scorer",
+            "serve",
+            "--scorer",
+            scorer,
+            "--port",
+            str(port),
+            "--max-batch",
+            str(args.max_batch),
+            "--max-wait-ms",
+            str(args.max_wait_ms),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
@@ -108,24 +124,36 @@ def main() -> None:
     p.add_argument("--sleep-s", type=float, default=0.05, help="per-batch latency of the sleep scorer")
     p.add_argument("--out", type=Path, default=None, help="default: bench/results/http_scorer[_memory].json")
     p.add_argument("--memory", action="store_true", help="the memory-bound flood instead of throughput")
-    p.add_argument("--reference", action="store_true",
-                   help="side by side with the common reference (Flask + pickle under gunicorn sync workers): "
-                        "bench/http_scorer_compare.py")
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="side by side with the common reference (Flask + pickle under gunicorn sync workers): "
+        "bench/http_scorer_compare.py",
+    )
     p.add_argument("--scenarios", default="judge,ocr", help="--reference: judge (GPU-like) and/or ocr (CPU-bound)")
-    p.add_argument("--sides", default="ours,reference",
-                   help="--reference: ours (JSON), ours-pickle (our server's pickle route), ours-binary "
-                        "(/v1/score/image), before (--before-tree, JSON), reference")
+    p.add_argument(
+        "--sides",
+        default="ours,reference",
+        help="--reference: ours (JSON), ours-pickle (our server's pickle route), ours-binary "
+        "(/v1/score/image), before (--before-tree, JSON), reference",
+    )
     p.add_argument("--workers", type=int, default=2, help="--reference: processes of each server")
     p.add_argument("--rounds", type=int, default=3, help="--reference: interleaved rounds per side")
     p.add_argument("--judge-seconds", type=float, default=10.0, help="--reference: load time per side and round")
     p.add_argument("--ocr-seconds", type=float, default=30.0, help="--reference: load time per side and round")
     p.add_argument("--settle-s", type=float, default=3.0, help="--reference: completions before this are not counted")
-    p.add_argument("--together", action="store_true",
-                   help="--reference: run each of our sides at the same time as the reference (32 clients each), "
-                        "so both see the same background load; for a busy shared machine")
+    p.add_argument(
+        "--together",
+        action="store_true",
+        help="--reference: run each of our sides at the same time as the reference (32 clients each), "
+        "so both see the same background load; for a busy shared machine",
+    )
     p.add_argument("--ours-args", default="", help="--reference: extra flags for our server")
-    p.add_argument("--before-tree", default=None,
-                   help="--reference: a checkout of an earlier commit, served as side 'before' (add it to --sides)")
+    p.add_argument(
+        "--before-tree",
+        default=None,
+        help="--reference: a checkout of an earlier commit, served as side 'before' (add it to --sides)",
+    )
     args = p.parse_args()
     if args.memory:
         return memory(args)
@@ -140,8 +168,12 @@ def main() -> None:
     for scorer in args.scorers.split(","):
         proc, url = start(scorer, args)
         try:
-            body = {"images": [{"data": image, "format": "png"}], "prompts": ["p"], "ground_truths": ["HELLO 42"],
-                    "metadata": {"sleep_s": args.sleep_s}}
+            body = {
+                "images": [{"data": image, "format": "png"}],
+                "prompts": ["p"],
+                "ground_truths": ["HELLO 42"],
+                "metadata": {"sleep_s": args.sleep_s},
+            }
             asyncio.run(load(url, 4, 2, body))  # warm-up: engine load, first batches
             n = args.ocr_requests if scorer == "ocr" else args.requests
             lat, wall, errors = asyncio.run(load(url, n, args.concurrency, body))
@@ -149,20 +181,31 @@ def main() -> None:
             calls = float(re.search(r"^scorer_batch_size_count (\S+)", metrics, re.M).group(1))
             items = float(re.search(r"^scorer_batch_size_sum (\S+)", metrics, re.M).group(1))
             q = np.quantile(lat, [0.5, 0.99])
-            results[scorer] = {"requests": n, "errors": errors, "requests_per_s": n / wall,
-                               "p50_ms": float(q[0] * 1000), "p99_ms": float(q[1] * 1000),
-                               "mean_ms": statistics.fmean(lat) * 1000, "mean_batch_size": items / calls}
+            results[scorer] = {
+                "requests": n,
+                "errors": errors,
+                "requests_per_s": n / wall,
+                "p50_ms": float(q[0] * 1000),
+                "p99_ms": float(q[1] * 1000),
+                "mean_ms": statistics.fmean(lat) * 1000,
+                "mean_batch_size": items / calls,
+            }
         finally:
             proc.terminate()
             proc.wait(timeout=10)
-    report = {"scorers": results, "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "machine": {"cpus": os.cpu_count(), "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg()}}
+    report = {
+        "scorers": results,
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine": {"cpus": os.cpu_count(), "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg()},
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(f"{'scorer':8s} {'req/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s} {'batch':>6s} {'errors':>6s}")
     for name, r in results.items():
-        print(f"{name:8s} {r['requests_per_s']:8.1f} {r['p50_ms']:8.1f} {r['p99_ms']:8.1f} "
-              f"{r['mean_batch_size']:6.1f} {r['errors']:6d}")
+        print(
+            f"{name:8s} {r['requests_per_s']:8.1f} {r['p50_ms']:8.1f} {r['p99_ms']:8.1f} "
+            f"{r['mean_batch_size']:6.1f} {r['errors']:6d}"
+        )
     print(f"written: {args.out}")
 
 
@@ -193,8 +236,9 @@ async def flood(url: str, body: dict, n: int) -> tuple[list[int], list[float], f
     poller = asyncio.create_task(poll())
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=n)) as client:
-        codes = [r.status_code for r in await asyncio.gather(*(client.post(f"{url}/v1/score", json=body)
-                                                               for _ in range(n)))]
+        codes = [
+            r.status_code for r in await asyncio.gather(*(client.post(f"{url}/v1/score", json=body) for _ in range(n)))
+        ]
     wall = time.perf_counter() - t0
     done.set()
     await poller
@@ -219,22 +263,38 @@ def memory(args) -> None:
             budget = httpx.get(f"{url}/health").json()["max_inflight_pixels"]
             codes, health, wall = asyncio.run(flood(url, body, 64))
             results[scorer] = {
-                "images_per_request": per_request, "body_bytes": len(json.dumps(body)), "concurrent": 64,
-                "max_inflight_pixels": budget, "responses": dict(Counter(codes)), "wall_s": wall,
-                "rss_baseline_mb": baseline, "rss_peak_mb": vm(proc.pid, "VmHWM"),
-                "rss_after_mb": vm(proc.pid, "VmRSS"), "health_polls": len(health),
-                "health_max_ms": max(health) * 1000}
+                "images_per_request": per_request,
+                "body_bytes": len(json.dumps(body)),
+                "concurrent": 64,
+                "max_inflight_pixels": budget,
+                "responses": dict(Counter(codes)),
+                "wall_s": wall,
+                "rss_baseline_mb": baseline,
+                "rss_peak_mb": vm(proc.pid, "VmHWM"),
+                "rss_after_mb": vm(proc.pid, "VmRSS"),
+                "health_polls": len(health),
+                "health_max_ms": max(health) * 1000,
+            }
         finally:
             proc.terminate()
             proc.wait(timeout=10)
     out = args.out or ROOT / "bench/results/http_scorer_memory.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"scenarios": results, "machine": {"cpus": os.cpu_count(), "loadavg_start": loadavg_start,
-                                                                 "loadavg_end": os.getloadavg()}}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "scenarios": results,
+                "machine": {"cpus": os.cpu_count(), "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg()},
+            },
+            indent=1,
+        )
+    )
     for name, r in results.items():
-        print(f"{name}: {r['responses']} in {r['wall_s']:.1f}s; RSS {r['rss_baseline_mb']:.0f} -> peak "
-              f"{r['rss_peak_mb']:.0f} MB (after {r['rss_after_mb']:.0f}); budget {r['max_inflight_pixels']} px; "
-              f"/health max {r['health_max_ms']:.0f} ms over {r['health_polls']} polls")
+        print(
+            f"{name}: {r['responses']} in {r['wall_s']:.1f}s; RSS {r['rss_baseline_mb']:.0f} -> peak "
+            f"{r['rss_peak_mb']:.0f} MB (after {r['rss_after_mb']:.0f}); budget {r['max_inflight_pixels']} px; "
+            f"/health max {r['health_max_ms']:.0f} ms over {r['health_polls']} polls"
+        )
     print(f"written: {out}")
 
 

@@ -44,8 +44,11 @@ from PIL import Image, ImageDraw, ImageFont
 ROOT = Path(__file__).resolve().parents[1]
 REF_DEPS = ROOT / "bench/.reference-deps"
 REF_REQUIREMENTS = ROOT / "bench/reference-requirements.txt"
-SCENARIOS = {"judge": "bench.scorer_stand_ins:gpu_like_judge", "serial": "bench.scorer_stand_ins:serial_scorer",
-             "ocr": "ocr"}
+SCENARIOS = {
+    "judge": "bench.scorer_stand_ins:gpu_like_judge",
+    "serial": "bench.scorer_stand_ins:serial_scorer",
+    "ocr": "ocr",
+}
 TARGET = "HELLO 42"
 
 
@@ -55,8 +58,9 @@ def sample_jpeg(side: int = 512, seed: int = 0) -> bytes:
     ramp = np.linspace(170, 250, side, dtype=np.float32)
     base = (ramp[None, :, None] + ramp[:, None, None]) / 2 + rng.normal(0, 6, size=(side, side, 3))
     img = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8))
-    ImageDraw.Draw(img).text((side // 8, side // 3), TARGET, fill=(10, 10, 40),
-                             font=ImageFont.load_default(size=side // 8))
+    ImageDraw.Draw(img).text(
+        (side // 8, side // 3), TARGET, fill=(10, 10, 40), font=ImageFont.load_default(size=side // 8)
+    )
     buf = io.BytesIO()
     img.save(buf, format="JPEG", quality=90)
     return buf.getvalue()
@@ -65,8 +69,10 @@ def sample_jpeg(side: int = 512, seed: int = 0) -> bytes:
 def ensure_reference_deps() -> None:
     if (REF_DEPS / "flask").is_dir() and (REF_DEPS / "gunicorn").is_dir():
         return
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(REF_DEPS), "-r",
-                    str(REF_REQUIREMENTS)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--target", str(REF_DEPS), "-r", str(REF_REQUIREMENTS)],
+        check=True,
+    )
 
 
 def free_port() -> int:
@@ -80,8 +86,9 @@ class Served:
 
     def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str], cwd: Path = ROOT, workers: int = 1):
         self.name, self.port, self.url, self.workers = name, port, f"http://127.0.0.1:{port}", workers
-        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -119,8 +126,9 @@ class Served:
                 conns = p.net_connections(kind="tcp")
             except psutil.NoSuchProcess:
                 continue
-            counts.append(sum(1 for c in conns if c.status == psutil.CONN_ESTABLISHED and c.laddr
-                              and c.laddr.port == self.port))
+            counts.append(
+                sum(1 for c in conns if c.status == psutil.CONN_ESTABLISHED and c.laddr and c.laddr.port == self.port)
+            )
         return sorted(counts, reverse=True)
 
     def scorer_counters(self) -> tuple[float, float, float] | None:
@@ -149,9 +157,26 @@ def start_ours(scorer: str, args, env, tree: Path = ROOT, name: str = "ours") ->
     """Our server from this checkout, or (``tree``) from another checkout of the repository, e.g. an earlier
     commit (``git worktree add --detach /tmp/before <commit>``), to measure a change side by side."""
     port = free_port()
-    cmd = [sys.executable, "-m", "http_scorer", "serve", "--scorer", scorer, "--port", str(port), "--workers",
-           str(args.workers), "--max-batch", str(args.max_batch), "--max-wait-ms", str(args.max_wait_ms),
-           "--allow-flow-grpo-pickle", "--request-timeout-s", "300", *args.ours_args.split()]  # gunicorn's below
+    cmd = [
+        sys.executable,
+        "-m",
+        "http_scorer",
+        "serve",
+        "--scorer",
+        scorer,
+        "--port",
+        str(port),
+        "--workers",
+        str(args.workers),
+        "--max-batch",
+        str(args.max_batch),
+        "--max-wait-ms",
+        str(args.max_wait_ms),
+        "--allow-flow-grpo-pickle",
+        "--request-timeout-s",
+        "300",
+        *args.ours_args.split(),
+    ]  # gunicorn's below
     env = {**env, "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)])}  # the scorer specs live in bench/ here
     return Served(name, cmd, port, env, cwd=tree, workers=args.workers)
 
@@ -159,20 +184,42 @@ def start_ours(scorer: str, args, env, tree: Path = ROOT, name: str = "ours") ->
 def start_reference(scorer: str, args, env) -> Served:
     port = free_port()
     env = {**env, "PYTHONPATH": os.pathsep.join([str(REF_DEPS), str(ROOT), env.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "gunicorn", "-w", str(args.workers), "-b", f"127.0.0.1:{port}", "--timeout", "300",
-           "--log-level", "warning", f"bench.reference_server:create_app(scorer={scorer!r})"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "-w",
+        str(args.workers),
+        "-b",
+        f"127.0.0.1:{port}",
+        "--timeout",
+        "300",
+        "--log-level",
+        "warning",
+        f"bench.reference_server:create_app(scorer={scorer!r})",
+    ]
     return Served("reference", cmd, port, env, workers=args.workers)
 
 
 def requests_for(jpeg: bytes) -> dict[str, tuple[str, bytes, dict[str, str]]]:
     """(path, body, headers) per request form, serialised once (the client's cost is the same every request)."""
-    json_body = json.dumps({"images": [{"data": base64.b64encode(jpeg).decode(), "format": "jpeg"}],
-                            "prompts": ["a sign"], "ground_truths": [TARGET]}).encode()
+    json_body = json.dumps(
+        {
+            "images": [{"data": base64.b64encode(jpeg).decode(), "format": "jpeg"}],
+            "prompts": ["a sign"],
+            "ground_truths": [TARGET],
+        }
+    ).encode()
     pickled = pickle.dumps({"images": [jpeg], "prompts": ["a sign"], "metadata": {"ground_truths": [TARGET]}})
-    return {"json": ("/v1/score", json_body, {"content-type": "application/json"}),
-            "pickle": ("/", pickled, {"content-type": "application/octet-stream"}),
-            "binary": ("/v1/score/image?" + urlencode({"prompt": "a sign", "ground_truth": TARGET}), jpeg,
-                       {"content-type": "image/jpeg"})}
+    return {
+        "json": ("/v1/score", json_body, {"content-type": "application/json"}),
+        "pickle": ("/", pickled, {"content-type": "application/octet-stream"}),
+        "binary": (
+            "/v1/score/image?" + urlencode({"prompt": "a sign", "ground_truth": TARGET}),
+            jpeg,
+            {"content-type": "image/jpeg"},
+        ),
+    }
 
 
 class Connection:
@@ -211,11 +258,15 @@ class Connection:
         self.reader = self.writer = None
 
 
-async def drive(server: Served, request: tuple[str, bytes, dict], concurrency: int, seconds: float,
-                settle_s: float) -> dict:
+async def drive(
+    server: Served, request: tuple[str, bytes, dict], concurrency: int, seconds: float, settle_s: float
+) -> dict:
     path, body, headers = request
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nContent-Length: {len(body)}\r\n"
-            + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nContent-Length: {len(body)}\r\n"
+        + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        + "\r\n"
+    ).encode()
     done: list[tuple[float, float]] = []  # (completion time, latency)
     errors: list[str] = []
     conn_samples: list[list[int]] = []
@@ -257,52 +308,72 @@ async def drive(server: Served, request: tuple[str, bytes, dict], concurrency: i
     n_all = max(1, len(done))
     q = np.quantile([lat for _, lat in done], [0.5, 0.99]) if done else [float("nan")] * 2
     last = max((t for t, _ in done), default=seconds)
-    return {"images_per_s": len(done) / last, "images": len(done), "wall_s": last,
-            "steady_images_per_s": len(window) / (seconds - settle_s), "errors": len(errors),
-            "first_errors": errors[:3], "p50_ms": float(q[0] * 1000), "p99_ms": float(q[1] * 1000),
-            "server_cpu_s_per_image": (sum(cpu1.values()) - sum(cpu0.values())) / n_all,
-            "client_cpu_s_per_image": (client1 - client0) / n_all,
-            # our server only: the share of the run its scorer processes spent decoding and scoring (the rest is
-            # waiting for work or for the CPU); from their own metrics
-            "scorer_processes_busy": (None if inside0 is None or inside1 is None
-                                      else round((inside1[0] - inside0[0]) / wall / server.workers, 3)),
-            "mean_batch": (None if inside0 is None or inside1 is None or inside1[1] == inside0[1]
-                           else round((inside1[2] - inside0[2]) / (inside1[1] - inside0[1]), 2)),
-            "server_cores_busy_by_process": sorted((round((cpu1[p] - cpu0.get(p, 0.0)) / wall, 2) for p in cpu1),
-                                                   reverse=True),
-            "connections_per_process": conn_samples}
+    return {
+        "images_per_s": len(done) / last,
+        "images": len(done),
+        "wall_s": last,
+        "steady_images_per_s": len(window) / (seconds - settle_s),
+        "errors": len(errors),
+        "first_errors": errors[:3],
+        "p50_ms": float(q[0] * 1000),
+        "p99_ms": float(q[1] * 1000),
+        "server_cpu_s_per_image": (sum(cpu1.values()) - sum(cpu0.values())) / n_all,
+        "client_cpu_s_per_image": (client1 - client0) / n_all,
+        # our server only: the share of the run its scorer processes spent decoding and scoring (the rest is
+        # waiting for work or for the CPU); from their own metrics
+        "scorer_processes_busy": (
+            None if inside0 is None or inside1 is None else round((inside1[0] - inside0[0]) / wall / server.workers, 3)
+        ),
+        "mean_batch": (
+            None
+            if inside0 is None or inside1 is None or inside1[1] == inside0[1]
+            else round((inside1[2] - inside0[2]) / (inside1[1] - inside0[1]), 2)
+        ),
+        "server_cores_busy_by_process": sorted(
+            (round((cpu1[p] - cpu0.get(p, 0.0)) / wall, 2) for p in cpu1), reverse=True
+        ),
+        "connections_per_process": conn_samples,
+    }
 
 
-async def drive_together(plans: list[tuple[Served, tuple]], concurrency: int, seconds: float,
-                         settle_s: float) -> list[dict]:
+async def drive_together(
+    plans: list[tuple[Served, tuple]], concurrency: int, seconds: float, settle_s: float
+) -> list[dict]:
     """Load several servers at the same time, ``concurrency`` clients each: they share the machine's background
     load at every instant, so their ratio holds on a busy shared machine where back-to-back runs do not.
     (``client_cpu_s_per_image`` then counts the one client process's CPU for both.)"""
-    return list(await asyncio.gather(*(drive(server, request, concurrency, seconds, settle_s)
-                                       for server, request in plans)))
+    return list(
+        await asyncio.gather(*(drive(server, request, concurrency, seconds, settle_s) for server, request in plans))
+    )
 
 
 def warm(server: Served, request, n: int) -> None:
     """Enough concurrent requests that every worker process has loaded its scorer (OCR engines load lazily)."""
+
     async def go():
         async with httpx.AsyncClient(timeout=300) as client:
             path, body, headers = request
             for _ in range(2):
-                rs = await asyncio.gather(*(client.post(server.url + path, content=body, headers=headers)
-                                            for _ in range(n)))
+                rs = await asyncio.gather(
+                    *(client.post(server.url + path, content=body, headers=headers) for _ in range(n))
+                )
                 bad = [r for r in rs if r.status_code != 200]
                 if bad:
                     raise RuntimeError(f"{server.name} warm-up: {bad[0].status_code} {bad[0].text[:300]}")
+
     asyncio.run(go())
 
 
 def record(rounds: dict[str, list[dict]], scenario: str, r: int, side: str, res: dict) -> None:
     res["round"], res["loadavg"] = r, os.getloadavg()[0]
     rounds[side].append(res)
-    print(f"{scenario:5s} round {r} {side:12s} {res['images_per_s']:7.1f} img/s  p50 {res['p50_ms']:7.0f} ms  "
-          f"server cpu {res['server_cpu_s_per_image'] * 1000:6.1f} ms/img  conns {res['connections_per_process'][1]}  "
-          f"cores {res['server_cores_busy_by_process']}  scorer busy {res['scorer_processes_busy']}  "
-          f"batch {res['mean_batch']}  errors {res['errors']}", flush=True)
+    print(
+        f"{scenario:5s} round {r} {side:12s} {res['images_per_s']:7.1f} img/s  p50 {res['p50_ms']:7.0f} ms  "
+        f"server cpu {res['server_cpu_s_per_image'] * 1000:6.1f} ms/img  conns {res['connections_per_process'][1]}  "
+        f"cores {res['server_cores_busy_by_process']}  scorer busy {res['scorer_processes_busy']}  "
+        f"batch {res['mean_batch']}  errors {res['errors']}",
+        flush=True,
+    )
 
 
 def compare(args) -> None:
@@ -319,9 +390,13 @@ def compare(args) -> None:
             servers["before"] = start_ours(scorer, args, env, Path(args.before_tree), "before")
         try:
             # side = server[-form]: ours (JSON), ours-binary, ours-pickle, before (JSON), reference (pickle)
-            plan = {side: (servers[side.split("-")[0]],
-                           forms["pickle" if side == "reference" else side.split("-")[1] if "-" in side else "json"])
-                    for side in sides}
+            plan = {
+                side: (
+                    servers[side.split("-")[0]],
+                    forms["pickle" if side == "reference" else side.split("-")[1] if "-" in side else "json"],
+                )
+                for side in sides
+            }
             for server, request in plan.values():
                 warm(server, request, 4 * args.workers)
             rounds: dict[str, list[dict]] = {side: [] for side in sides}
@@ -330,31 +405,47 @@ def compare(args) -> None:
             for r in range(args.rounds):
                 if args.together:  # each of our sides at the same time as the reference, 32 clients each
                     for side in ratios:
-                        ours, ref = asyncio.run(drive_together([plan[side], plan["reference"]], args.concurrency,
-                                                               seconds, args.settle_s))
+                        ours, ref = asyncio.run(
+                            drive_together([plan[side], plan["reference"]], args.concurrency, seconds, args.settle_s)
+                        )
                         record(rounds, scenario, r, side, ours)
                         record(rounds, scenario, r, "reference", ref)
                         ratios[side].append(ours["images_per_s"] / ref["images_per_s"])
                     continue
                 for side in sides if r % 2 == 0 else sides[::-1]:
                     server, request = plan[side]
-                    record(rounds, scenario, r, side, asyncio.run(drive(server, request, args.concurrency, seconds, args.settle_s)))
+                    record(
+                        rounds,
+                        scenario,
+                        r,
+                        side,
+                        asyncio.run(drive(server, request, args.concurrency, seconds, args.settle_s)),
+                    )
             if not args.together and "reference" in rounds:
-                ratios = {side: [a["images_per_s"] / b["images_per_s"]
-                                 for a, b in zip(rounds[side], rounds["reference"], strict=True)] for side in ratios}
+                ratios = {
+                    side: [
+                        a["images_per_s"] / b["images_per_s"]
+                        for a, b in zip(rounds[side], rounds["reference"], strict=True)
+                    ]
+                    for side in ratios
+                }
             summary = {}
             for side, rs in rounds.items():
-                summary[side] = {"images_per_s_median": statistics.median(x["images_per_s"] for x in rs),
-                                 "p50_ms_median": statistics.median(x["p50_ms"] for x in rs),
-                                 "p99_ms_median": statistics.median(x["p99_ms"] for x in rs),
-                                 "server_cpu_ms_per_image_median": 1000 * statistics.median(
-                                     x["server_cpu_s_per_image"] for x in rs),
-                                 "rounds": rs}
+                summary[side] = {
+                    "images_per_s_median": statistics.median(x["images_per_s"] for x in rs),
+                    "p50_ms_median": statistics.median(x["p50_ms"] for x in rs),
+                    "p99_ms_median": statistics.median(x["p99_ms"] for x in rs),
+                    "server_cpu_ms_per_image_median": 1000 * statistics.median(x["server_cpu_s_per_image"] for x in rs),
+                    "rounds": rs,
+                }
             report["scenarios"][scenario] = {
-                "scorer": scorer, "seconds_per_side_and_round": seconds, "together": bool(args.together),
+                "scorer": scorer,
+                "seconds_per_side_and_round": seconds,
+                "together": bool(args.together),
                 "sides": summary,
                 "ratio_to_reference_per_round": ratios,
-                "ratio_to_reference_median": {k: statistics.median(v) for k, v in ratios.items()}}
+                "ratio_to_reference_median": {k: statistics.median(v) for k, v in ratios.items()},
+            }
         finally:
             for server in servers.values():
                 server.stop()
@@ -369,15 +460,20 @@ def compare(args) -> None:
 
 def markdown_table(report: dict) -> str:
     """The README's table, from the JSON this writes (``python -c`` it on a saved report to redo the table)."""
-    rows = ["| scenario | side | images/s (median) | × reference (median of rounds) | per round | p50 ms | "
-            "server CPU ms/image | load avg per round |", "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| scenario | side | images/s (median) | × reference (median of rounds) | per round | p50 ms | "
+        "server CPU ms/image | load avg per round |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for scenario, sc in report["scenarios"].items():
         for side, s in sc["sides"].items():
             per_round = sc["ratio_to_reference_per_round"].get(side)
             loads = " / ".join(f"{x['loadavg']:.1f}" for x in s["rounds"])
-            rows.append(f"| {scenario} | {side} | {s['images_per_s_median']:.1f} | "
-                        f"{sc['ratio_to_reference_median'].get(side, 1.0):.2f} | "
-                        f"{' / '.join(f'{r:.2f}' for r in per_round) if per_round else '—'} | "
-                        f"{s['p50_ms_median']:.0f} | {s['server_cpu_ms_per_image_median']:.1f} | "
-                        f"{loads} |")
+            rows.append(
+                f"| {scenario} | {side} | {s['images_per_s_median']:.1f} | "
+                f"{sc['ratio_to_reference_median'].get(side, 1.0):.2f} | "
+                f"{' / '.join(f'{r:.2f}' for r in per_round) if per_round else '—'} | "
+                f"{s['p50_ms_median']:.0f} | {s['server_cpu_ms_per_image_median']:.1f} | "
+                f"{loads} |"
+            )
     return "\n".join(rows)

@@ -36,8 +36,10 @@ from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig, 
 from omni_async.reward.scorers.ocr import compute_score
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "omni_async/models/weights"
-VOCABS = {"tiny_text": WEIGHTS / "tiny_qwen_image_text/prompts.json",
-          "tiny_text_bimodal": WEIGHTS / "tiny_qwen_image_text_bimodal/prompts.json"}
+VOCABS = {
+    "tiny_text": WEIGHTS / "tiny_qwen_image_text/prompts.json",
+    "tiny_text_bimodal": WEIGHTS / "tiny_qwen_image_text_bimodal/prompts.json",
+}
 
 
 def words_of(vocab: str) -> tuple[list[str], list[str], str]:
@@ -54,16 +56,25 @@ def ocr(images, words) -> np.ndarray:
 def summary(scores: np.ndarray) -> dict:
     """``scores`` [prompts, group]."""
     flat = scores.ravel()
-    return {"mean": round(float(flat.mean()), 3), "n": int(flat.size),
-            "share_ge_0.9": round(float((flat >= 0.9).mean()), 3), "share_le_0.1": round(float((flat <= 0.1).mean()), 3),
-            "histogram_5_bins_0_to_1": np.histogram(flat, bins=5, range=(0, 1))[0].tolist(),
-            "within_group_std": round(float(scores.std(1).mean()), 3),
-            "share_of_groups_all_equal": round(float((scores.std(1) == 0).mean()), 3)}
+    return {
+        "mean": round(float(flat.mean()), 3),
+        "n": int(flat.size),
+        "share_ge_0.9": round(float((flat >= 0.9).mean()), 3),
+        "share_le_0.1": round(float((flat <= 0.1).mean()), 3),
+        "histogram_5_bins_0_to_1": np.histogram(flat, bins=5, range=(0, 1))[0].tolist(),
+        "within_group_std": round(float(scores.std(1).mean()), 3),
+        "share_of_groups_all_equal": round(float((scores.std(1) == 0).mean()), 3),
+    }
 
 
 @torch.no_grad()
-def sample(policy: DiffusionPolicy, prompts: list[str], init_seeds: list[int], window: range | None,
-           window_seeds: list[int] | None = None) -> np.ndarray:
+def sample(
+    policy: DiffusionPolicy,
+    prompts: list[str],
+    init_seeds: list[int],
+    window: range | None,
+    window_seeds: list[int] | None = None,
+) -> np.ndarray:
     """Images whose initial noise comes from ``init_seeds`` and whose window noise comes from ``window_seeds``
     (default: the same generators, as ``DiffusionPolicy.rollout`` draws them)."""
     gens = sample_generators(init_seeds)
@@ -94,25 +105,41 @@ def measure_reward(policy, template, words: list[str], group: int, window_range,
     return out
 
 
-def measure_window(policy, template, words: list[str], redraws: int, window_size: int, starts: list[int],
-                   seed: int) -> dict:
+def measure_window(
+    policy, template, words: list[str], redraws: int, window_size: int, starts: list[int], seed: int
+) -> dict:
     """Share of the reward variance explained by the window's noise, per window start (initial noise fixed)."""
     out = {}
     prompts = [template.format(text=w) for w in words]
     for s in starts:
-        scores = np.stack([ocr(sample(policy, prompts, [seed + i for i in range(len(words))],
-                                      range(s, s + window_size), [seed * 7 + 10_000 * (r + 1) + i
-                                                                  for i in range(len(words))]), words)
-                           for r in range(redraws)], 1)  # [samples, redraws]
+        scores = np.stack(
+            [
+                ocr(
+                    sample(
+                        policy,
+                        prompts,
+                        [seed + i for i in range(len(words))],
+                        range(s, s + window_size),
+                        [seed * 7 + 10_000 * (r + 1) + i for i in range(len(words))],
+                    ),
+                    words,
+                )
+                for r in range(redraws)
+            ],
+            1,
+        )  # [samples, redraws]
         within, total = scores.var(1).mean(), scores.var()
         out[f"steps {s}-{s + window_size - 1}"] = {
             "share": round(float(within / total), 3) if total > 0 else None,
-            "flips": round(float((scores.std(1) > 0).mean()), 3), "mean": round(float(scores.mean()), 3)}
+            "flips": round(float((scores.std(1) > 0).mean()), 3),
+            "mean": round(float(scores.mean()), 3),
+        }
     return out
 
 
-def measure_snr(policy, template, words: list[str], group: int, batches: int, window_range, window_size,
-                seed: int) -> dict:
+def measure_snr(
+    policy, template, words: list[str], group: int, batches: int, window_range, window_size, seed: int
+) -> dict:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     params = policy.trainable_parameters()
@@ -130,8 +157,9 @@ def measure_snr(policy, template, words: list[str], group: int, batches: int, wi
         for p in params:
             p.grad = None
         for j, i in enumerate(window):  # the trainer's loss at ratio 1: -mean_b A_b * logp_b, summed over steps
-            logp = policy.step(ro.conditioning, ro.window_latents[:, j], i,
-                               prev_sample=ro.window_latents[:, j + 1]).log_prob
+            logp = policy.step(
+                ro.conditioning, ro.window_latents[:, j], i, prev_sample=ro.window_latents[:, j + 1]
+            ).log_prob
             (-(adv * logp).mean()).backward()
         grads.append(torch.cat([p.grad.flatten() for p in params if p.grad is not None]).clone())
     g = torch.stack(grads)
@@ -141,8 +169,13 @@ def measure_snr(policy, template, words: list[str], group: int, batches: int, wi
     unit = g / g.norm(dim=1, keepdim=True)
     cos = unit @ unit.T
     pair = float(cos[~torch.eye(batches, dtype=torch.bool)].mean())
-    return {"batches": batches, "samples_per_batch": 4 * group, "snr": round(snr, 4),
-            "mean_pairwise_cosine": round(pair, 4), "batch_reward_means": [round(m, 3) for m in means]}
+    return {
+        "batches": batches,
+        "samples_per_batch": 4 * group,
+        "snr": round(snr, 4),
+        "mean_pairwise_cosine": round(pair, 4),
+        "batch_reward_means": [round(m, 3) for m in means],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -164,25 +197,33 @@ def main(argv: list[str] | None = None) -> None:
     train, val, template = words_of(args.vocab)
     rng = random.Random(args.seed)
     train_words, val_words = rng.sample(train, args.words), rng.sample(val, min(args.words, len(val)))
-    policy = DiffusionPolicy(args.model, SamplingConfig(height=64, width=64, num_inference_steps=10,
-                                                        noise_level=args.noise_level),
-                             lora_rank=8, lora_alpha=16, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    policy = DiffusionPolicy(
+        args.model,
+        SamplingConfig(height=64, width=64, num_inference_steps=10, noise_level=args.noise_level),
+        lora_rank=8,
+        lora_alpha=16,
+        target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+    )
     res: dict = {"model": args.model, "args": vars(args)}
     t0 = time.time()
     what = args.what.split(",")
     wr = tuple(args.window_range)
     if "reward" in what:
-        res["reward"] = {name: measure_reward(policy, template, ws, args.group, wr, args.window_size, args.seed)
-                         for name, ws in (("train_words", train_words), ("held_out_words", val_words))}
+        res["reward"] = {
+            name: measure_reward(policy, template, ws, args.group, wr, args.window_size, args.seed)
+            for name, ws in (("train_words", train_words), ("held_out_words", val_words))
+        }
         print(json.dumps(res["reward"]), flush=True)
     if "window" in what:
         starts = list(range(0, 10 - args.window_size + 1, 2))
-        res["window_noise_share"] = measure_window(policy, template, train_words * 2, args.redraws,
-                                                   args.window_size, starts, args.seed)
+        res["window_noise_share"] = measure_window(
+            policy, template, train_words * 2, args.redraws, args.window_size, starts, args.seed
+        )
         print(json.dumps(res["window_noise_share"]), flush=True)
     if "snr" in what:
-        res["gradient"] = measure_snr(policy, template, train, args.group, args.batches, wr, args.window_size,
-                                      args.seed)
+        res["gradient"] = measure_snr(
+            policy, template, train, args.group, args.batches, wr, args.window_size, args.seed
+        )
         print(json.dumps(res["gradient"]), flush=True)
     res["seconds"] = round(time.time() - t0)
     print(json.dumps(res, indent=1))

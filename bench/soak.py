@@ -50,11 +50,21 @@ sys.path.insert(0, str(ROOT))
 from omni_async.reward.contract import to_pixels  # noqa: E402
 from omni_async.reward.scorers.http import HttpScorer  # noqa: E402
 
-SMALL = ["actor_rollout_ref.model.path=tiny:sd3", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
-         "actor_rollout_ref.actor.ppo_mini_batch_size=1", "actor_rollout_ref.rollout.num_inference_steps=4",
-         "actor_rollout_ref.rollout.height=32", "actor_rollout_ref.rollout.width=32",
-         "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]", "actor_rollout_ref.rollout.agent.max_batch_size=2",
-         "trainer.logger=[jsonl]", "trainer.resume_mode=disable", "data.shuffle=false", "reward.streaming=true"]
+SMALL = [
+    "actor_rollout_ref.model.path=tiny:sd3",
+    "data.train_batch_size=2",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+    "actor_rollout_ref.rollout.num_inference_steps=4",
+    "actor_rollout_ref.rollout.height=32",
+    "actor_rollout_ref.rollout.width=32",
+    "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]",
+    "actor_rollout_ref.rollout.agent.max_batch_size=2",
+    "trainer.logger=[jsonl]",
+    "trainer.resume_mode=disable",
+    "data.shuffle=false",
+    "reward.streaming=true",
+]
 
 COUNTERS = ("reward/http_retries", "reward/http_timeouts", "reward/retried", "rollout/regenerated")
 
@@ -71,6 +81,7 @@ class PixelsHttpScorer(HttpScorer):
 def client_encodes_chw() -> bool:
     """Whether ``HttpScorer`` itself accepts the ``(C, H, W)`` tensor the reward manager passes."""
     import torch
+
     try:
         HttpScorer("http://127.0.0.1:9")._image_json(torch.zeros(3, 8, 8, dtype=torch.uint8))
         return True
@@ -117,11 +128,13 @@ class Killer(threading.Thread):
         self.stop_event = threading.Event()
         if what == "rollout":
             import ray
+
             self.replica = trainer.placement.rollout_workers[0]
             self.batches_before = len(ray.get(self.replica.stats.remote())["batch_sizes"])
 
     def run(self) -> None:
         import ray
+
         t0, deadline = time.perf_counter(), time.perf_counter() + self.timeout_s
         while not self.stop_event.is_set() and time.perf_counter() < deadline:
             if self.what == "reward":
@@ -136,8 +149,7 @@ class Killer(threading.Thread):
                 done = len(stats["batch_sizes"]) - self.batches_before
                 if done >= 1:
                     ray.kill(self.replica, no_restart=False)  # the rest of the step's batches still in flight
-                    self.report.update(killed=True, at_s=time.perf_counter() - t0, batches_done=done,
-                                       pid=stats["pid"])
+                    self.report.update(killed=True, at_s=time.perf_counter() - t0, batches_done=done, pid=stats["pid"])
                     return
                 time.sleep(0.02)
 
@@ -145,16 +157,24 @@ class Killer(threading.Thread):
 def machine() -> dict:
     import ray
     import torch
+
     cpu = platform.processor()
     try:
         cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
     except (OSError, StopIteration):
         pass
     mem = next((int(ln.split()[1]) // 1024 for ln in open("/proc/meminfo") if ln.startswith("MemTotal")), None)
-    return {"cpu": cpu, "cores": os.cpu_count(), "mem_mb": mem, "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "note": "loopback only; cores shared with other jobs"}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "mem_mb": mem,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "note": "loopback only; cores shared with other jobs",
+    }
 
 
 def main() -> None:
@@ -182,36 +202,86 @@ def main() -> None:
     from omni_async.trainer.config import compose
     from omni_async.trainer.loop import RLTrainer
 
-    reward_kwargs = {"timeout_s": args.client_timeout_s, "max_retries": args.max_retries,
-                     "backoff_s": args.backoff_s, "max_retry_after_s": args.max_retry_after_s}
+    reward_kwargs = {
+        "timeout_s": args.client_timeout_s,
+        "max_retries": args.max_retries,
+        "backoff_s": args.backoff_s,
+        "max_retry_after_s": args.max_retry_after_s,
+    }
     t_wall = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         server_port, proxy_port = free_port(), free_port()
-        server = start([sys.executable, "-m", "http_scorer", "serve", "--scorer", args.scorer, "--host", "127.0.0.1",
-                        "--port", str(server_port)], f"http://127.0.0.1:{server_port}/health", tmp / "server.log")
-        proxy = start([sys.executable, str(ROOT / "bench/fault_proxy.py"), "--upstream",
-                       f"http://127.0.0.1:{server_port}", "--port", str(proxy_port), "--p-503", str(args.p_503),
-                       "--p-hang", str(args.p_hang), "--p-reset", str(args.p_reset), "--hang-s", str(args.hang_s),
-                       "--retry-after", str(args.retry_after), "--seed", str(args.seed)],
-                      f"http://127.0.0.1:{proxy_port}/__proxy_stats", tmp / "proxy.log")
+        server = start(
+            [
+                sys.executable,
+                "-m",
+                "http_scorer",
+                "serve",
+                "--scorer",
+                args.scorer,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(server_port),
+            ],
+            f"http://127.0.0.1:{server_port}/health",
+            tmp / "server.log",
+        )
+        proxy = start(
+            [
+                sys.executable,
+                str(ROOT / "bench/fault_proxy.py"),
+                "--upstream",
+                f"http://127.0.0.1:{server_port}",
+                "--port",
+                str(proxy_port),
+                "--p-503",
+                str(args.p_503),
+                "--p-hang",
+                str(args.p_hang),
+                "--p-reset",
+                str(args.p_reset),
+                "--hang-s",
+                str(args.hang_s),
+                "--retry-after",
+                str(args.retry_after),
+                "--seed",
+                str(args.seed),
+            ],
+            f"http://127.0.0.1:{proxy_port}/__proxy_stats",
+            tmp / "proxy.log",
+        )
         proxy_url = f"http://127.0.0.1:{proxy_port}"
         rows = [{"prompt": f"p{i}", "data_source": "soak", "reward_model": {"ground_truth": ""}} for i in range(16)]
         (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         # The client as shipped when it can encode what it is given; else the same class behind a to_pixels shim.
         fixed = client_encodes_chw()
-        reward_fn = (["reward.custom_reward_function.path=pkg://omni_async.reward.scorers.http",
-                      "reward.custom_reward_function.name=HttpScorer"] if fixed else
-                     [f"reward.custom_reward_function.path={ROOT / 'bench/soak.py'}",
-                      "reward.custom_reward_function.name=PixelsHttpScorer"])
+        reward_fn = (
+            [
+                "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.http",
+                "reward.custom_reward_function.name=HttpScorer",
+            ]
+            if fixed
+            else [
+                f"reward.custom_reward_function.path={ROOT / 'bench/soak.py'}",
+                "reward.custom_reward_function.name=PixelsHttpScorer",
+            ]
+        )
         # The rollout worker it kills is a replica Ray restarts: the split layout (hybrid: an actor rank, fatal).
-        overrides = [*SMALL, "actor_rollout_ref.hybrid_engine=false", f"data.train_files={tmp}/train.jsonl",
-                     f"trainer.run_dir={tmp}/run",
-                     f"trainer.total_training_steps={args.steps}", f"trainer.seed={args.seed}",
-                     f"reward.num_workers={args.reward_workers}", f"reward.timeout_s={args.reward_timeout_s}",
-                     *reward_fn,
-                     f"+reward.custom_reward_function.reward_kwargs.server_url={proxy_url}",
-                     *(f"+reward.custom_reward_function.reward_kwargs.{k}={v}" for k, v in reward_kwargs.items())]
+        overrides = [
+            *SMALL,
+            "actor_rollout_ref.hybrid_engine=false",
+            f"data.train_files={tmp}/train.jsonl",
+            f"trainer.run_dir={tmp}/run",
+            f"trainer.total_training_steps={args.steps}",
+            f"trainer.seed={args.seed}",
+            f"reward.num_workers={args.reward_workers}",
+            f"reward.timeout_s={args.reward_timeout_s}",
+            *reward_fn,
+            f"+reward.custom_reward_function.reward_kwargs.server_url={proxy_url}",
+            *(f"+reward.custom_reward_function.reward_kwargs.{k}={v}" for k, v in reward_kwargs.items()),
+        ]
         shutdown_ray()
         trainer = RLTrainer(compose(overrides))
         cfg = trainer.cfg
@@ -244,21 +314,33 @@ def main() -> None:
                 after = httpx.get(f"{proxy_url}/__proxy_stats").json()
                 indices = [s.index for s in samples]
                 failed = int(metrics["reward/masked"])
-                row = {"step": step + 1, "expected": expected, "produced": len(samples),
-                       "with_outcome": sum(s.outcome is not None for s in samples),
-                       "unique": len(set(indices)), "rows": seen["rows"], "trained": seen["trained"],
-                       "failed": failed, "no_reward": int(metrics["reward/failed"] + metrics["reward/timed_out"]),
-                       "lost": expected - seen["trained"] - failed, "duplicated": seen["rows"] - len(samples),
-                       **{k: int(metrics.get(k, 0)) for k in COUNTERS},
-                       "proxy": {k: after[k] - before[k] for k in after},
-                       "step_s": metrics["timing_s/step"], "reward_mean": metrics["critic/rewards/mean"],
-                       "kill": killer.report if killer is not None else None}
+                row = {
+                    "step": step + 1,
+                    "expected": expected,
+                    "produced": len(samples),
+                    "with_outcome": sum(s.outcome is not None for s in samples),
+                    "unique": len(set(indices)),
+                    "rows": seen["rows"],
+                    "trained": seen["trained"],
+                    "failed": failed,
+                    "no_reward": int(metrics["reward/failed"] + metrics["reward/timed_out"]),
+                    "lost": expected - seen["trained"] - failed,
+                    "duplicated": seen["rows"] - len(samples),
+                    **{k: int(metrics.get(k, 0)) for k in COUNTERS},
+                    "proxy": {k: after[k] - before[k] for k in after},
+                    "step_s": metrics["timing_s/step"],
+                    "reward_mean": metrics["critic/rewards/mean"],
+                    "kill": killer.report if killer is not None else None,
+                }
                 per_step.append(row)
-                print(f"step {step + 1}: {row['step_s']:.1f}s produced {row['produced']} trained {row['trained']} "
-                      f"failed {failed} lost {row['lost']} | http_retries {row['reward/http_retries']} "
-                      f"http_timeouts {row['reward/http_timeouts']} retried {row['reward/retried']} "
-                      f"regenerated {row['rollout/regenerated']} | proxy {row['proxy']}"
-                      + (f" | killed {killer.report}" if killer else ""), flush=True)
+                print(
+                    f"step {step + 1}: {row['step_s']:.1f}s produced {row['produced']} trained {row['trained']} "
+                    f"failed {failed} lost {row['lost']} | http_retries {row['reward/http_retries']} "
+                    f"http_timeouts {row['reward/http_timeouts']} retried {row['reward/retried']} "
+                    f"regenerated {row['rollout/regenerated']} | proxy {row['proxy']}"
+                    + (f" | killed {killer.report}" if killer else ""),
+                    flush=True,
+                )
         finally:
             trainer.agent.shutdown()
             shutdown_ray()
@@ -269,25 +351,37 @@ def main() -> None:
     step_s = [r["step_s"] for r in per_step]
     total_keys = ("expected", "produced", "trained", "failed", "no_reward", "lost", "duplicated", *COUNTERS)
     totals = {k: sum(r[k] for r in per_step) for k in total_keys}
-    totals.update(step_s_p50=float(np.percentile(step_s, 50)), step_s_p95=float(np.percentile(step_s, 95)),
-                  step_s_mean=float(np.mean(step_s)), wall_s=time.time() - t_wall)
+    totals.update(
+        step_s_p50=float(np.percentile(step_s, 50)),
+        step_s_p95=float(np.percentile(step_s, 95)),
+        step_s_mean=float(np.mean(step_s)),
+        wall_s=time.time() - t_wall,
+    )
     report = {
-        "totals": totals, "proxy": proxy_counts, "kills": kills, "steps": per_step,
-        "config": {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                   "overrides": [o.replace(str(ROOT) + "/", "") for o in overrides
-                                 if "run_dir" not in o and "train_files" not in o],
-                   "reward_kwargs": reward_kwargs,
-                   "reward_function": [o.replace(str(ROOT) + "/", "") for o in reward_fn],
-                   "client_shim": None if fixed else "PixelsHttpScorer: HttpScorer cannot encode (C, H, W) tensors",
-                   "mode": "stream (reward.streaming=true, on-policy, full batch)",
-                   "step_time": "timing_s/step of every step, kill steps and the first (warm-up) included"},
+        "totals": totals,
+        "proxy": proxy_counts,
+        "kills": kills,
+        "steps": per_step,
+        "config": {
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "overrides": [
+                o.replace(str(ROOT) + "/", "") for o in overrides if "run_dir" not in o and "train_files" not in o
+            ],
+            "reward_kwargs": reward_kwargs,
+            "reward_function": [o.replace(str(ROOT) + "/", "") for o in reward_fn],
+            "client_shim": None if fixed else "PixelsHttpScorer: HttpScorer cannot encode (C, H, W) tensors",
+            "mode": "stream (reward.streaming=true, on-policy, full batch)",
+            "step_time": "timing_s/step of every step, kill steps and the first (warm-up) included",
+        },
         "machine": machine(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
-    print(f"\ntotal over {args.steps} steps: expected {totals['expected']} produced {totals['produced']} "
-          f"trained {totals['trained']} failed {totals['failed']} LOST {totals['lost']} "
-          f"duplicated {totals['duplicated']}")
+    print(
+        f"\ntotal over {args.steps} steps: expected {totals['expected']} produced {totals['produced']} "
+        f"trained {totals['trained']} failed {totals['failed']} LOST {totals['lost']} "
+        f"duplicated {totals['duplicated']}"
+    )
     print("  " + " ".join(f"{k} {totals[k]}" for k in COUNTERS))
     print(f"  step time p50 {totals['step_s_p50']:.2f}s p95 {totals['step_s_p95']:.2f}s")
     print(f"  proxy: {proxy_counts}")

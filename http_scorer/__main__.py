@@ -24,39 +24,75 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m http_scorer", description="The omni_async scorer server.")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser(
-        "serve", formatter_class=_Help, help="run the scorer server",
+        "serve",
+        formatter_class=_Help,
+        help="run the scorer server",
         description="Serve a scorer over HTTP: POST /v1/score (JSON, base64 images), POST /v1/score/image (one raw "
-                    "PNG / JPEG), POST / (flow_grpo pickle, opt-in), GET /health, GET /metrics, GET /docs.")
-    s.add_argument("--scorer", default="ocr",
-                   help="ocr (PP-OCR, flow_grpo's edit-distance rule) | jpeg | sleep | module:function")
+        "PNG / JPEG), POST / (flow_grpo pickle, opt-in), GET /health, GET /metrics, GET /docs.",
+    )
+    s.add_argument(
+        "--scorer", default="ocr", help="ocr (PP-OCR, flow_grpo's edit-distance rule) | jpeg | sleep | module:function"
+    )
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=19082, help="TCP port to listen on")
-    s.add_argument("--workers", type=int, default=1,
-                   help="scorer processes, fed batches from one queue (CPU scorers: one per core; GPU: one per "
-                        "GPU)")
-    s.add_argument("--token", default=None,
-                   help=f"require 'Authorization: Bearer <token>' on scoring routes (default: ${TOKEN_ENV} if set, "
-                        "else no token)")
-    s.add_argument("--max-batch", type=int, default=16,
-                   help="items per scorer call (at most the scorer's own max_batch: ocr 1)")
-    s.add_argument("--max-wait-ms", type=float, default=10.0,
-                   help="how long the oldest waiting item waits for more to fill a batch")
-    s.add_argument("--allow-flow-grpo-pickle", action="store_true",
-                   help="serve flow_grpo / verl-omni pickle clients on POST / (restricted unpickler; default: off, "
-                        "POST / answers 403)")
-    s.add_argument("--request-timeout-s", type=float, default=60.0,
-                   help="a request not scored by then is answered 504")
-    s.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes,
-                   help="larger bodies are answered 413 (counted while they stream in)")
-    s.add_argument("--max-images", type=int, default=Limits.max_images,
-                   help="images per request (a video counts its frames); more: 413")
-    s.add_argument("--max-pixels", type=int, default=Limits.max_pixels,
-                   help="pixels per image, read from its header before decoding; more: 413")
-    s.add_argument("--max-inflight-pixels", type=int, default=None,
-                   help="server-wide budget of decoded pixels in flight (default: min(MemAvailable/8, 2 GiB) / 12 "
-                        "bytes per pixel; see http_scorer/budget.py)")
-    s.add_argument("--inflight-wait-s", type=float, default=2.0,
-                   help="how long a request waits for budget before it is answered 503")
+    s.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="scorer processes, fed batches from one queue (CPU scorers: one per core; GPU: one per GPU)",
+    )
+    s.add_argument(
+        "--token",
+        default=None,
+        help=f"require 'Authorization: Bearer <token>' on scoring routes (default: ${TOKEN_ENV} if set, else no token)",
+    )
+    s.add_argument(
+        "--max-batch", type=int, default=16, help="items per scorer call (at most the scorer's own max_batch: ocr 1)"
+    )
+    s.add_argument(
+        "--max-wait-ms",
+        type=float,
+        default=10.0,
+        help="how long the oldest waiting item waits for more to fill a batch",
+    )
+    s.add_argument(
+        "--allow-flow-grpo-pickle",
+        action="store_true",
+        help="serve flow_grpo / verl-omni pickle clients on POST / (restricted unpickler; default: off, "
+        "POST / answers 403)",
+    )
+    s.add_argument("--request-timeout-s", type=float, default=60.0, help="a request not scored by then is answered 504")
+    s.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=Limits.max_body_bytes,
+        help="larger bodies are answered 413 (counted while they stream in)",
+    )
+    s.add_argument(
+        "--max-images",
+        type=int,
+        default=Limits.max_images,
+        help="images per request (a video counts its frames); more: 413",
+    )
+    s.add_argument(
+        "--max-pixels",
+        type=int,
+        default=Limits.max_pixels,
+        help="pixels per image, read from its header before decoding; more: 413",
+    )
+    s.add_argument(
+        "--max-inflight-pixels",
+        type=int,
+        default=None,
+        help="server-wide budget of decoded pixels in flight (default: min(MemAvailable/8, 2 GiB) / 12 "
+        "bytes per pixel; see http_scorer/budget.py)",
+    )
+    s.add_argument(
+        "--inflight-wait-s",
+        type=float,
+        default=2.0,
+        help="how long a request waits for budget before it is answered 503",
+    )
     s.add_argument("--retry-after-s", type=int, default=1, help="the Retry-After header of a 503")
     p.formatter_class = argparse.RawDescriptionHelpFormatter  # the epilog below is already formatted
     p.epilog = s.format_help()  # `python -m http_scorer --help` shows serve's flags and defaults too
@@ -72,12 +108,21 @@ def main(argv: list[str] | None = None) -> int:
     from http_scorer.pool import ScorerLoadError, ScorerPool
     from http_scorer.server import ServerConfig, create_app
 
-    config = ServerConfig(scorer=args.scorer, token=args.token or os.environ.get(TOKEN_ENV) or None,
-                          max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
-                          allow_flow_grpo_pickle=args.allow_flow_grpo_pickle, request_timeout_s=args.request_timeout_s,
-                          max_body_bytes=args.max_body_bytes, max_images=args.max_images, max_pixels=args.max_pixels,
-                          max_inflight_pixels=args.max_inflight_pixels or default_inflight_pixels(),
-                          inflight_wait_s=args.inflight_wait_s, retry_after_s=args.retry_after_s, workers=args.workers)
+    config = ServerConfig(
+        scorer=args.scorer,
+        token=args.token or os.environ.get(TOKEN_ENV) or None,
+        max_batch=args.max_batch,
+        max_wait_ms=args.max_wait_ms,
+        allow_flow_grpo_pickle=args.allow_flow_grpo_pickle,
+        request_timeout_s=args.request_timeout_s,
+        max_body_bytes=args.max_body_bytes,
+        max_images=args.max_images,
+        max_pixels=args.max_pixels,
+        max_inflight_pixels=args.max_inflight_pixels or default_inflight_pixels(),
+        inflight_wait_s=args.inflight_wait_s,
+        retry_after_s=args.retry_after_s,
+        workers=args.workers,
+    )
     try:
         pool = ScorerPool(config.scorer, config.workers, config.limits())
         pool.start()  # the scorer loads here, so a bad --scorer stops the server with its message

@@ -56,8 +56,10 @@ class Batcher:
     def submit(self, payloads, prompts, ground_truths, metadata) -> list[Item]:
         """Queue a request's items; await :meth:`results` for their outcomes."""
         loop = asyncio.get_running_loop()
-        items = [Item(x, p, g, metadata, loop.create_future(), asyncio.Event())
-                 for x, p, g in zip(payloads, prompts, ground_truths, strict=True)]
+        items = [
+            Item(x, p, g, metadata, loop.create_future(), asyncio.Event())
+            for x, p, g in zip(payloads, prompts, ground_truths, strict=True)
+        ]
         self.pending.extend(items)
         self._arrived.set()
         return items
@@ -120,8 +122,13 @@ class Batcher:
     async def _dispatch(self, worker, batch: list[Item]) -> None:
         t0 = time.monotonic()
         try:
-            outcomes = await self.pool.run(worker, [it.payload for it in batch], [it.prompt for it in batch],
-                                           [it.ground_truth for it in batch], batch[0].metadata)
+            outcomes = await self.pool.run(
+                worker,
+                [it.payload for it in batch],
+                [it.prompt for it in batch],
+                [it.ground_truth for it in batch],
+                batch[0].metadata,
+            )
         except Exception as e:  # noqa: BLE001 - e.g. the pool was stopped: the requests are told, the loop lives
             outcomes = [("error", f"scorer {self.pool.spec}: {type(e).__name__}: {e}")] * len(batch)
         self.on_batch(len(batch), time.monotonic() - t0)

@@ -31,19 +31,31 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter("scorer_requests", "requests by route", ["route"], registry=self.registry)
         self.errors = Counter("scorer_errors", "error responses by status code", ["code"], registry=self.registry)
-        self.batch_size = Histogram("scorer_batch_size", "items per scorer call", registry=self.registry,
-                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128))
-        self.batch_seconds = Histogram("scorer_batch_seconds", "seconds per batch, from sending it to a scorer "
-                                       "process to its answer (decoding included)", registry=self.registry)
-        self.latency = Histogram("scorer_request_seconds", "request latency", ["route"], registry=self.registry,
-                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.batch_size = Histogram(
+            "scorer_batch_size", "items per scorer call", registry=self.registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128)
+        )
+        self.batch_seconds = Histogram(
+            "scorer_batch_seconds",
+            "seconds per batch, from sending it to a scorer process to its answer (decoding included)",
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "scorer_request_seconds",
+            "request latency",
+            ["route"],
+            registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
         self.queue_depth = Gauge("scorer_queue_depth", "items waiting for a scorer call", registry=self.registry)
-        self.inflight_pixels = Gauge("scorer_inflight_pixels", "decoded pixels reserved by requests in flight",
-                                     registry=self.registry)
-        self.busy = Counter("scorer_busy_rejections", "requests answered 503: the pixel budget stayed full",
-                            registry=self.registry)
-        self.restarts = Gauge("scorer_process_restarts", "scorer processes started again after they died",
-                              registry=self.registry)
+        self.inflight_pixels = Gauge(
+            "scorer_inflight_pixels", "decoded pixels reserved by requests in flight", registry=self.registry
+        )
+        self.busy = Counter(
+            "scorer_busy_rejections", "requests answered 503: the pixel budget stayed full", registry=self.registry
+        )
+        self.restarts = Gauge(
+            "scorer_process_restarts", "scorer processes started again after they died", registry=self.registry
+        )
         self.registry.register(_ScorerProcesses(scorer_metrics_dir))
 
 
@@ -67,14 +79,23 @@ class ScorerProcessMetrics:
     :func:`use_dir` (prometheus_client picks file-backed values from the environment)."""
 
     def __init__(self) -> None:
-        self.items = Counter("scorer_process_items", "items scored in the scorer processes (all processes)",
-                             ["outcome"])
-        self.seconds = Histogram("scorer_process_seconds", "seconds per batch inside the scorer processes, by stage",
-                                 ["stage"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-        self.cpu = Gauge("scorer_process_cpu_seconds", "CPU seconds used by each living scorer process",
-                         multiprocess_mode="liveall")
-        self.rss = Gauge("scorer_process_resident_memory_bytes", "resident memory of each living scorer process",
-                         multiprocess_mode="liveall")
+        self.items = Counter(
+            "scorer_process_items", "items scored in the scorer processes (all processes)", ["outcome"]
+        )
+        self.seconds = Histogram(
+            "scorer_process_seconds",
+            "seconds per batch inside the scorer processes, by stage",
+            ["stage"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self.cpu = Gauge(
+            "scorer_process_cpu_seconds", "CPU seconds used by each living scorer process", multiprocess_mode="liveall"
+        )
+        self.rss = Gauge(
+            "scorer_process_resident_memory_bytes",
+            "resident memory of each living scorer process",
+            multiprocess_mode="liveall",
+        )
         self.sample()
 
     def sample(self) -> None:
@@ -100,7 +121,7 @@ def new_dir() -> str:
     running (killed before they could remove their own)."""
     base = Path(tempfile.gettempdir())
     for old in base.glob(f"{DIR_PREFIX}*"):
-        pid = old.name[len(DIR_PREFIX):].split("-")[0]
+        pid = old.name[len(DIR_PREFIX) :].split("-")[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")

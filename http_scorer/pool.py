@@ -77,9 +77,17 @@ def _worker_main(conn, spec: str, limits: Limits, metrics_dir: str) -> None:
         metrics.sample()
 
 
-def score_batch(scorer, spec: str, side: int | None, limits: Limits, items: list[Any], prompts: list[str],
-                targets: list[Any], metadata: dict[str, Any],
-                metrics: ScorerProcessMetrics | None = None) -> list[Outcome]:
+def score_batch(
+    scorer,
+    spec: str,
+    side: int | None,
+    limits: Limits,
+    items: list[Any],
+    prompts: list[str],
+    targets: list[Any],
+    metadata: dict[str, Any],
+    metrics: ScorerProcessMetrics | None = None,
+) -> list[Outcome]:
     """Decode each item (a corrupt one fails alone, with its field) and score the rest in one call."""
     out: list[Outcome | None] = [None] * len(items)
     images, kept = [], []
@@ -151,8 +159,12 @@ class ScorerPool:
     def _spawn(self, w: _Worker) -> None:
         parent, child = self._ctx.Pipe()
         w.conn = parent
-        w.process = self._ctx.Process(target=_worker_main, args=(child, self.spec, self.limits, self.metrics_dir),
-                                      daemon=True, name=f"http_scorer-scorer{w.index}")
+        w.process = self._ctx.Process(
+            target=_worker_main,
+            args=(child, self.spec, self.limits, self.metrics_dir),
+            daemon=True,
+            name=f"http_scorer-scorer{w.index}",
+        )
         w.process.start()
         child.close()
 
@@ -163,8 +175,9 @@ class ScorerPool:
             message = w.conn.recv()
         except EOFError:
             w.process.join(5)
-            raise ScorerLoadError(f"the scorer process exited with code {w.process.exitcode} while loading "
-                                  f"{self.spec!r}") from None
+            raise ScorerLoadError(
+                f"the scorer process exited with code {w.process.exitcode} while loading {self.spec!r}"
+            ) from None
         if message[0] != "ready":
             raise ScorerLoadError(message[1])
         info = ScorerInfo(*message[1:])
@@ -175,8 +188,9 @@ class ScorerPool:
         return [w.process.pid for w in self.workers if w.process is not None and w.process.pid is not None]
 
     async def run(self, w: _Worker, items, prompts, targets, metadata) -> list[Outcome]:
-        return await asyncio.get_running_loop().run_in_executor(w.io, self._round_trip, w,
-                                                                (items, prompts, targets, metadata))
+        return await asyncio.get_running_loop().run_in_executor(
+            w.io, self._round_trip, w, (items, prompts, targets, metadata)
+        )
 
     def _round_trip(self, w: _Worker, message) -> list[Outcome]:
         try:
@@ -187,8 +201,13 @@ class ScorerPool:
                 return [("error", f"scorer {self.spec}: the server is shutting down")] * len(message[0])
             w.process.join(5)
             w.dead = True
-            return [("error", f"scorer {self.spec}: the scorer process exited (code {w.process.exitcode}) while "
-                              "scoring this batch; it is being restarted, retry the request")] * len(message[0])
+            return [
+                (
+                    "error",
+                    f"scorer {self.spec}: the scorer process exited (code {w.process.exitcode}) while "
+                    "scoring this batch; it is being restarted, retry the request",
+                )
+            ] * len(message[0])
 
     async def restart(self, w: _Worker) -> None:
         """A fresh process in place of a dead one (its batch has been answered already)."""
@@ -230,4 +249,3 @@ class ScorerPool:
         if self.metrics_dir is not None:
             remove_dir(self.metrics_dir)
             self.metrics_dir = None
-

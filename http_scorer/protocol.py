@@ -94,8 +94,12 @@ def open_image(raw: bytes, fmt: str, field: str, limits: Limits) -> Image.Image:
     w, h = img.size
     if w * h > limits.max_pixels or w <= 0 or h <= 0:
         img.close()
-        raise BadRequest(field, f"{field}: {w}x{h} exceeds the server's limit of {limits.max_pixels} pixels per "
-                                "image; send a smaller image", status=413)
+        raise BadRequest(
+            field,
+            f"{field}: {w}x{h} exceeds the server's limit of {limits.max_pixels} pixels per "
+            "image; send a smaller image",
+            status=413,
+        )
     return img
 
 
@@ -149,8 +153,12 @@ def check_counts(n_items: int, n_frames: int, limits: Limits) -> None:
     if n_items == 0:
         raise BadRequest("images", "images: empty; send at least one image")
     if n_frames > limits.max_images:
-        raise BadRequest("images", f"images: {n_frames} images (frames included) exceed the limit of "
-                                   f"{limits.max_images} per request; split the request", status=413)
+        raise BadRequest(
+            "images",
+            f"images: {n_frames} images (frames included) exceed the limit of "
+            f"{limits.max_images} per request; split the request",
+            status=413,
+        )
 
 
 def plan_images(items: list[Any], limits: Limits, max_side: int | None = None) -> Planned:
@@ -185,8 +193,9 @@ def plan_request(req: ScoreRequest, limits: Limits, max_side: int | None = None)
     items: list[Any] = []
     for i, item in enumerate(req.images):
         if isinstance(item, list):
-            items.append([(b64_bytes(f, f"images[{i}][{k}]"), f.format, f"images[{i}][{k}].data")
-                          for k, f in enumerate(item)])
+            items.append(
+                [(b64_bytes(f, f"images[{i}][{k}]"), f.format, f"images[{i}][{k}].data") for k, f in enumerate(item)]
+            )
         else:
             items.append((b64_bytes(item, f"images[{i}]"), item.format, f"images[{i}].data"))
     return plan_images(items, limits, max_side)

@@ -39,9 +39,12 @@ def ocr_scorer(images, prompts, ground_truths, metadata):
     if any(not gt for gt in ground_truths):  # the server answers 422 before this; direct callers get told too
         raise ValueError("ocr scorer: every item needs its target text (ground truth)")
     # One onnxruntime thread: the server runs one scorer process per core (--workers); see ocr.py's docstring.
-    return [ocr.compute_score("http", img, gt, substring_shortcut=bool(metadata.get("substring_shortcut", True)),
-                              intra_op_num_threads=1)
-            for img, gt in zip(images, ground_truths, strict=True)]
+    return [
+        ocr.compute_score(
+            "http", img, gt, substring_shortcut=bool(metadata.get("substring_shortcut", True)), intra_op_num_threads=1
+        )
+        for img, gt in zip(images, ground_truths, strict=True)
+    ]
 
 
 ocr_scorer.max_side = 1024

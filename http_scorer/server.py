@@ -109,11 +109,16 @@ class Gate:
             if not public:
                 self.metrics.requests.labels(route).inc()
             headers = dict(scope.get("headers") or [])
-            if not public and self.expected is not None and not hmac.compare_digest(
-                    headers.get(b"authorization", b""), self.expected):
-                return await _error(401, "authorization: missing or wrong bearer token; send "
-                                         "'Authorization: Bearer <token>'", "authorization")(scope, receive,
-                                                                                              send_counted)
+            if (
+                not public
+                and self.expected is not None
+                and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+            ):
+                return await _error(
+                    401,
+                    "authorization: missing or wrong bearer token; send 'Authorization: Bearer <token>'",
+                    "authorization",
+                )(scope, receive, send_counted)
             limit = self.config.max_body_bytes
             too_big = _error(413, f"body: larger than the server's limit of {limit} bytes", "body")
             declared = headers.get(b"content-length")
@@ -169,9 +174,13 @@ def create_app(config: ServerConfig | None = None, pool: ScorerPool | None = Non
             await batcher.stop()
             pool.stop()  # here, not only in the CLI: uvicorn re-raises SIGTERM after shutdown, skipping finally
 
-    app = FastAPI(title="omni_async scorer server", version="1", lifespan=lifespan,
-                  description="Scores images (OCR, JPEG, ...) for RL training. Protocol v1: POST /v1/score (JSON) "
-                              "or POST /v1/score/image (one raw PNG / JPEG).")
+    app = FastAPI(
+        title="omni_async scorer server",
+        version="1",
+        lifespan=lifespan,
+        description="Scores images (OCR, JPEG, ...) for RL training. Protocol v1: POST /v1/score (JSON) "
+        "or POST /v1/score/image (one raw PNG / JPEG).",
+    )
     app.add_middleware(Gate, config=config, metrics=metrics)
 
     @app.exception_handler(RequestValidationError)
@@ -193,10 +202,14 @@ def create_app(config: ServerConfig | None = None, pool: ScorerPool | None = Non
         try:
             granted = await budget.acquire(plan.peak_pixels, config.inflight_wait_s)
         except TooLarge:
-            raise BadRequest("images", f"images: this request needs {plan.peak_pixels} pixels in flight (its images "
-                                       "at the scorer's input size plus its largest image while it decodes); the "
-                                       f"server's budget is {budget.capacity}; split the request or start the "
-                                       "server with a larger --max-inflight-pixels", status=413) from None
+            raise BadRequest(
+                "images",
+                f"images: this request needs {plan.peak_pixels} pixels in flight (its images "
+                "at the scorer's input size plus its largest image while it decodes); the "
+                f"server's budget is {budget.capacity}; split the request or start the "
+                "server with a larger --max-inflight-pixels",
+                status=413,
+            ) from None
         if not granted:
             metrics.busy.inc()
             raise _Busy
@@ -225,14 +238,20 @@ def create_app(config: ServerConfig | None = None, pool: ScorerPool | None = Non
         return [(o[1], o[2]) for o in outcomes]
 
     def busy_message() -> str:
-        return (f"server busy: the budget of {budget.capacity} decoded pixels in flight stayed full for "
-                f"{config.inflight_wait_s:g}s ({budget.waiting()} requests waiting); retry after "
-                f"{config.retry_after_s}s")
+        return (
+            f"server busy: the budget of {budget.capacity} decoded pixels in flight stayed full for "
+            f"{config.inflight_wait_s:g}s ({budget.waiting()} requests waiting); retry after "
+            f"{config.retry_after_s}s"
+        )
 
     def missing_target(field: str) -> BadRequest:
-        return BadRequest(field, f"{field}: the {config.scorer} scorer needs the target text of every image; send "
-                                 "it in ground_truths (one string per image) or quote it in the prompt "
-                                 '(a sign that says "HELLO")', status=422)
+        return BadRequest(
+            field,
+            f"{field}: the {config.scorer} scorer needs the target text of every image; send "
+            "it in ground_truths (one string per image) or quote it in the prompt "
+            '(a sign that says "HELLO")',
+            status=422,
+        )
 
     async def answer_json(plan_fn, prompts, targets, metadata, target_field) -> Response:
         """Plan (headers only: nothing is decoded before the budget admits it), check targets, score; every
@@ -251,19 +270,33 @@ def create_app(config: ServerConfig | None = None, pool: ScorerPool | None = Non
         except _Busy:
             return _error(503, busy_message(), None, retry)
         except asyncio.TimeoutError:
-            return _error(504, f"scoring took longer than the server's request timeout of "
-                               f"{config.request_timeout_s:g}s; retry or send fewer images")
+            return _error(
+                504,
+                f"scoring took longer than the server's request timeout of "
+                f"{config.request_timeout_s:g}s; retry or send fewer images",
+            )
         except ScorerFailed as e:
             return _error(500, str(e))
-        return JSONResponse({"protocol_version": PROTOCOL_VERSION, "scores": [s for s, _ in results],
-                             "details": [d for _, d in results]})
+        return JSONResponse(
+            {
+                "protocol_version": PROTOCOL_VERSION,
+                "scores": [s for s, _ in results],
+                "details": [d for _, d in results],
+            }
+        )
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "scorer": config.scorer, "protocol_version": PROTOCOL_VERSION,
-                "flow_grpo_pickle": config.allow_flow_grpo_pickle, "workers": config.workers,
-                "scorer_process_restarts": pool.restarts, "inflight_pixels": budget.used,
-                "max_inflight_pixels": budget.capacity}
+        return {
+            "status": "ok",
+            "scorer": config.scorer,
+            "protocol_version": PROTOCOL_VERSION,
+            "flow_grpo_pickle": config.allow_flow_grpo_pickle,
+            "workers": config.workers,
+            "scorer_process_restarts": pool.restarts,
+            "inflight_pixels": budget.used,
+            "max_inflight_pixels": budget.capacity,
+        }
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -273,18 +306,28 @@ def create_app(config: ServerConfig | None = None, pool: ScorerPool | None = Non
     @app.post("/v1/score", response_model=ScoreResponse)
     async def score_v1(req: ScoreRequest):
         targets: list[Any] = list(req.ground_truths or [None] * len(req.prompts))
-        return await answer_json(lambda: plan_request(req, limits, max_side()), req.prompts, targets, req.metadata,
-                                 lambda i: f"ground_truths[{i}]" if req.ground_truths else "ground_truths")
+        return await answer_json(
+            lambda: plan_request(req, limits, max_side()),
+            req.prompts,
+            targets,
+            req.metadata,
+            lambda i: f"ground_truths[{i}]" if req.ground_truths else "ground_truths",
+        )
 
     @app.post("/v1/score/image", response_model=ScoreResponse)
-    async def score_image(request: Request, prompt: str = "", ground_truth: str | None = None,
-                          metadata: str | None = None):
+    async def score_image(
+        request: Request, prompt: str = "", ground_truth: str | None = None, metadata: str | None = None
+    ):
         """One image as the raw body (``Content-Type: image/png`` or ``image/jpeg``): no base64, no JSON around
         it. ``prompt``, ``ground_truth`` and ``metadata`` (a JSON object) are query parameters."""
         fmt = IMAGE_TYPES.get(request.headers.get("content-type", "").split(";")[0].strip().lower())
         if fmt is None:
-            return _error(415, "content-type: send the image bytes as the body with Content-Type image/png or "
-                               "image/jpeg (or JSON to POST /v1/score)", "content-type")
+            return _error(
+                415,
+                "content-type: send the image bytes as the body with Content-Type image/png or "
+                "image/jpeg (or JSON to POST /v1/score)",
+                "content-type",
+            )
         try:
             meta = json.loads(metadata) if metadata else {}
         except ValueError:
@@ -294,8 +337,13 @@ def create_app(config: ServerConfig | None = None, pool: ScorerPool | None = Non
         body = await request.body()
         if not body:
             return _error(400, "body: empty; send the encoded image", "body")
-        return await answer_json(lambda: plan_images([(body, fmt, "body")], limits, max_side()), [prompt],
-                                 [ground_truth], meta, lambda i: "ground_truth")
+        return await answer_json(
+            lambda: plan_images([(body, fmt, "body")], limits, max_side()),
+            [prompt],
+            [ground_truth],
+            meta,
+            lambda i: "ground_truth",
+        )
 
     @app.post("/", include_in_schema=False)
     async def score_flow_grpo(request: Request):
@@ -305,13 +353,20 @@ def create_app(config: ServerConfig | None = None, pool: ScorerPool | None = Non
         its prompt (flow_grpo: 'a sign that says "HELLO"'), else the whole prompt (verl-omni's client sends the
         sample's bare ``ground_truth`` as the prompt)."""
         if not config.allow_flow_grpo_pickle:
-            return _error(403, "the flow_grpo pickle route is off; start the server with --allow-flow-grpo-pickle "
-                               "(requests are then read with a restricted unpickler) or use POST /v1/score (JSON)")
+            return _error(
+                403,
+                "the flow_grpo pickle route is off; start the server with --allow-flow-grpo-pickle "
+                "(requests are then read with a restricted unpickler) or use POST /v1/score (JSON)",
+            )
         body = await request.body()
 
         def fail(status: int, message: str, headers: dict | None = None) -> Response:
-            return Response(pickle.dumps({"error": message}), status_code=status, headers=headers,
-                            media_type="application/octet-stream")
+            return Response(
+                pickle.dumps({"error": message}),
+                status_code=status,
+                headers=headers,
+                media_type="application/octet-stream",
+            )
 
         try:
             payload = safe_loads(body)
@@ -330,9 +385,16 @@ def create_app(config: ServerConfig | None = None, pool: ScorerPool | None = Non
             return fail(400, "metadata.ground_truths: send one target text per image")
         try:
             check_counts(len(raw_images), len(raw_images), limits)
-            plan = plan_images([(b, "jpeg" if b[:2] == b"\xff\xd8" else "png", f"images[{i}]")
-                                if isinstance(b, bytes) else _not_bytes(i) for i, b in enumerate(raw_images)],
-                               limits, max_side())
+            plan = plan_images(
+                [
+                    (b, "jpeg" if b[:2] == b"\xff\xd8" else "png", f"images[{i}]")
+                    if isinstance(b, bytes)
+                    else _not_bytes(i)
+                    for i, b in enumerate(raw_images)
+                ],
+                limits,
+                max_side(),
+            )
             del raw_images, payload
             targets = [_target(given[i] if given else None, str(p)) for i, p in enumerate(prompts)]
             if wants_target():
@@ -348,8 +410,10 @@ def create_app(config: ServerConfig | None = None, pool: ScorerPool | None = Non
             return fail(504, "scoring took longer than the server's request timeout")
         except ScorerFailed as e:
             return fail(500, str(e))
-        return Response(pickle.dumps({"scores": [s for s, _ in results], "details": [d for _, d in results]}),
-                        media_type="application/octet-stream")
+        return Response(
+            pickle.dumps({"scores": [s for s, _ in results], "details": [d for _, d in results]}),
+            media_type="application/octet-stream",
+        )
 
     app.state.config = asdict(config)
     app.state.pool = pool

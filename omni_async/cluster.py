@@ -153,8 +153,9 @@ def logical_cpus(devices: int) -> int:
     return max(MIN_LOGICAL_CPUS, LOGICAL_CPUS_PER_DEVICE * max(devices, 1) + LOGICAL_CPUS_BASE)
 
 
-def init_ray(cfg: DictConfig | None = None, *, num_gpus: int | None = None, num_cpus: int | None = None,
-             torch_threads: int = 1) -> dict[str, Any]:
+def init_ray(
+    cfg: DictConfig | None = None, *, num_gpus: int | None = None, num_cpus: int | None = None, torch_threads: int = 1
+) -> dict[str, Any]:
     """Start (or join) Ray once per process; return the cluster's resources. Idempotent."""
     if ray.is_initialized():
         return ray.cluster_resources()
@@ -165,8 +166,12 @@ def init_ray(cfg: DictConfig | None = None, *, num_gpus: int | None = None, num_
         num_cpus = num_cpus if num_cpus is not None else cfg.trainer.ray.num_cpus
         if num_gpus is None:
             num_gpus = sum(logical_devices(cfg).values())
-    kwargs: dict[str, Any] = dict(runtime_env=worker_runtime_env(torch_threads, gpu_threads), include_dashboard=False,
-                                  logging_level="warning", log_to_driver=True)
+    kwargs: dict[str, Any] = dict(
+        runtime_env=worker_runtime_env(torch_threads, gpu_threads),
+        include_dashboard=False,
+        logging_level="warning",
+        log_to_driver=True,
+    )
     if address:
         ray.init(address=address, **kwargs)
     else:

@@ -90,8 +90,13 @@ class RewardOutcome:
 
     def to_verl(self) -> dict[str, Any]:
         """verl's reward-loop result: ``{"reward_score": float | None, "reward_extra_info": dict}``."""
-        info = {**self.extra, "reward_status": self.status, "reward_error": self.error,
-                "reward_compute_s": self.compute_s, "reward_parts": dict(self.parts)}
+        info = {
+            **self.extra,
+            "reward_status": self.status,
+            "reward_error": self.error,
+            "reward_compute_s": self.compute_s,
+            "reward_parts": dict(self.parts),
+        }
         return {"reward_score": self.score if self.ok else None, "reward_extra_info": info}
 
 
@@ -126,6 +131,11 @@ class Sample:
 
     def reward_input(self) -> dict[str, Any]:
         """The minimal record a reward function sees, keyed by verl's argument names: never trajectory latents."""
-        return {"prompt": self.row.prompt, "data_source": self.row.data_source, "uid": self.uid,
-                "ground_truth": self.row.ground_truth, "extra_info": self.row.extra_info,
-                **self.result.reward_fields()}
+        return {
+            "prompt": self.row.prompt,
+            "data_source": self.row.data_source,
+            "uid": self.uid,
+            "ground_truth": self.row.ground_truth,
+            "extra_info": self.row.extra_info,
+            **self.result.reward_fields(),
+        }

@@ -43,8 +43,14 @@ aten = torch.ops.aten
 # Moves between devices (what ``.to(device)`` and ``dst.copy_(src)`` are made of): any mix is fine.
 _MOVES = {aten._to_copy.default, aten.copy_.default, aten._copy_from.default, aten._copy_from_and_resize.default}
 # Advanced indexing: CUDA moves CPU index tensors to the indexed tensor's device itself.
-_INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default,
-             aten._unsafe_index.Tensor, aten._unsafe_index_put.default}
+_INDEXING = {
+    aten.index.Tensor,
+    aten.index_put_.default,
+    aten.index_put.default,
+    aten._index_put_impl_.default,
+    aten._unsafe_index.Tensor,
+    aten._unsafe_index_put.default,
+}
 
 
 class DeviceMixError(RuntimeError):
@@ -58,10 +64,16 @@ class FakeDeviceTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, inner: torch.Tensor) -> FakeDeviceTensor:
-        out = torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(),
-                                                  storage_offset=inner.storage_offset(), dtype=inner.dtype,
-                                                  layout=inner.layout, device=DEVICE,
-                                                  requires_grad=inner.requires_grad)
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            inner.shape,
+            strides=inner.stride(),
+            storage_offset=inner.storage_offset(),
+            dtype=inner.dtype,
+            layout=inner.layout,
+            device=DEVICE,
+            requires_grad=inner.requires_grad,
+        )
         out.inner = inner
         return out
 
@@ -133,8 +145,13 @@ def _kind(func) -> str:
     kind = _KINDS.get(func)
     if kind is None:
         name = func._schema.name.split("::")[-1]
-        kind = ("move" if func in _MOVES or name.endswith("_like") or name.startswith("new_")  # shape from input
-                else "indexing" if func in _INDEXING else "op")
+        kind = (
+            "move"
+            if func in _MOVES or name.endswith("_like") or name.startswith("new_")  # shape from input
+            else "indexing"
+            if func in _INDEXING
+            else "op"
+        )
         _KINDS[func] = kind
     return kind
 
@@ -157,13 +174,16 @@ def _check(func, args, kwargs) -> torch.device:
         elif t.dim() or t.device != CPU:  # a 0-dim CPU tensor is a scalar to CUDA kernels
             devices.add(t.device)
     if len(devices) > 1:
-        raise DeviceMixError(f"Expected all tensors to be on the same device, but found at least two devices, "
-                             f"{' and '.join(sorted(map(str, devices)))}! ({func})")
+        raise DeviceMixError(
+            f"Expected all tensors to be on the same device, but found at least two devices, "
+            f"{' and '.join(sorted(map(str, devices)))}! ({func})"
+        )
     device = next(iter(devices)) if devices else (_device_of(tensors[0]) if tensors else CPU)
     gen = kwargs.get("generator")
     if gen is not None and _device_of(gen).type != device.type:
-        raise DeviceMixError(f"Expected a '{device.type}' device type for generator but found "
-                             f"'{_device_of(gen).type}' ({func})")
+        raise DeviceMixError(
+            f"Expected a '{device.type}' device type for generator but found '{_device_of(gen).type}' ({func})"
+        )
     return device
 
 
@@ -194,8 +214,10 @@ _ALIASES: dict[Any, bool] = {}
 
 def _unwrapped(values) -> list:
     """The values with each ``fakegpu`` tensor replaced by its CPU values, in (nested) lists / tuples too."""
-    return [v.inner if isinstance(v, FakeDeviceTensor) else type(v)(_unwrapped(v)) if isinstance(v, (list, tuple))
-            else v for v in values]
+    return [
+        v.inner if isinstance(v, FakeDeviceTensor) else type(v)(_unwrapped(v)) if isinstance(v, (list, tuple)) else v
+        for v in values
+    ]
 
 
 def _wrapped(out: Any) -> Any:
@@ -218,8 +240,9 @@ def _plain(args, kwargs) -> bool:
     if kwargs and (kwargs.get("generator") is not None or _canon(kwargs.get("device")) == DEVICE):
         return False
     for a in args:
-        if isinstance(a, FakeDeviceTensor) or (isinstance(a, (list, tuple))
-                                               and any(isinstance(t, FakeDeviceTensor) for t in a)):
+        if isinstance(a, FakeDeviceTensor) or (
+            isinstance(a, (list, tuple)) and any(isinstance(t, FakeDeviceTensor) for t in a)
+        ):
             return False
     return not any(isinstance(v, FakeDeviceTensor) for v in (kwargs or {}).values())
 
@@ -320,4 +343,3 @@ DEVICE = torch.device(NAME, 0)
 def on_device(t: torch.Tensor) -> bool:
     """Whether ``t`` is on the pretend accelerator (a result that should have come back to the CPU, if so)."""
     return isinstance(t, FakeDeviceTensor)
-

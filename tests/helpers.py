@@ -21,31 +21,56 @@ TEST_REWARDS = str(ROOT / "tests/reward/rewards_for_tests.py")
 
 # tiny:sd3 at 32x32, 4 denoising steps, 2 prompts x 4 samples per step: a trainer step in seconds on CPU.
 SMALL_IMAGE_TRAINER = [
-    "actor_rollout_ref.model.path=tiny:sd3", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=1", "actor_rollout_ref.rollout.num_inference_steps=4",
-    "actor_rollout_ref.rollout.height=32", "actor_rollout_ref.rollout.width=32",
-    "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]", "actor_rollout_ref.rollout.agent.max_batch_size=2",
-    "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.jpeg", "trainer.logger=[jsonl]",
-    "trainer.resume_mode=disable", "data.shuffle=false"]
+    "actor_rollout_ref.model.path=tiny:sd3",
+    "data.train_batch_size=2",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+    "actor_rollout_ref.rollout.num_inference_steps=4",
+    "actor_rollout_ref.rollout.height=32",
+    "actor_rollout_ref.rollout.width=32",
+    "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]",
+    "actor_rollout_ref.rollout.agent.max_batch_size=2",
+    "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.jpeg",
+    "trainer.logger=[jsonl]",
+    "trainer.resume_mode=disable",
+    "data.shuffle=false",
+]
 
 
-def score_on_one_worker(fn_name: str, reward_kwargs: dict, samples: int,
-                        max_inflight: int) -> tuple[list[RewardOutcome], float]:
+def score_on_one_worker(
+    fn_name: str, reward_kwargs: dict, samples: int, max_inflight: int
+) -> tuple[list[RewardOutcome], float]:
     """``samples`` text samples scored by ``rewards_for_tests.<fn_name>`` on one real reward-loop worker through a
     real dispatcher, all at once; returns the outcomes and the wall time of the whole batch."""
     shutdown_ray()
     init_ray(num_gpus=0, num_cpus=4)
     try:
-        cfg = {"timeout_s": 30, "max_inflight_per_worker": max_inflight, "reward_functions": {},
-               "custom_reward_function": {"path": TEST_REWARDS, "name": fn_name, "reward_kwargs": reward_kwargs}}
+        cfg = {
+            "timeout_s": 30,
+            "max_inflight_per_worker": max_inflight,
+            "reward_functions": {},
+            "custom_reward_function": {"path": TEST_REWARDS, "name": fn_name, "reward_kwargs": reward_kwargs},
+        }
         worker = ray.remote(RewardLoopWorker).options(max_concurrency=max_inflight + 8).remote(cfg, 0)
         ray.get(worker.info.remote())
-        chunks = [sample_to_proto({"prompt": "q", "data_source": "x", "ground_truth": "1", "extra_info": {},
-                                   "uid": str(i), "solution_str": f"answer {i}"}) for i in range(samples)]
+        chunks = [
+            sample_to_proto(
+                {
+                    "prompt": "q",
+                    "data_source": "x",
+                    "ground_truth": "1",
+                    "extra_info": {},
+                    "uid": str(i),
+                    "solution_str": f"answer {i}",
+                }
+            )
+            for i in range(samples)
+        ]
 
         async def run():
-            dispatcher = RewardDispatcher([worker], queue_size=max(64, samples), max_inflight_per_worker=max_inflight,
-                                          timeout_s=30)
+            dispatcher = RewardDispatcher(
+                [worker], queue_size=max(64, samples), max_inflight_per_worker=max_inflight, timeout_s=30
+            )
             t0 = time.perf_counter()
             outcomes = await asyncio.gather(*(dispatcher.score(c) for c in chunks))
             return outcomes, time.perf_counter() - t0
@@ -57,8 +82,12 @@ def score_on_one_worker(fn_name: str, reward_kwargs: dict, samples: int,
 
 def write_prompts(path: Path, n: int, data_source: str = "x") -> Path:
     """``n`` prompt rows ``p0..`` in the trainer's jsonl format (empty ground truth)."""
-    path.write_text("".join(json.dumps({"prompt": f"p{i}", "data_source": data_source,
-                                        "reward_model": {"ground_truth": ""}}) + "\n" for i in range(n)))
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": f"p{i}", "data_source": data_source, "reward_model": {"ground_truth": ""}}) + "\n"
+            for i in range(n)
+        )
+    )
     return path
 
 
@@ -66,8 +95,13 @@ class Trainers:
     """Builds trainers for a test, one Ray session each (a trainer owns its placement groups), weights synced to
     version 0, and shuts them all down at the end (``close``)."""
 
-    def __init__(self, train_file: Path, run_root: Path, base: list[str] = SMALL_IMAGE_TRAINER,
-                 config_name: str = "flowgrpo_trainer"):
+    def __init__(
+        self,
+        train_file: Path,
+        run_root: Path,
+        base: list[str] = SMALL_IMAGE_TRAINER,
+        config_name: str = "flowgrpo_trainer",
+    ):
         self.train_file, self.run_root, self.base, self.config_name = train_file, run_root, list(base), config_name
         self.made: list = []
 
@@ -76,8 +110,15 @@ class Trainers:
         from omni_async.trainer.loop import RLTrainer
 
         shutdown_ray()
-        cfg = compose([f"data.train_files={self.train_file}", f"trainer.run_dir={self.run_root}/run{len(self.made)}",
-                       *self.base, *overrides], config_name=self.config_name)
+        cfg = compose(
+            [
+                f"data.train_files={self.train_file}",
+                f"trainer.run_dir={self.run_root}/run{len(self.made)}",
+                *self.base,
+                *overrides,
+            ],
+            config_name=self.config_name,
+        )
         self.made.append(RLTrainer(cfg))
         self.made[-1].ops.sync_weights(0)
         return self.made[-1]
@@ -142,7 +183,11 @@ def shipped_renderer_policy(tmp_path_factory, name: str):
     mp.setenv("OMNI_ASYNC_CACHE", str(tmp_path_factory.mktemp("cache")))
     try:
         path = tiny.resolve_model_path(name)
-        yield DiffusionPolicy(path, SamplingConfig(height=64, width=64, num_inference_steps=10, noise_level=0.7),
-                              lora_rank=4, lora_alpha=8)
+        yield DiffusionPolicy(
+            path,
+            SamplingConfig(height=64, width=64, num_inference_steps=10, noise_level=0.7),
+            lora_rank=4,
+            lora_alpha=8,
+        )
     finally:
         mp.undo()

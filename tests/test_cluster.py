@@ -25,9 +25,15 @@ class _Probe:
 def test_pools_threads_and_clean_shutdown():
     from verl.single_controller.ray import RayResourcePool
 
-    cfg = compose(["data.train_files=x.jsonl", "reward.reward_model.enable_resource_pool=True",
-                   "reward.reward_model.n_gpus_per_node=1", "trainer.n_gpus_per_node=2",
-                   "actor_rollout_ref.rollout.agent.num_workers=2"])
+    cfg = compose(
+        [
+            "data.train_files=x.jsonl",
+            "reward.reward_model.enable_resource_pool=True",
+            "reward.reward_model.n_gpus_per_node=1",
+            "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.rollout.agent.num_workers=2",
+        ]
+    )
     assert logical_devices(cfg) == {"actor_rollout": 2, "rollout": 0, "reward": 1}
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     try:
@@ -39,8 +45,11 @@ def test_pools_threads_and_clean_shutdown():
         assert pg_a.bundle_count == 2 and pg_r.bundle_count == 1
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        probe = _Probe.options(num_cpus=0.1, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg_r, placement_group_bundle_index=0)).remote()
+        probe = _Probe.options(
+            num_cpus=0.1,
+            num_gpus=1,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg_r, placement_group_bundle_index=0),
+        ).remote()
         assert ray.get(probe.threads.remote()) == 1
         worker_pid = ray.get(probe.pid.remote())
         assert psutil.pid_exists(worker_pid)

@@ -16,25 +16,41 @@ pytestmark = pytest.mark.slow  # training runs: not in the fast tier (pytest -m 
 
 
 def test_reward_pool_lands_on_the_other_node(tmp_path):
-    (tmp_path / "train.jsonl").write_text("".join(
-        json.dumps({"prompt": f"p{i}", "data_source": "ocr", "reward_model": {"ground_truth": "x"}}) + "\n"
-        for i in range(4)))
+    (tmp_path / "train.jsonl").write_text(
+        "".join(
+            json.dumps({"prompt": f"p{i}", "data_source": "ocr", "reward_model": {"ground_truth": "x"}}) + "\n"
+            for i in range(4)
+        )
+    )
     cluster = two_node_cluster()
     trainer = None
     try:
-        cfg = compose([f"data.train_files={tmp_path}/train.jsonl", f"trainer.run_dir={tmp_path}/run",
-                       f"trainer.ray.address={cluster.address}", "actor_rollout_ref.model.path=tiny:sd3",
-                       "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
-                       "actor_rollout_ref.actor.ppo_mini_batch_size=1", "actor_rollout_ref.rollout.height=32",
-                       "actor_rollout_ref.rollout.width=32", "actor_rollout_ref.rollout.num_inference_steps=3",
-                       "actor_rollout_ref.rollout.algo.sde_window_range=[0,2]",
-                       "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.jpeg",
-                       "reward.reward_model.enable_resource_pool=True", "trainer.logger=[jsonl]"])
+        cfg = compose(
+            [
+                f"data.train_files={tmp_path}/train.jsonl",
+                f"trainer.run_dir={tmp_path}/run",
+                f"trainer.ray.address={cluster.address}",
+                "actor_rollout_ref.model.path=tiny:sd3",
+                "data.train_batch_size=2",
+                "actor_rollout_ref.rollout.n=2",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                "actor_rollout_ref.rollout.height=32",
+                "actor_rollout_ref.rollout.width=32",
+                "actor_rollout_ref.rollout.num_inference_steps=3",
+                "actor_rollout_ref.rollout.algo.sde_window_range=[0,2]",
+                "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.jpeg",
+                "reward.reward_model.enable_resource_pool=True",
+                "trainer.logger=[jsonl]",
+            ]
+        )
         trainer = FlowGRPOTrainer(cfg)
         assert len(ray.nodes()) == 2
         reward_node = ray.get(trainer.reward.workers[0].info.remote())["node_id"]
-        actor_node = ray.get(trainer.placement.rollout_workers[0].__ray_call__.remote(
-            lambda self: ray.get_runtime_context().get_node_id()))
+        actor_node = ray.get(
+            trainer.placement.rollout_workers[0].__ray_call__.remote(
+                lambda self: ray.get_runtime_context().get_node_id()
+            )
+        )
         assert reward_node != actor_node
         trainer.ops.sync_weights(0)
         metrics, samples = trainer.train_step(0)  # and a step runs across the two nodes

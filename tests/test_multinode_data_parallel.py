@@ -23,14 +23,25 @@ from omni_async.trainer.strategies import FullBatchUpdate, OneStepOffPolicy, OnP
 pytestmark = pytest.mark.slow  # training runs: not in the fast tier (pytest -m 'not slow')
 
 # 4 prompts x 2 samples; a mini-batch of 2 groups = one group per rank.
-DP = [*SMALL_IMAGE_TRAINER, "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
-      "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.log_image_freq=-1", "trainer.log_timeline_freq=-1",
-      "reward.streaming=true", "trainer.total_training_steps=6"]
+DP = [
+    *SMALL_IMAGE_TRAINER,
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "trainer.log_image_freq=-1",
+    "trainer.log_timeline_freq=-1",
+    "reward.streaming=true",
+    "trainer.total_training_steps=6",
+]
 KEYS = ("critic/rewards/mean", "actor/pg_loss", "actor/grad_norm", "perf/samples_per_rank")
 
 
 def ranks(nodes: int) -> list[str]:
-    return [f"trainer.nnodes={nodes}", "trainer.n_gpus_per_node=1", f"actor_rollout_ref.rollout.agent.num_workers={nodes}"]
+    return [
+        f"trainer.nnodes={nodes}",
+        "trainer.n_gpus_per_node=1",
+        f"actor_rollout_ref.rollout.agent.num_workers={nodes}",
+    ]
 
 
 def weights(trainer: RLTrainer) -> list[dict[str, torch.Tensor]]:
@@ -59,8 +70,16 @@ def test_two_node_data_parallel_trains_every_mode_checkpoints_once_and_resumes(t
     cluster = two_node_cluster(num_cpus=16)
 
     def cfg(run: str, nodes: int, *extra: str):
-        return compose([f"data.train_files={tmp_path}/train.jsonl", f"trainer.run_dir={tmp_path}/{run}",
-                        f"trainer.ray.address={cluster.address}", *DP, *ranks(nodes), *extra])
+        return compose(
+            [
+                f"data.train_files={tmp_path}/train.jsonl",
+                f"trainer.run_dir={tmp_path}/{run}",
+                f"trainer.ray.address={cluster.address}",
+                *DP,
+                *ranks(nodes),
+                *extra,
+            ]
+        )
 
     trainer = None
     try:

@@ -24,8 +24,9 @@ def make_trainer(tmp_path: Path, name: str, *overrides: str) -> RLTrainer:
     rows = [{"prompt": f"p{i}", "data_source": "x", "reward_model": {"ground_truth": ""}} for i in range(4)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     shutdown_ray()
-    trainer = RLTrainer(compose([f"data.train_files={tmp_path}/train.jsonl", f"trainer.run_dir={tmp_path}/{name}",
-                                 *SMALL, *overrides]))
+    trainer = RLTrainer(
+        compose([f"data.train_files={tmp_path}/train.jsonl", f"trainer.run_dir={tmp_path}/{name}", *SMALL, *overrides])
+    )
     trainer.ops.sync_weights(0)
     return trainer
 
@@ -93,8 +94,16 @@ def test_dead_actor_rank_stops_the_run_naming_the_last_checkpoint_and_old_checkp
     rows = [{"prompt": f"p{i}", "data_source": "x", "reward_model": {"ground_truth": ""}} for i in range(4)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     shutdown_ray()
-    trainer = RLTrainer(compose([f"data.train_files={tmp_path}/train.jsonl", f"trainer.run_dir={tmp_path}/run",
-                                 *SMALL, "trainer.max_ckpt_to_keep=2"]))
+    trainer = RLTrainer(
+        compose(
+            [
+                f"data.train_files={tmp_path}/train.jsonl",
+                f"trainer.run_dir={tmp_path}/run",
+                *SMALL,
+                "trainer.max_ckpt_to_keep=2",
+            ]
+        )
+    )
     try:
         for step in (1, 2, 3):
             trainer.save_checkpoint(step)

@@ -11,7 +11,7 @@ import json
 import random
 from pathlib import Path
 
-INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 
 def make_row(rng: random.Random, index: int, split: str) -> dict:
@@ -19,9 +19,12 @@ def make_row(rng: random.Random, index: int, split: str) -> dict:
     question = f"Tom has {a} apples. He buys {b} more, then gives away a {c}th of {c * b} pears. How many apples?"
     answer = a + b
     solution = f"Tom starts with {a} apples and buys {b}, so {a} + {b} = {answer}. #### {answer}"
-    return {"prompt": f"{question} {INSTRUCTION}", "data_source": "openai/gsm8k",
-            "reward_model": {"ground_truth": str(answer), "style": "rule"},
-            "extra_info": {"split": split, "index": index, "answer": solution}}
+    return {
+        "prompt": f"{question} {INSTRUCTION}",
+        "data_source": "openai/gsm8k",
+        "reward_model": {"ground_truth": str(answer), "style": "rule"},
+        "extra_info": {"split": split, "index": index, "answer": solution},
+    }
 
 
 def main() -> None:

@@ -21,14 +21,41 @@ from pathlib import Path
 
 _WEIGHTS = Path(__file__).resolve().parents[2] / "omni_async/models/weights"
 # --vocab name -> the shipped renderer whose prompts.json (template, alphabet, word lengths, held-out words) it uses
-TINY_VOCABS = {"tiny_text": _WEIGHTS / "tiny_qwen_image_text/prompts.json",
-               "tiny_text_bimodal": _WEIGHTS / "tiny_qwen_image_text_bimodal/prompts.json"}
+TINY_VOCABS = {
+    "tiny_text": _WEIGHTS / "tiny_qwen_image_text/prompts.json",
+    "tiny_text_bimodal": _WEIGHTS / "tiny_qwen_image_text_bimodal/prompts.json",
+}
 
-WORDS = ["HELLO", "OPEN", "CAFE", "SALE", "EXIT", "STOP", "RL", "FLOW", "GRPO", "RAY", "TEXT", "SIGN",
-         "PIZZA", "BOOKS", "TRAIN", "LUCKY", "NORTH", "SOUTH", "DREAM", "SHOP"]
-SCENES = ["A wooden sign that says \"{t}\"", "A neon light reading \"{t}\" on a brick wall",
-          "A chalkboard with the words \"{t}\"", "A street banner printed with \"{t}\"",
-          "A coffee cup with \"{t}\" written on it", "A book cover titled \"{t}\""]
+WORDS = [
+    "HELLO",
+    "OPEN",
+    "CAFE",
+    "SALE",
+    "EXIT",
+    "STOP",
+    "RL",
+    "FLOW",
+    "GRPO",
+    "RAY",
+    "TEXT",
+    "SIGN",
+    "PIZZA",
+    "BOOKS",
+    "TRAIN",
+    "LUCKY",
+    "NORTH",
+    "SOUTH",
+    "DREAM",
+    "SHOP",
+]
+SCENES = [
+    'A wooden sign that says "{t}"',
+    'A neon light reading "{t}" on a brick wall',
+    'A chalkboard with the words "{t}"',
+    'A street banner printed with "{t}"',
+    'A coffee cup with "{t}" written on it',
+    'A book cover titled "{t}"',
+]
 
 
 def make_rows(n: int, rng: random.Random, split: str) -> list[dict]:
@@ -38,12 +65,14 @@ def make_rows(n: int, rng: random.Random, split: str) -> list[dict]:
         if rng.random() < 0.4:
             words.append(str(rng.randint(1, 99)))
         text = " ".join(words)
-        rows.append({
-            "prompt": rng.choice(SCENES).format(t=text),
-            "data_source": "ocr",
-            "reward_model": {"ground_truth": text, "style": "rule"},
-            "extra_info": {"split": split, "index": i},
-        })
+        rows.append(
+            {
+                "prompt": rng.choice(SCENES).format(t=text),
+                "data_source": "ocr",
+                "reward_model": {"ground_truth": text, "style": "rule"},
+                "extra_info": {"split": split, "index": i},
+            }
+        )
     return rows
 
 
@@ -55,9 +84,15 @@ def make_tiny_text_rows(n: int, rng: random.Random, split: str, meta: dict) -> l
     else:
         pool = ["".join(p) for k in meta["lengths"] for p in itertools.product(meta["alphabet"], repeat=k)]
         pool = [w for w in pool if w not in held_out]
-    return [{"prompt": meta["template"].format(text=w), "data_source": "ocr",
-             "reward_model": {"ground_truth": w, "style": "rule"}, "extra_info": {"split": split, "index": i}}
-            for i, w in enumerate(rng.sample(pool, k=min(n, len(pool))))]
+    return [
+        {
+            "prompt": meta["template"].format(text=w),
+            "data_source": "ocr",
+            "reward_model": {"ground_truth": w, "style": "rule"},
+            "extra_info": {"split": split, "index": i},
+        }
+        for i, w in enumerate(rng.sample(pool, k=min(n, len(pool))))
+    ]
 
 
 def write(rows: list[dict], path: Path, fmt: str) -> None:
@@ -77,9 +112,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-val", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
-    ap.add_argument("--vocab", choices=["scenes", *TINY_VOCABS], default="scenes",
-                    help="scenes: sign/banner scenes with words; tiny_text_bimodal / tiny_text: the strings of "
-                         "tiny:qwen_image_text_bimodal / tiny:qwen_image_text")
+    ap.add_argument(
+        "--vocab",
+        choices=["scenes", *TINY_VOCABS],
+        default="scenes",
+        help="scenes: sign/banner scenes with words; tiny_text_bimodal / tiny_text: the strings of "
+        "tiny:qwen_image_text_bimodal / tiny:qwen_image_text",
+    )
     args = ap.parse_args(argv)
 
     out = Path(args.out_dir)

@@ -107,8 +107,10 @@ def render(text: str, legible: bool, rng: random.Random | None = None) -> np.nda
 
 # Qwen-Image's prompt template (diffusers' QwenImagePipeline.prompt_template_encode): the pipeline drops its first 34
 # tokens (prompt_template_encode_start_idx), which with Qwen2.5-VL's real tokenizer are exactly the system block.
-TEMPLATE_PREFIX = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
-                   "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n")
+TEMPLATE_PREFIX = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
+    "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n"
+)
 # Pieces of the template whose words become single tokens (the rest of it is special tokens and newlines).
 TEMPLATE_WORDS = ["system", TEMPLATE_PREFIX.split("\n")[1].removesuffix("<|im_end|>"), "user", "assistant"]
 
@@ -131,7 +133,7 @@ def build_tokenizer():
         for k in range(2, len(w) + 1):
             if w[:k] not in vocab:
                 vocab[w[:k]] = len(vocab)
-                merges.append((w[:k - 1], w[k - 1]))
+                merges.append((w[: k - 1], w[k - 1]))
     tok = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=1024)
     tok.add_special_tokens({"additional_special_tokens": _QWEN_SPECIALS[1:]})
     tok.add_tokens(["<|endoftext|>"], special_tokens=True)
@@ -150,8 +152,13 @@ def build_pipeline(vae, transformer):
     tok = build_tokenizer()
     torch.manual_seed(1234)  # the text encoder's init seed in omni_async.models.tiny
     text_encoder = _tiny_qwen25_vl_text_encoder(len(tok), 32)
-    return QwenImagePipeline(scheduler=_flow_scheduler(base.SHIFT), vae=vae, text_encoder=text_encoder,
-                             tokenizer=tok, transformer=transformer)
+    return QwenImagePipeline(
+        scheduler=_flow_scheduler(base.SHIFT),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tok,
+        transformer=transformer,
+    )
 
 
 def train_vae(steps: int, batch: int, log) -> torch.nn.Module:
@@ -161,14 +168,23 @@ def train_vae(steps: int, batch: int, log) -> torch.nn.Module:
     rng = random.Random(SEED + 1)
     opt = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / 50) * 0.5 * (1 + math.cos(math.pi * i / steps)))
+        opt, lambda i: min(1.0, (i + 1) / 50) * 0.5 * (1 + math.cos(math.pi * i / steps))
+    )
     pre_clamp: list[torch.Tensor] = []
     hook = vae.decoder.register_forward_hook(lambda m, i, o: pre_clamp.append(o))
     t0 = time.time()
     for it in range(steps):
         pre_clamp.clear()
-        x = base.to_tensor([render("".join(rng.choice(ALPHABET) for _ in range(rng.choice([1, 2, 2]))),
-                                   rng.random() >= ILLEGIBLE_SHARE, rng) for _ in range(batch)])
+        x = base.to_tensor(
+            [
+                render(
+                    "".join(rng.choice(ALPHABET) for _ in range(rng.choice([1, 2, 2]))),
+                    rng.random() >= ILLEGIBLE_SHARE,
+                    rng,
+                )
+                for _ in range(batch)
+            ]
+        )
         mu = vae.encode(x).latent_dist.mean
         vae.decode(mu + 0.1 * mu.detach().std() * torch.randn_like(mu))
         rec = pre_clamp[-1]
@@ -202,28 +218,32 @@ def recon_ocr(vae, words: list[str], legible: bool) -> float:
 def summarise(scores: np.ndarray) -> dict:
     """``scores`` [prompts, seeds]: mean, histogram, shares near 0 / 1, the within-group (per-prompt) spread."""
     flat = scores.ravel()
-    return {"mean": round(float(flat.mean()), 3),
-            "share_ge_0.9": round(float((flat >= 0.9).mean()), 3), "share_le_0.1": round(float((flat <= 0.1).mean()), 3),
-            "histogram_0_to_1_in_5_bins": np.histogram(flat, bins=5, range=(0, 1))[0].tolist(),
-            "within_group_std": round(float(scores.std(1).mean()), 3),
-            "share_of_groups_all_equal": round(float((scores.std(1) == 0).mean()), 3),
-            "per_seed_mean": scores.mean(0).round(3).tolist()}
+    return {
+        "mean": round(float(flat.mean()), 3),
+        "share_ge_0.9": round(float((flat >= 0.9).mean()), 3),
+        "share_le_0.1": round(float((flat <= 0.1).mean()), 3),
+        "histogram_0_to_1_in_5_bins": np.histogram(flat, bins=5, range=(0, 1))[0].tolist(),
+        "within_group_std": round(float(scores.std(1).mean()), 3),
+        "share_of_groups_all_equal": round(float((scores.std(1) == 0).mean()), 3),
+        "per_seed_mean": scores.mean(0).round(3).tolist(),
+    }
 
 
-def evaluate(model_dir: str, sets: dict[str, list[str]], seeds: int, steps: int = 10,
-             grid: str | None = None) -> dict:
+def evaluate(model_dir: str, sets: dict[str, list[str]], seeds: int, steps: int = 10, grid: str | None = None) -> dict:
     """OCR reward of the saved pipeline per word set, ODE and SDE (noise 0.7 on all steps), ``seeds`` per word."""
     from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
 
-    policy = DiffusionPolicy(model_dir, SamplingConfig(height=HEIGHT, width=WIDTH, num_inference_steps=steps,
-                                                       noise_level=0.7), lora_rank=0)
+    policy = DiffusionPolicy(
+        model_dir, SamplingConfig(height=HEIGHT, width=WIDTH, num_inference_steps=steps, noise_level=0.7), lora_rank=0
+    )
     result, rows = {}, []
     for name, words in sets.items():
         for mode, window in (("ode", None), ("sde", range(0, steps))):
             scores = np.zeros((len(words), seeds))
             for j in range(seeds):
-                imgs = policy.rollout([base.prompt_of(w) for w in words], [j * 1000 + i for i in range(len(words))],
-                                      window).images
+                imgs = policy.rollout(
+                    [base.prompt_of(w) for w in words], [j * 1000 + i for i in range(len(words))], window
+                ).images
                 scores[:, j] = ocr_scores(imgs, words)
                 if name == "val" and mode == "ode" and j < 4:
                     rows.append(imgs[:16])
@@ -233,7 +253,7 @@ def evaluate(model_dir: str, sets: dict[str, list[str]], seeds: int, steps: int 
 
         words = sets["val"][:16]
         top = [render(w, True) for w in words] + [render(w, False) for w in words]
-        top = [np.concatenate(top[:len(words)], 1), np.concatenate(top[len(words):], 1)]
+        top = [np.concatenate(top[: len(words)], 1), np.concatenate(top[len(words) :], 1)]
         Image.fromarray(np.concatenate(top + [np.concatenate(list(r), 1) for r in rows], 0)).save(grid)
     return result
 
@@ -252,8 +272,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--head-dim", type=int, default=16)
     ap.add_argument("--variants", type=int, default=16, help="renders per training word, half of them illegible")
     ap.add_argument("--eval-seeds", type=int, default=4, help="samples per word in the evaluation (a GRPO group)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="1 is ~7x faster than 2 on a shared 2-core box (OpenMP spin-waits under contention)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="1 is ~7x faster than 2 on a shared 2-core box (OpenMP spin-waits under contention)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     work = Path(args.work)
@@ -277,8 +301,10 @@ def main(argv: list[str] | None = None) -> None:
     from diffusers import AutoencoderKLQwenImage, QwenImagePipeline
 
     vae = AutoencoderKLQwenImage.from_pretrained(vae_dir).eval()
-    log(f"vae reconstruction OCR on held-out words: legible {recon_ocr(vae, val_words, True):.3f}, "
-        f"illegible {recon_ocr(vae, val_words, False):.3f}")
+    log(
+        f"vae reconstruction OCR on held-out words: legible {recon_ocr(vae, val_words, True):.3f}, "
+        f"illegible {recon_ocr(vae, val_words, False):.3f}"
+    )
 
     # Latents: every training word in `variants` renders, alternately legible and illegible (exactly half each).
     lat_file = work / f"latents_v{args.variants}.pt"
@@ -315,17 +341,32 @@ def main(argv: list[str] | None = None) -> None:
     if out.exists():
         shutil.rmtree(out)
     pipe.to(torch.float16).save_pretrained(out)  # fp16 on disk keeps the shipped files small
-    (out / "prompts.json").write_text(json.dumps({"template": base.prompt_of("{text}"), "alphabet": ALPHABET,
-                                                  "lengths": [2], "height": HEIGHT, "width": WIDTH,
-                                                  "val": val_words}, indent=0) + "\n")
+    (out / "prompts.json").write_text(
+        json.dumps(
+            {
+                "template": base.prompt_of("{text}"),
+                "alphabet": ALPHABET,
+                "lengths": [2],
+                "height": HEIGHT,
+                "width": WIDTH,
+                "val": val_words,
+            },
+            indent=0,
+        )
+        + "\n"
+    )
     t_total = time.time() - t_start
     log(f"time: vae+latents {t_vae:.0f}s, transformer {t_dit:.0f}s, total {t_total:.0f}s")
 
     t_eval = time.time()
     sets = {"train": random.Random(SEED + 5).sample(train_words, len(val_words)), "val": val_words}
     res = evaluate(str(out), sets, args.eval_seeds, grid=str(work / "grid.png"))
-    res["seconds"] = {"vae_and_latents": round(t_vae), "transformer": round(t_dit), "total": round(t_total),
-                      "evaluation": round(time.time() - t_eval)}
+    res["seconds"] = {
+        "vae_and_latents": round(t_vae),
+        "transformer": round(t_dit),
+        "total": round(t_total),
+        "evaluation": round(time.time() - t_eval),
+    }
     (work / "eval.json").write_text(json.dumps(res, indent=1))
     log(json.dumps(res))
 

@@ -117,8 +117,13 @@ def new_vae(z_dim: int = 16):
     from diffusers import AutoencoderKLQwenImage
 
     return AutoencoderKLQwenImage(
-        base_dim=8, z_dim=z_dim, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
-        latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
+        base_dim=8,
+        z_dim=z_dim,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * z_dim,
+        latents_std=[1.0] * z_dim,
     )
 
 
@@ -127,7 +132,9 @@ def train_vae(steps: int, batch: int, log) -> torch.nn.Module:
     vae = new_vae()
     rng = random.Random(SEED + 1)
     opt = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 50) * 0.5 * (1 + math.cos(math.pi * i / steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / 50) * 0.5 * (1 + math.cos(math.pi * i / steps))
+    )
     pre_clamp: list[torch.Tensor] = []
     hook = vae.decoder.register_forward_hook(lambda m, i, o: pre_clamp.append(o))
     t0 = time.time()
@@ -156,7 +163,7 @@ def train_vae(steps: int, batch: int, log) -> torch.nn.Module:
 
 @torch.no_grad()
 def encode_mean(vae, images: list[np.ndarray], batch: int = 64) -> torch.Tensor:
-    out = [vae.encode(to_tensor(images[i:i + batch])).latent_dist.mean for i in range(0, len(images), batch)]
+    out = [vae.encode(to_tensor(images[i : i + batch])).latent_dist.mean for i in range(0, len(images), batch)]
     return torch.cat(out)[:, :, 0]  # [N, z, h, w]
 
 
@@ -180,8 +187,14 @@ def new_transformer(z_dim: int, text_dim: int, layers: int, heads: int, head_dim
 
     rope = (head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8)
     return QwenImageTransformer2DModel(
-        patch_size=2, in_channels=4 * z_dim, out_channels=z_dim, num_layers=layers, attention_head_dim=head_dim,
-        num_attention_heads=heads, joint_attention_dim=text_dim, axes_dims_rope=rope,
+        patch_size=2,
+        in_channels=4 * z_dim,
+        out_channels=z_dim,
+        num_layers=layers,
+        attention_head_dim=head_dim,
+        num_attention_heads=heads,
+        joint_attention_dim=text_dim,
+        axes_dims_rope=rope,
     )
 
 
@@ -193,8 +206,9 @@ def build_pipeline(vae, transformer):
     tok = build_qwen2_tokenizer()
     torch.manual_seed(1234)  # the same text encoder tiny:qwen_image gets (tiny.py's build seed)
     text_encoder = _tiny_qwen25_vl_text_encoder(len(tok), 32)
-    return QwenImagePipeline(scheduler=_flow_scheduler(SHIFT), vae=vae, text_encoder=text_encoder, tokenizer=tok,
-                             transformer=transformer)
+    return QwenImagePipeline(
+        scheduler=_flow_scheduler(SHIFT), vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer
+    )
 
 
 @torch.no_grad()
@@ -202,7 +216,7 @@ def encode_prompts(pipe, words: list[str], batch: int = 128) -> tuple[torch.Tens
     """Prompt embeddings exactly as the pipeline makes them, padded to one length (mask 0 on the pad)."""
     embs, masks = [], []
     for i in range(0, len(words), batch):
-        e, m = pipe.encode_prompt(prompt=[prompt_of(w) for w in words[i:i + batch]], device="cpu")
+        e, m = pipe.encode_prompt(prompt=[prompt_of(w) for w in words[i : i + batch]], device="cpu")
         m = torch.ones(e.shape[:2], dtype=torch.long) if m is None else m  # None when no prompt is padded
         embs.append(e)
         masks.append(m)
@@ -216,15 +230,25 @@ def shifted(u: torch.Tensor) -> torch.Tensor:
     return SHIFT * u / (1 + (SHIFT - 1) * u)
 
 
-def train_transformer(pipe, lat: torch.Tensor, word_idx: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor,
-                      steps: int, batch: int, lr: float, log) -> None:
+def train_transformer(
+    pipe,
+    lat: torch.Tensor,
+    word_idx: torch.Tensor,
+    emb: torch.Tensor,
+    mask: torch.Tensor,
+    steps: int,
+    batch: int,
+    lr: float,
+    log,
+) -> None:
     """Rectified flow on packed latents ``lat`` [N, seq, 4z]; sample ``i`` is conditioned on emb[word_idx[i]]."""
     tr = pipe.transformer
     ema = {k: v.detach().clone() for k, v in tr.state_dict().items()}
     opt = torch.optim.AdamW(tr.parameters(), lr=lr, weight_decay=0.01)
     warm = 200
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))))
+        opt, lambda i: min(1.0, (i + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps)))
+    )
     g = torch.Generator().manual_seed(SEED + 2)
     side = HEIGHT // pipe.vae_scale_factor // 2
     shapes = [[(1, side, WIDTH // pipe.vae_scale_factor // 2)]] * batch
@@ -237,8 +261,15 @@ def train_transformer(pipe, lat: torch.Tensor, word_idx: torch.Tensor, emb: torc
         noise = torch.randn(x0.shape, generator=g)
         s = shifted(torch.rand(batch, generator=g))
         xs = (1 - s[:, None, None]) * x0 + s[:, None, None] * noise
-        v = tr(hidden_states=xs, timestep=s, guidance=None, encoder_hidden_states=e, encoder_hidden_states_mask=m,
-               img_shapes=shapes, return_dict=False)[0]
+        v = tr(
+            hidden_states=xs,
+            timestep=s,
+            guidance=None,
+            encoder_hidden_states=e,
+            encoder_hidden_states_mask=m,
+            img_shapes=shapes,
+            return_dict=False,
+        )[0]
         loss = (v - (noise - x0)).pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -265,22 +296,28 @@ def evaluate(model_dir: str, words: list[str], seeds: list[int], steps: int = 10
     from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
     from omni_async.reward.scorers.ocr import compute_score
 
-    policy = DiffusionPolicy(model_dir, SamplingConfig(height=HEIGHT, width=WIDTH, num_inference_steps=steps,
-                                                       noise_level=0.7), lora_rank=0)
+    policy = DiffusionPolicy(
+        model_dir, SamplingConfig(height=HEIGHT, width=WIDTH, num_inference_steps=steps, noise_level=0.7), lora_rank=0
+    )
     result, rows = {}, []
     for mode, window in (("ode", None), ("sde", range(0, steps))):
         scores = np.zeros((len(words), len(seeds)))
         for j, s in enumerate(seeds):
-            imgs = policy.rollout([prompt_of(w) for w in words], [s * 1000 + i for i in range(len(words))], window).images
+            imgs = policy.rollout(
+                [prompt_of(w) for w in words], [s * 1000 + i for i in range(len(words))], window
+            ).images
             for i, w in enumerate(words):
                 scores[i, j] = compute_score("ocr", imgs[i], w)["score"]
             if j == 0:
                 rows.append(imgs)
         per_word = scores.mean(1)
-        result[mode] = {"mean": float(scores.mean()), "per_seed_mean": scores.mean(0).round(3).tolist(),
-                        "within_prompt_std": float(scores.std(1).mean()),
-                        "frac_prompts_with_spread": float((scores.std(1) > 0).mean()),
-                        "best_words": [words[i] for i in np.argsort(-per_word)[:5]]}
+        result[mode] = {
+            "mean": float(scores.mean()),
+            "per_seed_mean": scores.mean(0).round(3).tolist(),
+            "within_prompt_std": float(scores.std(1).mean()),
+            "frac_prompts_with_spread": float((scores.std(1) > 0).mean()),
+            "best_words": [words[i] for i in np.argsort(-per_word)[:5]],
+        }
     if grid:
         from PIL import Image
 
@@ -308,8 +345,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variants", type=int, default=3, help="jittered renders per training word")
     ap.add_argument("--eval-words", type=int, default=48)
     ap.add_argument("--eval-seeds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="1 is ~7x faster than 2 on a shared 2-core box (OpenMP spin-waits under contention)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="1 is ~7x faster than 2 on a shared 2-core box (OpenMP spin-waits under contention)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     work = Path(args.work)
@@ -373,9 +414,20 @@ def main(argv: list[str] | None = None) -> None:
     if out.exists():
         shutil.rmtree(out)
     pipe.to(torch.float16).save_pretrained(out)
-    (out / "prompts.json").write_text(json.dumps({"template": prompt_of("{text}"), "alphabet": ALPHABET,
-                                                  "lengths": [2, 3], "height": HEIGHT, "width": WIDTH,
-                                                  "val": val_words}, indent=0) + "\n")
+    (out / "prompts.json").write_text(
+        json.dumps(
+            {
+                "template": prompt_of("{text}"),
+                "alphabet": ALPHABET,
+                "lengths": [2, 3],
+                "height": HEIGHT,
+                "width": WIDTH,
+                "val": val_words,
+            },
+            indent=0,
+        )
+        + "\n"
+    )
     t_total = time.time() - t_start
     log(f"time: vae+latents {t_vae:.0f}s, transformer {t_dit:.0f}s, total {t_total:.0f}s")
 

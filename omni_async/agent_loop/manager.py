@@ -64,9 +64,15 @@ class Collection:
 
 
 class AgentLoopManager:
-    def __init__(self, workers: list[Any], dispatcher_factory: Callable[[], RewardDispatcher] | None = None,
-                 max_generating: int | None = None, post_process: bool = False,
-                 restore_worker: Callable[[Any], Awaitable[None]] | None = None, restartable: bool = True):
+    def __init__(
+        self,
+        workers: list[Any],
+        dispatcher_factory: Callable[[], RewardDispatcher] | None = None,
+        max_generating: int | None = None,
+        post_process: bool = False,
+        restore_worker: Callable[[Any], Awaitable[None]] | None = None,
+        restartable: bool = True,
+    ):
         """``dispatcher_factory()`` builds the :class:`RewardDispatcher` on the loop (``None``: generate only).
 
         ``max_generating`` bounds the samples between "asked for" and "queued for reward"; with a full reward
@@ -86,7 +92,7 @@ class AgentLoopManager:
         self.dispatcher: RewardDispatcher | None = None
         if dispatcher_factory is not None:
             self.dispatcher = self.on_loop(dispatcher_factory)
-        self._generating = (self.on_loop(lambda: asyncio.Semaphore(max_generating)) if max_generating else None)
+        self._generating = self.on_loop(lambda: asyncio.Semaphore(max_generating)) if max_generating else None
         self._revived: asyncio.Condition = self.on_loop(asyncio.Condition)
         # Rollout idle time: while no generation request is out at any worker (fully async's rollouter idle ratio).
         self._requests_out = 0
@@ -110,7 +116,10 @@ class AgentLoopManager:
         """This step's rollout and reward-queue counters; resets the per-step ones."""
 
         def read():
-            m = {"rollout/regenerated": float(self.regenerated), "rollout/workers_down": float(sum(bool(d) for d in self.down))}
+            m = {
+                "rollout/regenerated": float(self.regenerated),
+                "rollout/workers_down": float(sum(bool(d) for d in self.down)),
+            }
             self.regenerated = 0
             if self.dispatcher is not None:
                 m.update(self.dispatcher.metrics())
@@ -215,7 +224,8 @@ class AgentLoopManager:
                 if all(d == "lost" for d in self.down):
                     raise RolloutWorkersLostError(
                         f"all {n} rollout workers died and did not come back within {WORKER_RESTART_TIMEOUT_S:g}s "
-                        "(Ray max_restarts exhausted or the node is gone); rerun with trainer.resume_mode=auto")
+                        "(Ray max_restarts exhausted or the node is gone); rerun with trainer.resume_mode=auto"
+                    )
                 await self._revived.wait()
 
     async def _generate(self, s: Sample, sampling: dict | None = None) -> Generation:
@@ -252,6 +262,7 @@ class AgentLoopManager:
 
     async def _revive(self, w: int) -> None:
         """Wait for Ray to restart worker ``w``, give it the current weights, put it back in the rotation."""
+
         async def back_with_current_weights():
             await self.workers[w].stats.remote()
             if self.restore_worker is not None:

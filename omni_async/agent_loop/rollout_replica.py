@@ -79,16 +79,23 @@ class GenerationBatcher:
     runs as ``generate(prompts, seeds, windows, sampling=sampling)``.
     """
 
-    def __init__(self, generate: Callable[..., list[Result]], version: Callable[[], int], device: ThreadPoolExecutor,
-                 max_batch_size: int, max_wait_ms: float):
+    def __init__(
+        self,
+        generate: Callable[..., list[Result]],
+        version: Callable[[], int],
+        device: ThreadPoolExecutor,
+        max_batch_size: int,
+        max_wait_ms: float,
+    ):
         self.generate, self.version, self.device = generate, version, device
         self.max_batch_size, self.max_wait_s = int(max_batch_size), float(max_wait_ms) / 1000.0
         self._pending: list[_Request] = []
         self._worker: asyncio.Task | None = None
         self.batch_sizes: list[int] = []
 
-    async def submit(self, prompt: str, seed: int, window: tuple[int, int] | None, *,
-                     sampling: dict[str, Any] | None = None) -> Generation:
+    async def submit(
+        self, prompt: str, seed: int, window: tuple[int, int] | None, *, sampling: dict[str, Any] | None = None
+    ) -> Generation:
         fut = asyncio.get_running_loop().create_future()
         window = (int(window[0]), int(window[1])) if window is not None else None
         settings = tuple(sorted(sampling.items())) if sampling else None
@@ -130,9 +137,16 @@ class GenerationBatcher:
 class RolloutReplica:
     """An inference-only copy of the policy (split and disaggregated layouts); Ray restarts it if its process dies."""
 
-    def __init__(self, modality: str, model: dict[str, Any], sampling: dict[str, Any], max_batch_size: int = 8,
-                 max_wait_ms: float = 5.0, rollout_server: dict[str, Any] | None = None,
-                 dtype_name: str | None = None):
+    def __init__(
+        self,
+        modality: str,
+        model: dict[str, Any],
+        sampling: dict[str, Any],
+        max_batch_size: int = 8,
+        max_wait_ms: float = 5.0,
+        rollout_server: dict[str, Any] | None = None,
+        dtype_name: str | None = None,
+    ):
         from omni_async.cluster import configure_worker
         from omni_async.modality import get_modality
         from omni_async.modality.base import model_dtype
@@ -146,13 +160,16 @@ class RolloutReplica:
         self.group: WeightGroup | None = None  # the cross-pool weight group (checkpoint_engine.backend=nccl)
         self.torn = False  # a weight transfer failed half-way: no generation until a complete set arrived
         self.device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-device")
-        self.batcher = GenerationBatcher(self._generate, lambda: self.version, self.device_thread, max_batch_size,
-                                         max_wait_ms)
+        self.batcher = GenerationBatcher(
+            self._generate, lambda: self.version, self.device_thread, max_batch_size, max_wait_ms
+        )
 
     def _generate(self, *args, **kwargs):
         if self.torn:
-            raise RuntimeError("this rollout worker's weights are half written (a weight transfer failed); it "
-                               "generates again once the next complete sync arrived")
+            raise RuntimeError(
+                "this rollout worker's weights are half written (a weight transfer failed); it "
+                "generates again once the next complete sync arrived"
+            )
         return self.policy.generate(*args, **kwargs)
 
     async def set_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
@@ -161,6 +178,7 @@ class RolloutReplica:
         The load runs on the device thread, in call order with the generation batches: after the batch on the
         device now, before any batch that starts later, so no batch runs on half-loaded weights (an adapter torn
         between two of its forwards)."""
+
         def load() -> int:
             self.policy.load_weights_state_dict(state)
             self.version = int(version)
@@ -169,8 +187,12 @@ class RolloutReplica:
         return await asyncio.get_running_loop().run_in_executor(self.device_thread, load)
 
     def stats(self) -> dict[str, Any]:
-        return {"batch_sizes": list(self.batcher.batch_sizes), "version": self.version, "pid": os.getpid(),
-                "requires_grad": sum(p.requires_grad for p in self._parameters())}
+        return {
+            "batch_sizes": list(self.batcher.batch_sizes),
+            "version": self.version,
+            "pid": os.getpid(),
+            "requires_grad": sum(p.requires_grad for p in self._parameters()),
+        }
 
     def _parameters(self) -> list[torch.Tensor]:
         modules = getattr(getattr(self.policy, "pipe", None), "components", {}).values()
@@ -206,8 +228,9 @@ class RolloutReplica:
             raise RuntimeError(f"received {got} of {meta_bytes(meta)} weight bytes")
         return got
 
-    async def generate(self, prompt: str, seed: int, window: tuple[int, int] | None, *,
-                       sampling: dict[str, Any] | None = None) -> Generation:
+    async def generate(
+        self, prompt: str, seed: int, window: tuple[int, int] | None, *, sampling: dict[str, Any] | None = None
+    ) -> Generation:
         """One sample (image + SDE-window latents and log-probs, or response tokens + log-probs); ``sampling``
         overrides the policy's sampling settings for this request (validation: ``rollout.val_kwargs``)."""
         return await self.batcher.submit(prompt, seed, window, sampling=sampling)

@@ -63,10 +63,20 @@ class Group:
 
 
 class Rollouter:
-    def __init__(self, agent: Any, draw: Callable[[int], tuple[dict, list[Sample]]],
-                 sampler_state: Callable[[], dict], *, cap: int, bound: int, wait_for_stale: bool,
-                 groups_to_train: int, rollout_version: int, first_draw: int = 0,
-                 finished: dict[str, int] | None = None):
+    def __init__(
+        self,
+        agent: Any,
+        draw: Callable[[int], tuple[dict, list[Sample]]],
+        sampler_state: Callable[[], dict],
+        *,
+        cap: int,
+        bound: int,
+        wait_for_stale: bool,
+        groups_to_train: int,
+        rollout_version: int,
+        first_draw: int = 0,
+        finished: dict[str, int] | None = None,
+    ):
         """``draw(d)`` returns (sampler state before the draw, the samples of draw ``d``) and ``sampler_state()`` the
         state now; both run on the loop (the only thread that touches the sampler during fully async training).
         ``groups_to_train``: groups the trainer will still take. ``finished``: uid -> draw of groups trained or
@@ -205,8 +215,9 @@ class Rollouter:
         picked = done[:n]
         if self.wait_for_stale:
             taken = {g.uid for g in picked}
-            if (self._feasible(order[n:], step, n)
-                    and not self._feasible([g for g in live if g.uid not in taken], step, n)):
+            if self._feasible(order[n:], step, n) and not self._feasible(
+                [g for g in live if g.uid not in taken], step, n
+            ):
                 return None
         for g in picked:
             self._finish(g)
@@ -230,11 +241,13 @@ class Rollouter:
 
     def metrics(self) -> dict[str, float]:
         queued = sum(g.done for g in self.live.values())
-        return {"fully_async/count/dropped_stale_samples": float(self.dropped_samples),
-                "fully_async/count/dropped_stale_groups": float(self.dropped_groups),
-                "fully_async/count/started_groups": float(self.started),
-                "fully_async/message_queue/size": float(queued),
-                "fully_async/rollouter/in_flight": float(len(self.live) - queued),
-                "fully_async/rollouter/window": float(self.window),
-                "fully_async/static/max_required_samples": float(self.cap),
-                "fully_async/static/lag_bound": float(self.bound)}
+        return {
+            "fully_async/count/dropped_stale_samples": float(self.dropped_samples),
+            "fully_async/count/dropped_stale_groups": float(self.dropped_groups),
+            "fully_async/count/started_groups": float(self.started),
+            "fully_async/message_queue/size": float(queued),
+            "fully_async/rollouter/in_flight": float(len(self.live) - queued),
+            "fully_async/rollouter/window": float(self.window),
+            "fully_async/static/max_required_samples": float(self.cap),
+            "fully_async/static/lag_bound": float(self.bound),
+        }

@@ -27,8 +27,19 @@ import torch
 import torch.distributed as dist
 
 GROUP_TIMEOUT_S = 600.0  # a broadcast waits this long for every member (a bucket of 2 GB on a slow link included)
-DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
-                              torch.uint8, torch.bool)}
+DTYPES = {
+    str(d): d
+    for d in (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 Meta = list[tuple[str, tuple[int, ...], str]]  # (name, shape, dtype name) per tensor, in send order
 
@@ -90,8 +101,9 @@ def free_address() -> tuple[str, int]:
 class WeightGroup:
     """One member of the trainer-rank-0 + rollout-workers group; rank 0 sends."""
 
-    def __init__(self, address: str, port: int, rank: int, world: int, device: torch.device,
-                 timeout_s: float = GROUP_TIMEOUT_S):
+    def __init__(
+        self, address: str, port: int, rank: int, world: int, device: torch.device, timeout_s: float = GROUP_TIMEOUT_S
+    ):
         self.rank, self.world, self.device = int(rank), int(world), torch.device(device)
         timeout = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(address, int(port), self.world, self.rank == 0, timeout=timeout)
@@ -120,7 +132,7 @@ class WeightGroup:
         for b in plan_buckets(meta, bucket_bytes):
             flat = torch.empty(b.numel, dtype=b.dtype, device=self.device)
             for p in b.pieces:
-                flat[p.offset:p.offset + p.hi - p.lo].copy_(flats[p.name][p.lo:p.hi])
+                flat[p.offset : p.offset + p.hi - p.lo].copy_(flats[p.name][p.lo : p.hi])
             self._broadcast(flat)
             sent += flat.numel() * flat.element_size()
         return sent
@@ -133,6 +145,6 @@ class WeightGroup:
             flat = torch.empty(b.numel, dtype=b.dtype, device=self.device)
             self._broadcast(flat)
             for p in b.pieces:
-                flats[p.name][p.lo:p.hi].copy_(flat[p.offset:p.offset + p.hi - p.lo])
+                flats[p.name][p.lo : p.hi].copy_(flat[p.offset : p.offset + p.hi - p.lo])
             got += flat.numel() * flat.element_size()
         return got

@@ -50,8 +50,9 @@ def group_advantages(
     if kept.any():
         idx = kept.nonzero().squeeze(-1)
         sub, sub_uids = scores[idx], uids[idx.numpy()]
-        centred, _ = compute_grpo_outcome_advantage(sub.unsqueeze(-1), torch.ones_like(sub).unsqueeze(-1), sub_uids,
-                                                    norm_adv_by_std_in_grpo=False)
+        centred, _ = compute_grpo_outcome_advantage(
+            sub.unsqueeze(-1), torch.ones_like(sub).unsqueeze(-1), sub_uids, norm_adv_by_std_in_grpo=False
+        )
         centred = centred.squeeze(-1)
         if norm_by_std:
             ddof = 1 if std_unbiased else 0

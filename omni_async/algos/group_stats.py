@@ -20,5 +20,7 @@ def group_reward_stats(scores: Sequence[float], uids: Sequence[str]) -> dict[str
     for score, uid in zip(scores, uids, strict=True):
         groups[uid].append(float(score))
     stds = [float(np.std(v)) for v in groups.values() if len(v) >= 2]
-    return {"std_mean": float(np.mean(stds)) if stds else 0.0,
-            "zero_std_ratio": float(np.mean([s == 0 for s in stds])) if stds else 0.0}
+    return {
+        "std_mean": float(np.mean(stds)) if stds else 0.0,
+        "zero_std_ratio": float(np.mean([s == 0 for s in stds])) if stds else 0.0,
+    }

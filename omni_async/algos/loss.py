@@ -60,16 +60,18 @@ def flow_grpo_loss(
         # Over the kept samples, without indexing by the mask (a device sync); no kept sample reads ratio 1, std 0.
         ratio_mean = torch.where(n > 0, _masked_mean(ratio, m), torch.ones_like(n))
         ratio_var = ((ratio - ratio_mean) ** 2 * m).sum() / (n - 1).clamp(min=1.0)  # unbiased, as torch.std
-        metrics.update({
-            "actor/pg_loss": pg_loss.detach(),
-            # k1 estimator of KL(old || new) on the sampled transitions, as verl reports it.
-            "actor/ppo_kl": _masked_mean(-log_ratio, mask),
-            "actor/pg_clipfrac": _masked_mean((clipped > unclipped).float(), m),
-            "actor/pg_clipfrac_higher": _masked_mean((ratio > 1 + clip_ratio).float() * (adv > 0), m),
-            "actor/pg_clipfrac_lower": _masked_mean((ratio < 1 - clip_ratio).float() * (adv < 0), m),
-            "actor/ratio_mean": ratio_mean,
-            "actor/ratio_std": ratio_var.sqrt(),
-        })
+        metrics.update(
+            {
+                "actor/pg_loss": pg_loss.detach(),
+                # k1 estimator of KL(old || new) on the sampled transitions, as verl reports it.
+                "actor/ppo_kl": _masked_mean(-log_ratio, mask),
+                "actor/pg_clipfrac": _masked_mean((clipped > unclipped).float(), m),
+                "actor/pg_clipfrac_higher": _masked_mean((ratio > 1 + clip_ratio).float() * (adv > 0), m),
+                "actor/pg_clipfrac_lower": _masked_mean((ratio < 1 - clip_ratio).float() * (adv < 0), m),
+                "actor/ratio_mean": ratio_mean,
+                "actor/ratio_std": ratio_var.sqrt(),
+            }
+        )
     return loss, metrics
 
 
@@ -79,10 +81,17 @@ DUAL_CLIP_RATIO_C = 3.0
 TEXT_KL_ESTIMATOR = "low_var_kl"
 
 
-def grpo_token_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                    token_mask: torch.Tensor, *, clip_ratio: float, ref_log_prob: torch.Tensor | None = None,
-                    kl_coef: float = 0.0,
-                    rollout_is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def grpo_token_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    token_mask: torch.Tensor,
+    *,
+    clip_ratio: float,
+    ref_log_prob: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO for text, token level, with verl's ``core_algos`` (vanilla PPO clip, token-mean aggregation)::
 
         rho_t = exp(logp_theta_t - logp_old_t)
@@ -97,11 +106,24 @@ def grpo_token_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantag
     from omegaconf import OmegaConf
     from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
 
-    loss_cfg = OmegaConf.create({"clip_ratio": clip_ratio, "clip_ratio_low": None, "clip_ratio_high": None,
-                                 "clip_ratio_c": DUAL_CLIP_RATIO_C, "global_batch_info": {}})
-    pg_loss, m = get_policy_loss_fn("vanilla")(old_log_prob, log_prob, advantages, token_mask,
-                                               loss_agg_mode="token-mean", config=loss_cfg,
-                                               rollout_is_weights=rollout_is_weights)
+    loss_cfg = OmegaConf.create(
+        {
+            "clip_ratio": clip_ratio,
+            "clip_ratio_low": None,
+            "clip_ratio_high": None,
+            "clip_ratio_c": DUAL_CLIP_RATIO_C,
+            "global_batch_info": {},
+        }
+    )
+    pg_loss, m = get_policy_loss_fn("vanilla")(
+        old_log_prob,
+        log_prob,
+        advantages,
+        token_mask,
+        loss_agg_mode="token-mean",
+        config=loss_cfg,
+        rollout_is_weights=rollout_is_weights,
+    )
     loss = pg_loss
     metrics = {"actor/pg_loss": pg_loss.item(), **{k: float(v) for k, v in m.items()}}
     if ref_log_prob is not None and kl_coef > 0:

@@ -104,8 +104,10 @@ def sde_step_with_logprob(
         at_one = sigma >= 1.0
         if sigma_max is None:
             if bool(at_one.any()):
-                raise ValueError("an sde step at sigma = 1 needs sigma_max (the schedule's second sigma, "
-                                 "as flow_grpo uses) to replace sigma in 1 - sigma")
+                raise ValueError(
+                    "an sde step at sigma = 1 needs sigma_max (the schedule's second sigma, "
+                    "as flow_grpo uses) to replace sigma in 1 - sigma"
+                )
             sigma_max = 0.0
         denom = 1 - torch.where(at_one, torch.as_tensor(sigma_max, dtype=x.dtype, device=x.device), sigma)
         std_dev_t = noise_level * torch.sqrt(sigma / denom)

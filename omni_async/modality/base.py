@@ -23,8 +23,14 @@ class Modality(Protocol):
     def prompt_lengths(self, model_path: str, prompts: list[str]) -> list[int]:
         """Each prompt's length in tokens, as ``data.max_prompt_length`` counts them."""
 
-    def build_policy(self, model: dict[str, Any], sampling: dict[str, Any], device: str = "cpu",
-                     rollout_server: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32) -> Any:
+    def build_policy(
+        self,
+        model: dict[str, Any],
+        sampling: dict[str, Any],
+        device: str = "cpu",
+        rollout_server: dict[str, Any] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> Any:
         """The trainable policy on ``device`` with frozen weights in ``dtype`` (or, for a rollout worker, a client
         of an inference server)."""
 
@@ -37,8 +43,9 @@ class Modality(Protocol):
     def loss_units(self, batch: Any) -> int:
         """What the loss averages over in ``batch``: kept samples (images) or kept response tokens (text)."""
 
-    def backward(self, policy: Any, batch: Any, loss_mask: torch.Tensor, actor_cfg: Any,
-                 loss_scale: float = 1.0) -> dict[str, list[float]]:
+    def backward(
+        self, policy: Any, batch: Any, loss_mask: torch.Tensor, actor_cfg: Any, loss_scale: float = 1.0
+    ) -> dict[str, list[float]]:
         """Accumulate ``loss_scale`` x the gradient of the batch's loss; return its metrics."""
 
     def save_samples(self, out_dir: Path, step: int, samples: list[Sample]) -> Path:
@@ -49,8 +56,14 @@ class Modality(Protocol):
 REF_TIME_KEY = "timing_s/ref"
 
 
-MODEL_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-                "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+MODEL_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 
 
 def model_dtype(name: str | None, device: str) -> torch.dtype:
@@ -70,9 +83,14 @@ def gradient_checkpointing(model: dict[str, Any], device: str) -> bool:
 
 def trainable_kwargs(model: dict[str, Any], device: str, dtype: torch.dtype) -> dict[str, Any]:
     """The policy constructors' shared arguments, from ``actor_rollout_ref.model`` and the worker's device."""
-    return dict(lora_rank=model["lora_rank"], lora_alpha=model["lora_alpha"],
-                target_modules=list(model["target_modules"]), device=device, dtype=dtype,
-                gradient_checkpointing=gradient_checkpointing(model, device))
+    return dict(
+        lora_rank=model["lora_rank"],
+        lora_alpha=model["lora_alpha"],
+        target_modules=list(model["target_modules"]),
+        device=device,
+        dtype=dtype,
+        gradient_checkpointing=gradient_checkpointing(model, device),
+    )
 
 
 def score_labels(samples: list[Sample]) -> list[str]:

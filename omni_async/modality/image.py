@@ -35,21 +35,34 @@ class ImageModality:
         from omni_async.models.diffusion_policy import SamplingConfig
 
         r = cfg.actor_rollout_ref.rollout
-        return SamplingConfig(height=r.height, width=r.width, num_inference_steps=r.num_inference_steps,
-                              noise_level=r.algo.noise_level, sde_type=r.algo.sde_type,
-                              cps_log_prob=r.algo.cps_log_prob,
-                              true_cfg_scale=float(r.pipeline.true_cfg_scale),
-                              guidance_scale=float(r.pipeline.guidance_scale), num_frames=int(r.num_frames),
-                              max_sequence_length=r.pipeline.max_sequence_length,
-                              vae_slicing=bool(r.pipeline.vae_slicing), vae_tiling=r.pipeline.vae_tiling)
+        return SamplingConfig(
+            height=r.height,
+            width=r.width,
+            num_inference_steps=r.num_inference_steps,
+            noise_level=r.algo.noise_level,
+            sde_type=r.algo.sde_type,
+            cps_log_prob=r.algo.cps_log_prob,
+            true_cfg_scale=float(r.pipeline.true_cfg_scale),
+            guidance_scale=float(r.pipeline.guidance_scale),
+            num_frames=int(r.num_frames),
+            max_sequence_length=r.pipeline.max_sequence_length,
+            vae_slicing=bool(r.pipeline.vae_slicing),
+            vae_tiling=r.pipeline.vae_tiling,
+        )
 
     def validation_sampling(self, cfg: Any) -> dict[str, Any]:
         """The sampling fields validation changes (``rollout.val_kwargs``; a null value keeps the training one)."""
         v = cfg.actor_rollout_ref.rollout.val_kwargs
         p = v.pipeline
-        fields = {"num_inference_steps": p.num_inference_steps, "height": p.height, "width": p.width,
-                  "true_cfg_scale": p.true_cfg_scale, "guidance_scale": p.guidance_scale,
-                  "max_sequence_length": p.max_sequence_length, "noise_level": v.algo.noise_level}
+        fields = {
+            "num_inference_steps": p.num_inference_steps,
+            "height": p.height,
+            "width": p.width,
+            "true_cfg_scale": p.true_cfg_scale,
+            "guidance_scale": p.guidance_scale,
+            "max_sequence_length": p.max_sequence_length,
+            "noise_level": v.algo.noise_level,
+        }
         return {k: val for k, val in fields.items() if val is not None}
 
     def prompt_lengths(self, model_path: str, prompts: list[str]) -> list[int]:
@@ -62,8 +75,14 @@ class ImageModality:
         tok = AutoTokenizer.from_pretrained(resolve_model_path(model_path), subfolder="tokenizer")
         return [len(ids) for ids in tok(list(prompts))["input_ids"]]
 
-    def build_policy(self, model: dict[str, Any], sampling: dict[str, Any], device: str = "cpu",
-                     rollout_server: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32):
+    def build_policy(
+        self,
+        model: dict[str, Any],
+        sampling: dict[str, Any],
+        device: str = "cpu",
+        rollout_server: dict[str, Any] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         if rollout_server is not None:
             raise ValueError("actor_rollout_ref.rollout.name=vllm serves text models; diffusion rolls out in-process")
         from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
@@ -74,11 +93,13 @@ class ImageModality:
         from omni_async.models.diffusion_policy import collate_conditioning
 
         results: list[ImageResult] = [s.result for s in samples]
-        return {"window_latents": torch.stack([r.window_latents for r in results]),
-                "window_start": torch.tensor([r.window_start for r in results], dtype=torch.long),
-                "old_log_probs": torch.stack([r.log_probs for r in results]),
-                "rm_scores": torch.tensor([[rm_score(s)] for s in samples]),
-                **collate_conditioning([r.conditioning for r in results])}
+        return {
+            "window_latents": torch.stack([r.window_latents for r in results]),
+            "window_start": torch.tensor([r.window_start for r in results], dtype=torch.long),
+            "old_log_probs": torch.stack([r.log_probs for r in results]),
+            "rm_scores": torch.tensor([[rm_score(s)] for s in samples]),
+            **collate_conditioning([r.conditioning for r in results]),
+        }
 
     @staticmethod
     def window_starts(batch) -> torch.Tensor | int:
@@ -105,16 +126,20 @@ class ImageModality:
     def loss_units(self, batch) -> int:
         return int(batch.batch["loss_mask"].bool().sum())
 
-    def backward(self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any,
-                 loss_scale: float = 1.0) -> dict[str, list[float]]:
+    def backward(
+        self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any, loss_scale: float = 1.0
+    ) -> dict[str, list[float]]:
         start = self.window_starts(batch)
         cond = policy.conditioning_from(batch.batch)
-        latents, old_lp, adv = (batch.batch[k].to(policy.device) for k in ("window_latents", "old_log_probs",
-                                                                            "advantages"))
+        latents, old_lp, adv = (
+            batch.batch[k].to(policy.device) for k in ("window_latents", "old_log_probs", "advantages")
+        )
         loss_mask = loss_mask.to(policy.device)
         # verl's decoupled rollout correction (StepOps.rollout_correction): a weight and a keep flag per window step.
-        is_w, rs = (batch.batch[k].to(policy.device) if k in batch.batch.keys() else None
-                    for k in ("rollout_is_weights", "rollout_rs_mask"))
+        is_w, rs = (
+            batch.batch[k].to(policy.device) if k in batch.batch.keys() else None
+            for k in ("rollout_is_weights", "rollout_rs_mask")
+        )
         n_steps = latents.shape[1] - 1
         step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)  # read after the last backward, in one sync
         ref_s = 0.0
@@ -127,9 +152,16 @@ class ImageModality:
                 ref_s += device_clock(policy.device) - t0
                 kl = kl_to_reference(out.mean, ref.mean, out.std_dev_t)
             mask_j = loss_mask if rs is None else loss_mask.bool() & rs[:, j].bool()
-            loss, m = flow_grpo_loss(out.log_prob, old_lp[:, j], adv, mask_j, clip_ratio=actor_cfg.clip_ratio,
-                                     kl=kl, kl_coef=actor_cfg.kl_loss_coef,
-                                     is_weights=None if is_w is None else is_w[:, j])
+            loss, m = flow_grpo_loss(
+                out.log_prob,
+                old_lp[:, j],
+                adv,
+                mask_j,
+                clip_ratio=actor_cfg.clip_ratio,
+                kl=kl,
+                kl_coef=actor_cfg.kl_loss_coef,
+                is_weights=None if is_w is None else is_w[:, j],
+            )
             (loss * loss_scale / n_steps).backward()  # the window's steps are averaged
             for k, v in m.items():
                 step_metrics[k].append(v)

@@ -40,8 +40,11 @@ class TextModality:
 
         r = cfg.actor_rollout_ref.rollout
         alpha = r.response_length_pareto_alpha
-        return TextSamplingConfig(response_length=int(r.response_length), temperature=float(r.temperature),
-                                  response_length_pareto_alpha=None if alpha is None else float(alpha))
+        return TextSamplingConfig(
+            response_length=int(r.response_length),
+            temperature=float(r.temperature),
+            response_length_pareto_alpha=None if alpha is None else float(alpha),
+        )
 
     def validation_sampling(self, cfg: Any) -> None:
         """Text validation samples with the training settings (``rollout.val_kwargs.{pipeline,algo}`` are the
@@ -58,8 +61,14 @@ class TextModality:
         tok = AutoTokenizer.from_pretrained(resolve_model_path(model_path))
         return [len(chat_prompt_ids(tok, p)) for p in prompts]
 
-    def build_policy(self, model: dict[str, Any], sampling: dict[str, Any], device: str = "cpu",
-                     rollout_server: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32):
+    def build_policy(
+        self,
+        model: dict[str, Any],
+        sampling: dict[str, Any],
+        device: str = "cpu",
+        rollout_server: dict[str, Any] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         """The trainable policy; with ``rollout_server`` (``rollout.name=vllm``) a rollout-only client of a vLLM
         server instead (it samples and takes LoRA weights, it does not train)."""
         from omni_async.models.text_policy import TextPolicy, TextSamplingConfig
@@ -67,9 +76,14 @@ class TextModality:
         if rollout_server is not None:
             from omni_async.models.vllm_text_policy import VLLMTextPolicy
 
-            return VLLMTextPolicy(model["path"], TextSamplingConfig(**sampling), server=rollout_server,
-                                  lora_rank=model["lora_rank"], lora_alpha=model["lora_alpha"],
-                                  target_modules=list(model["target_modules"]))
+            return VLLMTextPolicy(
+                model["path"],
+                TextSamplingConfig(**sampling),
+                server=rollout_server,
+                lora_rank=model["lora_rank"],
+                lora_alpha=model["lora_alpha"],
+                target_modules=list(model["target_modules"]),
+            )
         return TextPolicy(model["path"], TextSamplingConfig(**sampling), **trainable_kwargs(model, device, dtype))
 
     def batch_tensors(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
@@ -82,8 +96,14 @@ class TextModality:
         rm = torch.zeros(response_ids.shape)
         last = (response_mask.sum(-1) - 1).clamp(min=0)
         rm[torch.arange(len(samples)), last] = torch.tensor([rm_score(s) for s in samples])
-        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
-                "response_mask": response_mask, "old_log_probs": old, "rm_scores": rm}
+        return {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "response_ids": response_ids,
+            "response_mask": response_mask,
+            "old_log_probs": old,
+            "rm_scores": rm,
+        }
 
     def log_probs(self, policy, batch) -> torch.Tensor:
         """The recompute's log-probs [B, Lr], on the CPU (they go back to the driver)."""
@@ -98,15 +118,19 @@ class TextModality:
         b = batch.batch
         return int((b["response_mask"].bool() & b["loss_mask"].bool()[:, None]).sum())
 
-    def backward(self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any,
-                 loss_scale: float = 1.0) -> dict[str, list[float]]:
+    def backward(
+        self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any, loss_scale: float = 1.0
+    ) -> dict[str, list[float]]:
         device = policy.device
-        response_mask, old_log_probs, advantages = (batch.batch[k].to(device) for k in ("response_mask",
-                                                                                          "old_log_probs", "advantages"))
+        response_mask, old_log_probs, advantages = (
+            batch.batch[k].to(device) for k in ("response_mask", "old_log_probs", "advantages")
+        )
         token_mask = response_mask.float() * loss_mask.to(device)[:, None].float()
         # verl's decoupled rollout correction (StepOps.rollout_correction): IS weights and the rejection mask.
-        is_w, rs = (batch.batch[k].to(device) if k in batch.batch.keys() else None
-                    for k in ("rollout_is_weights", "rollout_rs_mask"))
+        is_w, rs = (
+            batch.batch[k].to(device) if k in batch.batch.keys() else None
+            for k in ("rollout_is_weights", "rollout_rs_mask")
+        )
         if rs is not None:
             token_mask = token_mask * rs.float()
         log_prob = self._log_probs(policy, batch)
@@ -116,9 +140,16 @@ class TextModality:
             with torch.no_grad(), policy.reference():
                 ref = self._log_probs(policy, batch)
             ref_s = device_clock(device) - t0
-        loss, metrics = grpo_token_loss(log_prob, old_log_probs, advantages[:, None].expand_as(token_mask),
-                                        token_mask, clip_ratio=actor_cfg.clip_ratio, ref_log_prob=ref,
-                                        kl_coef=actor_cfg.kl_loss_coef, rollout_is_weights=is_w)
+        loss, metrics = grpo_token_loss(
+            log_prob,
+            old_log_probs,
+            advantages[:, None].expand_as(token_mask),
+            token_mask,
+            clip_ratio=actor_cfg.clip_ratio,
+            ref_log_prob=ref,
+            kl_coef=actor_cfg.kl_loss_coef,
+            rollout_is_weights=is_w,
+        )
         (loss * loss_scale).backward()
         return {**{k: [v] for k, v in metrics.items()}, REF_TIME_KEY: [ref_s]}
 
@@ -126,7 +157,11 @@ class TextModality:
         """A JSONL of prompt, response and reward per sample."""
         path = Path(out_dir) / f"step_{step:04d}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps({"uid": s.uid, "prompt": s.row.prompt, "response": s.result.response,
-                                            "reward": label}) + "\n"
-                                for s, label in zip(samples, score_labels(samples), strict=True)))
+        path.write_text(
+            "".join(
+                json.dumps({"uid": s.uid, "prompt": s.row.prompt, "response": s.result.response, "reward": label})
+                + "\n"
+                for s, label in zip(samples, score_labels(samples), strict=True)
+            )
+        )
         return path

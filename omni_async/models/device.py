@@ -21,4 +21,3 @@ def device_clock(device: torch.device | str) -> float:
     work between them (and only of that work: what was queued before the first reading is finished by then)."""
     synchronize(device)
     return time.perf_counter()
-

@@ -64,8 +64,14 @@ class Rollout:
 
 # The prompt encodings a denoising step takes, under the names of the diffusers pipelines' own arguments. They are
 # made once per sample at rollout and carried to the update, which never runs the text encoder.
-COND_KEYS = ("prompt_embeds", "prompt_embeds_mask", "pooled_prompt_embeds", "negative_prompt_embeds",
-             "negative_prompt_embeds_mask", "negative_pooled_prompt_embeds")
+COND_KEYS = (
+    "prompt_embeds",
+    "prompt_embeds_mask",
+    "pooled_prompt_embeds",
+    "negative_prompt_embeds",
+    "negative_prompt_embeds_mask",
+    "negative_pooled_prompt_embeds",
+)
 NEGATIVE = "negative_"  # the CFG branch's keys: the positive keys with this prefix
 
 
@@ -101,7 +107,7 @@ def batch_rows(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     every prompt, then (when the rows have ``negative_*`` keys) every negative prompt, padded to one text length
     with a mask where lengths differ (:func:`collate_conditioning`)."""
     pos = [{k: v for k, v in r.items() if not k.startswith(NEGATIVE)} for r in rows]
-    neg = [{k[len(NEGATIVE):]: v for k, v in r.items() if k.startswith(NEGATIVE)} for r in rows]
+    neg = [{k[len(NEGATIVE) :]: v for k, v in r.items() if k.startswith(NEGATIVE)} for r in rows]
     return collate_conditioning(pos + neg if neg[0] else pos)
 
 
@@ -131,7 +137,9 @@ def collate_conditioning(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch
         longest = max(lengths)
         out[key] = torch.stack([torch.nn.functional.pad(v, (0, 0, 0, longest - len(v))) for v in values])
         dev = values[0].device
-        out[f"{key}_mask"] = (torch.arange(longest, device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]).long()
+        out[f"{key}_mask"] = (
+            torch.arange(longest, device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]
+        ).long()
     return out
 
 
@@ -146,21 +154,34 @@ class _QwenImageAdapter:
         cond = {"prompt_embeds": emb, "prompt_embeds_mask": mask}
         if self.cfg.true_cfg_scale > 1:
             cond["negative_prompt_embeds"], cond["negative_prompt_embeds_mask"] = self.pipe.encode_prompt(
-                prompt=[" "] * len(prompts), device=self.pipe.device, **_seq_len(self.cfg))
+                prompt=[" "] * len(prompts), device=self.pipe.device, **_seq_len(self.cfg)
+            )
         return cond
 
     def init_latents(self, generators: list[torch.Generator]) -> torch.Tensor:
         p = self.pipe
-        return p.prepare_latents(len(generators), p.transformer.config.in_channels // 4, self.cfg.height,
-                                 self.cfg.width, torch.float32, p.device, generators)
+        return p.prepare_latents(
+            len(generators),
+            p.transformer.config.in_channels // 4,
+            self.cfg.height,
+            self.cfg.width,
+            torch.float32,
+            p.device,
+            generators,
+        )
 
     def forward(self, x, t, c, model):
         f = self.pipe.vae_scale_factor * 2
         shapes = [[(1, self.cfg.height // f, self.cfg.width // f)]] * x.shape[0]
-        return model(hidden_states=x, timestep=(t / 1000).expand(x.shape[0]), guidance=None,
-                                     encoder_hidden_states=c["prompt_embeds"],
-                                     encoder_hidden_states_mask=c.get("prompt_embeds_mask"),
-                                     img_shapes=shapes, return_dict=False)[0]
+        return model(
+            hidden_states=x,
+            timestep=(t / 1000).expand(x.shape[0]),
+            guidance=None,
+            encoder_hidden_states=c["prompt_embeds"],
+            encoder_hidden_states_mask=c.get("prompt_embeds_mask"),
+            img_shapes=shapes,
+            return_dict=False,
+        )[0]
 
     def guide(self, pos, neg):
         """Qwen-Image's norm-preserving true CFG (``QwenImagePipeline.__call__``), on fp32 predictions."""
@@ -184,10 +205,15 @@ class _SD3Adapter:
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         do_cfg = self.cfg.guidance_scale > 1
-        pe, npe, ppe, nppe = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None,
-                                                     device=self.pipe.device, do_classifier_free_guidance=do_cfg,
-                                                     negative_prompt=[""] * len(prompts) if do_cfg else None,
-                                                     **_seq_len(self.cfg))
+        pe, npe, ppe, nppe = self.pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=self.pipe.device,
+            do_classifier_free_guidance=do_cfg,
+            negative_prompt=[""] * len(prompts) if do_cfg else None,
+            **_seq_len(self.cfg),
+        )
         cond = {"prompt_embeds": pe, "pooled_prompt_embeds": ppe}
         if do_cfg:
             cond["negative_prompt_embeds"], cond["negative_pooled_prompt_embeds"] = npe, nppe
@@ -195,13 +221,24 @@ class _SD3Adapter:
 
     def init_latents(self, generators: list[torch.Generator]) -> torch.Tensor:
         p = self.pipe
-        return p.prepare_latents(len(generators), p.transformer.config.in_channels, self.cfg.height,
-                                 self.cfg.width, torch.float32, p.device, generators)
+        return p.prepare_latents(
+            len(generators),
+            p.transformer.config.in_channels,
+            self.cfg.height,
+            self.cfg.width,
+            torch.float32,
+            p.device,
+            generators,
+        )
 
     def forward(self, x, t, c, model):
-        return model(hidden_states=x, timestep=t.expand(x.shape[0]),
-                                     encoder_hidden_states=c["prompt_embeds"],
-                                     pooled_projections=c["pooled_prompt_embeds"], return_dict=False)[0]
+        return model(
+            hidden_states=x,
+            timestep=t.expand(x.shape[0]),
+            encoder_hidden_states=c["prompt_embeds"],
+            pooled_projections=c["pooled_prompt_embeds"],
+            return_dict=False,
+        )[0]
 
     def guide(self, pos, neg):
         return neg + self.cfg.guidance_scale * (pos - neg)
@@ -219,24 +256,39 @@ class _WanAdapter:
         self.pipe, self.cfg = pipe, cfg
         k = pipe.vae_scale_factor_temporal
         if (cfg.num_frames - 1) % k:
-            raise ValueError(f"actor_rollout_ref.rollout.num_frames={cfg.num_frames} does not fit Wan's temporal "
-                             f"compression {k}; use {k}*n+1 frames, e.g. {k + 1} or {4 * k + 1}")
+            raise ValueError(
+                f"actor_rollout_ref.rollout.num_frames={cfg.num_frames} does not fit Wan's temporal "
+                f"compression {k}; use {k}*n+1 frames, e.g. {k + 1} or {4 * k + 1}"
+            )
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         do_cfg = self.cfg.guidance_scale > 1
-        emb, neg = self.pipe.encode_prompt(prompt=prompts, negative_prompt=[""] * len(prompts) if do_cfg else None,
-                                           do_classifier_free_guidance=do_cfg, device=self.pipe.device,
-                                           **_seq_len(self.cfg))
+        emb, neg = self.pipe.encode_prompt(
+            prompt=prompts,
+            negative_prompt=[""] * len(prompts) if do_cfg else None,
+            do_classifier_free_guidance=do_cfg,
+            device=self.pipe.device,
+            **_seq_len(self.cfg),
+        )
         return {"prompt_embeds": emb, "negative_prompt_embeds": neg} if do_cfg else {"prompt_embeds": emb}
 
     def init_latents(self, generators: list[torch.Generator]) -> torch.Tensor:
         p = self.pipe
-        return p.prepare_latents(len(generators), p.transformer.config.in_channels, self.cfg.height, self.cfg.width,
-                                 self.cfg.num_frames, torch.float32, p.device, generators)
+        return p.prepare_latents(
+            len(generators),
+            p.transformer.config.in_channels,
+            self.cfg.height,
+            self.cfg.width,
+            self.cfg.num_frames,
+            torch.float32,
+            p.device,
+            generators,
+        )
 
     def forward(self, x, t, c, model):
-        return model(hidden_states=x, timestep=t.expand(x.shape[0]),
-                                     encoder_hidden_states=c["prompt_embeds"], return_dict=False)[0]
+        return model(
+            hidden_states=x, timestep=t.expand(x.shape[0]), encoder_hidden_states=c["prompt_embeds"], return_dict=False
+        )[0]
 
     def guide(self, pos, neg):
         return neg + self.cfg.guidance_scale * (pos - neg)
@@ -249,8 +301,11 @@ class _WanAdapter:
         return vae.decode((x * std + mean).to(vae.dtype), return_dict=False)[0]  # [B, 3, T, H, W]
 
 
-_ADAPTERS = {"QwenImagePipeline": _QwenImageAdapter, "StableDiffusion3Pipeline": _SD3Adapter,
-             "WanPipeline": _WanAdapter}
+_ADAPTERS = {
+    "QwenImagePipeline": _QwenImageAdapter,
+    "StableDiffusion3Pipeline": _SD3Adapter,
+    "WanPipeline": _WanAdapter,
+}
 
 
 # What a :meth:`DiffusionPolicy.with_sampling` view has of its own; everything else is the policy's.
@@ -270,8 +325,14 @@ def window_noise(generators: list[torch.Generator], like: torch.Tensor, steps: i
     """The SDE window's noise ``[B, steps, ...]``, drawn up front: sample ``i``'s from its own CPU generator in
     step order (the same numbers as drawing at each step, so a sample is the same in any batch) and moved to the
     device in one copy, from pinned memory without blocking on CUDA, instead of a pageable copy per step."""
-    noise = torch.stack([torch.stack([torch.randn(like.shape[1:], generator=g) for _ in range(steps)])
-                         if steps else torch.empty(0, *like.shape[1:]) for g in generators])
+    noise = torch.stack(
+        [
+            torch.stack([torch.randn(like.shape[1:], generator=g) for _ in range(steps)])
+            if steps
+            else torch.empty(0, *like.shape[1:])
+            for g in generators
+        ]
+    )
     if like.device.type == "cuda":
         noise = noise.pin_memory()
     return noise.to(like.device, like.dtype, non_blocking=True)
@@ -280,9 +341,19 @@ def window_noise(generators: list[torch.Generator], like: torch.Tensor, steps: i
 class DiffusionPolicy(TrainableModule):
     """Load a pipeline, add LoRA to its transformer, sample with the SDE window, recompute log-probs."""
 
-    def __init__(self, model_path: Any, sampling: SamplingConfig, *, lora_rank: int = 8, lora_alpha: int = 16,
-                 target_modules: list[str] | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 gradient_checkpointing: bool = False, trainable_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model_path: Any,
+        sampling: SamplingConfig,
+        *,
+        lora_rank: int = 8,
+        lora_alpha: int = 16,
+        target_modules: list[str] | None = None,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        gradient_checkpointing: bool = False,
+        trainable_dtype: torch.dtype | None = None,
+    ):
         """``model_path``: a local directory, hub id or ``tiny:<name>``, or an already built pipeline whose weights
         are in ``dtype`` (``bench/gpu_step.py`` builds the real Qwen-Image architecture with random weights, which
         no directory holds). ``dtype``: the frozen weights' dtype (``fsdp_config.model_dtype``), which the
@@ -295,23 +366,30 @@ class DiffusionPolicy(TrainableModule):
         if isinstance(model_path, DiffusionPipeline):
             self.pipe = model_path.to(device)
         else:
-            self.pipe = DiffusionPipeline.from_pretrained(resolve_model_path(model_path),
-                                                          **pipeline_load_kwargs(device, dtype))
+            self.pipe = DiffusionPipeline.from_pretrained(
+                resolve_model_path(model_path), **pipeline_load_kwargs(device, dtype)
+            )
             if self.pipe.device != torch.device(device):  # e.g. "cuda" asked, the current device given
                 self.pipe.to(device)
         self.pipe.set_progress_bar_config(disable=True)
         family = type(self.pipe).__name__
         if family not in _ADAPTERS:
-            raise ValueError(f"actor_rollout_ref.model.path={model_path!r} is a {family}; supported: "
-                             f"{', '.join(_ADAPTERS)}")
+            raise ValueError(
+                f"actor_rollout_ref.model.path={model_path!r} is a {family}; supported: {', '.join(_ADAPTERS)}"
+            )
         self.sampling = sampling
         self.adapter = _ADAPTERS[family](self.pipe, sampling)
         for module in (m for m in self.pipe.components.values() if isinstance(m, torch.nn.Module)):
             module.requires_grad_(False)
         self.transformer = self.pipe.transformer
         # The transformer, or Wan 2.2's two experts as one module (models.experts): LoRA / full fine-tune on both.
-        self.init_trainable(trained_module(self.pipe), lora_rank, lora_alpha,
-                            target_modules or ["to_q", "to_k", "to_v"], dtype=trainable_dtype or dtype)
+        self.init_trainable(
+            trained_module(self.pipe),
+            lora_rank,
+            lora_alpha,
+            target_modules or ["to_q", "to_k", "to_v"],
+            dtype=trainable_dtype or dtype,
+        )
         # The transformer's input dtype: the frozen weights', LoRA or full fine-tune (fp32 only as masters).
         self.compute_dtype = dtype
         if gradient_checkpointing:  # recompute each block's activations in backward instead of keeping them
@@ -348,8 +426,10 @@ class DiffusionPolicy(TrainableModule):
         longest prompt) is trimmed on the host before anything moves."""
         keys = tensors.keys()
         if "prompt_embeds" not in keys:
-            raise KeyError("the batch carries no prompt_embeds: image batches are built by "
-                           "ImageModality.batch_tensors from ImageResult.conditioning (made at rollout)")
+            raise KeyError(
+                "the batch carries no prompt_embeds: image batches are built by "
+                "ImageModality.batch_tensors from ImageResult.conditioning (made at rollout)"
+            )
         return self.prepare({k: tensors[k] for k in COND_KEYS if k in keys})
 
     def prepare(self, cond: dict[str, torch.Tensor] | StepConditioning, batched: bool = False) -> StepConditioning:
@@ -372,8 +452,11 @@ class DiffusionPolicy(TrainableModule):
         encoder(s) and VAE. Only generation uses them (the update takes the carried prompt encodings), so they are
         what ``param_offload`` moves."""
         denoisers = [self.transformer, *getattr(self.trainable, "experts", ())]
-        return [m for m in self.pipe.components.values()
-                if isinstance(m, torch.nn.Module) and not any(m is d for d in denoisers)]
+        return [
+            m
+            for m in self.pipe.components.values()
+            if isinstance(m, torch.nn.Module) and not any(m is d for d in denoisers)
+        ]
 
     def offload_frozen(self, offload: bool = True) -> None:
         """``param_offload``: move the frozen modules to the host (``offload=True``, before an update) or back to the
@@ -435,20 +518,30 @@ class DiffusionPolicy(TrainableModule):
 
                 patch = p.transformer.config.patch_size
                 seq = (self.sampling.height // p.vae_scale_factor // patch) * (
-                    self.sampling.width // p.vae_scale_factor // patch)
-                kwargs["mu"] = calculate_shift(seq, c.get("base_image_seq_len", 256),
-                                               c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
-                                               c.get("max_shift", 1.16))
+                    self.sampling.width // p.vae_scale_factor // patch
+                )
+                kwargs["mu"] = calculate_shift(
+                    seq,
+                    c.get("base_image_seq_len", 256),
+                    c.get("max_image_seq_len", 4096),
+                    c.get("base_shift", 0.5),
+                    c.get("max_shift", 1.16),
+                )
             sched.set_timesteps(n, device=p.device, **kwargs)
         else:
             if c.get("use_dynamic_shifting", False):
                 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
                 seq = (self.sampling.height // p.vae_scale_factor // 2) * (
-                    self.sampling.width // p.vae_scale_factor // 2)
-                kwargs["mu"] = calculate_shift(seq, c.get("base_image_seq_len", 256),
-                                               c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
-                                               c.get("max_shift", 1.15))
+                    self.sampling.width // p.vae_scale_factor // 2
+                )
+                kwargs["mu"] = calculate_shift(
+                    seq,
+                    c.get("base_image_seq_len", 256),
+                    c.get("max_image_seq_len", 4096),
+                    c.get("base_shift", 0.5),
+                    c.get("max_shift", 1.15),
+                )
             sched.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), device=p.device, **kwargs)
         return sched.sigmas.float().clone(), sched.timesteps.float().clone()
 
@@ -462,12 +555,19 @@ class DiffusionPolicy(TrainableModule):
         positive branches, then the negative ones), with that step's transformer (Wan 2.2: its expert); the
         prediction in fp32, the branches combined in fp32."""
         k = len(rows["prompt_embeds"]) // len(x)
-        pred = self.adapter.forward(x.repeat(k, *[1] * (x.ndim - 1)), self.timesteps[i], rows,
-                                    self.denoisers[i]).float()
-        return self.adapter.guide(pred[:len(x)], pred[len(x):]) if k > 1 else pred
+        pred = self.adapter.forward(
+            x.repeat(k, *[1] * (x.ndim - 1)), self.timesteps[i], rows, self.denoisers[i]
+        ).float()
+        return self.adapter.guide(pred[: len(x)], pred[len(x) :]) if k > 1 else pred
 
-    def velocity(self, cond: dict[str, torch.Tensor] | StepConditioning, x: torch.Tensor, i: int | torch.Tensor, *,
-                 per_sample: bool = True) -> torch.Tensor:
+    def velocity(
+        self,
+        cond: dict[str, torch.Tensor] | StepConditioning,
+        x: torch.Tensor,
+        i: int | torch.Tensor,
+        *,
+        per_sample: bool = True,
+    ) -> torch.Tensor:
         """The (CFG-guided) velocity at step ``i``, fp32: one transformer call per sample on its own rows (module
         docstring), or with ``per_sample=False`` one call for the batch (needs ``prepare(..., batched=True)``).
         ``i``: one step for the batch, or a ``[B]`` tensor of per-sample steps (samples whose SDE windows start at
@@ -480,21 +580,36 @@ class DiffusionPolicy(TrainableModule):
                 raise ValueError("a batched transformer call runs one denoising step; per-sample steps need per_sample")
             return self._guided(xs, i, cond.batched)
         steps = i.tolist() if torch.is_tensor(i) else [int(i)] * len(xs)  # one host read per call
-        return torch.cat([self._guided(xs[j:j + 1], k, rows)
-                          for j, (k, rows) in enumerate(zip(steps, cond.rows, strict=True))])
+        return torch.cat(
+            [self._guided(xs[j : j + 1], k, rows) for j, (k, rows) in enumerate(zip(steps, cond.rows, strict=True))]
+        )
 
-    def step(self, cond: dict[str, torch.Tensor] | StepConditioning, x: torch.Tensor, i: int | torch.Tensor, *,
-             prev_sample: torch.Tensor | None = None, noise: torch.Tensor | None = None,
-             noise_level: float | None = None, per_sample: bool = True) -> SDEStep:
+    def step(
+        self,
+        cond: dict[str, torch.Tensor] | StepConditioning,
+        x: torch.Tensor,
+        i: int | torch.Tensor,
+        *,
+        prev_sample: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+        noise_level: float | None = None,
+        per_sample: bool = True,
+    ) -> SDEStep:
         """Denoising step ``i`` (0-based; or a ``[B]`` tensor of per-sample steps) from ``x``: scores
         ``prev_sample`` or draws with ``noise``. ``cond``: the batch's prompt encodings, or (in loops)
         :meth:`prepare`'s result, made once per batch. ``per_sample``: see :meth:`velocity`; a step whose log-prob
         is used must keep the default."""
         k = i.to(self.sigmas.device) if torch.is_tensor(i) else i
         return sde_step_with_logprob(
-            self.velocity(cond, x, i, per_sample=per_sample), x.float(), self.sigmas[k], self.sigmas[k + 1],
+            self.velocity(cond, x, i, per_sample=per_sample),
+            x.float(),
+            self.sigmas[k],
+            self.sigmas[k + 1],
             noise_level=self.sampling.noise_level if noise_level is None else noise_level,
-            sde_type=self.sampling.sde_type, sigma_max=self.sigma_max, prev_sample=prev_sample, noise=noise,
+            sde_type=self.sampling.sde_type,
+            sigma_max=self.sigma_max,
+            prev_sample=prev_sample,
+            noise=noise,
             cps_log_prob=self.sampling.cps_log_prob,
         )
 
@@ -520,8 +635,9 @@ class DiffusionPolicy(TrainableModule):
 
         def ode_cond(rows: list[int]) -> StepConditioning:
             if tuple(rows) not in ode_conds:
-                ode_conds[tuple(rows)] = self.prepare({k: v[rows] for k, v in cond.items() if v is not None},
-                                                      batched=True)
+                ode_conds[tuple(rows)] = self.prepare(
+                    {k: v[rows] for k, v in cond.items() if v is not None}, batched=True
+                )
             return ode_conds[tuple(rows)]
 
         x = self.adapter.init_latents(gens)
@@ -535,13 +651,13 @@ class DiffusionPolicy(TrainableModule):
                 x = self.step(prepared, x, i, noise=torch.zeros_like(x), noise_level=0.0, per_sample=False).prev_sample
                 continue
             offsets = [i - windows[r].start for r in sde]
-            out = self.step(StepConditioning([prepared.rows[r] for r in sde]), x[sde], i,
-                            noise=noise[sde, offsets])
+            out = self.step(StepConditioning([prepared.rows[r] for r in sde]), x[sde], i, noise=noise[sde, offsets])
             x_next = x.clone()
             x_next[sde] = out.prev_sample
             if ode:
-                x_next[ode] = self.step(ode_cond(ode), x[ode], i, noise=torch.zeros_like(x[ode]), noise_level=0.0,
-                                        per_sample=False).prev_sample
+                x_next[ode] = self.step(
+                    ode_cond(ode), x[ode], i, noise=torch.zeros_like(x[ode]), noise_level=0.0, per_sample=False
+                ).prev_sample
             for r, j, lp in zip(sde, offsets, out.log_prob, strict=True):
                 if j == 0:
                     stored[r, 0] = x[r]
@@ -551,11 +667,13 @@ class DiffusionPolicy(TrainableModule):
         images = self.adapter.decode(x)
         images = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
         images = images.movedim(1, -1)  # channels last: [B, H, W, 3] or, for video, [B, T, H, W, 3]
-        return Rollout(images=images.cpu().numpy(),
-                       window_latents=stored if stored is not None else torch.empty(n, 0),
-                       log_probs=log_probs if size else torch.empty(n, 0),
-                       conditioning={k: v for k, v in cond.items() if v is not None},
-                       window_starts=[w.start for w in windows])
+        return Rollout(
+            images=images.cpu().numpy(),
+            window_latents=stored if stored is not None else torch.empty(n, 0),
+            log_probs=log_probs if size else torch.empty(n, 0),
+            conditioning={k: v for k, v in cond.items() if v is not None},
+            window_starts=[w.start for w in windows],
+        )
 
     def with_sampling(self, **overrides: Any) -> DiffusionPolicy:
         """This policy (the same pipeline, transformer and adapter) sampling with other settings, e.g. validation's
@@ -569,8 +687,14 @@ class DiffusionPolicy(TrainableModule):
         view._set_schedule()
         return view
 
-    def generate(self, prompts: list[str], seeds: list[int], window: range | list[range] | None = None, *,
-                 sampling: dict[str, Any] | None = None) -> list[ImageResult]:
+    def generate(
+        self,
+        prompts: list[str],
+        seeds: list[int],
+        window: range | list[range] | None = None,
+        *,
+        sampling: dict[str, Any] | None = None,
+    ) -> list[ImageResult]:
         """:meth:`rollout`, split per sample (a rollout worker answers each request with its own sample). Each
         sample's tensors are its own CPU copies: a row view would carry the whole batch's storage when pickled.
         ``sampling``: :class:`SamplingConfig` fields that differ for these samples (:meth:`with_sampling`)."""
@@ -579,7 +703,13 @@ class DiffusionPolicy(TrainableModule):
         if policy is not self:  # state the rollout changed on the view (e.g. where the frozen modules are) is ours
             self.__dict__.update({k: v for k, v in vars(policy).items() if k not in _VIEW_STATE})
         conds = split_conditioning(out.conditioning, len(prompts))
-        return [ImageResult(pixels=out.images[i], window_latents=out.window_latents[i].cpu().clone(),
-                            log_probs=out.log_probs[i].cpu().clone(), conditioning=conds[i],
-                            window_start=out.window_starts[i])
-                for i in range(len(prompts))]
+        return [
+            ImageResult(
+                pixels=out.images[i],
+                window_latents=out.window_latents[i].cpu().clone(),
+                log_probs=out.log_probs[i].cpu().clone(),
+                conditioning=conds[i],
+                window_start=out.window_starts[i],
+            )
+            for i in range(len(prompts))
+        ]

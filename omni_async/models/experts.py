@@ -42,8 +42,12 @@ class ExpertPair(torch.nn.Module):
         super().__init__()
         self.transformer, self.transformer_2 = transformer, transformer_2
         # FSDP2 shards each of these blocks (trainer.data_parallel.shard_module reads it).
-        self._no_split_modules = sorted({*(getattr(transformer, "_no_split_modules", None) or []),
-                                         *(getattr(transformer_2, "_no_split_modules", None) or [])})
+        self._no_split_modules = sorted(
+            {
+                *(getattr(transformer, "_no_split_modules", None) or []),
+                *(getattr(transformer_2, "_no_split_modules", None) or []),
+            }
+        )
 
     @property
     def experts(self) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -106,8 +106,14 @@ class TrainableModule:
     trainable: torch.nn.Module
     lora: bool
 
-    def init_trainable(self, module: torch.nn.Module, lora_rank: int, lora_alpha: int, target_modules: list[str],
-                       dtype: torch.dtype | None = None) -> None:
+    def init_trainable(
+        self,
+        module: torch.nn.Module,
+        lora_rank: int,
+        lora_alpha: int,
+        target_modules: list[str],
+        dtype: torch.dtype | None = None,
+    ) -> None:
         """``dtype``: what the trainable weights compute in; ``None`` = the module's (the frozen weights') dtype. A
         full fine-tune's weights stay as loaded (no fp32 copy here: see the module docstring)."""
         self.trainable, self.lora = module, lora_rank > 0
@@ -115,8 +121,11 @@ class TrainableModule:
         if self.lora:
             from peft import LoraConfig
 
-            module.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha, init_lora_weights=True,
-                                          target_modules=list(target_modules)))
+            module.add_adapter(
+                LoraConfig(
+                    r=lora_rank, lora_alpha=lora_alpha, init_lora_weights=True, target_modules=list(target_modules)
+                )
+            )
         else:
             module.requires_grad_(True)
         # Fixed at init: peft's set_adapter flips requires_grad, so it is no longer a test of "trained".
@@ -156,8 +165,10 @@ class TrainableModule:
         """Copy the live LoRA adapter into the rollout adapter (created on first use): a device-local copy of the
         adapter, the hybrid layout's weight sync when updates overlap generation."""
         if not self.lora:
-            raise RuntimeError("a rollout snapshot needs LoRA (actor_rollout_ref.model.lora_rank > 0); a full "
-                               "fine-tune overlapping rollout needs actor_rollout_ref.hybrid_engine=False")
+            raise RuntimeError(
+                "a rollout snapshot needs LoRA (actor_rollout_ref.model.lora_rank > 0); a full "
+                "fine-tune overlapping rollout needs actor_rollout_ref.hybrid_engine=False"
+            )
         from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
         module = self.trainable
@@ -168,8 +179,9 @@ class TrainableModule:
                 if f".{ROLLOUT_ADAPTER}." in name:
                     p.data = p.data.to(self.work_dtype)
         # The live adapter's working copy: exactly the weights the live adapter computes with.
-        set_peft_model_state_dict(module, get_peft_model_state_dict(module, adapter_name=LIVE_ADAPTER),
-                                  adapter_name=ROLLOUT_ADAPTER)
+        set_peft_model_state_dict(
+            module, get_peft_model_state_dict(module, adapter_name=LIVE_ADAPTER), adapter_name=ROLLOUT_ADAPTER
+        )
 
     @contextlib.contextmanager
     def rollout_adapter(self):
@@ -224,8 +236,10 @@ class TrainableModule:
     def reference(self):
         """The reference policy for KL: the same model with the LoRA adapter switched off."""
         if not self.lora:
-            raise RuntimeError("a reference policy needs LoRA (actor_rollout_ref.model.lora_rank > 0) "
-                               "when actor_rollout_ref.actor.kl_loss_coef > 0")
+            raise RuntimeError(
+                "a reference policy needs LoRA (actor_rollout_ref.model.lora_rank > 0) "
+                "when actor_rollout_ref.actor.kl_loss_coef > 0"
+            )
         self.trainable.disable_adapters()
         try:
             yield

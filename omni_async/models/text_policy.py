@@ -50,9 +50,18 @@ def length_budget(seed: int, response_length: int, alpha: float | None) -> int:
 
 
 class TextPolicy(TrainableModule):
-    def __init__(self, model_path: str, sampling: TextSamplingConfig, *, lora_rank: int = 8, lora_alpha: int = 16,
-                 target_modules: list[str] | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 gradient_checkpointing: bool = False):
+    def __init__(
+        self,
+        model_path: str,
+        sampling: TextSamplingConfig,
+        *,
+        lora_rank: int = 8,
+        lora_alpha: int = 16,
+        target_modules: list[str] | None = None,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        gradient_checkpointing: bool = False,
+    ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = resolve_model_path(model_path)
@@ -85,8 +94,8 @@ class TextPolicy(TrainableModule):
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, r in enumerate(rows):
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
+            ids[i, width - len(r) :] = torch.tensor(r)
+            mask[i, width - len(r) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
     def generate(self, prompts: list[str], seeds: list[int]) -> list[TextResult]:
@@ -100,13 +109,14 @@ class TextPolicy(TrainableModule):
         n, temp = len(prompt_rows), max(float(self.sampling.temperature), 1e-5)
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
-        budgets = [length_budget(s, self.sampling.response_length, self.sampling.response_length_pareto_alpha)
-                   for s in seeds]
+        budgets = [
+            length_budget(s, self.sampling.response_length, self.sampling.response_length_pareto_alpha) for s in seeds
+        ]
         budget = torch.tensor(budgets, device=self.device)
         tokens, logps = [], []
         past, cur = None, ids
         for t in range(int(self.sampling.response_length)):
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -cur.shape[1]:]
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -cur.shape[1] :]
             out = self.model(input_ids=cur, attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True)
             past = out.past_key_values
             logp = torch.log_softmax(out.logits[:, -1].float() / temp, dim=-1)
@@ -125,21 +135,32 @@ class TextPolicy(TrainableModule):
             row = tokens[i].tolist()
             length = next((k + 1 for k, t in enumerate(row) if t in self.eos_ids), len(row))  # cut after 1st EOS
             length = min(length, budgets[i])  # or at the sample's length budget
-            records.append(TextResult(prompt_ids=prompt_rows[i], response_ids=row[:length],
-                                      response=self.tok.decode(row[:length], skip_special_tokens=True),
-                                      log_probs=logps[i, :length].clone()))
+            records.append(
+                TextResult(
+                    prompt_ids=prompt_rows[i],
+                    response_ids=row[:length],
+                    response=self.tok.decode(row[:length], skip_special_tokens=True),
+                    log_probs=logps[i, :length].clone(),
+                )
+            )
         return records
 
-    def log_probs(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                  response_mask: torch.Tensor) -> torch.Tensor:
+    def log_probs(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+    ) -> torch.Tensor:
         """Per-token log-probs [B, Lr] of the responses (prompts left-padded, responses right-padded), on the model's
         device (the loss's graph runs there); the inputs may be anywhere (the driver's batch is on the CPU)."""
         prompt_ids, prompt_mask, response_ids, response_mask = (
-            t.to(self.device) for t in (prompt_ids, prompt_mask, response_ids, response_mask))
+            t.to(self.device) for t in (prompt_ids, prompt_mask, response_ids, response_mask)
+        )
         ids = torch.cat([prompt_ids, response_ids], 1)
         mask = torch.cat([prompt_mask, response_mask], 1)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
         lr = response_ids.shape[1]
-        logits = logits[:, -lr - 1:-1].float() / max(float(self.sampling.temperature), 1e-5)
+        logits = logits[:, -lr - 1 : -1].float() / max(float(self.sampling.temperature), 1e-5)
         return torch.log_softmax(logits, -1).gather(-1, response_ids[..., None])[..., 0]

@@ -131,8 +131,15 @@ def _tiny_qwen25_vl_text_encoder(vocab_size: int, hidden: int = 32):
             rope_scaling={"type": "mrope", "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8]},
         ),
         vision_config=dict(
-            depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden,
-            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0],
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=hidden,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            fullatt_block_indexes=[0],
         ),
     )
     return Qwen2_5_VLForConditionalGeneration(cfg)
@@ -146,15 +153,24 @@ def build_qwen_image(out: Path) -> None:
     pipe = QwenImagePipeline(
         scheduler=_flow_scheduler(),
         vae=AutoencoderKLQwenImage(
-            base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+            base_dim=8,
+            z_dim=z_dim,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
             temperal_downsample=[False, True, True],
-            latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
+            latents_mean=[0.0] * z_dim,
+            latents_std=[1.0] * z_dim,
         ),
         text_encoder=_tiny_qwen25_vl_text_encoder(len(tok), hidden),
         tokenizer=tok,
         transformer=QwenImageTransformer2DModel(
-            patch_size=2, in_channels=4 * z_dim, out_channels=z_dim, num_layers=2,
-            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=hidden,
+            patch_size=2,
+            in_channels=4 * z_dim,
+            out_channels=z_dim,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=hidden,
             axes_dims_rope=(4, 6, 6),
         ),
     )
@@ -211,32 +227,67 @@ def build_sd3(out: Path) -> None:
     clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
 
     def clip():
-        return CLIPTextModelWithProjection(CLIPTextConfig(
-            vocab_size=len(clip_tok), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-            num_attention_heads=4, projection_dim=32, max_position_embeddings=77,
-            bos_token_id=0, eos_token_id=1, pad_token_id=1,
-        ))
+        return CLIPTextModelWithProjection(
+            CLIPTextConfig(
+                vocab_size=len(clip_tok),
+                hidden_size=32,
+                intermediate_size=37,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                projection_dim=32,
+                max_position_embeddings=77,
+                bos_token_id=0,
+                eos_token_id=1,
+                pad_token_id=1,
+            )
+        )
 
-    t5 = T5EncoderModel(T5Config(
-        vocab_size=len(t5_tok), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, decoder_start_token_id=0,
-    ))
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(t5_tok),
+            d_model=32,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            decoder_start_token_id=0,
+        )
+    )
     pipe = StableDiffusion3Pipeline(
         transformer=SD3Transformer2DModel(
-            sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
-            num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16,
-            pooled_projection_dim=64, out_channels=4, pos_embed_max_size=16,
+            sample_size=8,
+            patch_size=2,
+            in_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            caption_projection_dim=16,
+            pooled_projection_dim=64,
+            out_channels=4,
+            pos_embed_max_size=16,
         ),
         scheduler=_flow_scheduler(),
         vae=AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8, 8, 8),
-            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-            layers_per_block=1, norm_num_groups=4, sample_size=64,
-            shift_factor=0.0, scaling_factor=1.0,
+            in_channels=3,
+            out_channels=3,
+            latent_channels=4,
+            block_out_channels=(8, 8, 8, 8),
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            layers_per_block=1,
+            norm_num_groups=4,
+            sample_size=64,
+            shift_factor=0.0,
+            scaling_factor=1.0,
         ),
-        text_encoder=clip(), tokenizer=clip_tok,
-        text_encoder_2=clip(), tokenizer_2=build_clip_tokenizer(),
-        text_encoder_3=t5, tokenizer_3=t5_tok,
+        text_encoder=clip(),
+        tokenizer=clip_tok,
+        text_encoder_2=clip(),
+        tokenizer_2=build_clip_tokenizer(),
+        text_encoder_3=t5,
+        tokenizer_3=t5_tok,
     )
     _zero_init_decoder_residuals(pipe.vae)
     pipe.save_pretrained(out)
@@ -270,8 +321,16 @@ def build_wan(out: Path, experts: int = 1) -> None:
 
     def transformer():
         return WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=z_dim,
-            out_channels=z_dim, text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32,
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=z_dim,
+            out_channels=z_dim,
+            text_dim=32,
+            freq_dim=32,
+            ffn_dim=32,
+            num_layers=2,
+            rope_max_seq_len=32,
         )
 
     tok = build_t5_tokenizer()
@@ -279,14 +338,25 @@ def build_wan(out: Path, experts: int = 1) -> None:
     two = {"transformer_2": transformer(), "boundary_ratio": 0.875} if experts == 2 else {}
     pipe = WanPipeline(
         tokenizer=tok,
-        text_encoder=UMT5EncoderModel(UMT5Config(
-            vocab_size=len(tok), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8,
-        )),
+        text_encoder=UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=len(tok),
+                d_model=32,
+                d_kv=8,
+                d_ff=37,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+            )
+        ),
         vae=AutoencoderKLWan(
-            base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+            base_dim=8,
+            z_dim=z_dim,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
             temperal_downsample=[False, True, True],
-            latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
+            latents_mean=[0.0] * z_dim,
+            latents_std=[1.0] * z_dim,
         ),
         scheduler=_flow_scheduler(),
         transformer=transformer(),
@@ -307,16 +377,27 @@ def build_qwen2_vl(out: Path) -> None:
     hidden, head_dim = 32, 16
     cfg = Qwen2VLConfig(
         text_config=dict(
-            vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+            vocab_size=len(tok),
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=4096,
             rope_scaling={"type": "mrope", "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8]},
             bos_token_id=None,
             eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
             pad_token_id=tok.pad_token_id,
         ),
         vision_config=dict(
-            depth=1, embed_dim=16, hidden_size=hidden, num_heads=2, mlp_ratio=2,
-            patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+            depth=1,
+            embed_dim=16,
+            hidden_size=hidden,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
         ),
         image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
         video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
@@ -340,11 +421,20 @@ def build_qwen2(out: Path) -> None:
 
     tok = build_qwen2_tokenizer()
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=True, eos_token_id=eos, pad_token_id=tok.pad_token_id,
-    ))
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+            eos_token_id=eos,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id)
     model.save_pretrained(out)
     tok.save_pretrained(out)
@@ -375,7 +465,7 @@ def resolve_model_path(name_or_path: str) -> str:
     name_or_path = str(name_or_path)
     if not is_tiny(name_or_path):
         return name_or_path
-    name = name_or_path[len(TINY_PREFIX):]
+    name = name_or_path[len(TINY_PREFIX) :]
     if name not in TINY_BUILDERS:
         raise ValueError(
             f"unknown tiny model {name_or_path!r}; choose one of "

@@ -21,8 +21,10 @@ def vllm_max_lora_rank(rank: int, config_key: str) -> int:
     for allowed in VLLM_MAX_LORA_RANKS:
         if rank <= allowed:
             return allowed
-    raise ValueError(f"{config_key}={rank}: vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANKS[-1]} "
-                     f"(--max-lora-rank is one of {VLLM_MAX_LORA_RANKS}). Fix: use a rank <= {VLLM_MAX_LORA_RANKS[-1]}")
+    raise ValueError(
+        f"{config_key}={rank}: vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANKS[-1]} "
+        f"(--max-lora-rank is one of {VLLM_MAX_LORA_RANKS}). Fix: use a rank <= {VLLM_MAX_LORA_RANKS[-1]}"
+    )
 
 
 def normalize_server_args(args: list[Any], config_key: str, min_lora_rank: int | None = None) -> list[str]:
@@ -41,9 +43,11 @@ def normalize_server_args(args: list[Any], config_key: str, min_lora_rank: int |
         except ValueError as e:
             raise ValueError(f"{config_key}: --max-lora-rank {value!r} is not a valid rank ({e})") from None
         if min_lora_rank is not None and rank < int(min_lora_rank):
-            raise ValueError(f"{config_key}: --max-lora-rank {value} is below the LoRA rank {min_lora_rank}, so vLLM "
-                             "would refuse every adapter. Fix: drop --max-lora-rank from server_args (it is set "
-                             "from actor_rollout_ref.model.lora_rank)")
+            raise ValueError(
+                f"{config_key}: --max-lora-rank {value} is below the LoRA rank {min_lora_rank}, so vLLM "
+                "would refuse every adapter. Fix: drop --max-lora-rank from server_args (it is set "
+                "from actor_rollout_ref.model.lora_rank)"
+            )
         out[at] = str(rank) if at != i else f"--max-lora-rank={rank}"
     return out
 
@@ -54,15 +58,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_vllm(cmd: list[str], url: str, config_key: str, env: dict[str, str] | None = None,
-               startup_timeout_s: float = 900.0) -> subprocess.Popen:
+def start_vllm(
+    cmd: list[str], url: str, config_key: str, env: dict[str, str] | None = None, startup_timeout_s: float = 900.0
+) -> subprocess.Popen:
     """Check that ``cmd[0]`` (the configured python) has vLLM, start the server, wait until ``/health`` is OK."""
     check = subprocess.run([cmd[0], "-c", "import vllm"], capture_output=True, text=True)
     if check.returncode != 0:
         raise RuntimeError(
             f"{config_key}={cmd[0]} cannot import vllm "
             f"({check.stderr.strip().splitlines()[-1] if check.stderr.strip() else 'no error text'}). Fix: "
-            "install vLLM into its own environment and point server_python at that environment's python")
+            "install vLLM into its own environment and point server_python at that environment's python"
+        )
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
     deadline = time.time() + startup_timeout_s
     while time.time() < deadline:
@@ -75,5 +81,3 @@ def start_vllm(cmd: list[str], url: str, config_key: str, env: dict[str, str] | 
             time.sleep(2)
     proc.kill()
     raise RuntimeError(f"vLLM server ({config_key}) not healthy after {startup_timeout_s:g}s")
-
-

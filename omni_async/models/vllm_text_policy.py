@@ -48,8 +48,15 @@ from omni_async.sample import TextResult
 # Plain temperature sampling: every field vLLM would otherwise fill from generation_config.json (top_k / top_p /
 # min_p / repetition_penalty) or from OpenAI defaults set to "off". top_k=-1 means "disabled" in every vLLM version
 # (newer ones also take 0, older ones refuse 0).
-PINNED_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-                   "frequency_penalty": 0.0, "min_tokens": 0}
+PINNED_SAMPLING = {
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "min_tokens": 0,
+}
 MAX_CONCURRENT_REQUESTS = 64
 
 
@@ -68,8 +75,16 @@ def generation_eos_ids(model_path: str, tokenizer) -> list[int]:
 
 
 class VLLMTextPolicy:
-    def __init__(self, model_path: str, sampling: TextSamplingConfig, *, lora_rank: int, lora_alpha: int,
-                 target_modules: list[str], server: dict[str, Any]):
+    def __init__(
+        self,
+        model_path: str,
+        sampling: TextSamplingConfig,
+        *,
+        lora_rank: int,
+        lora_alpha: int,
+        target_modules: list[str],
+        server: dict[str, Any],
+    ):
         from transformers import AutoTokenizer
 
         self.path = resolve_model_path(model_path)
@@ -82,8 +97,12 @@ class VLLMTextPolicy:
         # Adapter name -> requests in flight that use it; a replaced adapter is unloaded when its count is 0.
         self._lock, self._in_use, self._retired = threading.Lock(), {}, set()
         self.proc = None
-        self.client = httpx.Client(timeout=self.timeout_s, limits=httpx.Limits(
-            max_connections=MAX_CONCURRENT_REQUESTS, max_keepalive_connections=MAX_CONCURRENT_REQUESTS))
+        self.client = httpx.Client(
+            timeout=self.timeout_s,
+            limits=httpx.Limits(
+                max_connections=MAX_CONCURRENT_REQUESTS, max_keepalive_connections=MAX_CONCURRENT_REQUESTS
+            ),
+        )
         self.pool = ThreadPoolExecutor(max_workers=MAX_CONCURRENT_REQUESTS, thread_name_prefix="vllm-request")
         if server.get("server_url"):
             self.url = str(server["server_url"]).rstrip("/")
@@ -97,38 +116,72 @@ class VLLMTextPolicy:
 
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        cmd = [str(server["server_python"]), "-m", "vllm.entrypoints.openai.api_server", "--model", self.path,
-               "--served-model-name", "base", "--enable-lora",
-               "--max-lora-rank", str(vllm_max_lora_rank(self.lora["r"], "actor_rollout_ref.model.lora_rank")),
-               "--logprobs-mode", "processed_logprobs",
-               "--gpu-memory-utilization", str(server["gpu_memory_utilization"]), "--host", "127.0.0.1",
-               "--port", str(port),
-               *normalize_server_args(server.get("server_args") or [], "actor_rollout_ref.rollout.server_args",
-                                      min_lora_rank=self.lora["r"])]
+        cmd = [
+            str(server["server_python"]),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.path,
+            "--served-model-name",
+            "base",
+            "--enable-lora",
+            "--max-lora-rank",
+            str(vllm_max_lora_rank(self.lora["r"], "actor_rollout_ref.model.lora_rank")),
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--gpu-memory-utilization",
+            str(server["gpu_memory_utilization"]),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *normalize_server_args(
+                server.get("server_args") or [], "actor_rollout_ref.rollout.server_args", min_lora_rank=self.lora["r"]
+            ),
+        ]
         # Runtime LoRA loading is off in vLLM unless this is set.
-        self.proc = start_vllm(cmd, url, "actor_rollout_ref.rollout.server_python",
-                               {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+        self.proc = start_vllm(
+            cmd, url, "actor_rollout_ref.rollout.server_python", {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+        )
         return url
 
     def _check_processed_logprobs(self) -> None:
         """With top_k=1 the processed log-prob of the one token left is exactly 0; a raw one is log p < 0."""
-        body = {"model": "base", "prompt": self.prompt_ids("Hi"), "max_tokens": 1, "temperature": 1.0, "seed": 0,
-                "logprobs": 0, **PINNED_SAMPLING, "top_k": 1}
+        body = {
+            "model": "base",
+            "prompt": self.prompt_ids("Hi"),
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "seed": 0,
+            "logprobs": 0,
+            **PINNED_SAMPLING,
+            "top_k": 1,
+        }
         lp = self._post(body)["choices"][0]["logprobs"]["token_logprobs"][0]
         if lp is None or abs(float(lp)) > 1e-6:
             raise RuntimeError(
                 f"the vLLM server at actor_rollout_ref.rollout.server_url={self.url} returns raw (pre-temperature) "
                 f"log-probs (probe: {lp}), so π_old would be wrong at temperature {self.sampling.temperature}. Fix: "
-                "start it with --logprobs-mode processed_logprobs (vLLM >= 0.10.2)")
+                "start it with --logprobs-mode processed_logprobs (vLLM >= 0.10.2)"
+            )
 
     def prompt_ids(self, prompt: str) -> list[int]:
         return chat_prompt_ids(self.tok, prompt)
 
     def request_body(self, prompt_ids: list[int], seed: int) -> dict[str, Any]:
-        return {"model": self.model_name, "prompt": prompt_ids, "max_tokens": int(self.sampling.response_length),
-                "temperature": float(self.sampling.temperature), **PINNED_SAMPLING, "seed": int(seed),
-                "ignore_eos": True, "stop_token_ids": list(self.eos_ids), "logprobs": 0,
-                "return_tokens_as_token_ids": True, "skip_special_tokens": False}
+        return {
+            "model": self.model_name,
+            "prompt": prompt_ids,
+            "max_tokens": int(self.sampling.response_length),
+            "temperature": float(self.sampling.temperature),
+            **PINNED_SAMPLING,
+            "seed": int(seed),
+            "ignore_eos": True,
+            "stop_token_ids": list(self.eos_ids),
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+        }
 
     def _post(self, body: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -146,8 +199,10 @@ class VLLMTextPolicy:
             adapter = self.model_name
             self._in_use[adapter] = self._in_use.get(adapter, 0) + 1
         try:
-            futures = [self.pool.submit(self._post, {**self.request_body(ids, seed), "model": adapter})
-                       for ids, seed in zip(rows, seeds, strict=True)]
+            futures = [
+                self.pool.submit(self._post, {**self.request_body(ids, seed), "model": adapter})
+                for ids, seed in zip(rows, seeds, strict=True)
+            ]
             answers = [f.result()["choices"][0]["logprobs"] for f in futures]
         finally:
             with self._lock:
@@ -161,9 +216,14 @@ class VLLMTextPolicy:
         results = []
         for ids, lp in zip(rows, answers, strict=True):
             response_ids = [int(t.split(":", 1)[1]) for t in lp["tokens"]]
-            results.append(TextResult(prompt_ids=ids, response_ids=response_ids,
-                                      response=self.tok.decode(response_ids, skip_special_tokens=True),
-                                      log_probs=torch.tensor(lp["token_logprobs"], dtype=torch.float32)))
+            results.append(
+                TextResult(
+                    prompt_ids=ids,
+                    response_ids=response_ids,
+                    response=self.tok.decode(response_ids, skip_special_tokens=True),
+                    log_probs=torch.tensor(lp["token_logprobs"], dtype=torch.float32),
+                )
+            )
         return results
 
     def load_weights_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -174,17 +234,28 @@ class VLLMTextPolicy:
         name = f"v{self.loads}"
         out = self.adapters / name
         out.mkdir(parents=True, exist_ok=True)
-        save_file({f"base_model.model.{k}": v.contiguous() for k, v in state.items()},
-                  str(out / "adapter_model.safetensors"))
-        (out / "adapter_config.json").write_text(json.dumps({
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": self.path, "bias": "none",
-            "r": self.lora["r"], "lora_alpha": self.lora["lora_alpha"], "target_modules": self.lora["target_modules"],
-        }))
+        save_file(
+            {f"base_model.model.{k}": v.contiguous() for k, v in state.items()}, str(out / "adapter_model.safetensors")
+        )
+        (out / "adapter_config.json").write_text(
+            json.dumps(
+                {
+                    "peft_type": "LORA",
+                    "task_type": "CAUSAL_LM",
+                    "base_model_name_or_path": self.path,
+                    "bias": "none",
+                    "r": self.lora["r"],
+                    "lora_alpha": self.lora["lora_alpha"],
+                    "target_modules": self.lora["target_modules"],
+                }
+            )
+        )
         r = self.client.post(f"{self.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(out)})
         if r.status_code != 200:
             shutil.rmtree(out, ignore_errors=True)
-            raise RuntimeError(f"vLLM ({self.url}) refused the LoRA adapter {name}: HTTP {r.status_code}: "
-                               f"{r.text[:200]}")
+            raise RuntimeError(
+                f"vLLM ({self.url}) refused the LoRA adapter {name}: HTTP {r.status_code}: {r.text[:200]}"
+            )
         with self._lock:
             old, self.model_name = self.model_name, name
             idle = old != "base" and self._in_use.get(old, 0) == 0
@@ -199,8 +270,9 @@ class VLLMTextPolicy:
             self._in_use.pop(name, None)
         r = self.client.post(f"{self.url}/v1/unload_lora_adapter", json={"lora_name": name})
         if r.status_code != 200:
-            raise RuntimeError(f"vLLM ({self.url}) did not unload the LoRA adapter {name}: HTTP {r.status_code}: "
-                               f"{r.text[:200]}")
+            raise RuntimeError(
+                f"vLLM ({self.url}) did not unload the LoRA adapter {name}: HTTP {r.status_code}: {r.text[:200]}"
+            )
         shutil.rmtree(self.adapters / name, ignore_errors=True)
 
     def __del__(self):

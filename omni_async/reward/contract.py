@@ -36,8 +36,10 @@ IMAGE_DATA_SOURCES = {
     "jpeg_compressibility": "JPEG compressibility, -kB/500 as verl-omni / DDPO (omni_async.reward.scorers.jpeg)",
 }
 VERL_TEXT_EXAMPLES = "openai/gsm8k, lighteval/MATH, HuggingFaceH4/MATH-500, math_dapo, aime*, hiyouga/geometry3k"
-FIX = ("set reward.custom_reward_function.path (a file or pkg://module) and reward.custom_reward_function.name "
-       "to your compute_score, or use one of these data sources")
+FIX = (
+    "set reward.custom_reward_function.path (a file or pkg://module) and reward.custom_reward_function.name "
+    "to your compute_score, or use one of these data sources"
+)
 
 
 class RewardContractError(TypeError):
@@ -91,8 +93,9 @@ def to_pixels(solution_image: Any, name: str = "solution_image") -> np.ndarray:
             raise RewardContractError(f"{name} is an empty list of frames")
         frames = [to_pixels(f, f"{name}[{i}]") for i, f in enumerate(solution_image)]
         if any(f.ndim != 3 for f in frames) or len({f.shape for f in frames}) != 1:
-            raise RewardContractError(f"{name}: frames must be single images of one size; got "
-                                      f"{sorted({f.shape for f in frames})}")
+            raise RewardContractError(
+                f"{name}: frames must be single images of one size; got {sorted({f.shape for f in frames})}"
+            )
         return np.stack(frames)
     elif _is_pil(solution_image):
         return np.asarray(solution_image.convert("RGB"))
@@ -120,12 +123,14 @@ def _check_chw(t: Any, name: str) -> None:
     import torch
 
     if t.dtype != torch.uint8:
-        raise RewardContractError(f"{name} must be a uint8 tensor in [0, 255] (verl-omni's solution_image); got "
-                                  f"{t.dtype} {tuple(t.shape)}")
+        raise RewardContractError(
+            f"{name} must be a uint8 tensor in [0, 255] (verl-omni's solution_image); got {t.dtype} {tuple(t.shape)}"
+        )
     if t.ndim not in (3, 4) or t.shape[-3] not in (1, 3, 4):
         hint = "; it looks channels-last: tensors are (C, H, W)" if t.ndim in (3, 4) and t.shape[-1] in (3, 4) else ""
-        raise RewardContractError(f"{name} tensor must be (C, H, W) or (N, C, H, W) with C = 3; got "
-                                  f"{tuple(t.shape)}{hint}")
+        raise RewardContractError(
+            f"{name} tensor must be (C, H, W) or (N, C, H, W) with C = 3; got {tuple(t.shape)}{hint}"
+        )
 
 
 def _hwc_array(x: Any, name: str) -> np.ndarray:
@@ -135,8 +140,11 @@ def _hwc_array(x: Any, name: str) -> np.ndarray:
     if arr.ndim == 2:
         return arr[..., None]
     if arr.ndim not in (3, 4) or arr.shape[-1] not in (1, 3, 4):
-        hint = "; it looks channels-first: pass a torch tensor for (C, H, W)" if arr.ndim in (3, 4) and \
-            arr.shape[-3] in (1, 3) else ""
+        hint = (
+            "; it looks channels-first: pass a torch tensor for (C, H, W)"
+            if arr.ndim in (3, 4) and arr.shape[-3] in (1, 3)
+            else ""
+        )
         raise RewardContractError(f"{name} numpy array must be (H, W, 3) or (T, H, W, 3); got {arr.shape}{hint}")
     return arr
 
@@ -144,8 +152,14 @@ def _hwc_array(x: Any, name: str) -> np.ndarray:
 # ------------------------------------------------------------------------------------- data_source dispatch
 
 
-def default_compute_score(data_source: str, solution_str: str | None = None, solution_image: Any = None,
-                          ground_truth: Any = None, extra_info: dict | None = None, **kwargs: Any) -> Any:
+def default_compute_score(
+    data_source: str,
+    solution_str: str | None = None,
+    solution_image: Any = None,
+    ground_truth: Any = None,
+    extra_info: dict | None = None,
+    **kwargs: Any,
+) -> Any:
     """The reward when no ``custom_reward_function.path`` is set: dispatch on ``data_source``, as verl does.
 
     - image data sources (``IMAGE_DATA_SOURCES``): ``ocr`` / ``flow_grpo/ocr`` -> OCR similarity with the ground
@@ -166,10 +180,13 @@ def default_compute_score(data_source: str, solution_str: str | None = None, sol
             return jpeg.compute_score(data_source, solution_image, ground_truth, extra_info, **kwargs) / 500.0
         raise UnknownDataSourceError(
             f"no default image reward for data_source={data_source!r}; image data sources: "
-            f"{', '.join(IMAGE_DATA_SOURCES)}. {FIX}")
+            f"{', '.join(IMAGE_DATA_SOURCES)}. {FIX}"
+        )
     if data_source in IMAGE_DATA_SOURCES:
-        raise UnknownDataSourceError(f"data_source={data_source!r} is an image reward, but this sample is text "
-                                     "(solution_str); set reward.custom_reward_function.path to a text reward")
+        raise UnknownDataSourceError(
+            f"data_source={data_source!r} is an image reward, but this sample is text "
+            "(solution_str); set reward.custom_reward_function.path to a text reward"
+        )
     from verl.utils import reward_score
 
     try:
@@ -180,7 +197,8 @@ def default_compute_score(data_source: str, solution_str: str | None = None, sol
         raise UnknownDataSourceError(
             f"no default reward for data_source={data_source!r}: verl.utils.reward_score.default_compute_score "
             f"knows text data sources such as {VERL_TEXT_EXAMPLES}; image data sources: "
-            f"{', '.join(IMAGE_DATA_SOURCES)}. {FIX}") from None
+            f"{', '.join(IMAGE_DATA_SOURCES)}. {FIX}"
+        ) from None
 
 
 # ----------------------------------------------------------------------------------- start-up config check
@@ -190,10 +208,12 @@ def _load_module(path: str, key: str):
     """verl's ``load_module`` path forms, with errors that name ``key`` and say what to do."""
     where = f"{key}.path={path!r}"
     if path.startswith(PKG_PREFIX):
-        module_name = path[len(PKG_PREFIX):].replace("/", ".")
+        module_name = path[len(PKG_PREFIX) :].replace("/", ".")
         if module_name.endswith(".py"):
-            raise RewardConfigError(f"{where}: pkg:// takes a dotted module name, not a file; use "
-                                    f"pkg://{module_name[:-3]} or the file path without pkg://")
+            raise RewardConfigError(
+                f"{where}: pkg:// takes a dotted module name, not a file; use "
+                f"pkg://{module_name[:-3]} or the file path without pkg://"
+            )
         try:
             return importlib.import_module(module_name)
         except ModuleNotFoundError as e:
@@ -201,18 +221,21 @@ def _load_module(path: str, key: str):
             if missing and (module_name == missing or module_name.startswith(missing + ".")):
                 raise RewardConfigError(
                     f"{where}: no module {module_name!r} importable by {sys.executable} (module {missing!r} not "
-                    f"found); install the package, add its directory to PYTHONPATH, or give a file path") from None
-            raise RewardConfigError(f"{where}: module {module_name!r} exists but importing it failed: {e} "
-                                    f"(a dependency of the reward module; install it)") from e
+                    f"found); install the package, add its directory to PYTHONPATH, or give a file path"
+                ) from None
+            raise RewardConfigError(
+                f"{where}: module {module_name!r} exists but importing it failed: {e} "
+                f"(a dependency of the reward module; install it)"
+            ) from e
         except Exception as e:
-            raise RewardConfigError(f"{where}: importing module {module_name!r} failed: "
-                                    f"{type(e).__name__}: {e}") from e
-    file_path = path[len(FILE_PREFIX):] if path.startswith(FILE_PREFIX) else path
+            raise RewardConfigError(f"{where}: importing module {module_name!r} failed: {type(e).__name__}: {e}") from e
+    file_path = path[len(FILE_PREFIX) :] if path.startswith(FILE_PREFIX) else path
     if not os.path.isfile(file_path):
         what = "is a directory, not a .py file" if os.path.isdir(file_path) else "file not found"
         raise RewardConfigError(
             f"{where}: {what} (resolved to {os.path.abspath(file_path)!r}; relative paths are from the working "
-            f"directory {os.getcwd()!r}); give the path of a .py file or pkg://dotted.module.name")
+            f"directory {os.getcwd()!r}); give the path of a .py file or pkg://dotted.module.name"
+        )
     from verl.utils.import_utils import load_module
 
     try:
@@ -240,14 +263,20 @@ def _bind_check(fn: Any, kwargs: dict[str, Any], what: str, key: str, skip_self:
         else:
             sig.bind(**kwargs)
     except TypeError as e:
-        raise RewardConfigError(f"{key}: {what}{sig} cannot be called with {sorted(kwargs)}: {e}; reward functions "
-                                "are called as compute_score(data_source=..., solution_image=... | solution_str=..., "
-                                "ground_truth=..., extra_info=..., **reward_kwargs); add **kwargs to accept the rest"
-                                ) from None
+        raise RewardConfigError(
+            f"{key}: {what}{sig} cannot be called with {sorted(kwargs)}: {e}; reward functions "
+            "are called as compute_score(data_source=..., solution_image=... | solution_str=..., "
+            "ground_truth=..., extra_info=..., **reward_kwargs); add **kwargs to accept the rest"
+        ) from None
 
 
-def check_reward_function(path: str | None, name: str | None, key: str = "reward.custom_reward_function",
-                          reward_kwargs: dict[str, Any] | None = None, modality: str | None = None) -> Any:
+def check_reward_function(
+    path: str | None,
+    name: str | None,
+    key: str = "reward.custom_reward_function",
+    reward_kwargs: dict[str, Any] | None = None,
+    modality: str | None = None,
+) -> Any:
     """Load a configured reward function on the driver, at start; return it, or raise :class:`RewardConfigError`.
 
     ``key`` is the config node (``reward.custom_reward_function`` or ``reward.reward_functions.<k>``; a trailing
@@ -267,36 +296,52 @@ def check_reward_function(path: str | None, name: str | None, key: str = "reward
     if not path:
         return default_compute_score
     if not name:
-        raise RewardConfigError(f"{key}.name is empty; name the function (or class) to call in {path!r}, "
-                                "e.g. compute_score")
+        raise RewardConfigError(
+            f"{key}.name is empty; name the function (or class) to call in {path!r}, e.g. compute_score"
+        )
     module = _load_module(str(path), key)
     defined = public_callables(module)
     if not hasattr(module, name):
         close = difflib.get_close_matches(name, defined, n=3)
         hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-        raise RewardConfigError(f"{key}.name={name!r}: {path!r} has no attribute {name!r}; its public callables: "
-                                f"{', '.join(defined) or '(none)'}{hint}")
+        raise RewardConfigError(
+            f"{key}.name={name!r}: {path!r} has no attribute {name!r}; its public callables: "
+            f"{', '.join(defined) or '(none)'}{hint}"
+        )
     obj = getattr(module, name)
     data_kw = None
     if modality is not None:
-        data_kw = {"data_source": "", "ground_truth": None, "extra_info": {},
-                   ("solution_str" if modality == "text" else "solution_image"): None}
+        data_kw = {
+            "data_source": "",
+            "ground_truth": None,
+            "extra_info": {},
+            ("solution_str" if modality == "text" else "solution_image"): None,
+        }
     if inspect.isclass(obj):
         if not callable(getattr(obj, "compute_score", None)):
-            raise RewardConfigError(f"{key}.name={name!r}: class {name} in {path!r} has no compute_score method; a "
-                                    "class reward is built once and its compute_score(data_source, ...) is called")
+            raise RewardConfigError(
+                f"{key}.name={name!r}: class {name} in {path!r} has no compute_score method; a "
+                "class reward is built once and its compute_score(data_source, ...) is called"
+            )
         if data_kw is not None:
             _bind_check(obj, dict(reward_kwargs or {}), f"class {name}", key)
             method = inspect.getattr_static(obj, "compute_score")
             if isinstance(method, staticmethod):
                 _bind_check(obj.compute_score, data_kw, f"{name}.compute_score", key)
             else:
-                _bind_check(obj.compute_score, data_kw, f"{name}.compute_score", key,
-                            skip_self=not isinstance(method, classmethod))
+                _bind_check(
+                    obj.compute_score,
+                    data_kw,
+                    f"{name}.compute_score",
+                    key,
+                    skip_self=not isinstance(method, classmethod),
+                )
         return obj
     if not callable(obj):
-        raise RewardConfigError(f"{key}.name={name!r}: {name} in {path!r} is a {type(obj).__name__}, not a function; "
-                                f"its public callables: {', '.join(defined) or '(none)'}")
+        raise RewardConfigError(
+            f"{key}.name={name!r}: {name} in {path!r} is a {type(obj).__name__}, not a function; "
+            f"its public callables: {', '.join(defined) or '(none)'}"
+        )
     if data_kw is not None:
         _bind_check(obj, {**data_kw, **(reward_kwargs or {})}, name, key)
     return obj

@@ -36,8 +36,15 @@ TRANSPORT_GRACE_S = 10.0
 
 
 class RewardDispatcher:
-    def __init__(self, workers: Sequence[Any], *, queue_size: int, max_inflight_per_worker: int, timeout_s: float,
-                 max_resends: int = 2):
+    def __init__(
+        self,
+        workers: Sequence[Any],
+        *,
+        queue_size: int,
+        max_inflight_per_worker: int,
+        timeout_s: float,
+        max_resends: int = 2,
+    ):
         self.workers = list(workers)
         self.inflight = [0] * len(self.workers)
         self.down = [False] * len(self.workers)
@@ -52,10 +59,14 @@ class RewardDispatcher:
     # ---- metrics ----------------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         c = self.counters
-        return {"reward_queue/size": float(self.waiting), "reward_queue/max_size": float(c["max_size"]),
-                "reward_queue/total_produced": float(c["total_produced"]),
-                "reward_queue/total_consumed": float(c["total_consumed"]),
-                "reward_queue/dropped": float(c["dropped"]), "reward/retried": float(c["retried"])}
+        return {
+            "reward_queue/size": float(self.waiting),
+            "reward_queue/max_size": float(c["max_size"]),
+            "reward_queue/total_produced": float(c["total_produced"]),
+            "reward_queue/total_consumed": float(c["total_consumed"]),
+            "reward_queue/dropped": float(c["dropped"]),
+            "reward/retried": float(c["retried"]),
+        }
 
     def reset_step_counters(self) -> None:
         self.counters["max_size"] = self.waiting
@@ -120,8 +131,11 @@ class RewardDispatcher:
                 break
             except asyncio.TimeoutError:
                 ray.cancel(ref)
-                outcome = RewardOutcome("timeout", error=f"reward worker {w} gave no answer within "
-                                                         f"{self.deadline_s:g}s (reward.timeout_s + transport)")
+                outcome = RewardOutcome(
+                    "timeout",
+                    error=f"reward worker {w} gave no answer within "
+                    f"{self.deadline_s:g}s (reward.timeout_s + transport)",
+                )
                 break
             except (RayActorError, ActorUnavailableError) as e:
                 # The worker died with our sample in flight; Ray restarts it. Re-send to whoever is least loaded.
@@ -130,8 +144,11 @@ class RewardDispatcher:
                     asyncio.ensure_future(self._revive(w))
                 if attempt >= self.max_resends:
                     self.counters["dropped"] += 1
-                    outcome = RewardOutcome("failed", error=f"reward worker died {attempt + 1} times while scoring "
-                                                            f"this sample (reward.max_resends={self.max_resends}): {e}")
+                    outcome = RewardOutcome(
+                        "failed",
+                        error=f"reward worker died {attempt + 1} times while scoring "
+                        f"this sample (reward.max_resends={self.max_resends}): {e}",
+                    )
                     break
                 await self._give_back(w)
                 attempt += 1

@@ -82,8 +82,9 @@ def pooled_client(key: str, timeout_s: float, max_connections: int = 256) -> htt
     loop = asyncio.get_running_loop()
     per_loop = _clients.setdefault(loop, {})
     if key not in per_loop:
-        per_loop[key] = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=max_connections,
-                                                                                 max_keepalive_connections=64))
+        per_loop[key] = httpx.AsyncClient(
+            timeout=timeout_s, limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
+        )
     return per_loop[key]
 
 
@@ -91,9 +92,16 @@ def least_loaded(urls: list[str], stats: ClientStats) -> str:
     return min(urls, key=lambda u: stats.inflight.get(u, 0))
 
 
-async def post_with_retries(client: httpx.AsyncClient, urls: list[str], path: str, stats: ClientStats,
-                            policy: RetryPolicy, rng: random.Random, tally: RetryTally | None = None,
-                            **request: Any) -> httpx.Response:
+async def post_with_retries(
+    client: httpx.AsyncClient,
+    urls: list[str],
+    path: str,
+    stats: ClientStats,
+    policy: RetryPolicy,
+    rng: random.Random,
+    tally: RetryTally | None = None,
+    **request: Any,
+) -> httpx.Response:
     """POST to the least-loaded server; retry what a retry can fix; return a 2xx response or raise
     :class:`RewardHTTPError` naming the URL. Retries and timeouts are added to ``stats`` and ``tally``."""
     tally = tally if tally is not None else RetryTally()
@@ -120,8 +128,10 @@ async def post_with_retries(client: httpx.AsyncClient, urls: list[str], path: st
             last = f"HTTP {response.status_code} from {url}: {response.text[:200]}"
             if response.status_code < 500 and response.status_code not in RETRY_STATUS:
                 stats.errors += 1
-                raise RewardHTTPError(f"POST {url} answered HTTP {response.status_code}: {response.text[:200]} "
-                                      "(not retried: the request itself was refused)")
+                raise RewardHTTPError(
+                    f"POST {url} answered HTTP {response.status_code}: {response.text[:200]} "
+                    "(not retried: the request itself was refused)"
+                )
             if response.status_code in (429, 503):
                 retry_after = retry_after_seconds(response.headers.get("retry-after"))
         finally:
@@ -131,8 +141,10 @@ async def post_with_retries(client: httpx.AsyncClient, urls: list[str], path: st
             tally.retries += 1
             await asyncio.sleep(policy.delay(attempt, rng, retry_after))
     stats.errors += 1
-    raise RewardHTTPError(f"POST {' / '.join(tried)} failed after {policy.max_retries + 1} attempts; last: {last}. "
-                          "Check that the server is running and reachable at that address.")
+    raise RewardHTTPError(
+        f"POST {' / '.join(tried)} failed after {policy.max_retries + 1} attempts; last: {last}. "
+        "Check that the server is running and reachable at that address."
+    )
 
 
 def _timeout_s(client: httpx.AsyncClient) -> str:

@@ -55,8 +55,10 @@ def normalize_result(name: str, result: Any) -> tuple[float, dict[str, Any]]:
     score: Any = result
     if isinstance(result, dict):
         if "score" not in result:
-            raise RewardFunctionError(f"reward function {name} returned a dict without 'score': keys "
-                                      f"{sorted(result)[:8]}; return {{'score': float, ...}}")
+            raise RewardFunctionError(
+                f"reward function {name} returned a dict without 'score': keys "
+                f"{sorted(result)[:8]}; return {{'score': float, ...}}"
+            )
         score, extra = result["score"], {k: v for k, v in result.items() if k != "score"}
     elif isinstance(result, tuple) and len(result) == 3:
         score, text, explanation = result
@@ -101,10 +103,12 @@ def check_judge_model_kwargs(spec: RewardSpec, obj: Any) -> None:
         return
     for kwarg in ("model_path", JUDGE_MODEL_ARG):
         if takes and kwarg in spec.kwargs:
-            raise ValueError(f"{spec.kwarg_key(kwarg)}: {spec.label} takes its judge model from "
-                             "reward.reward_model.model_path (the one key for the judge model; vLLM judge servers "
-                             f"serve it too). Fix: set reward.reward_model.model_path={spec.kwargs[kwarg]} and drop "
-                             f"{spec.kwarg_key(kwarg)}")
+            raise ValueError(
+                f"{spec.kwarg_key(kwarg)}: {spec.label} takes its judge model from "
+                "reward.reward_model.model_path (the one key for the judge model; vLLM judge servers "
+                f"serve it too). Fix: set reward.reward_model.model_path={spec.kwargs[kwarg]} and drop "
+                f"{spec.kwarg_key(kwarg)}"
+            )
 
 
 def reward_specs(reward_cfg: DictConfig) -> list[RewardSpec]:
@@ -115,16 +119,25 @@ def reward_specs(reward_cfg: DictConfig) -> list[RewardSpec]:
     for key, spec in multi.items():
         spec, config_key = dict(spec), f"reward.reward_functions.{key}"
         if not spec.get("path") or not spec.get("name"):
-            raise ValueError(f"{config_key} needs 'path' and 'name'. Fix: set {config_key}.path=<file or "
-                             f"pkg://module> and {config_key}.name=<function>")
+            raise ValueError(
+                f"{config_key} needs 'path' and 'name'. Fix: set {config_key}.path=<file or "
+                f"pkg://module> and {config_key}.name=<function>"
+            )
         path, name = spec.pop("path"), spec.pop("name")
         weight, required = spec.pop("weight", 1.0), spec.pop("required", True)
         specs.append(RewardSpec(key, config_key, path, name, spec, float(weight), bool(required)))
     if specs:
         return specs
     c = reward_cfg.custom_reward_function
-    return [RewardSpec("score", "reward.custom_reward_function", c.path, c.name,
-                       OmegaConf.to_container(c.reward_kwargs, resolve=True) or {})]
+    return [
+        RewardSpec(
+            "score",
+            "reward.custom_reward_function",
+            c.path,
+            c.name,
+            OmegaConf.to_container(c.reward_kwargs, resolve=True) or {},
+        )
+    ]
 
 
 class RewardFunction:
@@ -154,20 +167,25 @@ class RewardFunction:
         self.post_process = getattr(self.instance, "post_process_scores", None)
 
     @staticmethod
-    def _route(spec: RewardSpec, params, kwargs: dict[str, Any], judge_urls: list[str] | None,
-               judge_model_path: str | None) -> None:
+    def _route(
+        spec: RewardSpec, params, kwargs: dict[str, Any], judge_urls: list[str] | None, judge_model_path: str | None
+    ) -> None:
         """Fill verl-omni's GenRM arguments: the run's judge server, or one the user names in the kwargs."""
         given = kwargs.get(ROUTER_ARG)
         if judge_urls and given:
-            raise ValueError(f"{spec.kwarg_key(ROUTER_ARG)}={given}: this run starts its own judge servers "
-                             f"({judge_urls}) and hands one to {spec.label}. Fix: drop {spec.kwarg_key(ROUTER_ARG)}, or stop "
-                             "the run's judge servers to use yours")
+            raise ValueError(
+                f"{spec.kwarg_key(ROUTER_ARG)}={given}: this run starts its own judge servers "
+                f"({judge_urls}) and hands one to {spec.label}. Fix: drop {spec.kwarg_key(ROUTER_ARG)}, or stop "
+                "the run's judge servers to use yours"
+            )
         if judge_urls:
             kwargs[ROUTER_ARG] = router_address(judge_urls[0])
         elif not given and params[ROUTER_ARG].default is inspect.Parameter.empty:
-            raise ValueError(f"{spec.label} needs '{ROUTER_ARG}' (a judge server's host:port) and this run has "
-                             "none. Fix: reward.reward_model.rollout.name=vllm (judge servers on the reward pool), "
-                             f"or {spec.kwarg_key(ROUTER_ARG)}=<host:port> of a running OpenAI-compatible server")
+            raise ValueError(
+                f"{spec.label} needs '{ROUTER_ARG}' (a judge server's host:port) and this run has "
+                "none. Fix: reward.reward_model.rollout.name=vllm (judge servers on the reward pool), "
+                f"or {spec.kwarg_key(ROUTER_ARG)}=<host:port> of a running OpenAI-compatible server"
+            )
         if ROUTER_MODEL_ARG in params and ROUTER_MODEL_ARG not in kwargs and judge_model_path:
             kwargs[ROUTER_MODEL_ARG] = judge_model_path
 
@@ -175,8 +193,9 @@ class RewardFunction:
         """Call the function on one sample (``Sample.reward_input()``); sync functions run on ``executor``."""
         extra_info = dict(sample.get("extra_info") or {})
         extra_info.setdefault("prompt", sample.get("prompt"))  # remote judges and scorers want the prompt too
-        kw = dict(data_source=sample["data_source"], ground_truth=sample["ground_truth"], extra_info=extra_info,
-                  **self.kwargs)
+        kw = dict(
+            data_source=sample["data_source"], ground_truth=sample["ground_truth"], extra_info=extra_info, **self.kwargs
+        )
         kw.update({k: sample[k] for k in SOLUTION_FIELDS if k in sample})
         call = _Call(submitted=time.perf_counter())
 
@@ -223,9 +242,11 @@ def build_reward_functions(reward_cfg: DictConfig, judge_urls: list[str] | None 
     model_path = OmegaConf.select(reward_cfg, "reward_model.model_path", default=None)
     fns = [RewardFunction(spec, judge_urls, model_path) for spec in reward_specs(reward_cfg)]
     if judge_urls and not any(fn.takes_judge_urls for fn in fns):
-        raise ValueError(f"reward.reward_model.rollout.name=vllm started judge servers at {judge_urls}, but no "
-                         f"reward function ({', '.join(f.label for f in fns)}) takes a '{JUDGE_URLS_ARG}' or '{ROUTER_ARG}' argument; "
-                         "use pkg://omni_async.reward.scorers.vlm_judge or add the argument to yours")
+        raise ValueError(
+            f"reward.reward_model.rollout.name=vllm started judge servers at {judge_urls}, but no "
+            f"reward function ({', '.join(f.label for f in fns)}) takes a '{JUDGE_URLS_ARG}' or '{ROUTER_ARG}' argument; "
+            "use pkg://omni_async.reward.scorers.vlm_judge or add the argument to yours"
+        )
     return fns
 
 
@@ -261,8 +282,9 @@ class RewardManager:
         self.multi = len(reward_cfg.reward_functions) > 0
         # Sync (blocking) functions get a thread per in-flight call: the event loop's default pool has only
         # min(32, cpu + 4) threads, which would cap a blocking judge at ~6 concurrent calls on this box.
-        self.executor = ThreadPoolExecutor(max_workers=int(reward_cfg.max_inflight_per_worker),
-                                           thread_name_prefix="reward-fn")
+        self.executor = ThreadPoolExecutor(
+            max_workers=int(reward_cfg.max_inflight_per_worker), thread_name_prefix="reward-fn"
+        )
 
     @property
     def scorer_names(self) -> str:
@@ -314,8 +336,10 @@ class RewardManager:
             before = [o.parts.get(fn.key) if o.ok else None for o in outcomes]
             after = fn.post_process(list(before))
             if not isinstance(after, (list, tuple)) or len(after) != len(before):
-                raise RewardFunctionError(f"{fn.label}.post_process_scores got {len(before)} scores and returned "
-                                          f"{str(after)[:80]!r}; return a list of {len(before)} floats (or None)")
+                raise RewardFunctionError(
+                    f"{fn.label}.post_process_scores got {len(before)} scores and returned "
+                    f"{str(after)[:80]!r}; return a list of {len(before)} floats (or None)"
+                )
             for o, new in zip(outcomes, after, strict=True):
                 if new is None:
                     continue
@@ -334,8 +358,11 @@ class RewardManager:
         try:
             return await asyncio.wait_for(self._score(sample), timeout=self.timeout_s)
         except asyncio.TimeoutError:
-            return RewardOutcome("timeout", error=f"{self.scorer_names}: no result within reward.timeout_s="
-                                                  f"{self.timeout_s:g}s", compute_s=time.perf_counter() - t0)
+            return RewardOutcome(
+                "timeout",
+                error=f"{self.scorer_names}: no result within reward.timeout_s={self.timeout_s:g}s",
+                compute_s=time.perf_counter() - t0,
+            )
 
     def score_batch(self, samples: list[dict[str, Any]]) -> list[RewardOutcome]:
         """All samples concurrently, in one call (the sync baseline's colocated reward); groups post-processed."""

@@ -23,23 +23,35 @@ WORKER_MAX_RESTARTS = 4
 CONTROL_CALL_SLOTS = 8
 
 
-def create_reward_workers(reward_cfg: DictConfig, resource_pool: Any | None = None,
-                          judge_urls: list[str] | None = None) -> list[Any]:
+def create_reward_workers(
+    reward_cfg: DictConfig, resource_pool: Any | None = None, judge_urls: list[str] | None = None
+) -> list[Any]:
     """Start ``reward.num_workers`` reward-loop workers, on ``resource_pool`` (a verl ``RayResourcePool``) if given."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     cls = ray.remote(RewardLoopWorker)
     cfg_dict = OmegaConf.to_container(reward_cfg, resolve=True)
     workers = []
-    bundles = ([(pg, b) for pg in resource_pool.get_placement_groups() for b in range(pg.bundle_count)]
-               if resource_pool is not None else [])
+    bundles = (
+        [(pg, b) for pg in resource_pool.get_placement_groups() for b in range(pg.bundle_count)]
+        if resource_pool is not None
+        else []
+    )
     for i in range(int(reward_cfg.num_workers)):
-        opts: dict[str, Any] = dict(num_cpus=1, max_restarts=WORKER_MAX_RESTARTS, max_task_retries=0,
-                                    max_concurrency=int(reward_cfg.max_inflight_per_worker) + CONTROL_CALL_SLOTS)
+        opts: dict[str, Any] = dict(
+            num_cpus=1,
+            max_restarts=WORKER_MAX_RESTARTS,
+            max_task_retries=0,
+            max_concurrency=int(reward_cfg.max_inflight_per_worker) + CONTROL_CALL_SLOTS,
+        )
         if bundles:
             pg, index = bundles[i % len(bundles)]
-            opts.update(num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=index))
+            opts.update(
+                num_gpus=1,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=index
+                ),
+            )
         workers.append(cls.options(**opts).remote(cfg_dict, i, list(judge_urls or [])))
     # Fail at start, not mid-step, if a reward function cannot be loaded (bad path, missing dependency).
     ray.get([w.info.remote() for w in workers])

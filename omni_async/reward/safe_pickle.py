@@ -19,8 +19,9 @@ class UnsafePickleError(ValueError):
 
 class _PlainUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):  # noqa: D401 - pickle's hook
-        raise UnsafePickleError(f"pickle refers to {module}.{name}; only plain dict/list/tuple/str/bytes/number "
-                                "payloads are accepted")
+        raise UnsafePickleError(
+            f"pickle refers to {module}.{name}; only plain dict/list/tuple/str/bytes/number payloads are accepted"
+        )
 
     def persistent_load(self, pid):
         raise UnsafePickleError("pickle uses persistent ids; only plain payloads are accepted")

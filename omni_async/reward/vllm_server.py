@@ -32,14 +32,28 @@ from omni_async.models.vllm_launch import (  # noqa: F401 (re-exported for calle
 )
 
 SERVED_MODEL_NAME = "judge"
+
+
 def server_command(rollout_cfg: dict[str, Any], model_path: str, port: int) -> list[str]:
-    return [str(rollout_cfg["server_python"]), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_path), "--served-model-name", SERVED_MODEL_NAME,
-            "--tensor-parallel-size", str(rollout_cfg["tensor_model_parallel_size"]),
-            "--gpu-memory-utilization", str(rollout_cfg["gpu_memory_utilization"]),
-            "--host", "0.0.0.0", "--port", str(port),
-            *(["--enforce-eager"] if rollout_cfg.get("enforce_eager") else []),  # no CUDA graphs
-            *normalize_server_args(rollout_cfg.get("server_args") or [], "reward.reward_model.rollout.server_args")]
+    return [
+        str(rollout_cfg["server_python"]),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_path),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--tensor-parallel-size",
+        str(rollout_cfg["tensor_model_parallel_size"]),
+        "--gpu-memory-utilization",
+        str(rollout_cfg["gpu_memory_utilization"]),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(port),
+        *(["--enforce-eager"] if rollout_cfg.get("enforce_eager") else []),  # no CUDA graphs
+        *normalize_server_args(rollout_cfg.get("server_args") or [], "reward.reward_model.rollout.server_args"),
+    ]
 
 
 class VLLMServer:
@@ -49,10 +63,13 @@ class VLLMServer:
         import ray
 
         self.port, self.host = free_port(), ray.util.get_node_ip_address()
-        self.proc = start_vllm(server_command(rollout_cfg, model_path, self.port), self.url(),
-                               "reward.reward_model.rollout.server_python",
-                               {"CUDA_VISIBLE_DEVICES": ",".join(str(int(g)) for g in ray.get_gpu_ids())},
-                               startup_timeout_s)
+        self.proc = start_vllm(
+            server_command(rollout_cfg, model_path, self.port),
+            self.url(),
+            "reward.reward_model.rollout.server_python",
+            {"CUDA_VISIBLE_DEVICES": ",".join(str(int(g)) for g in ray.get_gpu_ids())},
+            startup_timeout_s,
+        )
 
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
@@ -112,7 +129,12 @@ def launch_judge_servers(reward_cfg, pg) -> JudgeServers:
     rollout = OmegaConf.to_container(rm.rollout, resolve=True)
     tp = int(rollout["tensor_model_parallel_size"])
     cls = ray.remote(VLLMServer)
-    servers = [cls.options(num_gpus=tp, num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=i)).remote(rollout, rm.model_path)
-        for i in range(pg.bundle_count)]
+    servers = [
+        cls.options(
+            num_gpus=tp,
+            num_cpus=1,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i),
+        ).remote(rollout, rm.model_path)
+        for i in range(pg.bundle_count)
+    ]
     return JudgeServers(servers, ray.get([s.url.remote() for s in servers]))

@@ -55,9 +55,14 @@ class RewardSide:
         if not self.streaming:
             return None
         r = self.cfg
-        return partial(RewardDispatcher, self.workers, queue_size=r.queue_size,
-                       max_inflight_per_worker=r.max_inflight_per_worker, timeout_s=r.timeout_s,
-                       max_resends=r.max_resends)
+        return partial(
+            RewardDispatcher,
+            self.workers,
+            queue_size=r.queue_size,
+            max_inflight_per_worker=r.max_inflight_per_worker,
+            timeout_s=r.timeout_s,
+            max_resends=r.max_resends,
+        )
 
     @property
     def colocated(self) -> RewardManager:

@@ -83,6 +83,11 @@ class RewardLoopWorker:
         import ray
 
         ctx = ray.get_runtime_context()
-        return {"worker_index": self.worker_index, "node_id": ctx.get_node_id(), "pid": os.getpid(),
-                "calls": self.calls, "accelerator_ids": ctx.get_accelerator_ids(),
-                "placement_group_id": ctx.get_placement_group_id()}
+        return {
+            "worker_index": self.worker_index,
+            "node_id": ctx.get_node_id(),
+            "pid": os.getpid(),
+            "calls": self.calls,
+            "accelerator_ids": ctx.get_accelerator_ids(),
+            "placement_group_id": ctx.get_placement_group_id(),
+        }

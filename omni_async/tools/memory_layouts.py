@@ -47,9 +47,20 @@ VERL_WEIGHTS_BUCKET_GB = (2048 << 20) / GB  # verl's rollout.checkpoint_engine.u
 LAYOUTS = ("hybrid", "rollout", "trainer")
 
 
-def device_peak(plan: dict, res: int, cfg: bool, ckpt: bool, offload_encoders: bool, micro_scale: float = 1.0,
-                vae_tiled: bool | None = None, layout: str = "hybrid", full: bool = False, ranks: int = 1,
-                snapshot: bool = True, weights_bucket_gb: float = VERL_WEIGHTS_BUCKET_GB) -> dict:
+def device_peak(
+    plan: dict,
+    res: int,
+    cfg: bool,
+    ckpt: bool,
+    offload_encoders: bool,
+    micro_scale: float = 1.0,
+    vae_tiled: bool | None = None,
+    layout: str = "hybrid",
+    full: bool = False,
+    ranks: int = 1,
+    snapshot: bool = True,
+    weights_bucket_gb: float = VERL_WEIGHTS_BUCKET_GB,
+) -> dict:
     """One device of ``layout`` (module docstring): the allocated peak of each phase and the device total, in GB.
 
     ``micro_scale`` scales the measured training activations linearly (they are proportional to the micro-batch);
@@ -63,14 +74,21 @@ def device_peak(plan: dict, res: int, cfg: bool, ckpt: bool, offload_encoders: b
     transformer = w["transformer"]["gb"]
     encoders = w["text_encoder"]["gb"] + w["vae"]["gb"]
     tiled = plan["frames"] > 1 if vae_tiled is None else vae_tiled
-    generate = max(plan["text_encoder_forward_gb"], entry["rollout_gb"][tag],
-                   entry["vae_decode_gb"]["tiled" if tiled else "plain"])
+    generate = max(
+        plan["text_encoder_forward_gb"], entry["rollout_gb"][tag], entry["vae_decode_gb"]["tiled" if tiled else "plain"]
+    )
     trains = layout != "rollout"  # a rollout worker reads no training figure
     if full:
         params = plan["full"]["params"]
         state = FULL_SHARD_BYTES * params / ranks / GB
-        train = (entry["train_full"][key]["peak_gb"] * micro_scale + (plan["full"]["fsdp_buffers_gb"] if ranks > 1
-                                                                      else 0.0)) if trains else 0.0
+        train = (
+            (
+                entry["train_full"][key]["peak_gb"] * micro_scale
+                + (plan["full"]["fsdp_buffers_gb"] if ranks > 1 else 0.0)
+            )
+            if trains
+            else 0.0
+        )
         step = plan["full"]["optimizer_step_gb"] / ranks
         synced = BF16_BYTES * params / GB  # what a weight sync moves (the rollout's dtype)
         adapter = 0.0
@@ -101,8 +119,14 @@ def device_peak(plan: dict, res: int, cfg: bool, ckpt: bool, offload_encoders: b
     allocated = max(rollout, update)
     fragmentation = FRAGMENTATION * allocated
     runtime = RUNTIME_RESERVE_GB + communicators * NCCL_RESERVE_GB
-    return {"rollout_gb": rollout, "update_gb": update, "allocated_gb": allocated,
-            "fragmentation_gb": fragmentation, "runtime_gb": runtime, "peak_gb": allocated + fragmentation + runtime}
+    return {
+        "rollout_gb": rollout,
+        "update_gb": update,
+        "allocated_gb": allocated,
+        "fragmentation_gb": fragmentation,
+        "runtime_gb": runtime,
+        "peak_gb": allocated + fragmentation + runtime,
+    }
 
 
 def rollout_worker_peak(plan: dict, res: int, cfg: bool, vae_tiled: bool | None = None, full: bool = False) -> float:
@@ -123,17 +147,25 @@ def recommend(plan: dict, capacity_gb: float, cfg: bool = True, **layout) -> dic
         options = []
         for ckpt, offload in ((False, False), (False, True), (True, False), (True, True)):
             if f"{'cfg' if cfg else 'no_cfg'}/{'ckpt' if ckpt else 'no_ckpt'}" not in plan["resolutions"][res].get(
-                    train_key, {}):
+                train_key, {}
+            ):
                 continue  # not measured
             micro = 0
-            while micro < 256 and device_peak(plan, int(res), cfg, ckpt, offload, micro + 1,
-                                              **layout)["peak_gb"] <= capacity_gb:
+            while (
+                micro < 256
+                and device_peak(plan, int(res), cfg, ckpt, offload, micro + 1, **layout)["peak_gb"] <= capacity_gb
+            ):
                 micro += 1
             if micro:
                 peak = device_peak(plan, int(res), cfg, ckpt, offload, **layout)["peak_gb"]
-                options.append({"gradient_checkpointing": ckpt, "offload_encoders_during_update": offload,
-                                "max_micro_batch": micro * plan["micro_batch"],
-                                f"peak_gb_at_micro_batch_{plan['micro_batch']}": round(peak, 1)})
+                options.append(
+                    {
+                        "gradient_checkpointing": ckpt,
+                        "offload_encoders_during_update": offload,
+                        "max_micro_batch": micro * plan["micro_batch"],
+                        f"peak_gb_at_micro_batch_{plan['micro_batch']}": round(peak, 1),
+                    }
+                )
         out[res] = {"pick": options[0] if options else None, "options": options}
     return out
 
@@ -141,8 +173,11 @@ def recommend(plan: dict, capacity_gb: float, cfg: bool = True, **layout) -> dic
 def layout_rows(plan: dict, ranks: tuple[int, ...] = (4, 8)) -> dict:
     """The recipe's settings (CFG on, checkpointing on, encoders on the GPU, micro-batch as measured) in every layout,
     per resolution: ``{row: {res: device_peak(...)}}``."""
-    rows = {"hybrid LoRA": {"layout": "hybrid"}, "rollout worker LoRA": {"layout": "rollout"},
-            "trainer rank LoRA": {"layout": "trainer"}}
+    rows = {
+        "hybrid LoRA": {"layout": "hybrid"},
+        "rollout worker LoRA": {"layout": "rollout"},
+        "trainer rank LoRA": {"layout": "trainer"},
+    }
     if "full" in plan:
         rows["rollout worker full"] = {"layout": "rollout", "full": True}
         for n in ranks:
@@ -151,6 +186,9 @@ def layout_rows(plan: dict, ranks: tuple[int, ...] = (4, 8)) -> dict:
     out = {}
     for name, kw in rows.items():
         train_key = "train_full" if kw.get("full") else "train"
-        out[name] = {res: device_peak(plan, int(res), True, True, False, **kw) for res in plan["resolutions"]
-                     if kw["layout"] == "rollout" or "cfg/ckpt" in plan["resolutions"][res].get(train_key, {})}
+        out[name] = {
+            res: device_peak(plan, int(res), True, True, False, **kw)
+            for res in plan["resolutions"]
+            if kw["layout"] == "rollout" or "cfg/ckpt" in plan["resolutions"][res].get(train_key, {})
+        }
     return out

@@ -136,12 +136,20 @@ def flash_sdpa():
             key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
         if attn_mask is None:
             return torch.ops.aten._scaled_dot_product_flash_attention(
-                query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+                query, key, value, dropout_p, is_causal, False, scale=scale
+            )[0]
         if attn_mask.dtype == torch.bool:
             attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
         return torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2]),
-            torch.is_grad_enabled(), dropout_p, is_causal, scale=scale)[0]
+            query,
+            key,
+            value,
+            attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2]),
+            torch.is_grad_enabled(),
+            dropout_p,
+            is_causal,
+            scale=scale,
+        )[0]
 
     functional.scaled_dot_product_attention = sdpa
     try:
@@ -160,14 +168,15 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def build(library: str, cls_name: str, config: dict, dtype: torch.dtype = BF16,
-          device: str | torch.device = "meta") -> torch.nn.Module:
+def build(
+    library: str, cls_name: str, config: dict, dtype: torch.dtype = BF16, device: str | torch.device = "meta"
+) -> torch.nn.Module:
     """Instantiate a diffusers / transformers class from a config dict on the meta device (no storage), or on a real
     ``device`` with the class's own random initialisation (``bench/gpu_step.py``). On a real device the weights are
     created in ``dtype`` (the default dtype meanwhile, as diffusers' ``from_pretrained`` does), so a 20 B transformer
     never exists in fp32 first."""
     real = torch.device(device).type != "meta"
-    with torch.device(device), (_default_dtype(dtype) if real else contextlib.nullcontext()):
+    with torch.device(device), _default_dtype(dtype) if real else contextlib.nullcontext():
         if library == "diffusers":
             import diffusers
 
@@ -230,12 +239,20 @@ def transformer_inputs(model: str, resolution: int, batch: int) -> dict:
 
     if model == "qwen_image":  # 2x2-packed latents: (res/16)^2 tokens of 64 channels
         side = lat // 2
-        return {"hidden_states": meta(batch, side * side, 64), "timestep": meta(batch),
-                "encoder_hidden_states": meta(batch, spec["text_tokens"], 3584),
-                "img_shapes": [[(1, side, side)]] * batch, "return_dict": False}
+        return {
+            "hidden_states": meta(batch, side * side, 64),
+            "timestep": meta(batch),
+            "encoder_hidden_states": meta(batch, spec["text_tokens"], 3584),
+            "img_shapes": [[(1, side, side)]] * batch,
+            "return_dict": False,
+        }
     frames = (spec["frames"] - 1) // 4 + 1
-    return {"hidden_states": meta(batch, 16, frames, lat, lat), "timestep": meta(batch),
-            "encoder_hidden_states": meta(batch, spec["text_tokens"], 4096), "return_dict": False}
+    return {
+        "hidden_states": meta(batch, 16, frames, lat, lat),
+        "timestep": meta(batch),
+        "encoder_hidden_states": meta(batch, spec["text_tokens"], 4096),
+        "return_dict": False,
+    }
 
 
 def measure_train(model: str, resolution: int, batch: int, checkpointing: bool, rank: int) -> dict:
@@ -334,8 +351,14 @@ def measure_vae_decode(model: str, resolution: int, tiled: bool) -> float:
     return measure_no_grad(lambda: vae.decode(z))
 
 
-def plan_model(model: str, resolutions, lora_rank: int = 64, micro_batch: int = 1, rollout_batch: int | None = None,
-               full: bool = True) -> dict:
+def plan_model(
+    model: str,
+    resolutions,
+    lora_rank: int = 64,
+    micro_batch: int = 1,
+    rollout_batch: int | None = None,
+    full: bool = True,
+) -> dict:
     """Everything measured for one pipeline: weights, LoRA state, training/rollout activations, encoder, VAE; with
     ``full``, the full fine-tune's training micro-batch (checkpointing on), optimizer step and FSDP2 block size."""
     rollout_batch = rollout_batch or default_rollout_batch()
@@ -345,11 +368,18 @@ def plan_model(model: str, resolutions, lora_rank: int = 64, micro_batch: int = 
         weights[part] = {"params": count, "gb": size / GB}
     _, lora_params = lora_transformer(model, lora_rank)
     result = {
-        "source": MODELS[model]["source"], "frames": MODELS[model]["frames"],
-        "text_tokens": MODELS[model]["text_tokens"], "weights": weights, "micro_batch": micro_batch,
+        "source": MODELS[model]["source"],
+        "frames": MODELS[model]["frames"],
+        "text_tokens": MODELS[model]["text_tokens"],
+        "weights": weights,
+        "micro_batch": micro_batch,
         "rollout_batch": rollout_batch,
-        "lora": {"rank": lora_rank, "targets": MODELS[model]["lora_targets"], "params": lora_params,
-                 "gb": 16 * lora_params / GB},  # fp32 param + grad + AdamW exp_avg + exp_avg_sq
+        "lora": {
+            "rank": lora_rank,
+            "targets": MODELS[model]["lora_targets"],
+            "params": lora_params,
+            "gb": 16 * lora_params / GB,
+        },  # fp32 param + grad + AdamW exp_avg + exp_avg_sq
         "text_encoder_forward_gb": measure_text_encoder(model, rollout_batch),
         "optimizer_step_gb": measure_optimizer_step(model, lora_rank),
         "lora_allreduce_bucket_gb": measure_allreduce_bucket(model, lora_rank),
@@ -357,10 +387,13 @@ def plan_model(model: str, resolutions, lora_rank: int = 64, micro_batch: int = 
     }
     if full:
         block = largest_block_params(model)
-        result["full"] = {"params": weights["transformer"]["params"], "largest_block_params": block,
-                          # two bf16 gathered blocks (current + prefetched) + one block's fp32 reduce-scatter input
-                          "fsdp_buffers_gb": (2 * 2 + 4) * block / GB,
-                          "optimizer_step_gb": measure_optimizer_step(model, 0)}
+        result["full"] = {
+            "params": weights["transformer"]["params"],
+            "largest_block_params": block,
+            # two bf16 gathered blocks (current + prefetched) + one block's fp32 reduce-scatter input
+            "fsdp_buffers_gb": (2 * 2 + 4) * block / GB,
+            "optimizer_step_gb": measure_optimizer_step(model, 0),
+        }
     for res in resolutions:
         entry = {"train": {}, "rollout_gb": {}, "vae_decode_gb": {}, **({"train_full": {}} if full else {})}
         for cfg in (False, True):
@@ -384,37 +417,55 @@ def run(models, resolutions, lora_rank: int = 64, micro_batch: int = 1, rollout_
         plan["micro_batch"] = micro_batch
         plan["recommendations"] = {
             name: {"cfg": recommend(plan, cap, True), "no_cfg": recommend(plan, cap, False)}
-            for name, cap in DEVICES_GB.items()}
+            for name, cap in DEVICES_GB.items()
+        }
         if "full" in plan:  # the full fine-tune on 4 hybrid ranks (the README recipe's actor GPUs)
-            plan["recommendations_full_x4"] = {name: recommend(plan, cap, True, full=True, ranks=4)
-                                               for name, cap in DEVICES_GB.items()}
+            plan["recommendations_full_x4"] = {
+                name: recommend(plan, cap, True, full=True, ranks=4) for name, cap in DEVICES_GB.items()
+            }
         plan["layouts"] = layout_rows(plan)
-    return {"unit": "GB = 1e9 bytes", "runtime_reserve_gb": RUNTIME_RESERVE_GB, "nccl_reserve_gb": NCCL_RESERVE_GB,
-            "fragmentation": FRAGMENTATION, "devices_gb": DEVICES_GB,
-            "method": __doc__.split("Method", 1)[1].strip(), "models": plans}
+    return {
+        "unit": "GB = 1e9 bytes",
+        "runtime_reserve_gb": RUNTIME_RESERVE_GB,
+        "nccl_reserve_gb": NCCL_RESERVE_GB,
+        "fragmentation": FRAGMENTATION,
+        "devices_gb": DEVICES_GB,
+        "method": __doc__.split("Method", 1)[1].strip(),
+        "models": plans,
+    }
 
 
 def format_table(report: dict) -> str:
     lines = []
     for model, plan in report["models"].items():
         w, lora = plan["weights"], plan["lora"]
-        lines.append(f"\n## {model}  ({plan['source']}; micro-batch {plan['micro_batch']}, rollout batch "
-                     f"{plan['rollout_batch']}, {plan['text_tokens']} text tokens"
-                     + (f", {plan['frames']} frames)" if plan["frames"] > 1 else ")"))
+        lines.append(
+            f"\n## {model}  ({plan['source']}; micro-batch {plan['micro_batch']}, rollout batch "
+            f"{plan['rollout_batch']}, {plan['text_tokens']} text tokens"
+            + (f", {plan['frames']} frames)" if plan["frames"] > 1 else ")")
+        )
         for part in ("transformer", "text_encoder", "vae"):
             lines.append(f"  {part:<13} {w[part]['params'] / 1e9:7.3f} B params  {w[part]['gb']:7.2f} GB")
-        lines.append(f"  LoRA r{lora['rank']:<7} {lora['params'] / 1e6:7.1f} M params  {lora['gb']:7.2f} GB "
-                     "(fp32 param+grad+AdamW)")
-        lines.append(f"  text-encoder forward (no grad, batch {plan['rollout_batch']}): "
-                     f"{plan['text_encoder_forward_gb']:.2f} GB; AdamW step transient: {plan['optimizer_step_gb']:.2f}"
-                     f" GB; all-reduce bucket {plan['lora_allreduce_bucket_gb']:.3f} GB")
+        lines.append(
+            f"  LoRA r{lora['rank']:<7} {lora['params'] / 1e6:7.1f} M params  {lora['gb']:7.2f} GB "
+            "(fp32 param+grad+AdamW)"
+        )
+        lines.append(
+            f"  text-encoder forward (no grad, batch {plan['rollout_batch']}): "
+            f"{plan['text_encoder_forward_gb']:.2f} GB; AdamW step transient: {plan['optimizer_step_gb']:.2f}"
+            f" GB; all-reduce bucket {plan['lora_allreduce_bucket_gb']:.3f} GB"
+        )
         if "full" in plan:
             f = plan["full"]
-            lines.append(f"  full fine-tune: largest block {f['largest_block_params'] / 1e6:.0f} M params, FSDP2 "
-                         f"buffers {f['fsdp_buffers_gb']:.2f} GB, AdamW step transient {f['optimizer_step_gb']:.2f}"
-                         " GB / ranks")
-        lines.append("  res   CFG ckpt | train held  saved   peak | rollout | VAE plain tiled | hybrid LoRA device "
-                     "(encoders on GPU / offloaded in update)")
+            lines.append(
+                f"  full fine-tune: largest block {f['largest_block_params'] / 1e6:.0f} M params, FSDP2 "
+                f"buffers {f['fsdp_buffers_gb']:.2f} GB, AdamW step transient {f['optimizer_step_gb']:.2f}"
+                " GB / ranks"
+            )
+        lines.append(
+            "  res   CFG ckpt | train held  saved   peak | rollout | VAE plain tiled | hybrid LoRA device "
+            "(encoders on GPU / offloaded in update)"
+        )
         for res, entry in plan["resolutions"].items():
             for key, t in entry["train"].items():
                 cfg, ckpt = key.split("/")
@@ -424,22 +475,34 @@ def format_table(report: dict) -> str:
                     f"  {res:>4}² {'on ' if cfg == 'cfg' else 'off'} {'on ' if ckpt == 'ckpt' else 'off'}  |"
                     f" {t['held_gb']:8.2f} {t['saved_gb']:7.2f} {t['peak_gb']:7.2f} |"
                     f" {entry['rollout_gb'][cfg]:7.2f} | {entry['vae_decode_gb']['plain']:9.2f}"
-                    f" {entry['vae_decode_gb']['tiled']:5.2f} | {peak_on:6.1f} / {peak_off:6.1f}")
+                    f" {entry['vae_decode_gb']['tiled']:5.2f} | {peak_on:6.1f} / {peak_off:6.1f}"
+                )
             for key, t in entry.get("train_full", {}).items():
-                lines.append(f"  {res:>4}² {'on ' if key.startswith('cfg') else 'off'} on   | full FT train peak "
-                             f"{t['peak_gb']:7.2f}")
-        lines.append("  per device, CFG on, checkpointing on, encoders on GPU (allocated = max(rollout, update); "
-                     "total = allocated + fragmentation + context/NCCL):")
+                lines.append(
+                    f"  {res:>4}² {'on ' if key.startswith('cfg') else 'off'} on   | full FT train peak "
+                    f"{t['peak_gb']:7.2f}"
+                )
+        lines.append(
+            "  per device, CFG on, checkpointing on, encoders on GPU (allocated = max(rollout, update); "
+            "total = allocated + fragmentation + context/NCCL):"
+        )
         for name, by_res in plan["layouts"].items():
-            text = "; ".join(f"{res}²: rollout {p['rollout_gb']:.1f} update {p['update_gb']:.1f} total "
-                             f"{p['peak_gb']:.1f}" for res, p in by_res.items())
+            text = "; ".join(
+                f"{res}²: rollout {p['rollout_gb']:.1f} update {p['update_gb']:.1f} total {p['peak_gb']:.1f}"
+                for res, p in by_res.items()
+            )
             lines.append(f"    {name:<22} {text}")
         for device, recs in plan["recommendations"].items():
             for res, rec in recs["cfg"].items():
-                text = "; ".join(
-                    f"ckpt {'on' if o['gradient_checkpointing'] else 'off'} + encoders "
-                    f"{'offloaded' if o['offload_encoders_during_update'] else 'on GPU'}: micro-batch <= "
-                    f"{o['max_micro_batch']}" for o in rec["options"]) or "does not fit"
+                text = (
+                    "; ".join(
+                        f"ckpt {'on' if o['gradient_checkpointing'] else 'off'} + encoders "
+                        f"{'offloaded' if o['offload_encoders_during_update'] else 'on GPU'}: micro-batch <= "
+                        f"{o['max_micro_batch']}"
+                        for o in rec["options"]
+                    )
+                    or "does not fit"
+                )
                 lines.append(f"  {device}, {res}², CFG on, hybrid LoRA: {text}")
     return "\n".join(lines)
 
@@ -450,8 +513,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--resolution", type=int, nargs="+", default=[512, 1024])
     parser.add_argument("--lora-rank", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--rollout-batch", type=int, default=None,
-                        help="rollout requests per forward (default: the config's agent.max_batch_size)")
+    parser.add_argument(
+        "--rollout-batch",
+        type=int,
+        default=None,
+        help="rollout requests per forward (default: the config's agent.max_batch_size)",
+    )
     parser.add_argument("--frames", type=int, default=None, help="video frames for Wan (4k+1)")
     parser.add_argument("--output", default=str(Path(__file__).resolve().parents[2] / "bench/results/memory_plan.json"))
     args = parser.parse_args(argv)

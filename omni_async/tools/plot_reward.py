@@ -1,6 +1,6 @@
 """Re-draw a run's reward curve (``{run_dir}/plots/reward.png``) from its ``metrics.jsonl``.
 
-    python -m omni_async.tools.plot_reward RUN_DIR [--out FILE.png] [--title TEXT]
+python -m omni_async.tools.plot_reward RUN_DIR [--out FILE.png] [--title TEXT]
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from omni_async.trainer.reward_plot import plot_reward
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omni_async.tools.plot_reward",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m omni_async.tools.plot_reward", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--out", type=Path, default=None, help="PNG to write (default: RUN_DIR/plots/reward.png)")
     parser.add_argument("--title", default=None)

@@ -1,6 +1,6 @@
 """Re-draw a step's timeline from its saved timestamps.
 
-    python -m omni_async.tools.timeline RUN_DIR --step K [--out FILE.png]
+python -m omni_async.tools.timeline RUN_DIR --step K [--out FILE.png]
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     src = timeline_path(args.run_dir, args.step, "json")
     if not src.exists():
         saved = sorted(p.stem for p in (args.run_dir / "timeline").glob("step_*.json"))
-        print(f"no timeline for step {args.step} at {src}; saved: {', '.join(saved) or 'none'} "
-              "(set trainer.log_timeline_freq to save them)", file=sys.stderr)
+        print(
+            f"no timeline for step {args.step} at {src}; saved: {', '.join(saved) or 'none'} "
+            "(set trainer.log_timeline_freq to save them)",
+            file=sys.stderr,
+        )
         return 2
     out = draw_timeline(json.loads(src.read_text()), args.out or src.with_suffix(".png"))
     print(out)

@@ -40,13 +40,19 @@ class TensorBatch:
         return len(next(iter(self.batch.values())))
 
     def split(self, size: int) -> list[TensorBatch]:
-        return [TensorBatch({k: v[i:i + size] for k, v in self.batch.items()}, dict(self.meta_info),
-                            {k: v[i:i + size] for k, v in self.non_tensor_batch.items()})
-                for i in range(0, len(self), size)]
+        return [
+            TensorBatch(
+                {k: v[i : i + size] for k, v in self.batch.items()},
+                dict(self.meta_info),
+                {k: v[i : i + size] for k, v in self.non_tensor_batch.items()},
+            )
+            for i in range(0, len(self), size)
+        ]
 
 
-def accumulate_gradients(modality: Modality, policy: Any, data: Any, actor_cfg: Any,
-                         dp: DataParallel | None = None) -> dict[str, list[float]]:
+def accumulate_gradients(
+    modality: Modality, policy: Any, data: Any, actor_cfg: Any, dp: DataParallel | None = None
+) -> dict[str, list[float]]:
     """Gradients of one mini-batch's loss, in micro-batches of ``actor_cfg.ppo_micro_batch_size_per_gpu`` samples.
 
     A micro-batch's loss is a mean over its own loss units (kept samples, or kept tokens), so its gradient is
@@ -96,9 +102,17 @@ def begin_step(policy: Any, param_offload: bool) -> None:
         policy.begin_step()
 
 
-def train_minibatch(modality: Modality, policy: Any, optimizer: torch.optim.Optimizer, data: Any, actor_cfg: Any, *,
-                    param_offload: bool = False, optimizer_offload: bool = False,
-                    dp: DataParallel | None = None) -> dict[str, list[float]]:
+def train_minibatch(
+    modality: Modality,
+    policy: Any,
+    optimizer: torch.optim.Optimizer,
+    data: Any,
+    actor_cfg: Any,
+    *,
+    param_offload: bool = False,
+    optimizer_offload: bool = False,
+    dp: DataParallel | None = None,
+) -> dict[str, list[float]]:
     """One optimizer step on one mini-batch (``loss_mask`` marks the samples in the loss): micro-batched backward
     (:func:`accumulate_gradients`), gradient clip, optimizer step; the metrics as lists (one entry per loss call).
     With ``param_offload`` the frozen text encoder and VAE are on the CPU meanwhile; with ``optimizer_offload`` the
@@ -124,16 +138,36 @@ def train_minibatch(modality: Modality, policy: Any, optimizer: torch.optim.Opti
     return metrics
 
 
-def update_minibatch(modality: Modality, policy: Any, optimizer: torch.optim.Optimizer, data: Any, actor_cfg: Any, *,
-                     param_offload: bool = False, optimizer_offload: bool = False) -> dict[str, float]:
+def update_minibatch(
+    modality: Modality,
+    policy: Any,
+    optimizer: torch.optim.Optimizer,
+    data: Any,
+    actor_cfg: Any,
+    *,
+    param_offload: bool = False,
+    optimizer_offload: bool = False,
+) -> dict[str, float]:
     """:func:`train_minibatch` on one process, its metrics summarised (means; ``timing_s/ref`` the total)."""
-    return merge_rank_metrics([train_minibatch(modality, policy, optimizer, data, actor_cfg,
-                                               param_offload=param_offload, optimizer_offload=optimizer_offload)],
-                              time_keys=(REF_TIME_KEY,))
+    return merge_rank_metrics(
+        [
+            train_minibatch(
+                modality,
+                policy,
+                optimizer,
+                data,
+                actor_cfg,
+                param_offload=param_offload,
+                optimizer_offload=optimizer_offload,
+            )
+        ],
+        time_keys=(REF_TIME_KEY,),
+    )
 
 
-def compute_log_prob(modality: Modality, policy: Any, data: Any, micro_batch_size: int | None = None, *,
-                     param_offload: bool = False) -> torch.Tensor:
+def compute_log_prob(
+    modality: Modality, policy: Any, data: Any, micro_batch_size: int | None = None, *, param_offload: bool = False
+) -> torch.Tensor:
     """Log-probs of the stored trajectories under the current weights, in micro-batches of ``micro_batch_size``
     samples (``rollout.log_prob_micro_batch_size_per_gpu``; ``None`` = all at once)."""
     offload_frozen(policy, param_offload)

@@ -73,8 +73,9 @@ class ActorWorker(Worker):
         torch.manual_seed(int(cfg.trainer.seed))
         sampling = vars(self.modality.sampling_config(cfg))
         dtype = model_dtype(a.fsdp_config.model_dtype, self.device)
-        self.policy = self.modality.build_policy(OmegaConf.to_container(m, resolve=True), sampling, self.device,
-                                                 dtype=dtype)
+        self.policy = self.modality.build_policy(
+            OmegaConf.to_container(m, resolve=True), sampling, self.device, dtype=dtype
+        )
         with self.dp.failfast("init_model"):
             if self.dp.active and self.policy.lora:
                 self.dp.broadcast_(self.policy.trainable_parameters())  # one starting adapter on every rank
@@ -83,16 +84,22 @@ class ActorWorker(Worker):
                 # Full fine-tune: FSDP2 over the ranks, sharded from the loaded (bf16) weights, fp32 shards.
                 dpm.shard_module(self.policy.trainable, self.dp, dtype)
                 self.policy.rebind_trainable_parameters()  # the sharded parameters, for the optimizer and the clip
-            self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=a.optim.lr,
-                                               weight_decay=a.optim.weight_decay)
+            self.optimizer = torch.optim.AdamW(
+                self.policy.trainable_parameters(), lr=a.optim.lr, weight_decay=a.optim.weight_decay
+            )
             if self.dp.sharded:
                 dpm.full_params(self.policy.trainable)  # generation runs on the gathered (bf16) weights
         overlap = cfg.async_reward.one_step_off_policy or cfg.async_reward.update_pipeline
         hybrid = cfg.actor_rollout_ref.hybrid_engine and int(r.nnodes) == 0  # not with a rollout pool
         self.snapshot = bool(hybrid and overlap)
         self.weight_group: WeightGroup | None = None  # rank 0 with a rollout pool (checkpoint_engine.backend=nccl)
-        self.batcher = GenerationBatcher(self._generate, lambda: self.rollout_version, self._device_thread,
-                                         r.agent.max_batch_size, r.agent.max_wait_ms)
+        self.batcher = GenerationBatcher(
+            self._generate,
+            lambda: self.rollout_version,
+            self._device_thread,
+            r.agent.max_batch_size,
+            r.agent.max_wait_ms,
+        )
 
     # ---- rollout (hybrid layout) --------------------------------------------------------------------------------
     def _generate(self, *args, **kwargs):
@@ -101,14 +108,16 @@ class ActorWorker(Worker):
         with self.policy.rollout_adapter():
             return self.policy.generate(*args, **kwargs)
 
-    async def generate(self, prompt: str, seed: int, window: tuple[int, int] | None, *,
-                       sampling: dict[str, Any] | None = None) -> Generation:
+    async def generate(
+        self, prompt: str, seed: int, window: tuple[int, int] | None, *, sampling: dict[str, Any] | None = None
+    ) -> Generation:
         """One sample, the contract of ``RolloutReplica.generate``: the agent loop streams to either layout."""
         return await self.batcher.submit(prompt, seed, window, sampling=sampling)
 
     async def set_rollout_version(self, version: int) -> int:
         """The hybrid layout's weight sync: later samples report ``version`` (and read a fresh adapter snapshot
         when updates overlap generation). Nothing leaves the device."""
+
         def publish() -> int:
             if self.snapshot:
                 self.policy.snapshot_for_rollout()
@@ -119,9 +128,15 @@ class ActorWorker(Worker):
         return await self._on_device(publish)
 
     async def stats(self) -> dict[str, Any]:
-        return {"batch_sizes": list(self.batcher.batch_sizes), "version": self.rollout_version, "pid": os.getpid(),
-                "weights_shipped": self.weights_shipped,
-                "weights_broadcast": self.weights_broadcast, "rank": self.dp.rank, "world_size": self.dp.world}
+        return {
+            "batch_sizes": list(self.batcher.batch_sizes),
+            "version": self.rollout_version,
+            "pid": os.getpid(),
+            "weights_shipped": self.weights_shipped,
+            "weights_broadcast": self.weights_broadcast,
+            "rank": self.dp.rank,
+            "world_size": self.dp.world,
+        }
 
     async def trained_rows(self) -> list[tuple[str, int]]:
         """The ``(uid, index)`` of every sample this rank trained on since the last call (an audit of the split)."""
@@ -157,7 +172,8 @@ class ActorWorker(Worker):
         """Rank 0 of the group of this trainer rank and the rollout workers (``agent_loop.weight_sync``)."""
         self.weight_group = None
         self.weight_group = await asyncio.get_running_loop().run_in_executor(
-            None, WeightGroup, address, port, 0, world, self.device)
+            None, WeightGroup, address, port, 0, world, self.device
+        )
 
     async def send_weights(self, meta: list, bucket_bytes: int) -> int:
         """Broadcast the trainable weights (cast to the rollout's dtypes in ``meta``) in buckets; on the device
@@ -175,9 +191,16 @@ class ActorWorker(Worker):
         micro-batches of ``rollout.log_prob_micro_batch_size_per_gpu`` samples (``trainer.actor_core``)."""
         arr = self.cfg.actor_rollout_ref
         with self.dp.failfast("compute_log_prob"):
-            return dpm.rows_result(data, compute_log_prob(self.modality, self.policy, data,
-                                                          arr.rollout.log_prob_micro_batch_size_per_gpu,
-                                                          param_offload=arr.actor.fsdp_config.param_offload))
+            return dpm.rows_result(
+                data,
+                compute_log_prob(
+                    self.modality,
+                    self.policy,
+                    data,
+                    arr.rollout.log_prob_micro_batch_size_per_gpu,
+                    param_offload=arr.actor.fsdp_config.param_offload,
+                ),
+            )
 
     @register(dispatch_mode=dpm.BY_GROUPS_METRICS)
     async def update_minibatch(self, data: DataProto) -> dict[str, float]:
@@ -195,9 +218,16 @@ class ActorWorker(Worker):
         """
         a = self.cfg.actor_rollout_ref.actor
         with self.dp.failfast("update_minibatch"):  # a rank that raises stops the others at once, naming itself
-            metrics = train_minibatch(self.modality, self.policy, self.optimizer, data, a,
-                                      param_offload=a.fsdp_config.param_offload,
-                                      optimizer_offload=a.fsdp_config.optimizer_offload, dp=self.dp)
+            metrics = train_minibatch(
+                self.modality,
+                self.policy,
+                self.optimizer,
+                data,
+                a,
+                param_offload=a.fsdp_config.param_offload,
+                optimizer_offload=a.fsdp_config.optimizer_offload,
+                dp=self.dp,
+            )
         metrics[dpm.SAMPLES_KEY] = [dpm.trained_samples(data)]
         index = data.meta_info.get(dpm.DP_INDEX_KEY)
         real = range(len(data)) if index is None else [i for i, k in enumerate(index) if k >= 0]

@@ -61,9 +61,13 @@ NULLABLE: dict[str, Any] = {
     "trainer.ray.gpu_worker_torch_threads": int,
 }
 # Keys with a whole-number default whose values are real numbers (so 2.5 is accepted, "120s" is not).
-REAL: frozenset[str] = frozenset({
-    "reward.timeout_s", "trainer.save_interval_min", "actor_rollout_ref.rollout.agent.max_wait_ms",
-})
+REAL: frozenset[str] = frozenset(
+    {
+        "reward.timeout_s",
+        "trainer.save_interval_min",
+        "actor_rollout_ref.rollout.agent.max_wait_ms",
+    }
+)
 
 
 def _element_type(items: list) -> Any:
@@ -99,8 +103,10 @@ def _dataclass(prefix: str, nodes: list[dict]) -> type:
     """One dataclass for the section at ``prefix``, from that section in every config file (the first has every key:
     the others compose it and only change values)."""
     name = "".join(p.title() for p in prefix.replace(".", "_").split("_")) or "Root"
-    fields = [(k, *_field(f"{prefix}.{k}" if prefix else k, [n.get(k) if k in n else v for n in nodes]))
-              for k, v in nodes[0].items()]
+    fields = [
+        (k, *_field(f"{prefix}.{k}" if prefix else k, [n.get(k) if k in n else v for n in nodes]))
+        for k, v in nodes[0].items()
+    ]
     return make_dataclass(f"{name}Config", fields)
 
 
@@ -122,8 +128,10 @@ def typed(cfg: DictConfig) -> DictConfig:
         key, value = err.full_key, getattr(err, "value", None)
         expected = _expected(key)
         base = re.sub(r"\[\d+\]$", "", key)
-        raise ConfigError(f"{key}={value!r}: expected {expected}, got {type(value).__name__}. Fix: set "
-                          f"{base} to the right type, e.g. {base}={_example(key)}") from None
+        raise ConfigError(
+            f"{key}={value!r}: expected {expected}, got {type(value).__name__}. Fix: set "
+            f"{base} to the right type, e.g. {base}={_example(key)}"
+        ) from None
 
 
 def _field_of(key: str) -> Any:

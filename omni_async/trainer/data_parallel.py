@@ -209,11 +209,18 @@ class DataParallel:
         if self.world > 1 and not dist.is_initialized():
             timeout = timedelta(seconds=float(timeout_s))
             # Our own handle on the rendezvous store (the one init_process_group would make from the same env).
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world,
-                                  self.rank == 0, timeout=timeout)
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world, self.rank == 0, timeout=timeout
+            )
             cuda = self.device.type == "cuda"
-            dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=self.rank, world_size=self.world,
-                                    timeout=timeout, **({"device_id": self.device} if cuda else {}))
+            dist.init_process_group(
+                "nccl" if cuda else "gloo",
+                store=store,
+                rank=self.rank,
+                world_size=self.world,
+                timeout=timeout,
+                **({"device_id": self.device} if cuda else {}),
+            )
             self.store = dist.PrefixStore("omni_async_dp", store)
 
     @property
@@ -256,8 +263,10 @@ class DataParallel:
     def _peer_error(self, what: str) -> RankFailedError:
         rank, message = self.failure
         who = "earlier" if rank == self.rank else f"while rank {self.rank} waited for it in {what}"
-        return RankFailedError(f"actor rank {rank} failed {who}: {message}. The process group is torn down: fix the "
-                               "cause and resume from the last checkpoint (trainer.resume_mode=auto)")
+        return RankFailedError(
+            f"actor rank {rank} failed {who}: {message}. The process group is torn down: fix the "
+            "cause and resume from the last checkpoint (trainer.resume_mode=auto)"
+        )
 
     def _abort(self) -> None:
         """Tear this rank's process group down so pending collectives end now. NCCL: ``_abort_process_group``
@@ -322,7 +331,7 @@ def _buckets(tensors: list[torch.Tensor]):
 def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     offset = 0
     for t in tensors:
-        t.data.copy_(flat[offset:offset + t.numel()].view_as(t))
+        t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
 
 
@@ -354,7 +363,7 @@ def pad_rows(data: Any, rows: int) -> Any:
         return data
     out = data.select_idxs(np.concatenate([np.arange(len(data)), np.zeros(extra, dtype=np.int64)]))
     mask = out.batch["loss_mask"].clone()
-    mask[len(data):] = False
+    mask[len(data) :] = False
     out.batch["loss_mask"] = mask
     return out
 
@@ -421,6 +430,7 @@ def local_state_dict(module: torch.nn.Module, clone: bool = True) -> dict[str, t
     parameters registered on the module are the gathered tensors. (Not ``state_dict()``: FSDP2's hook gives the
     shards and frees the gathered storage under the registered parameters.) Keys as ``state_dict``'s.
     ``clone=False``: the tensors themselves (read in place by a bucketed weight sync)."""
+
     def own(t: torch.Tensor) -> torch.Tensor:
         return t.detach().clone() if clone else t.detach()
 
@@ -471,15 +481,18 @@ def load_actor(path: str | Path, policy: Any, optimizer: torch.optim.Optimizer, 
             model_state, optim_state = get_state_dict(policy.trainable, optimizer)
             state = {"model": model_state, "optim": optim_state}
             dcp.load(state, checkpoint_id=str(path / FSDP_CKPT), no_dist=not dist.is_initialized())
-            set_state_dict(policy.trainable, optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+            set_state_dict(
+                policy.trainable, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
         if dp.sharded:
             full_params(policy.trainable)
         return
     if dp.sharded:
-        raise ValueError(f"{path} holds a one-rank full fine-tune checkpoint ({LORA_CKPT}); resume it with one actor "
-                         "rank (trainer.n_gpus_per_node=1, trainer.nnodes=1): sharded runs write and read "
-                         f"{FSDP_CKPT}/")
+        raise ValueError(
+            f"{path} holds a one-rank full fine-tune checkpoint ({LORA_CKPT}); resume it with one actor "
+            "rank (trainer.n_gpus_per_node=1, trainer.nnodes=1): sharded runs write and read "
+            f"{FSDP_CKPT}/"
+        )
     state = torch.load(path / LORA_CKPT, weights_only=True, map_location=dp.device)
     policy.load_weights_state_dict(state["weights"])
     optimizer.load_state_dict(state["optimizer"])

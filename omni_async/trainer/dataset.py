@@ -100,8 +100,9 @@ def load_prompts(files: str | Sequence[str]) -> list[PromptRow]:
     return rows
 
 
-def check_prompt_lengths(rows: Sequence[PromptRow], max_length: int | None,
-                         count: Callable[[list[str]], list[int]]) -> None:
+def check_prompt_lengths(
+    rows: Sequence[PromptRow], max_length: int | None, count: Callable[[list[str]], list[int]]
+) -> None:
     """verl's ``data.max_prompt_length`` with its default ``truncation=error``: a longer prompt stops the run at
     start. ``count`` gives each prompt's tokens as the modality counts them (``Modality.prompt_lengths``)."""
     if max_length is None:
@@ -110,9 +111,11 @@ def check_prompt_lengths(rows: Sequence[PromptRow], max_length: int | None,
     over = [(n, r.prompt) for n, r in zip(lengths, rows, strict=True) if n > max_length]
     if over:
         n, prompt = max(over)
-        raise DatasetError(f"data.max_prompt_length={max_length}: {len(over)} prompt(s) are longer, the longest "
-                           f"{n} tokens: {prompt[:80]!r}. Fix: raise data.max_prompt_length (or null for no limit), "
-                           "or shorten / drop those prompts")
+        raise DatasetError(
+            f"data.max_prompt_length={max_length}: {len(over)} prompt(s) are longer, the longest "
+            f"{n} tokens: {prompt[:80]!r}. Fix: raise data.max_prompt_length (or null for no limit), "
+            "or shorten / drop those prompts"
+        )
 
 
 class PromptSampler:

@@ -69,8 +69,11 @@ class RLTrainer:
         self.run_dir = Path(cfg.trainer.run_dir)
         train_rows = load_prompts(cfg.data.train_files)
         self.val_rows = load_prompts(cfg.data.val_files)[: cfg.data.val_batch_size] if cfg.data.val_files else []
-        check_prompt_lengths(train_rows + self.val_rows, cfg.data.max_prompt_length,
-                             lambda prompts: self.modality.prompt_lengths(cfg.actor_rollout_ref.model.path, prompts))
+        check_prompt_lengths(
+            train_rows + self.val_rows,
+            cfg.data.max_prompt_length,
+            lambda prompts: self.modality.prompt_lengths(cfg.actor_rollout_ref.model.path, prompts),
+        )
         self.sampler = PromptSampler(train_rows, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
         self.total_steps = total_training_steps(cfg, len(train_rows))
         self.placement = place(cfg)
@@ -78,13 +81,26 @@ class RLTrainer:
         self.n_devices = self.placement.pools.get_n_gpus() + (reward_pool_size(cfg) if self.placement.judge_pg else 0)
         self.reward = RewardSide(cfg, self.placement.reward_pool, self.placement.judge_pg)
         agent = cfg.actor_rollout_ref.rollout.agent
-        self.agent = AgentLoopManager(self.placement.rollout_workers, self.reward.dispatcher_factory(),
-                                      agent.num_workers * agent.max_batch_size * GENERATING_BATCHES_PER_WORKER,
-                                      self.reward.post_process, restore_worker=lambda w: self.ops.restore_worker(w),
-                                      restartable=not self.placement.hybrid)
-        self.ops = StepOps(cfg, self.modality, self.sampler, self.agent, self.reward, self.placement.actor_wg,
-                           self.placement.rollout_workers, self.placement.hybrid,
-                           last_checkpoint=self.latest_checkpoint, layout=self.placement.layout)
+        self.agent = AgentLoopManager(
+            self.placement.rollout_workers,
+            self.reward.dispatcher_factory(),
+            agent.num_workers * agent.max_batch_size * GENERATING_BATCHES_PER_WORKER,
+            self.reward.post_process,
+            restore_worker=lambda w: self.ops.restore_worker(w),
+            restartable=not self.placement.hybrid,
+        )
+        self.ops = StepOps(
+            cfg,
+            self.modality,
+            self.sampler,
+            self.agent,
+            self.reward,
+            self.placement.actor_wg,
+            self.placement.rollout_workers,
+            self.placement.hybrid,
+            last_checkpoint=self.latest_checkpoint,
+            layout=self.placement.layout,
+        )
         a = cfg.async_reward
         if a.fully_async:
             self.source = FullyAsync(self.ops, self.total_steps)
@@ -109,13 +125,21 @@ class RLTrainer:
         version = min(s.version for s in samples)
         # verl v1's staleness: the trained weights' version minus the version that generated the sample.
         staleness = np.array([step - s.version for s in samples], dtype=np.float64)
-        metrics = {**reward_metrics(samples, loss_mask), **advantage_metrics(samples), **actor_metrics, **timing,
-                   **self.agent.step_metrics(), **throughput_metrics(samples, timing["timing_s/step"], self.n_devices),
-                   "rollout/policy_version": float(version), "async_reward/policy_version_lag": float(step - version),
-                   "training/off_policy/trajectory_staleness/mean": float(staleness.mean()),
-                   "training/off_policy/trajectory_staleness/max": float(staleness.max()),
-                   "weight_sync/bytes": float(self.ops.take_sync_bytes()), **self.ops.take_corr_metrics(),
-                   **self.source.metrics(timing["timing_s/step"])}
+        metrics = {
+            **reward_metrics(samples, loss_mask),
+            **advantage_metrics(samples),
+            **actor_metrics,
+            **timing,
+            **self.agent.step_metrics(),
+            **throughput_metrics(samples, timing["timing_s/step"], self.n_devices),
+            "rollout/policy_version": float(version),
+            "async_reward/policy_version_lag": float(step - version),
+            "training/off_policy/trajectory_staleness/mean": float(staleness.mean()),
+            "training/off_policy/trajectory_staleness/max": float(staleness.max()),
+            "weight_sync/bytes": float(self.ops.take_sync_bytes()),
+            **self.ops.take_corr_metrics(),
+            **self.source.metrics(timing["timing_s/step"]),
+        }
         if self.cfg.actor_rollout_ref.model.modality == "text":
             metrics.update(response_length_metrics(samples, int(self.cfg.actor_rollout_ref.rollout.response_length)))
         self.last_timeline = timeline_record(step + 1, collection, samples, timer)
@@ -127,9 +151,16 @@ class RLTrainer:
         ``val_kwargs``; at noise level 0 deterministic ODE), scored; the first ``trainer.log_val_generations`` are
         written to ``{run_dir}/validation/step_XXXX.{png,jsonl}``."""
         n = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
-        samples = [Sample(index=i * n + k, uid=f"val-{i}", row=row,
-                          seed=sample_seed(self.cfg.trainer.seed, 0, i * n + k, SEED_VALIDATION))
-                   for i, row in enumerate(self.val_rows) for k in range(n)]
+        samples = [
+            Sample(
+                index=i * n + k,
+                uid=f"val-{i}",
+                row=row,
+                seed=sample_seed(self.cfg.trainer.seed, 0, i * n + k, SEED_VALIDATION),
+            )
+            for i, row in enumerate(self.val_rows)
+            for k in range(n)
+        ]
         sampling = self.modality.validation_sampling(self.cfg)
         if self.modality.uses_window:
             window = self._validation_window(sampling)
@@ -139,8 +170,9 @@ class RLTrainer:
         if any(s.outcome is None for s in samples):
             self.ops.score_colocated(samples, Timer())
         if self.cfg.trainer.log_val_generations > 0:
-            self.modality.save_samples(self.run_dir / "validation", step,
-                                       samples[: int(self.cfg.trainer.log_val_generations)])
+            self.modality.save_samples(
+                self.run_dir / "validation", step, samples[: int(self.cfg.trainer.log_val_generations)]
+            )
         return validation_metrics(samples)
 
     def _validation_window(self, sampling: dict) -> tuple[int, int]:
@@ -149,10 +181,15 @@ class RLTrainer:
         if not sampling.get("noise_level"):
             return 0, 0
         r = self.cfg.actor_rollout_ref.rollout
-        gen = torch.Generator().manual_seed(sample_seed(self.cfg.trainer.seed, VALIDATION_WINDOW_STEP, 0,
-                                                        SEED_VALIDATION))
-        w = sde_window(sampling.get("num_inference_steps", r.num_inference_steps), r.algo.sde_window_size,
-                       tuple(r.algo.sde_window_range), gen)
+        gen = torch.Generator().manual_seed(
+            sample_seed(self.cfg.trainer.seed, VALIDATION_WINDOW_STEP, 0, SEED_VALIDATION)
+        )
+        w = sde_window(
+            sampling.get("num_inference_steps", r.num_inference_steps),
+            r.algo.sde_window_size,
+            tuple(r.algo.sde_window_range),
+            gen,
+        )
         return w.start, w.stop
 
     def _ckpt_dir(self, step: int) -> Path:
@@ -204,8 +241,15 @@ class RLTrainer:
         t = self.cfg.trainer
         start = self.resume()
         self.ops.sync_weights(start)
-        logger = MetricsLogger(self.run_dir, list(t.logger), self.total_steps, start, label=t.experiment_name,
-                               project=t.project_name, config=OmegaConf.to_container(self.cfg, resolve=True))
+        logger = MetricsLogger(
+            self.run_dir,
+            list(t.logger),
+            self.total_steps,
+            start,
+            label=t.experiment_name,
+            project=t.project_name,
+            config=OmegaConf.to_container(self.cfg, resolve=True),
+        )
         try:
             if t.val_before_train and self.val_rows:  # logged at the starting step, as verl does
                 logger.log(start, self.validate_step(start), advance=False)

@@ -20,13 +20,17 @@ def reward_metrics(samples: list[Sample], loss_mask: torch.Tensor) -> dict[str, 
     compute = np.array([s.outcome.compute_s for s in samples])
     wait = np.array([s.outcome.wait_s for s in samples])
     m = {
-        "critic/rewards/mean": float(scores.mean()), "critic/rewards/max": float(scores.max()),
-        "critic/rewards/min": float(scores.min()), "critic/rewards/std": float(scores.std()),
-        "critic/rewards/std_mean": stats["std_mean"], "critic/rewards/zero_std_ratio": stats["zero_std_ratio"],
+        "critic/rewards/mean": float(scores.mean()),
+        "critic/rewards/max": float(scores.max()),
+        "critic/rewards/min": float(scores.min()),
+        "critic/rewards/std": float(scores.std()),
+        "critic/rewards/std_mean": stats["std_mean"],
+        "critic/rewards/zero_std_ratio": stats["zero_std_ratio"],
         "reward/failed": float(sum(s.outcome.status == "failed" for s in samples)),
         "reward/timed_out": float(sum(s.outcome.status == "timeout" for s in samples)),
         "reward/masked": float((~loss_mask.bool()).sum()),
-        "timing_s/reward_compute/mean": float(compute.mean()), "timing_s/reward_compute/max": float(compute.max()),
+        "timing_s/reward_compute/mean": float(compute.mean()),
+        "timing_s/reward_compute/max": float(compute.max()),
         "timing_s/reward_compute/p95": float(np.percentile(compute, 95)),
         "timing_s/reward_thread_wait/max": float(wait.max()),
     }
@@ -51,8 +55,9 @@ def validation_metrics(samples: list[Sample]) -> dict[str, float]:
 
     ok = [s for s in samples if s.outcome.ok]
     out: dict[str, float] = {"val-aux/reward/failed": float(len(samples) - len(ok))}
-    by_source = process_validation_metrics([s.row.data_source for s in ok], [s.uid for s in ok],
-                                           {"reward": [s.outcome.score for s in ok]})
+    by_source = process_validation_metrics(
+        [s.row.data_source for s in ok], [s.uid for s in ok], {"reward": [s.outcome.score for s in ok]}
+    )
     for source, per_var in by_source.items():
         for var, stats in per_var.items():
             n_max = max(int(name.split("@")[-1].split("/")[0]) for name in stats)
@@ -80,8 +85,11 @@ def advantage_metrics(samples: list[Sample]) -> dict[str, float]:
         return {}
     adv = np.array([s.advantage for s in kept])
     weight = np.array([len(getattr(s.result, "response_ids", [None])) for s in kept], dtype=float)
-    return {"critic/advantages/mean": float((adv * weight).sum() / max(weight.sum(), 1.0)),
-            "critic/advantages/max": float(adv.max()), "critic/advantages/min": float(adv.min())}
+    return {
+        "critic/advantages/mean": float((adv * weight).sum() / max(weight.sum(), 1.0)),
+        "critic/advantages/max": float(adv.max()),
+        "critic/advantages/min": float(adv.min()),
+    }
 
 
 def response_length_metrics(samples: list[Sample], max_length: int) -> dict[str, float]:
@@ -90,9 +98,12 @@ def response_length_metrics(samples: list[Sample], max_length: int) -> dict[str,
     lengths = np.array([len(s.result.response_ids) for s in samples if s.result is not None])
     if lengths.size == 0:
         return {}
-    return {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-            "response_length/min": float(lengths.min()),
-            "response_length/clip_ratio": float((lengths >= max_length).mean())}
+    return {
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/min": float(lengths.min()),
+        "response_length/clip_ratio": float((lengths >= max_length).mean()),
+    }
 
 
 def throughput_metrics(samples: list[Sample], step_s: float, n_devices: int) -> dict[str, float]:
@@ -106,5 +117,9 @@ def throughput_metrics(samples: list[Sample], step_s: float, n_devices: int) -> 
     else:
         units = float(len(samples))
         out = {"perf/total_num_images": units}
-    return {**out, "perf/time_per_step": step_s, "perf/throughput": units / (step_s * max(n_devices, 1)),
-            "perf/samples_per_s": len(samples) / step_s}
+    return {
+        **out,
+        "perf/time_per_step": step_s,
+        "perf/throughput": units / (step_s * max(n_devices, 1)),
+        "perf/samples_per_s": len(samples) / step_s,
+    }

@@ -49,8 +49,16 @@ def _default_env(defaults: dict[str, str]):
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, backends: list[str], total_steps: int, start_step: int = 0,
-                 label: str = "train", project: str = "omni_async", config: dict | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        backends: list[str],
+        total_steps: int,
+        start_step: int = 0,
+        label: str = "train",
+        project: str = "omni_async",
+        config: dict | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "metrics.jsonl"
@@ -60,12 +68,15 @@ class MetricsLogger:
         if backends := tracking_backends(list(backends)):
             from verl.utils.tracking import Tracking
 
-            env = {"TENSORBOARD_DIR": str(self.run_dir / "tensorboard"),
-                   "VERL_FILE_LOGGER_PATH": str(self.run_dir / "tracking.jsonl"),
-                   "WANDB_DIR": str(self.run_dir)}
+            env = {
+                "TENSORBOARD_DIR": str(self.run_dir / "tensorboard"),
+                "VERL_FILE_LOGGER_PATH": str(self.run_dir / "tracking.jsonl"),
+                "WANDB_DIR": str(self.run_dir),
+            }
             with _default_env(env):
-                self.tracking = Tracking(project_name=project, experiment_name=label, default_backend=backends,
-                                         config=config)
+                self.tracking = Tracking(
+                    project_name=project, experiment_name=label, default_backend=backends, config=config
+                )
         from tqdm import tqdm
 
         # A progress bar on a terminal only (disable=None): in logs verl's console lines say the same.
@@ -79,8 +90,13 @@ class MetricsLogger:
         if self.tracking is not None:
             self.tracking.log(data=metrics, step=step)
         if advance:
-            self.bar.set_postfix({k.split("/")[-1] if k != "timing_s/step" else "step_s": f"{metrics[k]:.3g}"
-                                  for k in _PROGRESS_KEYS if k in metrics})
+            self.bar.set_postfix(
+                {
+                    k.split("/")[-1] if k != "timing_s/step" else "step_s": f"{metrics[k]:.3g}"
+                    for k in _PROGRESS_KEYS
+                    if k in metrics
+                }
+            )
             self.bar.update(1)
 
     def close(self) -> None:

@@ -60,10 +60,13 @@ def place(cfg: DictConfig) -> Placement:
     lay = layout(cfg)
     if lay == "disaggregated":
         r = cfg.actor_rollout_ref.rollout
-        spec["rollout_pool"], mapping["rollout"] = [rollout_pool_size(cfg) // int(r.nnodes)] * int(r.nnodes), \
-            "rollout_pool"
-    pools = ResourcePoolManager(resource_pool_spec=spec, mapping=mapping,
-                                max_colocate_count=ACTOR_ROLLOUT_COLOCATE if lay == "split" else 1)
+        spec["rollout_pool"], mapping["rollout"] = (
+            [rollout_pool_size(cfg) // int(r.nnodes)] * int(r.nnodes),
+            "rollout_pool",
+        )
+    pools = ResourcePoolManager(
+        resource_pool_spec=spec, mapping=mapping, max_colocate_count=ACTOR_ROLLOUT_COLOCATE if lay == "split" else 1
+    )
     pools.create_resource_pool()
     actor_wg = _actor_worker_group(cfg, pools.get_resource_pool("actor"))
     reward_pool = pools.get_resource_pool("reward") if "reward" in mapping else None
@@ -102,10 +105,23 @@ def _rollout_replicas(cfg: DictConfig, pool: Any, device_share: float) -> list[A
     replicas = []
     for i in range(r.agent.num_workers):
         pg, index = bundles[i % len(bundles)]
-        replicas.append(replica_cls.options(
-            num_cpus=1, num_gpus=device_share, max_restarts=ROLLOUT_MAX_RESTARTS, max_task_retries=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index),
-        ).remote(m.modality, OmegaConf.to_container(m, resolve=True), vars(modality.sampling_config(cfg)),
-                 r.agent.max_batch_size, r.agent.max_wait_ms, rollout_server,
-                 cfg.actor_rollout_ref.actor.fsdp_config.model_dtype))
+        replicas.append(
+            replica_cls.options(
+                num_cpus=1,
+                num_gpus=device_share,
+                max_restarts=ROLLOUT_MAX_RESTARTS,
+                max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=index
+                ),
+            ).remote(
+                m.modality,
+                OmegaConf.to_container(m, resolve=True),
+                vars(modality.sampling_config(cfg)),
+                r.agent.max_batch_size,
+                r.agent.max_wait_ms,
+                rollout_server,
+                cfg.actor_rollout_ref.actor.fsdp_config.model_dtype,
+            )
+        )
     return replicas

@@ -69,8 +69,10 @@ class PoolSync:
     def _form_group(self) -> None:
         address, port = ray.get(self.rank0.weight_group_address.remote())
         world = 1 + len(self.workers)
-        ray.get([self.rank0.join_weight_group.remote(address, port, world)]
-                + [w.join_weight_group.remote(address, port, i + 1, world) for i, w in enumerate(self.workers)])
+        ray.get(
+            [self.rank0.join_weight_group.remote(address, port, world)]
+            + [w.join_weight_group.remote(address, port, i + 1, world) for i, w in enumerate(self.workers)]
+        )
         self._group_ok = True
 
     def _broadcast(self) -> int:

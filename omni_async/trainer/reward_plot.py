@@ -59,8 +59,15 @@ def plot_reward(run_dir: str | Path, out: str | Path | None = None, title: str |
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     if all(STD in r for r in rows):
         std = np.array([r[STD] for r in rows])
-        ax.fill_between(steps, np.fmax(mean - std, lo), np.fmin(mean + std, hi), color="C0", alpha=0.2,
-                        linewidth=0, label="± std over the step's samples")
+        ax.fill_between(
+            steps,
+            np.fmax(mean - std, lo),
+            np.fmin(mean + std, hi),
+            color="C0",
+            alpha=0.2,
+            linewidth=0,
+            label="± std over the step's samples",
+        )
     else:  # runs from before critic/rewards/std was logged
         ax.fill_between(steps, lo, hi, color="C0", alpha=0.15, linewidth=0, label="min – max over samples")
     ax.plot(steps, mean, "-", color="C0", linewidth=1.8, label="train reward mean")
@@ -69,8 +76,7 @@ def plot_reward(run_dir: str | Path, out: str | Path | None = None, title: str |
         ax.plot(*zip(*val, strict=True), "s--", color="C3", markersize=5, label="validation reward mean")
     first, last = first_last(list(mean))
     k = min(3, len(mean))
-    ax.set_title(title or f"{Path(run_dir).name}: first {k} steps {first:.3f} → last {k} steps {last:.3f}",
-                 fontsize=10)
+    ax.set_title(title or f"{Path(run_dir).name}: first {k} steps {first:.3f} → last {k} steps {last:.3f}", fontsize=10)
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)

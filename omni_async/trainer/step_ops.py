@@ -47,14 +47,26 @@ def minibatches(batch: DataProto, prompts_per_minibatch: int) -> list[DataProto]
     for i, u in enumerate(batch.non_tensor_batch["uid"]):
         groups[u].append(i)
     order = list(groups)
-    return [batch.select_idxs(np.array([i for u in order[k:k + prompts_per_minibatch] for i in groups[u]]))
-            for k in range(0, len(order), prompts_per_minibatch)]
+    return [
+        batch.select_idxs(np.array([i for u in order[k : k + prompts_per_minibatch] for i in groups[u]]))
+        for k in range(0, len(order), prompts_per_minibatch)
+    ]
 
 
 class StepOps:
-    def __init__(self, cfg: DictConfig, modality: Modality, sampler: PromptSampler, agent: AgentLoopManager,
-                 reward: RewardSide, actor_wg: Any, rollout_workers: list[Any], hybrid: bool = False,
-                 last_checkpoint=lambda: None, layout: str | None = None):
+    def __init__(
+        self,
+        cfg: DictConfig,
+        modality: Modality,
+        sampler: PromptSampler,
+        agent: AgentLoopManager,
+        reward: RewardSide,
+        actor_wg: Any,
+        rollout_workers: list[Any],
+        hybrid: bool = False,
+        last_checkpoint=lambda: None,
+        layout: str | None = None,
+    ):
         self.cfg, self.modality, self.sampler, self.agent, self.reward = cfg, modality, sampler, agent, reward
         self.actor_wg, self.rollout_workers, self.hybrid = actor_wg, rollout_workers, hybrid
         self.layout = layout or ("hybrid" if hybrid else "split")
@@ -87,9 +99,17 @@ class StepOps:
 
     def make_samples(self, step: int, rows: list) -> list[Sample]:
         n = self.cfg.actor_rollout_ref.rollout.n
-        return [Sample(index=i, uid=f"{step}-{p}", row=row, seed=sample_seed(self.cfg.trainer.seed, step, i),
-                       window=self.window(step, i))
-                for p, row in enumerate(rows) for i in range(p * n, p * n + n)]
+        return [
+            Sample(
+                index=i,
+                uid=f"{step}-{p}",
+                row=row,
+                seed=sample_seed(self.cfg.trainer.seed, step, i),
+                window=self.window(step, i),
+            )
+            for p, row in enumerate(rows)
+            for i in range(p * n, p * n + n)
+        ]
 
     def start_collection(self, step: int) -> Collection:
         """Draw step ``step``'s prompts and start generating (and, when streaming, scoring) its samples."""
@@ -174,7 +194,8 @@ class StepOps:
             errors = sorted({s.outcome.error for s in samples if s.outcome is not None and not s.outcome.ok})
             raise RewardFailureError(
                 f"step {step}: {ratio:.0%} of samples got no reward (reward.max_failure_ratio={r.max_failure_ratio}, "
-                f"on_failure={r.on_failure}) from scorer {self.reward.scorer_names}; first errors: {errors[:3]}")
+                f"on_failure={r.on_failure}) from scorer {self.reward.scorer_names}; first errors: {errors[:3]}"
+            )
 
     # ---- update -------------------------------------------------------------------------------------------------
     def build_batch(self, samples: list[Sample]) -> DataProto:
@@ -184,15 +205,22 @@ class StepOps:
         algo = self.cfg.algorithm
         batch = DataProto.from_dict(
             tensors=self.modality.batch_tensors(samples),
-            non_tensors={"prompt": np.array([s.row.prompt for s in samples], dtype=object),
-                         "uid": np.array([s.uid for s in samples], dtype=object),
-                         "index": np.array([s.index for s in samples], dtype=np.int64)},
+            non_tensors={
+                "prompt": np.array([s.row.prompt for s in samples], dtype=object),
+                "uid": np.array([s.uid for s in samples], dtype=object),
+                "index": np.array([s.index for s in samples], dtype=np.int64),
+            },
         )
-        adv, loss_mask = group_advantages(batch.batch["rm_scores"].sum(-1), [s.uid for s in samples],
-                                          torch.tensor([s.outcome.ok for s in samples]),
-                                          epsilon=algo.adv_std_eps, std_unbiased=algo.adv_std_unbiased,
-                                          norm_by_std=algo.norm_adv_by_std_in_grpo, global_std=algo.global_std,
-                                          adv_clip_max=algo.adv_clip_max)
+        adv, loss_mask = group_advantages(
+            batch.batch["rm_scores"].sum(-1),
+            [s.uid for s in samples],
+            torch.tensor([s.outcome.ok for s in samples]),
+            epsilon=algo.adv_std_eps,
+            std_unbiased=algo.adv_std_unbiased,
+            norm_by_std=algo.norm_adv_by_std_in_grpo,
+            global_std=algo.global_std,
+            adv_clip_max=algo.adv_clip_max,
+        )
         if algo.drop_zero_adv_samples:  # flow_grpo filters them out of the batch: the loss mean runs over the rest
             loss_mask = loss_mask & (adv != 0)
         batch.batch["advantages"], batch.batch["loss_mask"] = adv, loss_mask
@@ -221,14 +249,22 @@ class StepOps:
 
         old = batch.batch["old_log_probs"]
         keep = batch.batch["loss_mask"].bool()[:, None]
-        mask = (batch.batch["response_mask"].bool() if "response_mask" in batch.batch.keys()
-                else torch.ones_like(old, dtype=torch.bool)) & keep
+        mask = (
+            batch.batch["response_mask"].bool()
+            if "response_mask" in batch.batch.keys()
+            else torch.ones_like(old, dtype=torch.bool)
+        ) & keep
         if not mask.any():  # nothing in the loss: nothing to correct
             return
         weights, rs_mask, metrics = compute_rollout_correction_and_rejection_mask(
-            old_log_prob=old.float(), rollout_log_prob=rollout_log_probs.float(), response_mask=mask.float(),
-            rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold, rollout_rs=rc.rollout_rs,
-            rollout_rs_threshold=rc.rollout_rs_threshold)
+            old_log_prob=old.float(),
+            rollout_log_prob=rollout_log_probs.float(),
+            response_mask=mask.float(),
+            rollout_is=rc.rollout_is,
+            rollout_is_threshold=rc.rollout_is_threshold,
+            rollout_rs=rc.rollout_rs,
+            rollout_rs_threshold=rc.rollout_rs_threshold,
+        )
         if weights is not None:
             batch.batch["rollout_is_weights"] = weights.batch["rollout_is_weights"]
         if rc.rollout_rs is not None:
@@ -287,4 +323,5 @@ class StepOps:
         return ActorRankDiedError(
             f"an actor rank died during {during} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); its "
             f"optimizer state is lost. Last checkpoint: {ckpt or 'none yet'}. Rerun the same command with "
-            "trainer.resume_mode=auto to continue from it")
+            "trainer.resume_mode=auto to continue from it"
+        )

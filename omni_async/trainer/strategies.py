@@ -123,10 +123,20 @@ class FullyAsync:
         pos = self.resume_position or {}
         if pos.get("sampler") is not None:
             self.ops.sampler.load_state_dict(pos["sampler"])
-        self.rollouter = self.ops.agent.on_loop(lambda: Rollouter(
-            self.ops.agent, self._draw, self.ops.sampler.state_dict, cap=self.cap, bound=self.bound,
-            wait_for_stale=self.wait_for_stale, groups_to_train=(self.total_steps - step) * self.n,
-            rollout_version=step, first_draw=int(pos.get("draw", 0)), finished=pos.get("finished")))
+        self.rollouter = self.ops.agent.on_loop(
+            lambda: Rollouter(
+                self.ops.agent,
+                self._draw,
+                self.ops.sampler.state_dict,
+                cap=self.cap,
+                bound=self.bound,
+                wait_for_stale=self.wait_for_stale,
+                groups_to_train=(self.total_steps - step) * self.n,
+                rollout_version=step,
+                first_draw=int(pos.get("draw", 0)),
+                finished=pos.get("finished"),
+            )
+        )
         self.ops.agent.call(self.rollouter.start())
         self._t_metrics = time.perf_counter()
 

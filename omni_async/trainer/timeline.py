@@ -11,8 +11,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-SAMPLE_PHASES = (("generate", "gen_start", "gen_end", "tab:blue"), ("queued", "queued", "sent", "tab:orange"),
-                 ("scoring", "sent", "scored", "tab:green"))
+SAMPLE_PHASES = (
+    ("generate", "gen_start", "gen_end", "tab:blue"),
+    ("queued", "queued", "sent", "tab:orange"),
+    ("scoring", "sent", "scored", "tab:green"),
+)
 
 
 def timeline_record(step: int, collection, samples, timer) -> dict[str, Any]:
@@ -56,8 +59,11 @@ def draw_timeline(record: dict[str, Any], out: Path) -> Path:
         y = len(samples) + k
         for p in (p for p in record["trainer"] if p["phase"] == phase):
             ax.barh(y, p["end"] - p["start"], left=p["start"] - t0, color="tab:gray", height=0.8)
-    ax.set_yticks(range(rows), [f"sample {s['index']} ({s['uid']})" for s in samples] + [f"trainer: {p}" for p in phases],
-                  fontsize=6)
+    ax.set_yticks(
+        range(rows),
+        [f"sample {s['index']} ({s['uid']})" for s in samples] + [f"trainer: {p}" for p in phases],
+        fontsize=6,
+    )
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the step's rollout started")
     ax.set_title(f"step {record['step']}")

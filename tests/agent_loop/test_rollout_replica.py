@@ -25,7 +25,9 @@ def test_replica_batches_requests_and_reports_versions():
         rep = ray.remote(RolloutReplica).remote("image", MODEL, SAMPLING, 4, 1000.0)
         seeds = [sample_seed(42, 0, i) for i in range(6)]
         windows = [(i % 2, i % 2 + 2) for i in range(6)]  # per-sample windows of one length share device batches
-        outs = ray.get([rep.generate.remote(f"p{i}", s, w) for i, (s, w) in enumerate(zip(seeds, windows, strict=True))])
+        outs = ray.get(
+            [rep.generate.remote(f"p{i}", s, w) for i, (s, w) in enumerate(zip(seeds, windows, strict=True))]
+        )
         assert sorted(ray.get(rep.stats.remote())["batch_sizes"]) == [2, 4]  # 6 concurrent requests, max batch 4
         assert {o.version for o in outs} == {0}
         assert [o.result.window_start for o in outs] == [w[0] for w in windows]
@@ -37,8 +39,9 @@ def test_replica_batches_requests_and_reports_versions():
         assert np.allclose(again.result.window_latents, outs[5].result.window_latents, atol=1e-5)
         assert np.allclose(again.result.log_probs, outs[5].result.log_probs, atol=1e-5)
 
-        policy = DiffusionPolicy("tiny:sd3", SamplingConfig(**SAMPLING), lora_rank=4, lora_alpha=8,
-                                 target_modules=["to_q", "to_v"])
+        policy = DiffusionPolicy(
+            "tiny:sd3", SamplingConfig(**SAMPLING), lora_rank=4, lora_alpha=8, target_modules=["to_q", "to_v"]
+        )
         state = {k: v + 0.1 for k, v in policy.weights_state_dict().items()}
         assert ray.get(rep.set_weights.remote(state, 3)) == 3
         updated = ray.get(rep.generate.remote("p5", seeds[5], windows[5]))

@@ -35,18 +35,37 @@ class Pool:
 def draws(group_size: int, batch: int):
     def draw(d: int):
         row = PromptRow(prompt="p", data_source="x", ground_truth="", extra_info={})
-        return {"d": d}, [Sample(index=i, uid=f"{d}-{i // group_size}", row=row, seed=i)
-                          for i in range(batch * group_size)]
+        return {"d": d}, [
+            Sample(index=i, uid=f"{d}-{i // group_size}", row=row, seed=i) for i in range(batch * group_size)
+        ]
+
     return draw
 
 
-async def train(staleness: float, k: int, r: int, m: int, steps: int, strategy: str, seed: int, tail: float,
-                threshold: int | None = None):
+async def train(
+    staleness: float,
+    k: int,
+    r: int,
+    m: int,
+    steps: int,
+    strategy: str,
+    seed: int,
+    tail: float,
+    threshold: int | None = None,
+):
     rng = random.Random(seed)
     pool, n = Pool(rng, tail), r * m
     cap, bound = effective_bound(groups_per_window(staleness, k, r, m), n, threshold)
-    rollouter = Rollouter(pool, draws(2, 3), lambda: {}, cap=cap, bound=bound, wait_for_stale=strategy == "wait",
-                          groups_to_train=steps * n, rollout_version=0)
+    rollouter = Rollouter(
+        pool,
+        draws(2, 3),
+        lambda: {},
+        cap=cap,
+        bound=bound,
+        wait_for_stale=strategy == "wait",
+        groups_to_train=steps * n,
+        rollout_version=0,
+    )
     await rollouter.start()
     lags, trained, peak_window = [], [], 0
     for step in range(steps):
@@ -63,8 +82,10 @@ async def train(staleness: float, k: int, r: int, m: int, steps: int, strategy: 
     return lags, trained, rollouter, cap, bound, peak_window
 
 
-@pytest.mark.parametrize(("staleness", "k", "r", "m"), [(0, 1, 1, 2), (0.5, 1, 1, 2), (1, 1, 2, 1), (1, 2, 1, 2),
-                                                        (2, 1, 1, 1), (3, 2, 1, 1), (0.1, 4, 1, 2)])
+@pytest.mark.parametrize(
+    ("staleness", "k", "r", "m"),
+    [(0, 1, 1, 2), (0.5, 1, 1, 2), (1, 1, 2, 1), (1, 2, 1, 2), (2, 1, 1, 1), (3, 2, 1, 1), (0.1, 4, 1, 2)],
+)
 def test_lag_never_passes_the_bound_and_every_group_is_trained_once(staleness, k, r, m):
     lags, trained, rollouter, cap, bound, peak = asyncio.run(train(staleness, k, r, m, 120, "wait", 0, 0.1))
     assert max(lags) <= bound == lag_bound(cap, r * m)

@@ -30,8 +30,11 @@ def model_dir(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("qwen_like") / "model"
     shutil.copytree(resolve_model_path("tiny:qwen2"), out)
     cfg = out / "generation_config.json"
-    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "top_k": 20, "top_p": 0.8,
-                               "repetition_penalty": 1.05, "temperature": 0.7}))
+    cfg.write_text(
+        json.dumps(
+            {**json.loads(cfg.read_text()), "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05, "temperature": 0.7}
+        )
+    )
     return str(out)
 
 
@@ -44,7 +47,8 @@ def vllm_python(tmp_path_factory) -> str:
     for d in (root / "vllm", root / "vllm" / "entrypoints", pkg):
         (d / "__init__.py").write_text("")
     (pkg / "api_server.py").write_text(
-        f"import sys\nsys.path.insert(0, {str(HERE)!r})\nfrom vllm_api_server import main\nmain()\n")
+        f"import sys\nsys.path.insert(0, {str(HERE)!r})\nfrom vllm_api_server import main\nmain()\n"
+    )
     wrapper = root / "python"
     wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{root}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{sys.executable}" "$@"\n')
     wrapper.chmod(0o755)
@@ -52,18 +56,44 @@ def vllm_python(tmp_path_factory) -> str:
 
 
 def test_standin_refuses_a_max_lora_rank_vllm_refuses(vllm_python):
-    r = subprocess.run([sys.executable, str(STANDIN), "--model", "unused", "--max-lora-rank", "48"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(STANDIN), "--model", "unused", "--max-lora-rank", "48"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "argument --max-lora-rank: invalid choice: 48" in r.stderr
     # Through the launcher the rollout uses, that is a start-up failure.
     with pytest.raises(RuntimeError, match="exited with code 2 during start-up"):
-        start_vllm([vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", "unused",
-                    "--max-lora-rank", "48", "--port", "9"], "http://127.0.0.1:9", "k", startup_timeout_s=120)
+        start_vllm(
+            [
+                vllm_python,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                "unused",
+                "--max-lora-rank",
+                "48",
+                "--port",
+                "9",
+            ],
+            "http://127.0.0.1:9",
+            "k",
+            startup_timeout_s=120,
+        )
 
 
 def test_judge_server_args_rank_is_rounded():
-    cmd = server_command({"server_python": "py", "tensor_model_parallel_size": 1, "gpu_memory_utilization": 0.5,
-                          "server_args": ["--enable-lora", "--max-lora-rank", 48]}, "m", 8000)
+    cmd = server_command(
+        {
+            "server_python": "py",
+            "tensor_model_parallel_size": 1,
+            "gpu_memory_utilization": 0.5,
+            "server_args": ["--enable-lora", "--max-lora-rank", 48],
+        },
+        "m",
+        8000,
+    )
     assert cmd[cmd.index("--max-lora-rank") + 1] == "64"
 
 
@@ -71,8 +101,14 @@ def test_launched_rollout_server_rank_48_and_processed_logprobs(model_dir, vllm_
     """Rank 48 -> --max-lora-rank 64 (the stand-in would exit on 48), the rank-48 adapter loads, and at temperature
     0.7 the samples and their log-probs are the actor's (the stand-in is raw unless launched in processed mode)."""
     sampling = TextSamplingConfig(response_length=8, temperature=0.7)
-    c = VLLMTextPolicy(model_dir, sampling, lora_rank=48, lora_alpha=96, target_modules=MODULES,
-                       server={"server_python": vllm_python, "gpu_memory_utilization": 0.5, "server_args": []})
+    c = VLLMTextPolicy(
+        model_dir,
+        sampling,
+        lora_rank=48,
+        lora_alpha=96,
+        target_modules=MODULES,
+        server={"server_python": vllm_python, "gpu_memory_utilization": 0.5, "server_args": []},
+    )
     try:
         torch.manual_seed(0)
         reference = TextPolicy(model_dir, sampling, lora_rank=48, lora_alpha=96, target_modules=MODULES)

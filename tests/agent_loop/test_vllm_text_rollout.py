@@ -50,14 +50,22 @@ def model_dir(tmp_path_factory) -> str:
 
 def actor(model_dir: str, temperature: float = 0.7, response_length: int = 8, lora_rank: int = 4) -> TextPolicy:
     torch.manual_seed(0)
-    return TextPolicy(model_dir, TextSamplingConfig(response_length=response_length, temperature=temperature),
-                      **{**LORA, "lora_rank": lora_rank})
+    return TextPolicy(
+        model_dir,
+        TextSamplingConfig(response_length=response_length, temperature=temperature),
+        **{**LORA, "lora_rank": lora_rank},
+    )
 
 
-def client(model_dir: str, url: str, temperature: float = 0.7, response_length: int = 8,
-           lora_rank: int = 4) -> VLLMTextPolicy:
-    return VLLMTextPolicy(model_dir, TextSamplingConfig(response_length=response_length, temperature=temperature),
-                          **{**LORA, "lora_rank": lora_rank}, server={"server_url": url})
+def client(
+    model_dir: str, url: str, temperature: float = 0.7, response_length: int = 8, lora_rank: int = 4
+) -> VLLMTextPolicy:
+    return VLLMTextPolicy(
+        model_dir,
+        TextSamplingConfig(response_length=response_length, temperature=temperature),
+        **{**LORA, "lora_rank": lora_rank},
+        server={"server_url": url},
+    )
 
 
 def recompute(policy: TextPolicy, rec: TextResult) -> torch.Tensor:
@@ -82,8 +90,15 @@ def test_samples_are_the_actors_distribution_at_temperature_07(model_dir):
 
         # The stand-in does apply the generation config to what a request omits: the same request without the
         # pinned fields samples from another distribution (the log-probs of the top-k/top-p-renormalised one).
-        unpinned = {"model": "base", "prompt": got[0].prompt_ids, "max_tokens": 8, "temperature": 0.7,
-                    "seed": 11, "logprobs": 0, "return_tokens_as_token_ids": True}
+        unpinned = {
+            "model": "base",
+            "prompt": got[0].prompt_ids,
+            "max_tokens": 8,
+            "temperature": 0.7,
+            "seed": 11,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
         lp = httpx.post(f"{server.url}/v1/completions", json=unpinned).json()["choices"][0]["logprobs"]
         ids = [int(t.split(":")[1]) for t in lp["tokens"]]
         other = recompute(reference, TextResult(got[0].prompt_ids, ids, "", torch.zeros(len(ids))))
@@ -170,16 +185,24 @@ def test_max_lora_rank_is_one_vllm_accepts(model_dir):
     assert [vllm_max_lora_rank(r, "k") for r in (1, 2, 8, 9, 48, 64, 300, 512)] == [1, 8, 8, 16, 64, 64, 320, 512]
     with pytest.raises(ValueError, match="k=513"):
         vllm_max_lora_rank(513, "k")
-    assert normalize_server_args(["--max-lora-rank", 48, "--max-lora-rank=100", "--x", 3], "k") == \
-        ["--max-lora-rank", "64", "--max-lora-rank=128", "--x", "3"]
+    assert normalize_server_args(["--max-lora-rank", 48, "--max-lora-rank=100", "--x", 3], "k") == [
+        "--max-lora-rank",
+        "64",
+        "--max-lora-rank=128",
+        "--x",
+        "3",
+    ]
     with pytest.raises(ValueError, match="below the LoRA rank 48"):
         normalize_server_args(["--max-lora-rank", "32"], "k", min_lora_rank=48)
 
     with pytest.raises(ValueError, match="max_lora_rank"):  # the stand-in refuses 48 as vLLM does
         make_app(actor(model_dir), model_path=model_dir, max_lora_rank=48)
     # An adapter above --max-lora-rank is refused when it is loaded.
-    server = ThreadServer(make_app(actor(model_dir, lora_rank=16), model_path=model_dir, max_lora_rank=8,
-                                   logprobs_mode="processed_logprobs"))
+    server = ThreadServer(
+        make_app(
+            actor(model_dir, lora_rank=16), model_path=model_dir, max_lora_rank=8, logprobs_mode="processed_logprobs"
+        )
+    )
     try:
         c = client(model_dir, server.url, lora_rank=16)
         with pytest.raises(RuntimeError, match="LoRA rank 16 is greater than max_lora_rank 8"):
@@ -196,8 +219,12 @@ def test_vllm_rollout_in_a_replica_samples_concurrently_and_hot_loads_lora(model
     shutdown_ray()
     init_ray(num_gpus=0, num_cpus=4)
     try:
-        rollout_server = {"server_python": "unused", "server_url": server.url, "gpu_memory_utilization": 0.5,
-                          "server_args": []}
+        rollout_server = {
+            "server_python": "unused",
+            "server_url": server.url,
+            "gpu_memory_utilization": 0.5,
+            "server_args": [],
+        }
         rep = ray.remote(RolloutReplica).remote("text", model, sampling, 4, 50.0, rollout_server)
         reference = actor(model_dir)
         out = ray.get([rep.generate.remote(p, s, None) for p, s in zip(PROMPTS, [11, 12, 13, 14], strict=True)])
@@ -223,8 +250,12 @@ def test_vllm_rollout_in_a_replica_samples_concurrently_and_hot_loads_lora(model
 
 def test_vllm_rollout_config_checks():
     base = ["data.train_files=x.jsonl", "actor_rollout_ref.rollout.name=vllm"]
-    validate(compose(base + ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.hybrid_engine=false"],
-                     config_name="grpo_text_trainer"))
+    validate(
+        compose(
+            base + ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.hybrid_engine=false"],
+            config_name="grpo_text_trainer",
+        )
+    )
     with pytest.raises(ConfigError, match="actor_rollout_ref.hybrid_engine"):  # vLLM generates in its own server
         validate(compose(base + ["actor_rollout_ref.model.lora_rank=8"], config_name="grpo_text_trainer"))
     for overrides, key in ((["actor_rollout_ref.model.lora_rank=0"], "lora_rank"), ([], "rollout.name")):

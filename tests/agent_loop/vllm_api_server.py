@@ -49,9 +49,19 @@ LOGPROBS_MODES = ("raw_logits", "raw_logprobs", "processed_logits", "processed_l
 # The generation_config.json keys vLLM turns into default sampling parameters.
 GENERATION_CONFIG_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 # SamplingParams defaults when neither the request nor the generation config sets a field.
-VLLM_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-                 "presence_penalty": 0.0, "frequency_penalty": 0.0, "max_tokens": 16, "ignore_eos": False,
-                 "stop_token_ids": None, "seed": None}
+VLLM_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "max_tokens": 16,
+    "ignore_eos": False,
+    "stop_token_ids": None,
+    "seed": None,
+}
 
 
 @dataclass
@@ -76,9 +86,18 @@ def read_generation_config(model_path: str | None, mode: str) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def make_app(policy=None, *, model_path: str | None = None, max_lora_rank: int = 16,
-             logprobs_mode: str = "raw_logprobs", generation_config: str = "auto", enable_lora: bool = True,
-             runtime_lora_updating: bool = True, served_model_name: str = "base", policy_factory=None) -> FastAPI:
+def make_app(
+    policy=None,
+    *,
+    model_path: str | None = None,
+    max_lora_rank: int = 16,
+    logprobs_mode: str = "raw_logprobs",
+    generation_config: str = "auto",
+    enable_lora: bool = True,
+    runtime_lora_updating: bool = True,
+    served_model_name: str = "base",
+    policy_factory=None,
+) -> FastAPI:
     """``policy``: a ``TextPolicy`` whose LoRA layout the adapters match; or ``policy_factory(r, alpha, modules)``
     builds one per adapter layout (the command-line server). ``model_path``: where ``generation_config.json`` is."""
     if max_lora_rank not in MAX_LORA_RANKS:  # vLLM refuses it before serving anything
@@ -86,8 +105,14 @@ def make_app(policy=None, *, model_path: str | None = None, max_lora_rank: int =
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode {logprobs_mode!r} must be one of {LOGPROBS_MODES}")
     gen = read_generation_config(model_path, generation_config)
-    defaults = {**VLLM_DEFAULTS, **{("max_tokens" if k == "max_new_tokens" else k): gen[k]
-                                    for k in GENERATION_CONFIG_KEYS if gen.get(k) is not None}}
+    defaults = {
+        **VLLM_DEFAULTS,
+        **{
+            ("max_tokens" if k == "max_new_tokens" else k): gen[k]
+            for k in GENERATION_CONFIG_KEYS
+            if gen.get(k) is not None
+        },
+    }
     gen_eos = gen.get("eos_token_id")
     gen_eos = set() if gen_eos is None else {int(e) for e in (gen_eos if isinstance(gen_eos, list) else [gen_eos])}
 
@@ -119,6 +144,7 @@ def make_app(policy=None, *, model_path: str | None = None, max_lora_rank: int =
         return {"object": "list", "data": [{"id": n, "object": "model"} for n in [served_model_name, *adapters]]}
 
     if enable_lora and runtime_lora_updating:
+
         @app.post("/v1/load_lora_adapter")
         async def load(request: Request):
             body = await request.json()
@@ -138,8 +164,9 @@ def make_app(policy=None, *, model_path: str | None = None, max_lora_rank: int =
             state = {k.removeprefix("base_model.model."): v for k, v in state.items()}
             for k, v in state.items():  # the tensors must have the rank the config claims
                 if "lora_A" in k and v.shape[0] != layout[0] or "lora_B" in k and v.shape[1] != layout[0]:
-                    return error(f"Loading lora {name} failed: {k} has shape {tuple(v.shape)}, not rank {layout[0]}",
-                                 400)
+                    return error(
+                        f"Loading lora {name} failed: {k} has shape {tuple(v.shape)}, not rank {layout[0]}", 400
+                    )
             with lock:
                 adapters[name] = (layout, state)
                 stats.loaded.append(name)
@@ -196,7 +223,7 @@ def make_app(policy=None, *, model_path: str | None = None, max_lora_rank: int =
         mask, cur, past = torch.ones_like(ids), ids, None
         out_tokens, out_lps, finish = [], [], "length"
         for _ in range(int(p["max_tokens"])):
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -cur.shape[1]:]
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -cur.shape[1] :]
             out = model(input_ids=cur, attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True)
             past = out.past_key_values
             logits = out.logits[0, -1].float()
@@ -226,8 +253,12 @@ def make_app(policy=None, *, model_path: str | None = None, max_lora_rank: int =
                     x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
                 logp = torch.log_softmax(x, -1)
                 nxt = int(torch.multinomial(logp.exp(), 1, generator=gen)[0])
-            lp = {"raw_logprobs": torch.log_softmax(raw, -1)[nxt], "raw_logits": raw[nxt],
-                  "processed_logprobs": logp[nxt], "processed_logits": x[nxt]}[logprobs_mode]
+            lp = {
+                "raw_logprobs": torch.log_softmax(raw, -1)[nxt],
+                "raw_logits": raw[nxt],
+                "processed_logprobs": logp[nxt],
+                "processed_logits": x[nxt],
+            }[logprobs_mode]
             out_tokens.append(nxt)
             out_lps.append(float(lp))
             if nxt in stop:
@@ -235,8 +266,12 @@ def make_app(policy=None, *, model_path: str | None = None, max_lora_rank: int =
                 break
             cur = torch.tensor([[nxt]])
             mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype)], dim=1)
-        return {"tokens": out_tokens, "logprobs": out_lps, "finish_reason": finish,
-                "text": tok.decode(out_tokens, skip_special_tokens=True)}
+        return {
+            "tokens": out_tokens,
+            "logprobs": out_lps,
+            "finish_reason": finish,
+            "text": tok.decode(out_tokens, skip_special_tokens=True),
+        }
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -261,12 +296,20 @@ def make_app(policy=None, *, model_path: str | None = None, max_lora_rank: int =
                 return error(f"LoRA adapter `{name}` was unloaded while the request was running.", 500)
             want_ids = body.get("return_tokens_as_token_ids")
             tokens = [f"token_id:{t}" if want_ids else base.tok.decode([t]) for t in res["tokens"]]
-            logprobs = None if body.get("logprobs") is None else {
-                "tokens": tokens, "token_logprobs": res["logprobs"], "top_logprobs": None, "text_offset": []}
-            return {"id": f"cmpl-{len(stats.requests)}", "object": "text_completion", "model": name,
-                    "choices": [{"index": 0, "text": res["text"], "logprobs": logprobs,
-                                 "finish_reason": res["finish_reason"]}],
-                    "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(res["tokens"])}}
+            logprobs = (
+                None
+                if body.get("logprobs") is None
+                else {"tokens": tokens, "token_logprobs": res["logprobs"], "top_logprobs": None, "text_offset": []}
+            )
+            return {
+                "id": f"cmpl-{len(stats.requests)}",
+                "object": "text_completion",
+                "model": name,
+                "choices": [
+                    {"index": 0, "text": res["text"], "logprobs": logprobs, "finish_reason": res["finish_reason"]}
+                ],
+                "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(res["tokens"])},
+            }
         finally:
             stats.in_flight -= 1
 
@@ -300,16 +343,27 @@ def main(argv: list[str] | None = None) -> None:
         torch.manual_seed(0)
         return TextPolicy(args.model, TextSamplingConfig(), lora_rank=r, lora_alpha=alpha, target_modules=modules)
 
-    app = make_app(model_path=args.model, max_lora_rank=args.max_lora_rank, logprobs_mode=args.logprobs_mode,
-                   generation_config=args.generation_config, enable_lora=args.enable_lora,
-                   runtime_lora_updating=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower()
-                   in ("1", "true"), served_model_name=args.served_model_name or args.model, policy_factory=factory)
+    app = make_app(
+        model_path=args.model,
+        max_lora_rank=args.max_lora_rank,
+        logprobs_mode=args.logprobs_mode,
+        generation_config=args.generation_config,
+        enable_lora=args.enable_lora,
+        runtime_lora_updating=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+        served_model_name=args.served_model_name or args.model,
+        policy_factory=factory,
+    )
 
     @app.get("/stats")  # the stand-in's own route, for tests of a server in another process
     async def stats():
         s = app.state.stats
-        return {"max_in_flight": s.max_in_flight, "loaded": s.loaded, "loads": s.loads, "unloads": s.unloads,
-                "requests": s.requests}
+        return {
+            "max_in_flight": s.max_in_flight,
+            "loaded": s.loaded,
+            "loads": s.loads,
+            "unloads": s.unloads,
+            "requests": s.requests,
+        }
 
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

@@ -87,8 +87,15 @@ def test_loss_clipping_hand_computed():
 
 def test_loss_mask_and_kl():
     lp = torch.zeros(3, requires_grad=True)
-    loss, m = flow_grpo_loss(lp, torch.zeros(3), torch.tensor([1.0, 1.0, 100.0]), torch.tensor([1, 1, 0]),
-                             clip_ratio=0.2, kl=torch.tensor([0.2, 0.4, 50.0]), kl_coef=0.5)
+    loss, m = flow_grpo_loss(
+        lp,
+        torch.zeros(3),
+        torch.tensor([1.0, 1.0, 100.0]),
+        torch.tensor([1, 1, 0]),
+        clip_ratio=0.2,
+        kl=torch.tensor([0.2, 0.4, 50.0]),
+        kl_coef=0.5,
+    )
     assert loss.item() == pytest.approx(-1.0 + 0.5 * 0.3)
     assert m["actor/kl_loss"] == pytest.approx(0.3)
 

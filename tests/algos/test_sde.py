@@ -30,8 +30,16 @@ def test_noise_level_zero_is_diffusers_euler(sde_type):
         v = torch.randn(x.shape, generator=g)
         sched._step_index = i
         want = sched.step(v, ts, x, return_dict=False)[0]
-        got = sde_step_with_logprob(v, x, sched.sigmas[i], sched.sigmas[i + 1], noise_level=0.0, sde_type=sde_type,
-                                    sigma_max=float(sched.sigmas[1]), noise=torch.randn(x.shape, generator=g))
+        got = sde_step_with_logprob(
+            v,
+            x,
+            sched.sigmas[i],
+            sched.sigmas[i + 1],
+            noise_level=0.0,
+            sde_type=sde_type,
+            sigma_max=float(sched.sigmas[1]),
+            noise=torch.randn(x.shape, generator=g),
+        )
         assert torch.allclose(got.prev_sample, want, atol=1e-6, rtol=0)
         assert torch.equal(got.log_prob, torch.zeros(3))
         x = want
@@ -83,8 +91,9 @@ def test_cps_mean_and_flow_grpo_logprob_hand_computed():
     want = (-((1.0 - mu[0]) ** 2) - (0.0 - mu[1]) ** 2) / 2
     assert step.log_prob.item() == pytest.approx(want, abs=1e-6)
     assert step.log_prob.item() == pytest.approx(-0.038052, abs=1e-5)
-    gauss = sde_step_with_logprob(v, x, 0.6, 0.5, noise_level=0.5, sde_type="cps", prev_sample=prev,
-                                  cps_log_prob="gaussian")
+    gauss = sde_step_with_logprob(
+        v, x, 0.6, 0.5, noise_level=0.5, sde_type="cps", prev_sample=prev, cps_log_prob="gaussian"
+    )
     lp = [-((p - m) ** 2) / (2 * s * s) - math.log(s) - LOG_SQRT_2PI for p, m in zip([1.0, 0.0], mu, strict=True)]
     assert gauss.log_prob.item() == pytest.approx(sum(lp) / 2, abs=1e-5)
     with pytest.raises(ValueError, match="cps_log_prob"):
@@ -145,10 +154,12 @@ def test_kl_uses_std_dev_t_not_the_transition_std():
 
 def test_gaussian_helper():
     assert gaussian_log_prob(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1)).tolist() == pytest.approx(
-        [-LOG_SQRT_2PI])
+        [-LOG_SQRT_2PI]
+    )
     # x - mu = 1, s = 2: -1/8 - log 2 - log sqrt(2 pi)
     assert gaussian_log_prob(torch.ones(1, 1), torch.zeros(1, 1), 2.0).item() == pytest.approx(
-        -0.125 - math.log(2) - LOG_SQRT_2PI)
+        -0.125 - math.log(2) - LOG_SQRT_2PI
+    )
 
 
 def _reference_window_starts(lo, hi, size):

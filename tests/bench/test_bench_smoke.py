@@ -17,9 +17,32 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(900)  # four short training runs (two layouts x two modes), each on a fresh Ray cluster
 def test_async_reward_bench_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(ROOT / "bench/async_reward.py"), "--steps", "1", "--warmup", "0", "--batch", "2",
-           "--group", "2", "--mini-batch", "2", "--denoise-steps", "3", "--size", "32", "--latency-scale", "0.005",
-           "--modes", "sync,stream+one_step_off", "--layout", "hybrid,disaggregated", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench/async_reward.py"),
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--batch",
+        "2",
+        "--group",
+        "2",
+        "--mini-batch",
+        "2",
+        "--denoise-steps",
+        "3",
+        "--size",
+        "32",
+        "--latency-scale",
+        "0.005",
+        "--modes",
+        "sync,stream+one_step_off",
+        "--layout",
+        "hybrid,disaggregated",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(out.read_text())

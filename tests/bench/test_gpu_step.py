@@ -11,17 +11,46 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 # Any import of these fails (None in sys.modules), before the bench is run as __main__.
-WITHOUT_RAY = ("import runpy, sys\n"
-               "for m in ('ray', 'verl', 'hydra', 'omegaconf'): sys.modules[m] = None\n"
-               "sys.argv = sys.argv[1:]\n"
-               "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+WITHOUT_RAY = (
+    "import runpy, sys\n"
+    "for m in ('ray', 'verl', 'hydra', 'omegaconf'): sys.modules[m] = None\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
 
 
 def test_gpu_step_runs_without_ray_and_writes_its_report(tmp_path):
     out = tmp_path / "gpu_step.json"
-    cmd = [sys.executable, "-c", WITHOUT_RAY, str(ROOT / "bench/gpu_step.py"), "--model", "tiny:qwen_image",
-           "--height", "64", "--width", "64", "--batch", "2", "--steps", "2", "--window", "1", "--iters", "1",
-           "--lora-rank", "4", "--true-cfg-scale", "4", "--dtype", "bf16", "--param-offload", "--optimizer-offload", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-c",
+        WITHOUT_RAY,
+        str(ROOT / "bench/gpu_step.py"),
+        "--model",
+        "tiny:qwen_image",
+        "--height",
+        "64",
+        "--width",
+        "64",
+        "--batch",
+        "2",
+        "--steps",
+        "2",
+        "--window",
+        "1",
+        "--iters",
+        "1",
+        "--lora-rank",
+        "4",
+        "--true-cfg-scale",
+        "4",
+        "--dtype",
+        "bf16",
+        "--param-offload",
+        "--optimizer-offload",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())

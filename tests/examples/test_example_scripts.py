@@ -33,13 +33,25 @@ def trainer_config(argv: list[str]) -> dict:
 
 def run_example(script: str, tmp_path: Path, **env: str) -> dict:
     shim, argv = tmp_path / "python", tmp_path / "trainer_argv"
-    shim.write_text('#!/bin/sh\nif [ "$1" = "-m" ] && [ "$2" = "omni_async.trainer.main" ]; then\n'
-                    f'  shift 2; for a in "$@"; do printf "%s\\n" "$a"; done > "{argv}"; exit 0\nfi\n'
-                    f'exec "{sys.executable}" "$@"\n')
+    shim.write_text(
+        '#!/bin/sh\nif [ "$1" = "-m" ] && [ "$2" = "omni_async.trainer.main" ]; then\n'
+        f'  shift 2; for a in "$@"; do printf "%s\\n" "$a"; done > "{argv}"; exit 0\nfi\n'
+        f'exec "{sys.executable}" "$@"\n'
+    )
     shim.chmod(0o755)
-    out = subprocess.run(["bash", str(ROOT / "examples" / script)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHON": str(shim), "DATA_DIR": str(tmp_path / "data"),
-                              "RUN_DIR": str(tmp_path / "run"), **env})
+    out = subprocess.run(
+        ["bash", str(ROOT / "examples" / script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            "PYTHON": str(shim),
+            "DATA_DIR": str(tmp_path / "data"),
+            "RUN_DIR": str(tmp_path / "run"),
+            **env,
+        },
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return trainer_config(argv.read_text().splitlines())
 
@@ -48,8 +60,14 @@ def run_example(script: str, tmp_path: Path, **env: str) -> dict:
 def test_gpu_recipe_composes_and_validates(gpus, nodes, tmp_path):
     """The README's GPU command: 4 actor/rollout GPUs (hybrid: one worker each), 1 reward GPU, real weights; and
     the same on two nodes of 8 GPUs each."""
-    cfg = run_example("run_qwen_image_ocr_async_reward.sh", tmp_path, MODEL_PATH="/models/Qwen-Image",
-                      NUM_GPUS_ACTOR_ROLLOUT=str(gpus), NUM_GPUS_REWARD="1", NNODES=str(nodes))
+    cfg = run_example(
+        "run_qwen_image_ocr_async_reward.sh",
+        tmp_path,
+        MODEL_PATH="/models/Qwen-Image",
+        NUM_GPUS_ACTOR_ROLLOUT=str(gpus),
+        NUM_GPUS_REWARD="1",
+        NNODES=str(nodes),
+    )
     arr = cfg["actor_rollout_ref"]
     ranks = gpus * nodes
     assert arr["model"]["path"] == "/models/Qwen-Image" and arr["hybrid_engine"] is True
@@ -70,15 +88,28 @@ def test_gpu_recipe_composes_and_validates(gpus, nodes, tmp_path):
 
 def test_gpu_recipe_without_a_reward_gpu_scores_ocr_on_cpu_actors(tmp_path):
     """NUM_GPUS_REWARD=0: no reward pool (no device reserved for a CPU scorer); OCR workers are CPU actors."""
-    cfg = run_example("run_qwen_image_ocr_async_reward.sh", tmp_path, MODEL_PATH="/models/Qwen-Image",
-                      NUM_GPUS_ACTOR_ROLLOUT="4", NUM_GPUS_REWARD="0")
+    cfg = run_example(
+        "run_qwen_image_ocr_async_reward.sh",
+        tmp_path,
+        MODEL_PATH="/models/Qwen-Image",
+        NUM_GPUS_ACTOR_ROLLOUT="4",
+        NUM_GPUS_REWARD="0",
+    )
     assert cfg["reward"]["reward_model"]["enable_resource_pool"] is False and cfg["reward"]["num_workers"] == 2
 
 
 def test_text_gpu_command_composes_and_validates(tmp_path):
     """The text example's header command for 8 GPUs."""
-    cfg = run_example("run_text_grpo_async_reward.sh", tmp_path, MODEL_PATH="/models/Qwen2.5-3B-Instruct",
-                      NUM_GPUS_ACTOR_ROLLOUT="8", STEPS="200", BATCH="64", GROUP="8", RESPONSE_LENGTH="1024")
+    cfg = run_example(
+        "run_text_grpo_async_reward.sh",
+        tmp_path,
+        MODEL_PATH="/models/Qwen2.5-3B-Instruct",
+        NUM_GPUS_ACTOR_ROLLOUT="8",
+        STEPS="200",
+        BATCH="64",
+        GROUP="8",
+        RESPONSE_LENGTH="1024",
+    )
     mini = cfg["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"]
     assert cfg["trainer"]["n_gpus_per_node"] == 8 and mini % 8 == 0 and 64 % mini == 0
 

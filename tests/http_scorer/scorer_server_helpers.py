@@ -27,10 +27,17 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # This directory is importable in the server, so `--scorer scorer_server_helpers:hold_scorer` works.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                                          os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen([sys.executable, "-m", "http_scorer", "serve", "--port", str(self.port), *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "http_scorer", "serve", "--port", str(self.port), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
         deadline = time.time() + 60
         while time.time() < deadline:
             if self.proc.poll() is not None:

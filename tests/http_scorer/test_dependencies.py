@@ -28,8 +28,12 @@ def imported_modules(package: str) -> dict[str, set[str]]:
                     names.add(".".join([*base, node.module] if node.module else base))
                 else:
                     names.add(node.module or "")
-            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
-                    "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("import_module", "__import__")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
                 names.add(str(node.args[0].value))
         out[module] = names
     return out
@@ -40,8 +44,9 @@ def _under(name: str, package: str) -> bool:
 
 
 def test_omni_async_never_imports_http_scorer():
-    offenders = {m: sorted(n for n in names if _under(n, "http_scorer"))
-                 for m, names in imported_modules("omni_async").items()}
+    offenders = {
+        m: sorted(n for n in names if _under(n, "http_scorer")) for m, names in imported_modules("omni_async").items()
+    }
     offenders = {m: n for m, n in offenders.items() if n}
     assert not offenders, offenders
     assert imported_modules("omni_async")  # the scan saw the package's files
@@ -73,8 +78,10 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("omni_asyn
     assert not [m for m in loaded if _under(m, "omni_async.trainer")], loaded
 
     # and importing the project's client side loads no http_scorer module
-    probe = "import sys, omni_async.reward.scorers.http, omni_async.reward.scorers.vlm_judge; " \
-            "print([m for m in sys.modules if m.split('.')[0] == 'http_scorer'])"
+    probe = (
+        "import sys, omni_async.reward.scorers.http, omni_async.reward.scorers.vlm_judge; "
+        "print([m for m in sys.modules if m.split('.')[0] == 'http_scorer'])"
+    )
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr)
 
@@ -95,10 +102,14 @@ def scorer_distribution() -> tuple[set[str], set[str]]:
     for module in setup["py-modules"]:
         parts = module.split(".")
         shipped |= {".".join(parts[:k]) for k in range(1, len(parts) + 1)}
-    declared = {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0].lower().replace("_", "-")
-                for d in cfg["project"]["dependencies"]}
-    names = {top for top, dists in packages_distributions().items()
-             if any(d.lower().replace("_", "-") in declared for d in dists)}
+    declared = {
+        re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0].lower().replace("_", "-") for d in cfg["project"]["dependencies"]
+    }
+    names = {
+        top
+        for top, dists in packages_distributions().items()
+        if any(d.lower().replace("_", "-") in declared for d in dists)
+    }
     return {s.removesuffix(".__init__") for s in shipped}, names
 
 
@@ -124,8 +135,12 @@ def test_the_standalone_scorer_install_ships_everything_the_server_imports():
                 continue
             for name in names:
                 top = name.split(".")[0]
-                ok = (top in sys.stdlib_module_names or top == "__future__" or top in dependency_names
-                      or (top in ("http_scorer", "omni_async") and name in shipped))
+                ok = (
+                    top in sys.stdlib_module_names
+                    or top == "__future__"
+                    or top in dependency_names
+                    or (top in ("http_scorer", "omni_async") and name in shipped)
+                )
                 if not ok:
                     missing.setdefault(module, []).append(name)
     assert not missing, f"imports the standalone install (packages/scorer/pyproject.toml) lacks: {missing}"

@@ -29,8 +29,18 @@ def bomb_b64() -> str:
 
 
 def test_flood_of_bomb_requests_gets_503_and_rss_stays_bounded(server_factory, bomb_b64):
-    server = server_factory("--scorer", "scorer_server_helpers:hold_scorer", "--max-inflight-pixels", str(BUDGET),
-                            "--inflight-wait-s", "1", "--retry-after-s", "1", "--max-batch", "4")
+    server = server_factory(
+        "--scorer",
+        "scorer_server_helpers:hold_scorer",
+        "--max-inflight-pixels",
+        str(BUDGET),
+        "--inflight-wait-s",
+        "1",
+        "--retry-after-s",
+        "1",
+        "--max-batch",
+        "4",
+    )
     small = {"images": [b64(np.zeros((8, 8, 3), np.uint8))], "prompts": ["p"], "metadata": {"hold_s": 0}}
     assert httpx.post(f"{server.url}/v1/score", json=small, timeout=30).status_code == 200  # warm: imports, threads
     baseline = server.memory_mb("VmRSS")
@@ -51,8 +61,9 @@ def test_flood_of_bomb_requests_gets_503_and_rss_stays_bounded(server_factory, b
 
             poller = asyncio.create_task(poll_health())
             try:
-                responses = await asyncio.gather(*(client.post(f"{server.url}/v1/score", json=bomb)
-                                                   for _ in range(FLOOD)))
+                responses = await asyncio.gather(
+                    *(client.post(f"{server.url}/v1/score", json=bomb) for _ in range(FLOOD))
+                )
             finally:
                 done.set()
                 await poller
@@ -80,21 +91,30 @@ def test_flood_of_bomb_requests_gets_503_and_rss_stays_bounded(server_factory, b
     assert server.memory_mb("VmRSS") < baseline + 0.4 * (bound - baseline)
 
     # A request that could never fit the budget is refused at once with 413, naming the flag.
-    r = httpx.post(f"{server.url}/v1/score", json={"images": [{"data": bomb_b64, "format": "png"}] * 3,
-                                                   "prompts": ["p"] * 3}, timeout=30)
+    r = httpx.post(
+        f"{server.url}/v1/score",
+        json={"images": [{"data": bomb_b64, "format": "png"}] * 3, "prompts": ["p"] * 3},
+        timeout=30,
+    )
     assert r.status_code == 413 and "--max-inflight-pixels" in r.json()["error"]
-    print(f"\nflood of {FLOOD} x 2 x {SIDE}^2 PNG: {dict(codes)} in {wall:.1f}s; RSS baseline {baseline:.0f} MB, "
-          f"peak {peak:.0f} MB, bound {bound:.0f} MB; /health answered {len(health)} times")
+    print(
+        f"\nflood of {FLOOD} x 2 x {SIDE}^2 PNG: {dict(codes)} in {wall:.1f}s; RSS baseline {baseline:.0f} MB, "
+        f"peak {peak:.0f} MB, bound {bound:.0f} MB; /health answered {len(health)} times"
+    )
 
 
 def test_scorer_max_side_downscales_before_the_scorer_and_reserves_the_downscaled_size(server_factory, bomb_b64):
     # 2 x 4000^2 at full size would need 48 M pixels; downscaled to 256 px the request needs
     # 2 x 256^2 kept + 16 M while decoding, which fits a 20 M budget.
-    server = server_factory("--scorer", "scorer_server_helpers:small_side_scorer", "--max-inflight-pixels",
-                            "20000000")
-    r = httpx.post(f"{server.url}/v1/score", json={"images": [{"data": bomb_b64, "format": "png"},
-                                                              b64(np.zeros((600, 300, 3), np.uint8), "jpeg")],
-                                                   "prompts": ["p"] * 2}, timeout=60)
+    server = server_factory("--scorer", "scorer_server_helpers:small_side_scorer", "--max-inflight-pixels", "20000000")
+    r = httpx.post(
+        f"{server.url}/v1/score",
+        json={
+            "images": [{"data": bomb_b64, "format": "png"}, b64(np.zeros((600, 300, 3), np.uint8), "jpeg")],
+            "prompts": ["p"] * 2,
+        },
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     assert [d["shape"] for d in r.json()["details"]] == [[256, 256, 3], [256, 128, 3]]
 
@@ -102,8 +122,16 @@ def test_scorer_max_side_downscales_before_the_scorer_and_reserves_the_downscale
 def test_client_retries_503_honouring_retry_after_and_counts_retries(server_factory):
     # One 1000x1000 request (2 M pixels with its decode) fits the 2.5 M budget at a time; the others wait 0.1 s,
     # get 503 + Retry-After: 1, and the client retries them after that second until all are scored.
-    server = server_factory("--scorer", "scorer_server_helpers:hold_scorer", "--max-inflight-pixels", "2500000",
-                            "--inflight-wait-s", "0.1", "--retry-after-s", "1")
+    server = server_factory(
+        "--scorer",
+        "scorer_server_helpers:hold_scorer",
+        "--max-inflight-pixels",
+        "2500000",
+        "--inflight-wait-s",
+        "0.1",
+        "--retry-after-s",
+        "1",
+    )
     images = [np.full((1000, 1000, 3), i, np.uint8) for i in range(4)]
     client = HttpScorer(server.url, max_batch=1, max_wait_ms=1, max_retries=10, backoff_s=0.01, hold_s=0.3)
 

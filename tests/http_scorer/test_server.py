@@ -31,17 +31,38 @@ def ocr_server(server_factory):
 
 @pytest.fixture(scope="module")
 def limited_server(server_factory):
-    return server_factory("--scorer", "sleep", "--token", TOKEN, "--max-images", "4", "--max-body-bytes", "300000",
-                          "--max-pixels", "1000000", "--max-batch", "16", "--max-wait-ms", "20")
+    return server_factory(
+        "--scorer",
+        "sleep",
+        "--token",
+        TOKEN,
+        "--max-images",
+        "4",
+        "--max-body-bytes",
+        "300000",
+        "--max-pixels",
+        "1000000",
+        "--max-batch",
+        "16",
+        "--max-wait-ms",
+        "20",
+    )
 
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def test_v1_ocr_round_trip(ocr_server, no_network):
-    body = {"images": [b64(text_image("HELLO 42")), b64(BLANK), b64(text_image("HELLO 42"), "jpeg"),
-                       [b64(text_image("HELLO 42")), b64(BLANK)]],
-            "prompts": ["p"] * 4, "ground_truths": ["HELLO 42"] * 4}
+    body = {
+        "images": [
+            b64(text_image("HELLO 42")),
+            b64(BLANK),
+            b64(text_image("HELLO 42"), "jpeg"),
+            [b64(text_image("HELLO 42")), b64(BLANK)],
+        ],
+        "prompts": ["p"] * 4,
+        "ground_truths": ["HELLO 42"] * 4,
+    }
     r = httpx.post(f"{ocr_server.url}/v1/score", json=body, timeout=60)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -61,23 +82,39 @@ def test_v1_ocr_round_trip(ocr_server, no_network):
 def test_raw_image_route_scores_without_base64_and_refuses_bad_input(ocr_server, limited_server):
     url = f"{ocr_server.url}/v1/score/image"
     jpeg = encode(text_image("HELLO 42"), "jpeg")
-    r = httpx.post(url, params={"prompt": "a sign", "ground_truth": "HELLO 42"}, content=jpeg,
-                   headers={"content-type": "image/jpeg"}, timeout=60)
+    r = httpx.post(
+        url,
+        params={"prompt": "a sign", "ground_truth": "HELLO 42"},
+        content=jpeg,
+        headers={"content-type": "image/jpeg"},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
-    assert r.json()["protocol_version"] == "1" and r.json()["scores"][0] > 0.8 and "42" in r.json()["details"][0][
-        "ocr_text"]
+    assert (
+        r.json()["protocol_version"] == "1"
+        and r.json()["scores"][0] > 0.8
+        and "42" in r.json()["details"][0]["ocr_text"]
+    )
     png = encode(BLANK)
-    r = httpx.post(url, params={"prompt": 'a sign that says "HELLO 42"'}, content=png,
-                   headers={"content-type": "image/png"}, timeout=60)  # the quoted prompt is the target
+    r = httpx.post(
+        url,
+        params={"prompt": 'a sign that says "HELLO 42"'},
+        content=png,
+        headers={"content-type": "image/png"},
+        timeout=60,
+    )  # the quoted prompt is the target
     assert r.status_code == 200 and r.json()["scores"] == [0.0]
 
     def err(content, ctype="image/png", **params):
-        r = httpx.post(url, params={"ground_truth": "x", **params}, content=content,
-                       headers={"content-type": ctype}, timeout=60)
+        r = httpx.post(
+            url, params={"ground_truth": "x", **params}, content=content, headers={"content-type": ctype}, timeout=60
+        )
         return r.status_code, r.json()
 
-    assert err(png, "application/octet-stream") == (415, {"error": err(png, "text/plain")[1]["error"],
-                                                         "field": "content-type"})
+    assert err(png, "application/octet-stream") == (
+        415,
+        {"error": err(png, "text/plain")[1]["error"], "field": "content-type"},
+    )
     code, e = err(png, "image/jpeg")
     assert code == 400 and "declared format 'jpeg'" in e["error"] and e["field"] == "body"
     code, e = err(png[:40])
@@ -105,8 +142,11 @@ def test_raw_image_route_scores_without_base64_and_refuses_bad_input(ocr_server,
 
 
 def test_flow_grpo_pickle_compat_and_gadget_refused(ocr_server, server_factory, tmp_path):
-    req = {"images": [encode(text_image("HELLO 42"), "jpeg"), encode(BLANK, "jpeg")],
-           "prompts": ['a sign that says "HELLO 42"'] * 2, "metadata": {}}
+    req = {
+        "images": [encode(text_image("HELLO 42"), "jpeg"), encode(BLANK, "jpeg")],
+        "prompts": ['a sign that says "HELLO 42"'] * 2,
+        "metadata": {},
+    }
     r = httpx.post(ocr_server.url + "/", content=pickle.dumps(req), timeout=60)
     assert r.status_code == 200
     scores = pickle.loads(r.content)["scores"]
@@ -160,22 +200,31 @@ def test_auth_and_limits(limited_server):
 
 
 # JSON has no NaN / Infinity (httpx refuses to send them); broken JSON comes from the raw-bytes strategy.
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
-                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                                         max_size=4), max_leaves=12)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 png_bytes = encode(np.zeros((8, 8, 3), np.uint8))
-image_items = st.fixed_dictionaries({
-    "data": st.one_of(st.text(max_size=30), st.binary(max_size=60).map(lambda b: base64.b64encode(b).decode()),
-                      st.integers(0, len(png_bytes)).map(lambda k: base64.b64encode(png_bytes[:k]).decode())),
-    "format": st.sampled_from(["png", "jpeg", "gif", 3]),
-})
+image_items = st.fixed_dictionaries(
+    {
+        "data": st.one_of(
+            st.text(max_size=30),
+            st.binary(max_size=60).map(lambda b: base64.b64encode(b).decode()),
+            st.integers(0, len(png_bytes)).map(lambda k: base64.b64encode(png_bytes[:k]).decode()),
+        ),
+        "format": st.sampled_from(["png", "jpeg", "gif", 3]),
+    }
+)
 bodies = st.one_of(
     json_values,
-    st.fixed_dictionaries({"images": st.lists(st.one_of(image_items, st.lists(image_items, max_size=2)),
-                                              max_size=6),
-                           "prompts": st.lists(st.text(max_size=10), max_size=6)},
-                          optional={"ground_truths": st.lists(st.text(max_size=5), max_size=6),
-                                    "metadata": json_values}),
+    st.fixed_dictionaries(
+        {
+            "images": st.lists(st.one_of(image_items, st.lists(image_items, max_size=2)), max_size=6),
+            "prompts": st.lists(st.text(max_size=10), max_size=6),
+        },
+        optional={"ground_truths": st.lists(st.text(max_size=5), max_size=6), "metadata": json_values},
+    ),
 )
 
 
@@ -184,8 +233,9 @@ bodies = st.one_of(
 def test_fuzz_bad_requests_are_4xx_and_server_keeps_serving(limited_server, body, raw, auth):
     headers = AUTH if auth else {}
     if raw is not None:
-        r = httpx.post(f"{limited_server.url}/v1/score", content=raw, headers={**headers,
-                                                                              "content-type": "application/json"})
+        r = httpx.post(
+            f"{limited_server.url}/v1/score", content=raw, headers={**headers, "content-type": "application/json"}
+        )
     else:
         r = httpx.post(f"{limited_server.url}/v1/score", json=body, headers=headers)
     assert r.status_code < 500, (body, raw, r.status_code, r.text)
@@ -199,10 +249,16 @@ def test_200_concurrent_requests_are_batched(limited_server):
 
     async def run():
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200)) as client:
-            return await asyncio.gather(*(
-                client.post(f"{limited_server.url}/v1/score", json={"images": [img], "prompts": [str(i)],
-                                                                    "metadata": {"sleep_s": 0.05}}, headers=AUTH)
-                for i in range(200)))
+            return await asyncio.gather(
+                *(
+                    client.post(
+                        f"{limited_server.url}/v1/score",
+                        json={"images": [img], "prompts": [str(i)], "metadata": {"sleep_s": 0.05}},
+                        headers=AUTH,
+                    )
+                    for i in range(200)
+                )
+            )
 
     responses = asyncio.run(run())
     assert [r.status_code for r in responses] == [200] * 200
@@ -222,8 +278,9 @@ def scorer_process_gauge_pids(text: str) -> set[int]:
 def test_worker_processes_share_one_queue_metrics_count_all_timeouts_and_crashes_are_survived(server_factory):
     stale = Path(tempfile.gettempdir()) / "http_scorer-metrics-999999999-left-by-a-killed-server"
     stale.mkdir(exist_ok=True)
-    server = server_factory("--scorer", "scorer_server_helpers:pid_scorer", "--workers", "2", "--max-batch", "1",
-                            "--request-timeout-s", "3")
+    server = server_factory(
+        "--scorer", "scorer_server_helpers:pid_scorer", "--workers", "2", "--max-batch", "1", "--request-timeout-s", "3"
+    )
     # The server keeps its scorer processes' metric files in a directory of its own for this run, and removed the
     # one a server no longer running left behind.
     assert not stale.exists()
@@ -302,24 +359,29 @@ def test_ocr_without_target_text_is_422_and_bare_ground_truth_is_the_target(ocr_
     r = httpx.post(url, json={"images": [hello], "prompts": ["a sign"]}, timeout=60)
     assert r.status_code == 422 and r.json()["field"] == "ground_truths"
     assert "target text" in r.json()["error"] and "ground_truths" in r.json()["error"]
-    r = httpx.post(url, json={"images": [hello, hello], "prompts": ["a sign"] * 2,
-                              "ground_truths": ["HELLO 42", " "]}, timeout=60)
+    r = httpx.post(
+        url, json={"images": [hello, hello], "prompts": ["a sign"] * 2, "ground_truths": ["HELLO 42", " "]}, timeout=60
+    )
     assert r.status_code == 422 and r.json()["field"] == "ground_truths[1]"
     # no ground truth, but the prompt quotes the target (flow_grpo's prompts): scored against it
     r = httpx.post(url, json={"images": [hello], "prompts": ['a sign that says "HELLO 42"']}, timeout=60)
     assert r.status_code == 200 and r.json()["scores"][0] > 0.8
 
     # verl-omni's client sends the sample's bare ground_truth as the prompt: it is the target text
-    req = {"images": [encode(text_image("HELLO 42"), "jpeg"), encode(BLANK, "jpeg")],
-           "prompts": ["HELLO 42", "HELLO 42"], "metadata": {}}
+    req = {
+        "images": [encode(text_image("HELLO 42"), "jpeg"), encode(BLANK, "jpeg")],
+        "prompts": ["HELLO 42", "HELLO 42"],
+        "metadata": {},
+    }
     r = httpx.post(ocr_server.url + "/", content=pickle.dumps(req), timeout=60)
     assert r.status_code == 200, pickle.loads(r.content)
     scores = pickle.loads(r.content)["scores"]
     assert scores[0] > 0.8 and scores[1] == 0.0
     # an explicit per-image target in metadata wins over the prompt
     req = {**req, "metadata": {"ground_truths": ["HELLO 42", "HELLO 42"]}, "prompts": ["x", 'says "nothing"']}
-    assert pickle.loads(httpx.post(ocr_server.url + "/", content=pickle.dumps(req), timeout=60).content)[
-        "scores"][0] > 0.8
+    assert (
+        pickle.loads(httpx.post(ocr_server.url + "/", content=pickle.dumps(req), timeout=60).content)["scores"][0] > 0.8
+    )
     r = httpx.post(ocr_server.url + "/", content=pickle.dumps({**req, "prompts": ["", "x"], "metadata": {}}))
     assert r.status_code == 422 and "prompts[0]" in pickle.loads(r.content)["error"]
 
@@ -328,8 +390,13 @@ def test_ocr_without_target_text_is_422_and_bare_ground_truth_is_the_target(ocr_
 def test_help_shows_every_flag_with_help_text_and_its_default(command):
     from http_scorer.__main__ import build_parser
 
-    out = subprocess.run([sys.executable, "-m", "http_scorer", *command], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "HTTP_SCORER_TOKEN": "from-env"})
+    out = subprocess.run(
+        [sys.executable, "-m", "http_scorer", *command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "HTTP_SCORER_TOKEN": "from-env"},
+    )
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())  # argparse wraps lines
     serve = next(a for a in build_parser()._actions if a.dest == "command").choices["serve"]

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LOCK = ROOT / "requirements/constraints-cpu.txt"
 PYPROJECT = ROOT / "packages/scorer/pyproject.toml"
 
+
 def run(cmd, **kw) -> subprocess.CompletedProcess:
     out = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900, **kw)
     assert out.returncode == 0, f"{cmd}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
@@ -31,8 +32,14 @@ def run(cmd, **kw) -> subprocess.CompletedProcess:
 
 
 def pip(*args, python: Path | None = None) -> list:
-    return [sys.executable, "-m", "pip", "--disable-pip-version-check", *(["--python", python] if python else []),
-            *args]
+    return [
+        sys.executable,
+        "-m",
+        "pip",
+        "--disable-pip-version-check",
+        *(["--python", python] if python else []),
+        *args,
+    ]
 
 
 def dependency_wheels(scorer_wheel: Path) -> Path:
@@ -47,21 +54,46 @@ def dependency_wheels(scorer_wheel: Path) -> Path:
 
 
 def test_scorer_server_runs_from_its_own_install_without_torch(tmp_path):
-    run(pip("wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-w", tmp_path / "dist",
-            ROOT / "packages/scorer"))
+    run(
+        pip(
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            tmp_path / "dist",
+            ROOT / "packages/scorer",
+        )
+    )
     (scorer_wheel,) = (tmp_path / "dist").glob("omni_async_scorer-*.whl")
     wheels = dependency_wheels(scorer_wheel)
 
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", "--without-pip", venv])
     python = venv / "bin/python"
-    run(pip("install", "-q", "--no-compile", "--no-index", "--find-links", wheels, "-c", LOCK, scorer_wheel, python=python))
+    run(
+        pip(
+            "install",
+            "-q",
+            "--no-compile",
+            "--no-index",
+            "--find-links",
+            wheels,
+            "-c",
+            LOCK,
+            scorer_wheel,
+            python=python,
+        )
+    )
 
     # Nothing of the repository is importable there: no PYTHONPATH, and the commands run outside the checkout.
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    probe = ("import importlib.util, json, http_scorer, omni_async.reward.scorers.ocr as ocr; print(json.dumps("
-             "{'found': [m for m in ('torch', 'ray', 'verl', 'diffusers', 'transformers', 'omni_async.trainer') "
-             "if importlib.util.find_spec(m)], 'at': [http_scorer.__file__, ocr.__file__]}))")
+    probe = (
+        "import importlib.util, json, http_scorer, omni_async.reward.scorers.ocr as ocr; print(json.dumps("
+        "{'found': [m for m in ('torch', 'ray', 'verl', 'diffusers', 'transformers', 'omni_async.trainer') "
+        "if importlib.util.find_spec(m)], 'at': [http_scorer.__file__, ocr.__file__]}))"
+    )
     seen = json.loads(run([python, "-c", probe], cwd=tmp_path, env=env).stdout)
     assert seen["found"] == [], seen
     assert all(path.startswith(str(venv)) for path in seen["at"]), seen
@@ -69,8 +101,14 @@ def test_scorer_server_runs_from_its_own_install_without_torch(tmp_path):
     assert no_torch.returncode != 0 and "No module named 'torch'" in no_torch.stderr
 
     port = free_port()
-    server = subprocess.Popen([venv / "bin/omni-async-scorer", "serve", "--scorer", "ocr", "--port", str(port)],
-                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        [venv / "bin/omni-async-scorer", "serve", "--scorer", "ocr", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 180
@@ -82,15 +120,25 @@ def test_scorer_server_runs_from_its_own_install_without_torch(tmp_path):
             except httpx.HTTPError:
                 assert time.time() < deadline, "the standalone server did not come up"
                 time.sleep(0.3)
-        r = httpx.post(f"{url}/v1/score", json={"images": [b64(text_image("HELLO 42")), b64(BLANK)],
-                                                "prompts": ["p", "p"], "ground_truths": ["HELLO 42"] * 2},
-                       timeout=120)
+        r = httpx.post(
+            f"{url}/v1/score",
+            json={
+                "images": [b64(text_image("HELLO 42")), b64(BLANK)],
+                "prompts": ["p", "p"],
+                "ground_truths": ["HELLO 42"] * 2,
+            },
+            timeout=120,
+        )
         assert r.status_code == 200, r.text
         hello, blank = r.json()["scores"]
         assert hello > 0.8 and blank == 0.0 and "42" in r.json()["details"][0]["ocr_text"]
-        r = httpx.post(f"{url}/v1/score/image", params={"ground_truth": "HELLO 42"},
-                       content=encode(text_image("HELLO 42"), "jpeg"), headers={"content-type": "image/jpeg"},
-                       timeout=120)
+        r = httpx.post(
+            f"{url}/v1/score/image",
+            params={"ground_truth": "HELLO 42"},
+            content=encode(text_image("HELLO 42"), "jpeg"),
+            headers={"content-type": "image/jpeg"},
+            timeout=120,
+        )
         assert r.status_code == 200 and r.json()["scores"][0] > 0.8, r.text
         # the scorer process's own metrics reach /metrics there too (prometheus_client's multiprocess mode)
         assert 'scorer_process_items_total{outcome="ok"} 3.0' in httpx.get(f"{url}/metrics", timeout=30).text

@@ -24,8 +24,9 @@ PROMPTS, SEEDS = ["a red sign", "a blue sign", "a green sign", "a sign"], [3, 4,
 def test_bf16_policy_samples_recomputes_log_probs_and_trains(name, no_network):
     torch.manual_seed(0)
     cfg = SamplingConfig(num_inference_steps=4, noise_level=0.7, **FAMILIES[name])
-    policy = DiffusionPolicy(f"tiny:{name}", cfg, lora_rank=4, lora_alpha=8, target_modules=["to_q", "to_v"],
-                             dtype=torch.bfloat16)
+    policy = DiffusionPolicy(
+        f"tiny:{name}", cfg, lora_rank=4, lora_alpha=8, target_modules=["to_q", "to_v"], dtype=torch.bfloat16
+    )
     frozen = [p for p in policy.transformer.parameters() if not p.requires_grad]
     lora = policy.trainable_parameters()
     # diffusers keeps a few small modules in fp32 (Wan's _keep_in_fp32_modules); the bulk is bf16.
@@ -37,9 +38,15 @@ def test_bf16_policy_samples_recomputes_log_probs_and_trains(name, no_network):
     assert out.window_latents.dtype == torch.float32 and out.log_probs.dtype == torch.float32
     assert torch.isfinite(out.log_probs).all() and out.images.dtype == np.uint8
     batch = DataProto.from_dict(
-        tensors={"window_latents": out.window_latents, "old_log_probs": out.log_probs,
-                 "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]), **out.conditioning},
-        non_tensors={"prompt": np.array(PROMPTS, dtype=object)}, meta_info={"window_start": 1})
+        tensors={
+            "window_latents": out.window_latents,
+            "old_log_probs": out.log_probs,
+            "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]),
+            **out.conditioning,
+        },
+        non_tensors={"prompt": np.array(PROMPTS, dtype=object)},
+        meta_info={"window_start": 1},
+    )
     modality = ImageModality()
     with torch.no_grad():
         again = modality.log_probs(policy, batch)
@@ -70,22 +77,35 @@ def test_bf16_rollout_log_prob_is_the_updates_first_forward_in_any_batching(name
     block by batch size); tiny Qwen-Image on CPU did not show its padding difference."""
     torch.manual_seed(0)
     cfg = SamplingConfig(height=32, width=32, num_inference_steps=4, noise_level=0.7, **CFG[name])
-    policy = DiffusionPolicy(f"tiny:{name}", cfg, lora_rank=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"],
-                             dtype=torch.bfloat16)
+    policy = DiffusionPolicy(
+        f"tiny:{name}", cfg, lora_rank=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], dtype=torch.bfloat16
+    )
     with torch.no_grad():  # a trained adapter (B != 0): the LoRA branch is part of every forward
         for p in policy.trainable_parameters():
             p.add_(0.05 * torch.randn_like(p))
     window = range(1, 3)
-    prompts = ["a sign", "a much longer prompt about a red shop sign that says OPEN", "a sign", "x",
-               "a blue sign with white letters"]
+    prompts = [
+        "a sign",
+        "a much longer prompt about a red shop sign that says OPEN",
+        "a sign",
+        "x",
+        "a blue sign with white letters",
+    ]
     seeds = [7, 11, 7, 12, 13]
     results = policy.generate(prompts[:1], seeds[:1], window) + policy.generate(prompts[1:], seeds[1:], window)
-    samples = [Sample(i, f"g{i}", PromptRow(p, "t", ""), s, result=r, outcome=RewardOutcome("ok", 0.0))
-               for i, (p, s, r) in enumerate(zip(prompts, seeds, results, strict=True))]
+    samples = [
+        Sample(i, f"g{i}", PromptRow(p, "t", ""), s, result=r, outcome=RewardOutcome("ok", 0.0))
+        for i, (p, s, r) in enumerate(zip(prompts, seeds, results, strict=True))
+    ]
     modality = ImageModality()
     batch = DataProto.from_dict(
-        tensors={**modality.batch_tensors(samples), "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5, -1.0]),
-                 "loss_mask": torch.ones(5, dtype=torch.bool)}, meta_info={"window_start": window.start})
+        tensors={
+            **modality.batch_tensors(samples),
+            "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5, -1.0]),
+            "loss_mask": torch.ones(5, dtype=torch.bool),
+        },
+        meta_info={"window_start": window.start},
+    )
     rollout_lp = torch.stack([r.log_probs for r in results])
 
     seen: list[torch.Tensor] = []
@@ -104,7 +124,7 @@ def test_bf16_rollout_log_prob_is_the_updates_first_forward_in_any_batching(name
         metrics = accumulate_gradients(modality, policy, batch, actor_cfg)
         policy.transformer.zero_grad(set_to_none=True)
         w = len(window)
-        update_lp = torch.cat([torch.stack(seen[k:k + w], 1) for k in range(0, len(seen), w)])
+        update_lp = torch.cat([torch.stack(seen[k : k + w], 1) for k in range(0, len(seen), w)])
         diff = (update_lp - rollout_lp).abs().max().item()
         assert diff <= 1e-5, (micro, diff)
         assert metrics["actor/pg_clipfrac_lower"] == [0.0] * len(metrics["actor/pg_clipfrac_lower"])
@@ -134,8 +154,9 @@ def test_bf16_lora_computes_in_bf16_with_fp32_masters_and_updates_as_the_fp32_lo
     assert working and all(p.dtype == torch.bfloat16 for p in working)
     # One starting adapter for both, B non-zero so every LoRA weight gets a gradient; bf16-exact values.
     gen = torch.Generator().manual_seed(1)
-    start = {k: (torch.randn(v.shape, generator=gen) * 0.05).bfloat16().float()
-             for k, v in new.weights_state_dict().items()}
+    start = {
+        k: (torch.randn(v.shape, generator=gen) * 0.05).bfloat16().float() for k, v in new.weights_state_dict().items()
+    }
     new.load_weights_state_dict(start)
     old.load_weights_state_dict(start)
 
@@ -146,11 +167,19 @@ def test_bf16_lora_computes_in_bf16_with_fp32_masters_and_updates_as_the_fp32_lo
     hook.remove()
     assert seen and set(seen) == {torch.bfloat16}  # the LoRA GEMMs take the bf16 activations as they are
 
-    batch = TensorBatch({"window_latents": out.window_latents, "old_log_probs": out.log_probs,
-                         "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]),
-                         "loss_mask": torch.ones(4, dtype=torch.bool), **out.conditioning}, {"window_start": 1})
-    actor_cfg = OmegaConf.create({"clip_ratio": 0.2, "kl_loss_coef": 0.0, "grad_clip": 1.0e9,
-                                  "ppo_micro_batch_size_per_gpu": 2})
+    batch = TensorBatch(
+        {
+            "window_latents": out.window_latents,
+            "old_log_probs": out.log_probs,
+            "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]),
+            "loss_mask": torch.ones(4, dtype=torch.bool),
+            **out.conditioning,
+        },
+        {"window_start": 1},
+    )
+    actor_cfg = OmegaConf.create(
+        {"clip_ratio": 0.2, "kl_loss_coef": 0.0, "grad_clip": 1.0e9, "ppo_micro_batch_size_per_gpu": 2}
+    )
     lr, deltas, grads, norms = 1e-3, [], [], []
     for policy in (new, old):
         params = policy.trainable_parameters()

@@ -31,8 +31,9 @@ FAMILIES = {
 def make(name: str, **sampling) -> DiffusionPolicy:
     torch.manual_seed(0)
     cfg = SamplingConfig(num_inference_steps=4, noise_level=0.7, **{**FAMILIES[name], **sampling})
-    return DiffusionPolicy(f"tiny:{name}", cfg, lora_rank=4, lora_alpha=8,
-                           target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    return DiffusionPolicy(
+        f"tiny:{name}", cfg, lora_rank=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"]
+    )
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -48,18 +49,31 @@ def test_rollout_shapes_and_logprob_recompute(name, no_network):
     assert out.images.shape == want and out.images.dtype == np.uint8
     assert out.window_latents.shape[1] == 3 and out.log_probs.shape == (2, 2) and out.window_starts == [1, 2]
     cond = policy.encode(["a red sign", "a blue sign"])
-    batch = TensorBatch({"window_latents": out.window_latents, "window_start": torch.tensor(out.window_starts),
-                         **{k: v for k, v in cond.items() if v is not None}})
+    batch = TensorBatch(
+        {
+            "window_latents": out.window_latents,
+            "window_start": torch.tensor(out.window_starts),
+            **{k: v for k, v in cond.items() if v is not None},
+        }
+    )
     assert (ImageModality().log_probs(policy, batch) - out.log_probs).abs().max() < 1e-5
     for r, w in enumerate(windows):
         for j in range(2):
-            again = policy.step({k: v[r:r + 1] for k, v in cond.items() if v is not None},
-                                out.window_latents[r:r + 1, j], w.start + j,
-                                prev_sample=out.window_latents[r:r + 1, j + 1])
+            again = policy.step(
+                {k: v[r : r + 1] for k, v in cond.items() if v is not None},
+                out.window_latents[r : r + 1, j],
+                w.start + j,
+                prev_sample=out.window_latents[r : r + 1, j + 1],
+            )
             assert (again.log_prob - out.log_probs[r, j]).abs().max() < 1e-5
             # First inner step: the same weights, so the importance ratio is exactly 1.
-            _, metrics = flow_grpo_loss(again.log_prob, out.log_probs[r:r + 1, j], torch.tensor([1.0]),
-                                        torch.ones(1, dtype=torch.bool), clip_ratio=0.2)
+            _, metrics = flow_grpo_loss(
+                again.log_prob,
+                out.log_probs[r : r + 1, j],
+                torch.tensor([1.0]),
+                torch.ones(1, dtype=torch.bool),
+                clip_ratio=0.2,
+            )
             assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
 
 
@@ -78,8 +92,9 @@ def test_sample_does_not_depend_on_batch_or_companions():
         policy.rollout(["y", "x"], [8, 7], [range(0, 2), range(1, 2)])
 
 
-@pytest.mark.parametrize("name,key", [("qwen_image", "true_cfg_scale"), ("sd3", "guidance_scale"),
-                                      ("wan", "guidance_scale")])
+@pytest.mark.parametrize(
+    "name,key", [("qwen_image", "true_cfg_scale"), ("sd3", "guidance_scale"), ("wan", "guidance_scale")]
+)
 def test_cfg_changes_the_sample(name, key):
     plain = make(name).rollout(["a cat"], [1], range(0, 1))
     guided_policy = make(name, **{key: 4.0})
@@ -95,11 +110,22 @@ def _branch(policy, name, x, t, row, prefix=""):
     emb = row[f"{prefix}prompt_embeds"][None]
     if name == "qwen_image":
         f = policy.pipe.vae_scale_factor * 2
-        return policy.transformer(hidden_states=x, timestep=(t / 1000).expand(1), guidance=None,
-                                  encoder_hidden_states=emb, encoder_hidden_states_mask=None,
-                                  img_shapes=[[(1, 32 // f, 32 // f)]], return_dict=False)[0]
-    return policy.transformer(hidden_states=x, timestep=t.expand(1), encoder_hidden_states=emb,
-                              pooled_projections=row[f"{prefix}pooled_prompt_embeds"][None], return_dict=False)[0]
+        return policy.transformer(
+            hidden_states=x,
+            timestep=(t / 1000).expand(1),
+            guidance=None,
+            encoder_hidden_states=emb,
+            encoder_hidden_states_mask=None,
+            img_shapes=[[(1, 32 // f, 32 // f)]],
+            return_dict=False,
+        )[0]
+    return policy.transformer(
+        hidden_states=x,
+        timestep=t.expand(1),
+        encoder_hidden_states=emb,
+        pooled_projections=row[f"{prefix}pooled_prompt_embeds"][None],
+        return_dict=False,
+    )[0]
 
 
 @pytest.mark.parametrize("name,key", [("qwen_image", "true_cfg_scale"), ("sd3", "guidance_scale")])
@@ -127,8 +153,8 @@ def test_cfg_gradient_flows_through_the_unconditional_branch(name, key):
     def by_hand(detach_uncond: bool):
         out = []
         for j, row in enumerate(split_conditioning(cond, len(prompts))):
-            pos = _branch(policy, name, x[j:j + 1], t, row)
-            neg = _branch(policy, name, x[j:j + 1], t, row, "negative_")
+            pos = _branch(policy, name, x[j : j + 1], t, row)
+            neg = _branch(policy, name, x[j : j + 1], t, row, "negative_")
             neg = neg.detach() if detach_uncond else neg
             comb = neg + scale * (pos - neg)
             if name == "qwen_image":
@@ -185,18 +211,22 @@ def test_no_host_read_per_denoising_step_nor_before_the_updates_last_backward():
     logs = []
     for window in (range(1, 2), range(0, 3)):
         results = policy.generate(prompts, seeds, window)
-        samples = [Sample(i, f"g{i}", PromptRow(p, "t", ""), s, result=r, outcome=RewardOutcome("ok", 0.0))
-                   for i, (p, s, r) in enumerate(zip(prompts, seeds, results, strict=True))]
-        batch = DataProto.from_dict(tensors={**modality.batch_tensors(samples), "advantages": torch.tensor([1.0, -1.0])},
-                                    meta_info={"window_start": window.start})
+        samples = [
+            Sample(i, f"g{i}", PromptRow(p, "t", ""), s, result=r, outcome=RewardOutcome("ok", 0.0))
+            for i, (p, s, r) in enumerate(zip(prompts, seeds, results, strict=True))
+        ]
+        batch = DataProto.from_dict(
+            tensors={**modality.batch_tensors(samples), "advantages": torch.tensor([1.0, -1.0])},
+            meta_info={"window_start": window.start},
+        )
         with HostReads() as reads:
             metrics = modality.backward(policy, batch, torch.ones(2, dtype=torch.bool), actor_cfg)
         assert reads.log.count("backward") == len(window) and len(metrics["actor/ratio_mean"]) == len(window)
         logs.append(reads.log)
     for log in logs:  # between the first and the last backward nothing is read; after it, one read
         first, last = log.index("backward"), len(log) - 1 - log[::-1].index("backward")
-        assert set(log[first:last + 1]) == {"backward"} and log[last + 1:] == ["tolist"], log
-    before = [log[:log.index("backward")] for log in logs]
+        assert set(log[first : last + 1]) == {"backward"} and log[last + 1 :] == ["tolist"], log
+    before = [log[: log.index("backward")] for log in logs]
     assert len(before[0]) == len(before[1]), before  # reading the batch's masks: per batch, not per step
 
 

@@ -51,9 +51,14 @@ def test_qwen_image_and_wan_use_linspace_flow_sigmas(name, no_network):
 
 def test_qwen_image_dynamic_shift(no_network):
     policy = make("qwen_image")
-    policy.pipe.scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                                                            base_image_seq_len=256, max_image_seq_len=4096,
-                                                            time_shift_type="exponential")
+    policy.pipe.scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+        time_shift_type="exponential",
+    )
     sigmas, _ = policy._schedule()
     seq = (32 // policy.pipe.vae_scale_factor // 2) ** 2  # packed 2x2 latent tokens
     mu = 0.5 + (seq - 256) * (1.15 - 0.5) / (4096 - 256)
@@ -63,8 +68,9 @@ def test_qwen_image_dynamic_shift(no_network):
 
 def test_wan_unipc_maps_to_flow_sigmas_with_its_flow_shift(no_network):
     policy = make("wan")
-    policy.pipe.scheduler = UniPCMultistepScheduler(use_flow_sigmas=True, flow_shift=5.0,
-                                                    prediction_type="flow_prediction")
+    policy.pipe.scheduler = UniPCMultistepScheduler(
+        use_flow_sigmas=True, flow_shift=5.0, prediction_type="flow_prediction"
+    )
     sigmas, timesteps = policy._schedule()
     want = [shifted(1 - k / N, 5.0) for k in range(N)] + [0.0]
     assert sigmas.tolist() == pytest.approx(want, abs=1e-6) and sigmas[0].item() == 1.0

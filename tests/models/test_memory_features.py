@@ -30,17 +30,23 @@ PROMPTS = ["a red sign", "a very much longer prompt about a blue sign", "hi", "a
 @pytest.fixture(scope="module")
 def policy():
     torch.manual_seed(0)
-    return DiffusionPolicy("tiny:qwen_image", SamplingConfig(height=32, width=32, num_inference_steps=4,
-                                                             true_cfg_scale=4.0),
-                           lora_rank=4, lora_alpha=8, target_modules=["to_q", "to_v"])
+    return DiffusionPolicy(
+        "tiny:qwen_image",
+        SamplingConfig(height=32, width=32, num_inference_steps=4, true_cfg_scale=4.0),
+        lora_rank=4,
+        lora_alpha=8,
+        target_modules=["to_q", "to_v"],
+    )
 
 
 @pytest.fixture(scope="module")
 def samples(policy):
     # Two rollout batches: each pads to its own longest prompt; the training batch mixes them.
     results = policy.generate(PROMPTS[:2], [1, 2], range(1, 3)) + policy.generate(PROMPTS[2:], [3, 4], range(1, 3))
-    return [Sample(i, f"u{i // 2}", PromptRow(p, "x", ""), i, result=r, outcome=RewardOutcome("ok", 1.0))
-            for i, (p, r) in enumerate(zip(PROMPTS, results, strict=True))]
+    return [
+        Sample(i, f"u{i // 2}", PromptRow(p, "x", ""), i, result=r, outcome=RewardOutcome("ok", 1.0))
+        for i, (p, r) in enumerate(zip(PROMPTS, results, strict=True))
+    ]
 
 
 def test_update_path_uses_the_carried_encodings_and_never_the_text_encoder(policy, samples, monkeypatch, no_network):
@@ -52,15 +58,23 @@ def test_update_path_uses_the_carried_encodings_and_never_the_text_encoder(polic
     assert len(set(lengths)) == 4  # each sample keeps only its own tokens (no padding of its rollout batch)
     t = one["prompt_embeds"]  # its own storage: pickling one sample does not ship its batch
     assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
-    assert not {"prompt_embeds", "negative_prompt_embeds"} & set(sample_to_proto(samples[0].reward_input()).batch.keys())
+    assert not {"prompt_embeds", "negative_prompt_embeds"} & set(
+        sample_to_proto(samples[0].reward_input()).batch.keys()
+    )
 
     modality = ImageModality()
     tensors = modality.batch_tensors(samples)
     assert tensors["prompt_embeds"].shape[:2] == (4, max(lengths))
     assert tensors["prompt_embeds_mask"].sum(1).tolist() == lengths
-    batch = DataProto.from_dict(tensors={**tensors, "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]),
-                                         "loss_mask": torch.ones(4, dtype=torch.bool)},
-                                non_tensors={"prompt": np.array(PROMPTS, dtype=object)}, meta_info={"window_start": 1})
+    batch = DataProto.from_dict(
+        tensors={
+            **tensors,
+            "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]),
+            "loss_mask": torch.ones(4, dtype=torch.bool),
+        },
+        non_tensors={"prompt": np.array(PROMPTS, dtype=object)},
+        meta_info={"window_start": 1},
+    )
 
     def text_encoder_called(*args, **kwargs):
         raise AssertionError("the text encoder ran in the update path")
@@ -72,8 +86,9 @@ def test_update_path_uses_the_carried_encodings_and_never_the_text_encoder(polic
     rollout = torch.stack([r.log_probs for r in results])
     # Same weights: the recompute under the mini-batch's padding equals the rollout's under its own.
     assert (again - rollout).abs().max() < 1e-5, (again - rollout).abs().max()
-    metrics = modality.backward(policy, batch, torch.ones(4, dtype=torch.bool),
-                                OmegaConf.create({"clip_ratio": 0.2, "kl_loss_coef": 0.01}))
+    metrics = modality.backward(
+        policy, batch, torch.ones(4, dtype=torch.bool), OmegaConf.create({"clip_ratio": 0.2, "kl_loss_coef": 0.01})
+    )
     assert metrics["actor/ratio_mean"] == pytest.approx([1.0, 1.0], abs=1e-5)
     assert all(p.grad is not None for p in policy.trainable_parameters())
     policy.trainable.zero_grad(set_to_none=True)
@@ -105,10 +120,17 @@ def test_vae_decodes_in_slices_with_the_same_pixels_and_tiles_video(policy, monk
 
 def test_param_and_optimizer_offload_move_at_the_right_times_and_change_nothing(policy, samples, monkeypatch):
     modality = ImageModality()
-    batch = TensorBatch({**modality.batch_tensors(samples[:2]), "advantages": torch.tensor([1.0, -1.0]),
-                         "loss_mask": torch.tensor([True, True])}, {"window_start": 1})
-    cfg = OmegaConf.create({"clip_ratio": 0.2, "kl_loss_coef": 0.0, "grad_clip": 1.0,
-                            "ppo_micro_batch_size_per_gpu": None})
+    batch = TensorBatch(
+        {
+            **modality.batch_tensors(samples[:2]),
+            "advantages": torch.tensor([1.0, -1.0]),
+            "loss_mask": torch.tensor([True, True]),
+        },
+        {"window_start": 1},
+    )
+    cfg = OmegaConf.create(
+        {"clip_ratio": 0.2, "kl_loss_coef": 0.0, "grad_clip": 1.0, "ppo_micro_batch_size_per_gpu": None}
+    )
     start = policy.weights_state_dict()
 
     def two_updates(**offloads):
@@ -124,12 +146,17 @@ def test_param_and_optimizer_offload_move_at_the_right_times_and_change_nothing(
     plain = two_updates()
     moves, state_moves, offloaded_at_forward = [], [], []
     host, back, real_move = offload.HostOffload.to_host, offload.HostOffload.to_device, offload.move_optimizer_state
-    monkeypatch.setattr(offload.HostOffload, "to_host", lambda self: moves.append((len(self.modules), "host"))
-                        or host(self))
-    monkeypatch.setattr(offload.HostOffload, "to_device", lambda self, dev: moves.append((len(self.modules), str(dev)))
-                        or back(self, dev))
-    monkeypatch.setattr(offload, "move_optimizer_state", lambda opt, dev: state_moves.append(dev)
-                        or real_move(opt, dev))
+    monkeypatch.setattr(
+        offload.HostOffload, "to_host", lambda self: moves.append((len(self.modules), "host")) or host(self)
+    )
+    monkeypatch.setattr(
+        offload.HostOffload,
+        "to_device",
+        lambda self, dev: moves.append((len(self.modules), str(dev))) or back(self, dev),
+    )
+    monkeypatch.setattr(
+        offload, "move_optimizer_state", lambda opt, dev: state_moves.append(dev) or real_move(opt, dev)
+    )
     policy.begin_step()
     hook = policy.transformer.register_forward_pre_hook(lambda *_: offloaded_at_forward.append(policy.frozen_offloaded))
     try:
@@ -153,10 +180,17 @@ def test_param_offload_makes_one_round_trip_per_step_through_reused_host_buffers
     at the step's first update, come back for the next generation and then stay, so one round trip per step (not
     one per switch), and every offload writes into the same host buffers, allocated once."""
     modality = ImageModality()
-    batch = TensorBatch({**modality.batch_tensors(samples[:2]), "advantages": torch.tensor([1.0, -1.0]),
-                         "loss_mask": torch.tensor([True, True])}, {"window_start": 1})
-    cfg = OmegaConf.create({"clip_ratio": 0.2, "kl_loss_coef": 0.0, "grad_clip": 1.0,
-                            "ppo_micro_batch_size_per_gpu": None})
+    batch = TensorBatch(
+        {
+            **modality.batch_tensors(samples[:2]),
+            "advantages": torch.tensor([1.0, -1.0]),
+            "loss_mask": torch.tensor([True, True]),
+        },
+        {"window_start": 1},
+    )
+    cfg = OmegaConf.create(
+        {"clip_ratio": 0.2, "kl_loss_coef": 0.0, "grad_clip": 1.0, "ppo_micro_batch_size_per_gpu": None}
+    )
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=0.0)  # lr 0: the shared policy stays as it is
     policy.offload_frozen(False)
     before = dict(policy.host_offload.moves) if policy.host_offload else {"to_host": 0, "to_device": 0}
@@ -187,7 +221,8 @@ def test_host_buffers_are_pinned_only_for_a_cuda_device(monkeypatch):
     pinned, real_empty = [], torch.empty  # the choice reaches the allocation (pinning itself needs CUDA)
     layer = torch.nn.Linear(3, 2)
     monkeypatch.setattr(offload, "pinned_host_memory", lambda device: True)
-    monkeypatch.setattr(offload.torch, "empty", lambda *a, pin_memory=False, **kw: pinned.append(pin_memory)
-                        or real_empty(*a, **kw))
+    monkeypatch.setattr(
+        offload.torch, "empty", lambda *a, pin_memory=False, **kw: pinned.append(pin_memory) or real_empty(*a, **kw)
+    )
     offload.HostOffload([layer]).to_host()
     assert pinned == [True, True]  # weight and bias

@@ -32,10 +32,13 @@ def test_passthrough_and_unknown(fresh_cache):
         tiny.resolve_model_path("tiny:nope")
 
 
-@pytest.mark.parametrize("name,kwargs", [
-    ("qwen_image", dict(true_cfg_scale=1.0)),
-    ("sd3", dict(guidance_scale=1.0)),
-])
+@pytest.mark.parametrize(
+    "name,kwargs",
+    [
+        ("qwen_image", dict(true_cfg_scale=1.0)),
+        ("sd3", dict(guidance_scale=1.0)),
+    ],
+)
 def test_image_pipelines_build_offline_reload_and_generate(name, kwargs, fresh_cache, no_network):
     from diffusers import DiffusionPipeline
 
@@ -44,8 +47,15 @@ def test_image_pipelines_build_offline_reload_and_generate(name, kwargs, fresh_c
     pipe = DiffusionPipeline.from_pretrained(path)
     pipe.set_progress_bar_config(disable=True)
     gen = torch.Generator().manual_seed(0)
-    out = pipe(prompt=["a sign that says HELLO"] * 2, height=64, width=64, num_inference_steps=4,
-               output_type="np", generator=gen, **kwargs)
+    out = pipe(
+        prompt=["a sign that says HELLO"] * 2,
+        height=64,
+        width=64,
+        num_inference_steps=4,
+        output_type="np",
+        generator=gen,
+        **kwargs,
+    )
     assert out.images.shape == (2, 64, 64, 3)
     assert np.isfinite(out.images).all() and out.images.std() > 0
 
@@ -63,8 +73,15 @@ def test_wan_video(fresh_cache, no_network):
 
     pipe = WanPipeline.from_pretrained(tiny.resolve_model_path("tiny:wan"))
     pipe.set_progress_bar_config(disable=True)
-    out = pipe(prompt="a flag waving", height=64, width=64, num_frames=5, num_inference_steps=3,
-               guidance_scale=1.0, output_type="np")
+    out = pipe(
+        prompt="a flag waving",
+        height=64,
+        width=64,
+        num_frames=5,
+        num_inference_steps=3,
+        guidance_scale=1.0,
+        output_type="np",
+    )
     assert out.frames.shape == (1, 5, 64, 64, 3)
 
 
@@ -81,7 +98,8 @@ def test_qwen2_vl_judge(fresh_cache, no_network):
     n_img_tokens = int(pix["image_grid_thw"].prod()) // proc.merge_size**2
     text = tok.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Read the text."}]}],
-        tokenize=False, add_generation_prompt=True,
+        tokenize=False,
+        add_generation_prompt=True,
     ).replace("<|image_pad|>", "<|image_pad|>" * n_img_tokens)
     ids = tok(text, return_tensors="pt")
     out = model.generate(**ids, **pix, max_new_tokens=8, do_sample=False)

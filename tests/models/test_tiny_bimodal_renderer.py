@@ -30,11 +30,20 @@ def test_ocr_reward_is_bimodal_on_held_out_words(policy, no_network):
     meta = json.loads((Path(policy.pipe.config._name_or_path) / "prompts.json").read_text())
     words = meta["val"]
     prompts = [meta["template"].format(text=w) for w in words]
-    scores = np.stack([
-        [compute_score("ocr", img, w)["score"] for img, w in
-         zip(policy.rollout(prompts, [s * 1000 + i for i in range(len(words))], window=None).images, words,
-             strict=True)]
-        for s in range(SEEDS)], 1)  # [words, seeds]
+    scores = np.stack(
+        [
+            [
+                compute_score("ocr", img, w)["score"]
+                for img, w in zip(
+                    policy.rollout(prompts, [s * 1000 + i for i in range(len(words))], window=None).images,
+                    words,
+                    strict=True,
+                )
+            ]
+            for s in range(SEEDS)
+        ],
+        1,
+    )  # [words, seeds]
     # Measured, these 19 words x 2 seeds: mean 0.342, 21 % of samples read >= 0.9, 53 % read <= 0.1, 63 % of words
     # read differently across the seeds (the pre-training script's MEASURED: 4 seeds, 0.309 / 17 % / 55 %). The
     # previous renderer, tiny:qwen_image_text, on its first 19 held-out words: 13 % >= 0.9, 16 % <= 0.1 (fails).

@@ -16,9 +16,13 @@ STEPS = 4  # tiny scheduler shift 3: sigmas 1, 0.9, 0.75, 0.5 -> timesteps 1000,
 
 def make(**kw) -> DiffusionPolicy:
     torch.manual_seed(0)
-    return DiffusionPolicy("tiny:wan22", SamplingConfig(height=32, width=32, num_frames=5, num_inference_steps=STEPS,
-                                                        noise_level=0.7, **kw),
-                           lora_rank=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    return DiffusionPolicy(
+        "tiny:wan22",
+        SamplingConfig(height=32, width=32, num_frames=5, num_inference_steps=STEPS, noise_level=0.7, **kw),
+        lora_rank=4,
+        lora_alpha=8,
+        target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+    )
 
 
 def diffusers_velocity(pipe, x, t, emb):
@@ -43,11 +47,15 @@ def test_each_step_runs_the_expert_diffusers_picks_per_sample(no_network):
         # Two samples at different steps (their SDE windows start apart): one on each side of the boundary.
         mixed = policy.velocity(cond, x, torch.tensor([1, 2]))
         for r, i in enumerate([1, 2]):
-            want = diffusers_velocity(pipe, x[r:r + 1], policy.timesteps[i], cond["prompt_embeds"][r:r + 1])
-            assert torch.allclose(mixed[r:r + 1], want, atol=1e-5)
+            want = diffusers_velocity(pipe, x[r : r + 1], policy.timesteps[i], cond["prompt_embeds"][r : r + 1])
+            assert torch.allclose(mixed[r : r + 1], want, atol=1e-5)
         # The experts really differ, so the choice is visible.
-        other = pipe.transformer_2(hidden_states=x, timestep=policy.timesteps[0].expand(2),
-                                   encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+        other = pipe.transformer_2(
+            hidden_states=x,
+            timestep=policy.timesteps[0].expand(2),
+            encoder_hidden_states=cond["prompt_embeds"],
+            return_dict=False,
+        )[0]
         assert not torch.allclose(policy.velocity(cond, x, 0), other, atol=1e-3)
 
 
@@ -56,16 +64,24 @@ def test_lora_on_both_experts_trains_the_one_each_window_touches(no_network):
     names = [n for n, _ in policy.trainable.named_parameters() if "lora_" in n]
     assert any(n.startswith("transformer.") for n in names) and any(n.startswith("transformer_2.") for n in names)
     assert len(policy.trainable_parameters()) == len(names)
-    assert policy.transformer not in policy.frozen_modules() and policy.pipe.transformer_2 not in policy.frozen_modules()
+    assert (
+        policy.transformer not in policy.frozen_modules() and policy.pipe.transformer_2 not in policy.frozen_modules()
+    )
     modality = get_modality("image")
 
     def lora_grads(windows):
         prompts = ["a cat", "a dog"]
         out = policy.rollout(prompts, [3, 4], windows)
         cond = policy.encode(prompts)
-        batch = TensorBatch({"window_latents": out.window_latents, "window_start": torch.tensor(out.window_starts),
-                             "old_log_probs": out.log_probs, "advantages": torch.tensor([1.0, -1.0]),
-                             **{k: v for k, v in cond.items() if v is not None}})
+        batch = TensorBatch(
+            {
+                "window_latents": out.window_latents,
+                "window_start": torch.tensor(out.window_starts),
+                "old_log_probs": out.log_probs,
+                "advantages": torch.tensor([1.0, -1.0]),
+                **{k: v for k, v in cond.items() if v is not None},
+            }
+        )
         for p in policy.trainable_parameters():
             p.grad = None
         modality.backward(policy, batch, torch.ones(2, dtype=torch.bool), _ActorCfg())

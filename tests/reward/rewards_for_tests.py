@@ -106,8 +106,9 @@ def _require_uint8_tensor(solution_image):
     import torch
 
     if not isinstance(solution_image, torch.Tensor) or solution_image.dtype != torch.uint8:
-        raise TypeError(f"expected a uint8 torch tensor, got {type(solution_image).__name__} "
-                        f"{getattr(solution_image, 'dtype', '')}")
+        raise TypeError(
+            f"expected a uint8 torch tensor, got {type(solution_image).__name__} {getattr(solution_image, 'dtype', '')}"
+        )
 
 
 def omni_style_permute_score(data_source, solution_image, ground_truth, extra_info, **kwargs):
@@ -160,15 +161,23 @@ async def omni_style_http_signature(solution_image, ground_truth, server_url="un
     return omni_style_permute_score(None, solution_image, ground_truth, None)
 
 
-def blocking_sleep(data_source, solution_str=None, solution_image=None, ground_truth=None, extra_info=None,
-                   delay_s=0.5, **kw):
+def blocking_sleep(
+    data_source, solution_str=None, solution_image=None, ground_truth=None, extra_info=None, delay_s=0.5, **kw
+):
     """A sync (blocking) reward, like a judge called with a blocking HTTP client: holds a thread for delay_s."""
     time.sleep(delay_s)
     return 1.0
 
 
-async def genrm_ocr_style(data_source, solution_image, ground_truth, extra_info, reward_router_address: str,
-                          reward_model_tokenizer=None, model_name=None):
+async def genrm_ocr_style(
+    data_source,
+    solution_image,
+    ground_truth,
+    extra_info,
+    reward_router_address: str,
+    reward_model_tokenizer=None,
+    model_name=None,
+):
     """verl-omni's GenRM-OCR signature and wire use (``verl_omni/utils/reward_score/genrm_ocr.py``, written here
     from its contract): POST an OpenAI chat completion with the image as a data URL to
     ``http://{reward_router_address}/v1/chat/completions`` with ``model=model_name``; score = 1 − normalised edit
@@ -183,12 +192,21 @@ async def genrm_ocr_style(data_source, solution_image, ground_truth, extra_info,
     buf = io.BytesIO()
     Image.fromarray(to_pixels(solution_image)).save(buf, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    body = {"model": model_name, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Read the text."}]}]}
+    body = {
+        "model": model_name,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "Read the text."},
+                ],
+            }
+        ],
+    }
     async with aiohttp.ClientSession() as session:
         async with session.post(f"http://{reward_router_address}/v1/chat/completions", json=body) as resp:
             text = (await resp.json())["choices"][0]["message"]["content"]
     gt, got = ground_truth.replace(" ", "").lower(), text.replace(" ", "").lower()
     dist = min(Levenshtein.distance(got, gt), len(gt))
-    return {"score": 1 - dist / len(gt), "genrm_response": text, "router": reward_router_address,
-            "model": model_name}
+    return {"score": 1 - dist / len(gt), "genrm_response": text, "router": reward_router_address, "model": model_name}

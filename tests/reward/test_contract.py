@@ -73,13 +73,16 @@ def test_to_solution_image_is_verl_omni_layout_for_image_and_video():
     assert tuple(to_solution_image(img[..., 0]).shape) == (3, 24, 32)  # grey made RGB
 
 
-@pytest.mark.parametrize("bad, match", [
-    (np.zeros((8, 8, 3), np.float32), "uint8"),
-    (torch.zeros(3, 8, 8), "uint8 tensor"),
-    (torch.zeros(8, 8, 3, dtype=torch.uint8), "channels-last"),
-    (np.zeros((3, 8, 8), np.uint8), "channels-first"),
-    (np.zeros((2, 2, 8, 8, 3), np.uint8), r"\(H, W, 3\)"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (np.zeros((8, 8, 3), np.float32), "uint8"),
+        (torch.zeros(3, 8, 8), "uint8 tensor"),
+        (torch.zeros(8, 8, 3, dtype=torch.uint8), "channels-last"),
+        (np.zeros((3, 8, 8), np.uint8), "channels-first"),
+        (np.zeros((2, 2, 8, 8, 3), np.uint8), r"\(H, W, 3\)"),
+    ],
+)
 def test_wrong_pixel_forms_are_named(bad, match):
     with pytest.raises(RewardContractError, match=match):
         to_pixels(bad)
@@ -119,11 +122,21 @@ def test_omni_style_jpeg_scores_differ_per_image_with_tensors():
 
 def _manager_sample(pixels):
     cfg = OmegaConf.load(Path(contract.__file__).parents[1] / "config/flowgrpo_trainer.yaml").reward
-    cfg.custom_reward_function = {"path": TEST_REWARDS, "name": "omni_style_http_signature",
-                                  "reward_kwargs": {"server_url": "x"}}
+    cfg.custom_reward_function = {
+        "path": TEST_REWARDS,
+        "name": "omni_style_http_signature",
+        "reward_kwargs": {"server_url": "x"},
+    }
     # Both the manager's old ("image") and new ("solution_image") sample field.
-    sample = {"prompt": "p", "data_source": "d", "ground_truth": "g", "extra_info": {}, "uid": "u",
-              "image": pixels, "solution_image": pixels}
+    sample = {
+        "prompt": "p",
+        "data_source": "d",
+        "ground_truth": "g",
+        "extra_info": {},
+        "uid": "u",
+        "image": pixels,
+        "solution_image": pixels,
+    }
     return RewardManager(cfg), sample
 
 
@@ -188,8 +201,9 @@ def test_vlm_judge_sees_the_same_frames_for_numpy_and_tensor(monkeypatch):
     results = []
     for form in (video, to_solution_image(video)):
         seen.append([])
-        results.append(asyncio.run(vlm_judge.compute_score("d", form, "HELLO", frame_interval=2,
-                                                           judge_model_path="tiny:qwen2_vl")))
+        results.append(
+            asyncio.run(vlm_judge.compute_score("d", form, "HELLO", frame_interval=2, judge_model_path="tiny:qwen2_vl"))
+        )
     assert results[0] == results[1] and results[0]["score"] == 1.0
     assert seen[0] == seen[1] == [video[0].tobytes(), video[2].tobytes()]
 
@@ -298,11 +312,11 @@ def test_check_reward_function_class_and_signature(tmp_path):
         "class NoScore:\n    pass\n"
         "class Scorer:\n    def __init__(self, url):\n        self.url = url\n"
         "    def compute_score(self, data_source, solution_image, ground_truth, extra_info):\n        return 1.0\n"
-        "def strict(data_source, solution_image, ground_truth):\n    return 1.0\n")
+        "def strict(data_source, solution_image, ground_truth):\n    return 1.0\n"
+    )
     with pytest.raises(RewardConfigError, match="class NoScore .* has no compute_score"):
         check_reward_function(str(mod), "NoScore")
-    assert check_reward_function(str(mod), "Scorer", reward_kwargs={"url": "u"}, modality="image").__name__ == \
-        "Scorer"
+    assert check_reward_function(str(mod), "Scorer", reward_kwargs={"url": "u"}, modality="image").__name__ == "Scorer"
     with pytest.raises(RewardConfigError, match=r"class Scorer.*cannot be called with \['uri'\]"):
         check_reward_function(str(mod), "Scorer", reward_kwargs={"uri": "u"}, modality="image")
     with pytest.raises(RewardConfigError, match="Scorer.compute_score.*solution_str"):
@@ -310,8 +324,9 @@ def test_check_reward_function_class_and_signature(tmp_path):
     with pytest.raises(RewardConfigError, match="strict.*extra_info"):
         check_reward_function(str(mod), "strict", modality="image")
     # verl-omni's HTTP client signature (no data_source / extra_info, **kwargs) and a verl built-in both bind.
-    check_reward_function(TEST_REWARDS, "omni_style_http_signature", reward_kwargs={"server_url": "u"},
-                          modality="image")
+    check_reward_function(
+        TEST_REWARDS, "omni_style_http_signature", reward_kwargs={"server_url": "u"}, modality="image"
+    )
     check_reward_function("pkg://omni_async.reward.contract", "default_compute_score", modality="text")
     assert contract.check_reward_function is check_reward_function
 

@@ -56,13 +56,26 @@ def test_transformers_judge_scores_through_a_real_reward_worker(judge, no_networ
     shutdown_ray()
     init_ray(num_gpus=0, num_cpus=4)
     try:
-        cfg = {"timeout_s": 120, "max_inflight_per_worker": 32, "reward_functions": {}, "custom_reward_function": {
-            "path": "pkg://omni_async.reward.scorers.vlm_judge", "name": "compute_score",
-            "reward_kwargs": {"backend": "transformers", "max_new_tokens": 16}},
-            "reward_model": {"model_path": "tiny:qwen2_vl"}}  # the judge model's one key
+        cfg = {
+            "timeout_s": 120,
+            "max_inflight_per_worker": 32,
+            "reward_functions": {},
+            "custom_reward_function": {
+                "path": "pkg://omni_async.reward.scorers.vlm_judge",
+                "name": "compute_score",
+                "reward_kwargs": {"backend": "transformers", "max_new_tokens": 16},
+            },
+            "reward_model": {"model_path": "tiny:qwen2_vl"},
+        }  # the judge model's one key
         worker = ray.remote(RewardLoopWorker).remote(cfg, 0)
-        sample = {"prompt": 'a sign "HELLO 42"', "data_source": "ocr", "ground_truth": "HELLO 42",
-                  "extra_info": {}, "uid": "0", "solution_image": HELLO}
+        sample = {
+            "prompt": 'a sign "HELLO 42"',
+            "data_source": "ocr",
+            "ground_truth": "HELLO 42",
+            "extra_info": {},
+            "uid": "0",
+            "solution_image": HELLO,
+        }
         out = ray.get(worker.compute_score.remote(sample_to_proto(sample)))
     finally:
         shutdown_ray()
@@ -92,8 +105,7 @@ def test_openai_backend_against_a_real_local_server(judge, fake_servers):
 
     control.mode, control.calls = "slow", 0
     with pytest.raises(RewardHTTPError, match="Timeout"):
-        asyncio.run(vlm_judge.compute_score("ocr", HELLO, "HELLO 42", {}, **{**kw, "timeout_s": 0.3,
-                                                                               "max_retries": 1}))
+        asyncio.run(vlm_judge.compute_score("ocr", HELLO, "HELLO 42", {}, **{**kw, "timeout_s": 0.3, "max_retries": 1}))
     assert control.calls == 2
     control.mode = "ok"
 
@@ -103,8 +115,9 @@ def test_http_client_micro_batches_against_the_scorer_server(server_factory):
     images = [np.random.default_rng(i).integers(0, 255, (32, 32, 3), dtype=np.uint8) for i in range(20)]
 
     async def run(client: HttpScorer):
-        return await asyncio.gather(*(client.compute_score("x", img, None, {"prompt": f"p{i}"})
-                                      for i, img in enumerate(images)))
+        return await asyncio.gather(
+            *(client.compute_score("x", img, None, {"prompt": f"p{i}"}) for i, img in enumerate(images))
+        )
 
     client = HttpScorer(server.url, max_batch=8, max_wait_ms=50)
     out = asyncio.run(run(client))
@@ -216,29 +229,46 @@ def health_only_vllm_python(root) -> str:
 
 
 def test_full_gpu_recipe_config_composes_and_vllm_judges_get_tp_bundles(tmp_path):
-    recipe = ["data.train_files=x.jsonl", "actor_rollout_ref.model.path=/models/Qwen-Image",
-              "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.agent.num_workers=4",
-              "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-              "reward.reward_model.enable=True", "reward.reward_model.model_path=/models/Qwen2.5-VL-7B-Instruct",
-              "reward.reward_model.enable_resource_pool=True", "reward.reward_model.n_gpus_per_node=1",
-              "reward.reward_model.rollout.name=vllm", "reward.reward_model.rollout.server_python=/opt/vllm/bin/python",
-              "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.vlm_judge"]
+    recipe = [
+        "data.train_files=x.jsonl",
+        "actor_rollout_ref.model.path=/models/Qwen-Image",
+        "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.rollout.agent.num_workers=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "reward.reward_model.enable=True",
+        "reward.reward_model.model_path=/models/Qwen2.5-VL-7B-Instruct",
+        "reward.reward_model.enable_resource_pool=True",
+        "reward.reward_model.n_gpus_per_node=1",
+        "reward.reward_model.rollout.name=vllm",
+        "reward.reward_model.rollout.server_python=/opt/vllm/bin/python",
+        "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.vlm_judge",
+    ]
     cfg = validate(compose(recipe))
     rollout = OmegaConf.to_container(cfg.reward.reward_model.rollout)
     cmd = server_command(rollout, cfg.reward.reward_model.model_path, 8000)
     assert cmd[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "1" and "/models/Qwen2.5-VL-7B-Instruct" in cmd
     with pytest.raises(ConfigError, match="must fit on one node"):
-        validate(compose(recipe + ["reward.reward_model.rollout.tensor_model_parallel_size=2",
-                                   "reward.reward_model.nnodes=2"]))  # 2 devices, but one per node
+        validate(
+            compose(
+                recipe + ["reward.reward_model.rollout.tensor_model_parallel_size=2", "reward.reward_model.nnodes=2"]
+            )
+        )  # 2 devices, but one per node
     with pytest.raises(ConfigError, match="enable_resource_pool=True"):
         validate(compose(recipe + ["reward.reward_model.enable_resource_pool=False"]))
 
     # TP=2 on a 2-device reward pool: one bundle of 2 (logical) devices, one server actor on it. This
     # environment has no vLLM (it cannot live next to verl): the server actor says so and how to fix it.
-    tp2 = validate(compose(recipe + ["reward.reward_model.rollout.tensor_model_parallel_size=2",
-                                     "reward.reward_model.n_gpus_per_node=2",
-                                     f"reward.reward_model.rollout.server_python={sys.executable}"]))
+    tp2 = validate(
+        compose(
+            recipe
+            + [
+                "reward.reward_model.rollout.tensor_model_parallel_size=2",
+                "reward.reward_model.n_gpus_per_node=2",
+                f"reward.reward_model.rollout.server_python={sys.executable}",
+            ]
+        )
+    )
     shutdown_ray()
     init_ray(num_gpus=2, num_cpus=4)
     try:
@@ -282,11 +312,21 @@ def test_verl_omni_genrm_reward_gets_the_judge_server_as_router_address():
     TEST_REWARDS = str(Path(__file__).with_name("rewards_for_tests.py"))
     servers = [ThreadServer(make_app(Control(), _Reads("HELLO 42"))), ThreadServer(make_app(Control(), _Reads("HELL")))]
     try:
-        cfg = {"timeout_s": 30, "max_inflight_per_worker": 4, "reward_functions": {},
-               "custom_reward_function": {"path": TEST_REWARDS, "name": "genrm_ocr_style", "reward_kwargs": {}},
-               "reward_model": {"model_path": "/models/Qwen2.5-VL-7B-Instruct"}}
-        sample = {"prompt": "p", "data_source": "ocr", "ground_truth": "HELLO 42", "extra_info": {}, "uid": "0",
-                  "solution_image": HELLO}
+        cfg = {
+            "timeout_s": 30,
+            "max_inflight_per_worker": 4,
+            "reward_functions": {},
+            "custom_reward_function": {"path": TEST_REWARDS, "name": "genrm_ocr_style", "reward_kwargs": {}},
+            "reward_model": {"model_path": "/models/Qwen2.5-VL-7B-Instruct"},
+        }
+        sample = {
+            "prompt": "p",
+            "data_source": "ocr",
+            "ground_truth": "HELLO 42",
+            "extra_info": {},
+            "uid": "0",
+            "solution_image": HELLO,
+        }
         urls = [s.url for s in servers]
         first = asyncio.run(RewardLoopWorker(cfg, 0, urls).compute_score(sample_to_proto(sample)))
         second = asyncio.run(RewardLoopWorker(cfg, 1, urls).compute_score(sample_to_proto(sample)))
@@ -301,7 +341,12 @@ def test_verl_omni_genrm_reward_gets_the_judge_server_as_router_address():
 
     with pytest.raises(ValueError, match="reward_router_address.*reward.reward_model.rollout.name=vllm"):
         RewardLoopWorker(cfg, 0, [])
-    given = {**cfg, "custom_reward_function": {**cfg["custom_reward_function"],
-                                               "reward_kwargs": {"reward_router_address": "10.0.0.1:8000"}}}
+    given = {
+        **cfg,
+        "custom_reward_function": {
+            **cfg["custom_reward_function"],
+            "reward_kwargs": {"reward_router_address": "10.0.0.1:8000"},
+        },
+    }
     with pytest.raises(ValueError, match="reward_kwargs.reward_router_address=10.0.0.1:8000.*Fix: drop"):
         RewardLoopWorker(given, 0, urls)

@@ -17,9 +17,16 @@ from omni_async.sample import RewardOutcome
 
 
 def reward_cfg(**over):
-    base = {"timeout_s": 5, "max_inflight_per_worker": 32, "custom_reward_function": {"path": "pkg://omni_async.reward.scorers.jpeg",
-                                                       "name": "compute_score", "reward_kwargs": {}},
-            "reward_functions": {}}
+    base = {
+        "timeout_s": 5,
+        "max_inflight_per_worker": 32,
+        "custom_reward_function": {
+            "path": "pkg://omni_async.reward.scorers.jpeg",
+            "name": "compute_score",
+            "reward_kwargs": {},
+        },
+        "reward_functions": {},
+    }
     base.update(over)
     return OmegaConf.create(base)
 
@@ -31,7 +38,14 @@ def text_image(text: str, size=(256, 96)) -> np.ndarray:
 
 
 def sample(image, gt="", uid="u"):
-    return {"prompt": "p", "data_source": "test", "ground_truth": gt, "extra_info": {}, "uid": uid, "solution_image": image}
+    return {
+        "prompt": "p",
+        "data_source": "test",
+        "ground_truth": gt,
+        "extra_info": {},
+        "uid": uid,
+        "solution_image": image,
+    }
 
 
 def test_normalize_result_accepts_the_conventions_and_names_bad_returns():
@@ -49,10 +63,13 @@ def test_multi_reward_runs_concurrently_weighted_and_optional_failure_is_left_ou
         "import asyncio\n"
         "async def slow(data_source, solution_image, ground_truth, extra_info, value=1.0, **kw):\n"
         "    await asyncio.sleep(0.5)\n    return value\n"
-        "def broken(**kw):\n    raise ValueError('judge down')\n")
-    fns = {"a": {"path": str(mod), "name": "slow", "weight": 2.0, "value": 0.25},
-           "b": {"path": str(mod), "name": "slow", "weight": 1.0, "value": 1.0},
-           "c": {"path": str(mod), "name": "broken", "required": False}}
+        "def broken(**kw):\n    raise ValueError('judge down')\n"
+    )
+    fns = {
+        "a": {"path": str(mod), "name": "slow", "weight": 2.0, "value": 0.25},
+        "b": {"path": str(mod), "name": "slow", "weight": 1.0, "value": 1.0},
+        "c": {"path": str(mod), "name": "broken", "required": False},
+    }
     manager = RewardManager(reward_cfg(reward_functions=fns))
     t0 = time.perf_counter()
     out = asyncio.run(manager.score(sample(np.zeros((8, 8, 3), np.uint8))))
@@ -75,9 +92,11 @@ def test_timeout_is_typed_and_post_process_can_repair(tmp_path):
         "        return float(solution_image[0, 0, 0])\n"
         "    def post_process_scores(self, scores):\n"
         "        ok = [s for s in scores if s is not None]\n"
-        "        return [s if s is not None else sum(ok) / len(ok) for s in scores]\n")
-    manager = RewardManager(reward_cfg(timeout_s=0.3, custom_reward_function={"path": str(mod), "name": "R",
-                                                                              "reward_kwargs": {}}))
+        "        return [s if s is not None else sum(ok) / len(ok) for s in scores]\n"
+    )
+    manager = RewardManager(
+        reward_cfg(timeout_s=0.3, custom_reward_function={"path": str(mod), "name": "R", "reward_kwargs": {}})
+    )
     imgs = [np.full((4, 4, 3), v, np.uint8) for v in (2, 1, 4)]
     outcomes = manager.score_batch([sample(i) for i in imgs])  # one group: post-processed as a whole
     assert [o.status for o in outcomes] == ["ok", "ok", "ok"]
@@ -157,9 +176,11 @@ def test_ocr_reads_on_the_reward_workers_gpu(monkeypatch, caplog):
 
 def test_judge_urls_reach_the_functions_that_take_them_and_are_refused_otherwise(tmp_path):
     mod = tmp_path / "j.py"
-    mod.write_text("def judged(data_source, solution_image, ground_truth, extra_info, judge_urls=None):\n"
-                   "    return {'score': float(len(judge_urls)), 'first': judge_urls[0]}\n"
-                   "def plain(data_source, solution_image, ground_truth, extra_info):\n    return 0.0\n")
+    mod.write_text(
+        "def judged(data_source, solution_image, ground_truth, extra_info, judge_urls=None):\n"
+        "    return {'score': float(len(judge_urls)), 'first': judge_urls[0]}\n"
+        "def plain(data_source, solution_image, ground_truth, extra_info):\n    return 0.0\n"
+    )
     urls = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
     cfg = reward_cfg(custom_reward_function={"path": str(mod), "name": "judged", "reward_kwargs": {}})
     out = asyncio.run(RewardManager(cfg, judge_urls=urls).score(sample(np.zeros((4, 4, 3), np.uint8))))

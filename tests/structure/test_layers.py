@@ -13,8 +13,17 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "omni_async"
 
 # Lower layers never import higher ones (not even lazily inside a function).
-LAYERS = {"sample": 0, "algos": 1, "models": 2, "cluster": 3, "modality": 3, "reward": 4, "agent_loop": 5,
-          "trainer": 6, "tools": 7}
+LAYERS = {
+    "sample": 0,
+    "algos": 1,
+    "models": 2,
+    "cluster": 3,
+    "modality": 3,
+    "reward": 4,
+    "agent_loop": 5,
+    "trainer": 6,
+    "tools": 7,
+}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -37,8 +46,11 @@ def imports(path: Path, module_level_only: bool) -> set[str]:
 
 def graph(root: Path, prefix: str, module_level_only: bool) -> dict[str, set[str]]:
     files = {module_name(p): p for p in root.rglob("*.py")}
-    return {m: {d for d in imports(p, module_level_only) if d in files and d != m} for m, p in files.items()
-            if m.startswith(prefix)}
+    return {
+        m: {d for d in imports(p, module_level_only) if d in files and d != m}
+        for m, p in files.items()
+        if m.startswith(prefix)
+    }
 
 
 def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
@@ -50,7 +62,7 @@ def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
         stack.append(m)
         for d in sorted(g.get(m, ())):
             if state.get(d) == 1:
-                return stack[stack.index(d):] + [d]
+                return stack[stack.index(d) :] + [d]
             if d not in state and (c := visit(d)):
                 return c
         state[m] = 2
@@ -72,8 +84,12 @@ def test_no_import_cycle_at_module_level():
 
 
 def test_imports_point_down_the_layers_even_lazy_ones():
-    bad = [(m, d) for m, deps in graph(ROOT, "omni_async.", module_level_only=False).items() for d in deps
-           if d.startswith("omni_async.") and len(d.split(".")) > 1 and layer(d) > layer(m)]
+    bad = [
+        (m, d)
+        for m, deps in graph(ROOT, "omni_async.", module_level_only=False).items()
+        for d in deps
+        if d.startswith("omni_async.") and len(d.split(".")) > 1 and layer(d) > layer(m)
+    ]
     assert not bad, bad
 
 

@@ -33,12 +33,17 @@ def qwen_plan():
     plan["optimizer_step_gb"] = mp.measure_optimizer_step("qwen_image", 64)
     plan["lora_allreduce_bucket_gb"] = mp.measure_allreduce_bucket("qwen_image", 64)
     block = mp.largest_block_params("qwen_image")
-    plan["full"] = {"params": plan["weights"]["transformer"]["params"], "largest_block_params": block,
-                    "fsdp_buffers_gb": 8 * block / mp.GB, "optimizer_step_gb": mp.measure_optimizer_step("qwen_image", 0)}
+    plan["full"] = {
+        "params": plan["weights"]["transformer"]["params"],
+        "largest_block_params": block,
+        "fsdp_buffers_gb": 8 * block / mp.GB,
+        "optimizer_step_gb": mp.measure_optimizer_step("qwen_image", 0),
+    }
     for res, modes in ((512, (True, False)), (1024, (True,))):
         plan["resolutions"][str(res)] = {
-            "train": {f"cfg/{'ckpt' if c else 'no_ckpt'}": mp.measure_train("qwen_image", res, 2, c, 64)
-                      for c in modes},
+            "train": {
+                f"cfg/{'ckpt' if c else 'no_ckpt'}": mp.measure_train("qwen_image", res, 2, c, 64) for c in modes
+            },
             "rollout_gb": {"cfg": mp.measure_rollout("qwen_image", res, 2 * rollout_batch, 64)},
         }
     low = plan["resolutions"]["512"]
@@ -66,11 +71,13 @@ def test_default_gpu_recipe_fits_80gb_as_sold(qwen_plan):
     adapter (an overlap mode), text encoder and VAE kept on the GPU through the update (the stricter case), plain VAE
     decode (images), allocator fragmentation and the CUDA context: within 80 GB as sold = 80e9 bytes (not 80 GiB)."""
     assert ml.DEVICES_GB["H100 80GB"] * ml.GB == 80e9
-    peak = mp.device_peak(qwen_plan, 512, cfg=True, ckpt=True, offload_encoders=False, layout="hybrid", ranks=4,
-                          snapshot=True)
+    peak = mp.device_peak(
+        qwen_plan, 512, cfg=True, ckpt=True, offload_encoders=False, layout="hybrid", ranks=4, snapshot=True
+    )
     assert peak["peak_gb"] <= 80.0, peak
-    assert peak["peak_gb"] == pytest.approx(peak["allocated_gb"] * (1 + ml.FRAGMENTATION) + ml.RUNTIME_RESERVE_GB
-                                            + ml.NCCL_RESERVE_GB)
+    assert peak["peak_gb"] == pytest.approx(
+        peak["allocated_gb"] * (1 + ml.FRAGMENTATION) + ml.RUNTIME_RESERVE_GB + ml.NCCL_RESERVE_GB
+    )
     at_512 = {**qwen_plan, "resolutions": {"512": qwen_plan["resolutions"]["512"]}}
     rec = mp.recommend(at_512, 80.0, cfg=True, ranks=4)["512"]
     assert any(o["gradient_checkpointing"] and not o["offload_encoders_during_update"] for o in rec["options"])
@@ -105,15 +112,28 @@ def test_every_layout_counts_what_it_holds(qwen_plan):
     # Full fine-tune on 4 ranks: 16 bytes per parameter sharded + the gathered bf16 model for generation
     fx4, fx8 = peak(full=True, ranks=4), peak(full=True, ranks=8)
     shards4 = 16 * full["params"] / 4 / ml.GB
-    assert fx4["rollout_gb"] == pytest.approx(shards4 + w["transformer"]["gb"] + encoders + max(
-        qwen_plan["text_encoder_forward_gb"], qwen_plan["resolutions"]["512"]["rollout_gb"]["cfg"],
-        qwen_plan["resolutions"]["512"]["vae_decode_gb"]["plain"]))
+    assert fx4["rollout_gb"] == pytest.approx(
+        shards4
+        + w["transformer"]["gb"]
+        + encoders
+        + max(
+            qwen_plan["text_encoder_forward_gb"],
+            qwen_plan["resolutions"]["512"]["rollout_gb"]["cfg"],
+            qwen_plan["resolutions"]["512"]["vae_decode_gb"]["plain"],
+        )
+    )
     assert fx8["peak_gb"] < fx4["peak_gb"]
     # a foreach AdamW step over fp32 masters needs one fp32 temporary of the (sharded) parameters
     assert full["optimizer_step_gb"] == pytest.approx(4 * full["params"] / ml.GB, rel=0.01)
     rows = ml.layout_rows({**qwen_plan, "resolutions": {"512": qwen_plan["resolutions"]["512"]}})
-    assert {"hybrid LoRA", "rollout worker LoRA", "trainer rank LoRA", "rollout worker full", "hybrid full x4",
-            "trainer rank full x8"} <= set(rows)
+    assert {
+        "hybrid LoRA",
+        "rollout worker LoRA",
+        "trainer rank LoRA",
+        "rollout worker full",
+        "hybrid full x4",
+        "trainer rank full x8",
+    } <= set(rows)
 
 
 def test_images_decode_plain_and_video_tiled():
@@ -123,8 +143,9 @@ def test_images_decode_plain_and_video_tiled():
     image = mp.device_peak({**plan, "frames": 1}, 512, True, True, False)
     video = mp.device_peak({**plan, "frames": 33}, 512, True, True, False)
     assert image["rollout_gb"] - video["rollout_gb"] == pytest.approx(9.0 - 0.2)
-    assert mp.device_peak({**plan, "frames": 1}, 512, True, True, False, vae_tiled=True)["rollout_gb"] == \
-        pytest.approx(video["rollout_gb"])
+    assert mp.device_peak({**plan, "frames": 1}, 512, True, True, False, vae_tiled=True)["rollout_gb"] == pytest.approx(
+        video["rollout_gb"]
+    )
 
 
 def test_activations_are_measured(qwen_plan):
@@ -148,10 +169,10 @@ def test_live_memory_counts_allocations_not_views():
 
     x = torch.empty(1000, 1000, device="meta")
     with mp.LiveMemory() as mem:
-        y = x * 2          # 4 MB new
-        _ = y.t()          # view: nothing new
-        y.add_(1)          # in place: nothing new
-        z = y + 1          # 4 MB new
+        y = x * 2  # 4 MB new
+        _ = y.t()  # view: nothing new
+        y.add_(1)  # in place: nothing new
+        z = y + 1  # 4 MB new
         del y, z, _
     assert mem.peak == 8_000_000 and mem.current == 0
 
@@ -171,11 +192,22 @@ def test_cli_writes_json(tmp_path, monkeypatch, capsys):
 
 def _fake_plan():
     train = {"held_gb": 1.0, "saved_gb": 1.0, "peak_gb": 1.5}
-    return {"source": "test", "frames": 33, "text_tokens": 512, "micro_batch": 1, "rollout_batch": 8,
-            "weights": {p: {"params": 1, "gb": 1.0} for p in ("transformer", "text_encoder", "vae")},
-            "lora": {"rank": 64, "params": 1, "gb": 0.1}, "text_encoder_forward_gb": 0.1, "optimizer_step_gb": 0.1,
-            "lora_allreduce_bucket_gb": 0.01,
-            "resolutions": {"512": {"train": {f"{c}/{k}": train for c in ("no_cfg", "cfg")
-                                              for k in ("no_ckpt", "ckpt")},
-                                    "rollout_gb": {"cfg": 0.2, "no_cfg": 0.1},
-                                    "vae_decode_gb": {"plain": 0.5, "tiled": 0.2}}}}
+    return {
+        "source": "test",
+        "frames": 33,
+        "text_tokens": 512,
+        "micro_batch": 1,
+        "rollout_batch": 8,
+        "weights": {p: {"params": 1, "gb": 1.0} for p in ("transformer", "text_encoder", "vae")},
+        "lora": {"rank": 64, "params": 1, "gb": 0.1},
+        "text_encoder_forward_gb": 0.1,
+        "optimizer_step_gb": 0.1,
+        "lora_allreduce_bucket_gb": 0.01,
+        "resolutions": {
+            "512": {
+                "train": {f"{c}/{k}": train for c in ("no_cfg", "cfg") for k in ("no_ckpt", "ckpt")},
+                "rollout_gb": {"cfg": 0.2, "no_cfg": 0.1},
+                "vae_decode_gb": {"plain": 0.5, "tiled": 0.2},
+            }
+        },
+    }

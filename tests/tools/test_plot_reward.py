@@ -15,8 +15,12 @@ from omni_async.trainer.reward_plot import first_last, plot_reward, read_metrics
 def write_run(run_dir, steps=6, val_every=3):
     logger = MetricsLogger(run_dir, ["jsonl"], steps)
     for s in range(1, steps + 1):
-        m = {"critic/rewards/mean": 0.1 * s, "critic/rewards/std": 0.05, "critic/rewards/min": 0.0,
-             "critic/rewards/max": 1.0}
+        m = {
+            "critic/rewards/mean": 0.1 * s,
+            "critic/rewards/std": 0.05,
+            "critic/rewards/min": 0.0,
+            "critic/rewards/max": 1.0,
+        }
         if s % val_every == 0:
             m["val-core/ocr/reward/mean@1"] = 0.5
         logger.log(s, m)

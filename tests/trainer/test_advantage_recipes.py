@@ -28,8 +28,16 @@ def text_samples(groups: list[list[float]]) -> list[Sample]:
     for g, rewards in enumerate(groups):
         for k, r in enumerate(rewards):
             n_tokens = 1 + (len(out) % 3)  # responses of different lengths: the reward sits on the last token
-            out.append(Sample(index=len(out), uid=f"0-{g}", row=ROW, seed=k, outcome=RewardOutcome("ok", r),
-                              result=TextResult([5, 6], list(range(7, 7 + n_tokens)), "r", torch.zeros(n_tokens))))
+            out.append(
+                Sample(
+                    index=len(out),
+                    uid=f"0-{g}",
+                    row=ROW,
+                    seed=k,
+                    outcome=RewardOutcome("ok", r),
+                    result=TextResult([5, 6], list(range(7, 7 + n_tokens)), "r", torch.zeros(n_tokens)),
+                )
+            )
     return out
 
 
@@ -37,10 +45,24 @@ def image_samples(groups: list[list[float]], window_start: int = 1) -> list[Samp
     out = []
     for g, rewards in enumerate(groups):
         for k, r in enumerate(rewards):
-            result = ImageResult(np.zeros((8, 8, 3), np.uint8), torch.zeros(3, 4), torch.zeros(2),
-                                 {"prompt_embeds": torch.zeros(5, 6)}, window_start=window_start)
-            out.append(Sample(index=len(out), uid=f"0-{g}", row=ROW, seed=k, outcome=RewardOutcome("ok", r),
-                              result=result, window=(window_start, window_start + 2)))
+            result = ImageResult(
+                np.zeros((8, 8, 3), np.uint8),
+                torch.zeros(3, 4),
+                torch.zeros(2),
+                {"prompt_embeds": torch.zeros(5, 6)},
+                window_start=window_start,
+            )
+            out.append(
+                Sample(
+                    index=len(out),
+                    uid=f"0-{g}",
+                    row=ROW,
+                    seed=k,
+                    outcome=RewardOutcome("ok", r),
+                    result=result,
+                    window=(window_start, window_start + 2),
+                )
+            )
     return out
 
 
@@ -51,8 +73,9 @@ def test_text_advantages_are_verls_grpo_on_the_same_batch():
     groups = [[0.0, 0.0, 1.0, 1.0], [0.2, 0.9, 0.4, 0.3], [1.0] * 4, [0.0] * 31 + [1.0]]
     batch = build_batch(cfg, "text", text_samples(groups))
     b = batch.batch
-    verl_adv, _ = compute_grpo_outcome_advantage(b["rm_scores"], b["response_mask"].float(),
-                                                 np.array(batch.non_tensor_batch["uid"], dtype=object))
+    verl_adv, _ = compute_grpo_outcome_advantage(
+        b["rm_scores"], b["response_mask"].float(), np.array(batch.non_tensor_batch["uid"], dtype=object)
+    )
     ours = b["advantages"][:, None] * b["response_mask"]
     assert torch.allclose(ours, verl_adv, atol=1e-6, rtol=1e-6)
     assert b["advantages"].max().item() == pytest.approx((31 / 32) / (np.sqrt(1 / 32) + 1e-6), rel=1e-6)
@@ -84,8 +107,9 @@ GROUPS = [[1.0, 1.0, 1.0, 1.0], [0.0, 0.5, 1.0, 0.5], [0.2, 0.9, 0.4, 0.3]]  # a
 
 
 def test_flow_grpo_recipe_keys_reproduce_its_advantages_and_zero_advantage_filter():
-    cfg = validate(compose(["data.train_files=x.jsonl", "algorithm.global_std=true",
-                            "algorithm.drop_zero_adv_samples=true"]))
+    cfg = validate(
+        compose(["data.train_files=x.jsonl", "algorithm.global_std=true", "algorithm.drop_zero_adv_samples=true"])
+    )
     batch = build_batch(cfg, "image", image_samples(GROUPS))
     rewards = np.array([r for g in GROUPS for r in g])
     prompts = np.array(batch.non_tensor_batch["uid"])
@@ -98,14 +122,16 @@ def test_flow_grpo_recipe_keys_reproduce_its_advantages_and_zero_advantage_filte
     lp = torch.linspace(-0.3, 0.3, len(rewards))
     adv = torch.from_numpy(want).float()
     per_sample = torch.maximum(-adv * lp.exp(), -adv * lp.exp().clamp(0.8, 1.2))
-    loss, _ = flow_grpo_loss(lp, torch.zeros_like(lp), batch.batch["advantages"], batch.batch["loss_mask"],
-                             clip_ratio=0.2)
+    loss, _ = flow_grpo_loss(
+        lp, torch.zeros_like(lp), batch.batch["advantages"], batch.batch["loss_mask"], clip_ratio=0.2
+    )
     assert loss.item() == pytest.approx(per_sample[torch.from_numpy(keep)].mean().item(), rel=1e-5)
 
 
 def test_verl_omni_recipe_keys_reproduce_its_advantages_and_keep_zero_advantages():
-    cfg = validate(compose(["data.train_files=x.jsonl", "algorithm.global_std=true",
-                            "algorithm.adv_std_unbiased=true"]))
+    cfg = validate(
+        compose(["data.train_files=x.jsonl", "algorithm.global_std=true", "algorithm.adv_std_unbiased=true"])
+    )
     batch = build_batch(cfg, "image", image_samples(GROUPS))
     rewards = torch.tensor([r for g in GROUPS for r in g])
     want = verl_omni_advantages(rewards, np.array(batch.non_tensor_batch["uid"]))
@@ -115,6 +141,7 @@ def test_verl_omni_recipe_keys_reproduce_its_advantages_and_keep_zero_advantages
     lp = torch.linspace(-0.3, 0.3, len(rewards))
     adv = want.clamp(-5, 5)
     per_sample = torch.maximum(-adv * lp.exp(), -adv * lp.exp().clamp(0.8, 1.2))
-    loss, _ = flow_grpo_loss(lp, torch.zeros_like(lp), batch.batch["advantages"], batch.batch["loss_mask"],
-                             clip_ratio=0.2)
+    loss, _ = flow_grpo_loss(
+        lp, torch.zeros_like(lp), batch.batch["advantages"], batch.batch["loss_mask"], clip_ratio=0.2
+    )
     assert loss.item() == pytest.approx(per_sample.mean().item(), rel=1e-5)

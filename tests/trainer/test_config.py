@@ -20,28 +20,54 @@ def test_defaults_compose_and_validate():
 
 
 def test_documented_overrides():
-    cfg = validate(compose(BASE + [
-        "reward.reward_model.enable=True", "reward.reward_model.model_path=tiny:qwen2_vl",
-        "reward.reward_model.enable_resource_pool=True", "reward.reward_model.n_gpus_per_node=2",
-        "reward.num_workers=2", "actor_rollout_ref.rollout.n=8", "data.train_batch_size=8",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "reward.streaming=auto",
-    ]))
+    cfg = validate(
+        compose(
+            BASE
+            + [
+                "reward.reward_model.enable=True",
+                "reward.reward_model.model_path=tiny:qwen2_vl",
+                "reward.reward_model.enable_resource_pool=True",
+                "reward.reward_model.n_gpus_per_node=2",
+                "reward.num_workers=2",
+                "actor_rollout_ref.rollout.n=8",
+                "data.train_batch_size=8",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "reward.streaming=auto",
+            ]
+        )
+    )
     assert streaming_enabled(cfg) and cfg.reward.num_workers == 2
-    colocated = validate(compose(BASE + ["reward.streaming=auto", "reward.reward_model.enable=True",
-                                         "reward.reward_model.model_path=tiny:qwen2_vl"]))
+    colocated = validate(
+        compose(
+            BASE
+            + [
+                "reward.streaming=auto",
+                "reward.reward_model.enable=True",
+                "reward.reward_model.model_path=tiny:qwen2_vl",
+            ]
+        )
+    )
     assert not streaming_enabled(colocated)  # reward model sharing the actor pool -> sync
     assert not streaming_enabled(compose(BASE + ["reward.streaming=false"]))
 
 
-@pytest.mark.parametrize("override, message", [
-    ("actor_rollout_ref.actor.optim.lr=fast", "actor_rollout_ref.actor.optim.lr='fast': expected a number, got str"),
-    ("trainer.seed=1.5", "trainer.seed=1.5: expected a whole number, got float"),
-    ("reward.timeout_s=120s", "reward.timeout_s='120s': expected a number, got str"),
-    ("trainer.val_before_train=maybe", "trainer.val_before_train='maybe': expected true or false"),
-    ("actor_rollout_ref.rollout.algo.sde_window_range=[0,x]",
-     "actor_rollout_ref.rollout.algo.sde_window_range[1]='x': expected a whole number"),
-    ("trainer.total_training_steps=many", "trainer.total_training_steps='many': expected a whole number"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "actor_rollout_ref.actor.optim.lr=fast",
+            "actor_rollout_ref.actor.optim.lr='fast': expected a number, got str",
+        ),
+        ("trainer.seed=1.5", "trainer.seed=1.5: expected a whole number, got float"),
+        ("reward.timeout_s=120s", "reward.timeout_s='120s': expected a number, got str"),
+        ("trainer.val_before_train=maybe", "trainer.val_before_train='maybe': expected true or false"),
+        (
+            "actor_rollout_ref.rollout.algo.sde_window_range=[0,x]",
+            "actor_rollout_ref.rollout.algo.sde_window_range[1]='x': expected a whole number",
+        ),
+        ("trainer.total_training_steps=many", "trainer.total_training_steps='many': expected a whole number"),
+    ],
+)
 def test_wrong_type_fails_at_compose_naming_key_value_and_type(override, message):
     key = override.split("=")[0]  # a list's element is named in the message, the list in the fix
     with pytest.raises(ConfigError) as err:
@@ -50,9 +76,17 @@ def test_wrong_type_fails_at_compose_naming_key_value_and_type(override, message
 
 
 def test_types_admit_what_the_keys_mean():
-    cfg = compose(BASE + ["reward.timeout_s=2.5", "trainer.total_training_steps=null", "actor_rollout_ref.actor.optim"
-                          ".lr=1e-3", "+reward.custom_reward_function.reward_kwargs.anything=[1,x]",
-                          "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16", "data.train_files=[a.jsonl,b.jsonl]"])
+    cfg = compose(
+        BASE
+        + [
+            "reward.timeout_s=2.5",
+            "trainer.total_training_steps=null",
+            "actor_rollout_ref.actor.optim.lr=1e-3",
+            "+reward.custom_reward_function.reward_kwargs.anything=[1,x]",
+            "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16",
+            "data.train_files=[a.jsonl,b.jsonl]",
+        ]
+    )
     assert cfg.reward.timeout_s == 2.5 and cfg.trainer.total_training_steps is None
     assert cfg.actor_rollout_ref.actor.optim.lr == 1e-3 and list(cfg.data.train_files) == ["a.jsonl", "b.jsonl"]
     text = compose(BASE, "grpo_text_trainer")  # one schema serves both config files
@@ -103,44 +137,89 @@ def test_missing_train_files():
         validate(compose([]))
 
 
-@pytest.mark.parametrize("overrides,key,fix", [
-    (["reward.reward_model.enable_resource_pool=True", "reward.reward_model.n_gpus_per_node=0"],
-     "reward.reward_model.n_gpus_per_node", "enable_resource_pool=False"),
-    (["actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n", "rollout.n=4"),
-    (["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
-     "ppo_mini_batch_size", "divisor"),
-    (["reward.streaming=maybe"], "reward.streaming", "auto, true or false"),
-    (["reward.on_failure=zero"], "reward.on_failure", "mask"),
-    (["reward.max_failure_ratio=1.5"], "reward.max_failure_ratio", "0.25"),
-    (["actor_rollout_ref.rollout.algo.sde_window_size=20"], "sde_window_size", "no longer"),
-    (["actor_rollout_ref.rollout.algo.sde_window_range=[5,11]"], "sde_window_range", "hi <= 10"),
-    (["actor_rollout_ref.rollout.algo.sde_window_size=3", "actor_rollout_ref.rollout.algo.sde_window_range=[2,4]"],
-     "actor_rollout_ref.rollout.algo.sde_window_range", "sde_window_size"),
-    (["async_reward.one_step_off_policy=true", "algorithm.rollout_correction.bypass_mode=false"],
-     "algorithm.rollout_correction.bypass_mode", "bypass_mode=true"),
-    (["async_reward.update_pipeline=true", "algorithm.global_std=true"], "algorithm.global_std", "global_std=false"),
-    (["async_reward.update_pipeline=true", "reward.streaming=false"], "async_reward.update_pipeline",
-     "reward.streaming=auto"),
-    (["reward.queue_size=0"], "reward.queue_size", "default"),
-    (["reward.reward_manager.name=dapo"], "reward.reward_manager.name", "naive"),
-    (["reward.reward_model.rollout.gpu_memory_utilization=0"], "gpu_memory_utilization", "0.5"),
-    (["reward.reward_model.enable_resource_pool=True", "reward.num_workers=3"], "reward.num_workers", "tensor"),
-    (["reward.reward_model.enable=True"], "reward.reward_model.model_path", "tiny:qwen2_vl"),
-    (["reward.custom_reward_function.path=does/not/exist.py"], "reward.custom_reward_function.path",
-     "does/not/exist.py"),
-    (["reward.custom_reward_function.name=compute_scor"], "reward.custom_reward_function.name",
-     "did you mean 'compute_score'"),
-    (["actor_rollout_ref.rollout.height=60"], "height/width", "64x64"),
-    (["actor_rollout_ref.actor.kl_loss_coef=0.04", "actor_rollout_ref.model.lora_rank=0"],
-     "actor_rollout_ref.actor.kl_loss_coef", "lora_rank=8"),
-    # 4 actor ranks, 2 groups per mini-batch: groups are never split, so two ranks would train on padding rows
-    (["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.agent.num_workers=4", "data.train_batch_size=16"],
-     "actor_rollout_ref.actor.ppo_mini_batch_size", "ppo_mini_batch_size=4"),
-    (["trainer.n_gpus_per_node=2", "trainer.nnodes=2", "actor_rollout_ref.rollout.agent.num_workers=4",
-      "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=3"],
-     "actor_rollout_ref.actor.ppo_mini_batch_size", "data.train_batch_size to a multiple of 4"),
-    (["actor_rollout_ref.nccl_timeout=0"], "actor_rollout_ref.nccl_timeout", "600"),
-])
+@pytest.mark.parametrize(
+    "overrides,key,fix",
+    [
+        (
+            ["reward.reward_model.enable_resource_pool=True", "reward.reward_model.n_gpus_per_node=0"],
+            "reward.reward_model.n_gpus_per_node",
+            "enable_resource_pool=False",
+        ),
+        (["actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n", "rollout.n=4"),
+        (
+            ["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
+            "ppo_mini_batch_size",
+            "divisor",
+        ),
+        (["reward.streaming=maybe"], "reward.streaming", "auto, true or false"),
+        (["reward.on_failure=zero"], "reward.on_failure", "mask"),
+        (["reward.max_failure_ratio=1.5"], "reward.max_failure_ratio", "0.25"),
+        (["actor_rollout_ref.rollout.algo.sde_window_size=20"], "sde_window_size", "no longer"),
+        (["actor_rollout_ref.rollout.algo.sde_window_range=[5,11]"], "sde_window_range", "hi <= 10"),
+        (
+            [
+                "actor_rollout_ref.rollout.algo.sde_window_size=3",
+                "actor_rollout_ref.rollout.algo.sde_window_range=[2,4]",
+            ],
+            "actor_rollout_ref.rollout.algo.sde_window_range",
+            "sde_window_size",
+        ),
+        (
+            ["async_reward.one_step_off_policy=true", "algorithm.rollout_correction.bypass_mode=false"],
+            "algorithm.rollout_correction.bypass_mode",
+            "bypass_mode=true",
+        ),
+        (
+            ["async_reward.update_pipeline=true", "algorithm.global_std=true"],
+            "algorithm.global_std",
+            "global_std=false",
+        ),
+        (
+            ["async_reward.update_pipeline=true", "reward.streaming=false"],
+            "async_reward.update_pipeline",
+            "reward.streaming=auto",
+        ),
+        (["reward.queue_size=0"], "reward.queue_size", "default"),
+        (["reward.reward_manager.name=dapo"], "reward.reward_manager.name", "naive"),
+        (["reward.reward_model.rollout.gpu_memory_utilization=0"], "gpu_memory_utilization", "0.5"),
+        (["reward.reward_model.enable_resource_pool=True", "reward.num_workers=3"], "reward.num_workers", "tensor"),
+        (["reward.reward_model.enable=True"], "reward.reward_model.model_path", "tiny:qwen2_vl"),
+        (
+            ["reward.custom_reward_function.path=does/not/exist.py"],
+            "reward.custom_reward_function.path",
+            "does/not/exist.py",
+        ),
+        (
+            ["reward.custom_reward_function.name=compute_scor"],
+            "reward.custom_reward_function.name",
+            "did you mean 'compute_score'",
+        ),
+        (["actor_rollout_ref.rollout.height=60"], "height/width", "64x64"),
+        (
+            ["actor_rollout_ref.actor.kl_loss_coef=0.04", "actor_rollout_ref.model.lora_rank=0"],
+            "actor_rollout_ref.actor.kl_loss_coef",
+            "lora_rank=8",
+        ),
+        # 4 actor ranks, 2 groups per mini-batch: groups are never split, so two ranks would train on padding rows
+        (
+            ["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.agent.num_workers=4", "data.train_batch_size=16"],
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+            "ppo_mini_batch_size=4",
+        ),
+        (
+            [
+                "trainer.n_gpus_per_node=2",
+                "trainer.nnodes=2",
+                "actor_rollout_ref.rollout.agent.num_workers=4",
+                "data.train_batch_size=6",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+            ],
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+            "data.train_batch_size to a multiple of 4",
+        ),
+        (["actor_rollout_ref.nccl_timeout=0"], "actor_rollout_ref.nccl_timeout", "600"),
+    ],
+)
 def test_semantic_errors_name_key_and_fix(overrides, key, fix):
     with pytest.raises(ConfigError) as exc:
         validate(compose(BASE + overrides))
@@ -159,7 +238,9 @@ def test_kl_with_full_fine_tune_is_refused_at_start_text_too():
 
 
 def test_param_offload_is_refused_for_text_at_start():
-    cfg = compose(["data.train_files=x.jsonl", "actor_rollout_ref.actor.fsdp_config.param_offload=True"],
-                  config_name="grpo_text_trainer")
+    cfg = compose(
+        ["data.train_files=x.jsonl", "actor_rollout_ref.actor.fsdp_config.param_offload=True"],
+        config_name="grpo_text_trainer",
+    )
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.fsdp_config.param_offload.*set it to False"):
         validate(cfg)

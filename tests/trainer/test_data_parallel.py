@@ -37,8 +37,11 @@ def test_split_keeps_groups_whole_balances_samples_and_is_deterministic():
 
 def test_shards_round_trip_and_an_idle_rank_gets_a_masked_padding_row():
     uids = np.array(["a", "b", "a", "b", "c", "c"], dtype=object)
-    data = DataProto.from_dict(tensors={"v": torch.arange(6.0), "loss_mask": torch.ones(6, dtype=torch.bool)},
-                               non_tensors={"uid": uids}, meta_info={"window_start": 1})
+    data = DataProto.from_dict(
+        tensors={"v": torch.arange(6.0), "loss_mask": torch.ones(6, dtype=torch.bool)},
+        non_tensors={"uid": uids},
+        meta_info={"window_start": 1},
+    )
     shares = shard_batch(data, 2)
     assert [s.meta_info["window_start"] for s in shares] == [1, 1]
     out = collect_rows(None, [(s.meta_info[DP_INDEX_KEY], s.batch["v"] * 10) for s in shares])
@@ -67,8 +70,9 @@ def test_fsdp2_lockstep_gives_every_pass_the_busiest_ranks_rows_outside_the_loss
     the SDE window, so every rank's pass k runs as many rows as the largest pass k of any rank (here this rank's
     [2, 1] against another rank's [2, 2, 2]): missing passes repeat the first at weight 0, missing rows are copies of
     the pass's first row with loss_mask False."""
-    data = DataProto.from_dict(tensors={"v": torch.arange(3.0), "loss_mask": torch.ones(3, dtype=torch.bool)},
-                               meta_info={"window_start": 1})
+    data = DataProto.from_dict(
+        tensors={"v": torch.arange(3.0), "loss_mask": torch.ones(3, dtype=torch.bool)}, meta_info={"window_start": 1}
+    )
 
     class OtherRankHas3PassesOf2:  # DataParallel.max against the other rank's values, in lockstep's call order
         other = [3, 2, 2, 2]
@@ -91,7 +95,7 @@ def test_weighted_rank_gradients_sum_to_the_single_rank_gradient_with_a_sample_m
     def grad(rows, micro, dp):
         """Accumulated gradient of the mean kept loss over ``rows`` in micro-batches, weighted by loss_scales."""
         w = w0.clone().requires_grad_(True)
-        chunks = [rows[i:i + micro] for i in range(0, len(rows), micro)]
+        chunks = [rows[i : i + micro] for i in range(0, len(rows), micro)]
         units = [float(keep[c].sum()) for c in chunks]
         for c, n, s in zip(chunks, units, loss_scales(units, dp), strict=True):
             if n:
@@ -109,10 +113,13 @@ def test_weighted_rank_gradients_sum_to_the_single_rank_gradient_with_a_sample_m
 
 
 def test_rank_metrics_merge():
-    merged = merge_rank_metrics([{"actor/pg_loss": [1.0, 2.0], "actor/grad_norm": [5.0], "timing_s/ref": [1.0, 2.0],
-                                  dpm.SAMPLES_KEY: [4.0]},
-                                 {"actor/pg_loss": [6.0], "actor/grad_norm": [5.0], "timing_s/ref": [0.5],
-                                  dpm.SAMPLES_KEY: [3.0]}], time_keys=("timing_s/ref",))
+    merged = merge_rank_metrics(
+        [
+            {"actor/pg_loss": [1.0, 2.0], "actor/grad_norm": [5.0], "timing_s/ref": [1.0, 2.0], dpm.SAMPLES_KEY: [4.0]},
+            {"actor/pg_loss": [6.0], "actor/grad_norm": [5.0], "timing_s/ref": [0.5], dpm.SAMPLES_KEY: [3.0]},
+        ],
+        time_keys=("timing_s/ref",),
+    )
     assert merged == {"actor/pg_loss": 3.0, "actor/grad_norm": 5.0, "timing_s/ref": 3.0, dpm.SAMPLES_KEY: 4.0}
 
 

@@ -30,16 +30,25 @@ from omni_async.trainer.step_ops import StepOps
 pytestmark = pytest.mark.slow  # training runs: not in the fast tier (pytest -m 'not slow')
 
 PROMPTS, N = ["a red sign", "say 12", "a blue door"], 3  # 3 groups of 3: ranks get 2 groups and 1
-IMAGE = ["actor_rollout_ref.model.path=tiny:sd3", "actor_rollout_ref.rollout.num_inference_steps=4",
-         "actor_rollout_ref.rollout.height=32", "actor_rollout_ref.rollout.width=32",
-         "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]"]
+IMAGE = [
+    "actor_rollout_ref.model.path=tiny:sd3",
+    "actor_rollout_ref.rollout.num_inference_steps=4",
+    "actor_rollout_ref.rollout.height=32",
+    "actor_rollout_ref.rollout.width=32",
+    "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]",
+]
 TEXT = ["actor_rollout_ref.rollout.response_length=6"]
-COMMON = [f"actor_rollout_ref.rollout.n={N}", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-          "actor_rollout_ref.rollout.agent.max_batch_size=1"]
-CASES = {"image-lora": ("flowgrpo_trainer", [*IMAGE, "actor_rollout_ref.model.lora_rank=4"]),
-         "image-fsdp2": ("flowgrpo_trainer", [*IMAGE, "actor_rollout_ref.model.lora_rank=0"]),
-         "text-lora": ("grpo_text_trainer", [*TEXT, "actor_rollout_ref.model.lora_rank=4"]),
-         "text-fsdp2": ("grpo_text_trainer", [*TEXT, "actor_rollout_ref.model.lora_rank=0"])}
+COMMON = [
+    f"actor_rollout_ref.rollout.n={N}",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.agent.max_batch_size=1",
+]
+CASES = {
+    "image-lora": ("flowgrpo_trainer", [*IMAGE, "actor_rollout_ref.model.lora_rank=4"]),
+    "image-fsdp2": ("flowgrpo_trainer", [*IMAGE, "actor_rollout_ref.model.lora_rank=0"]),
+    "text-lora": ("grpo_text_trainer", [*TEXT, "actor_rollout_ref.model.lora_rank=4"]),
+    "text-fsdp2": ("grpo_text_trainer", [*TEXT, "actor_rollout_ref.model.lora_rank=0"]),
+}
 
 
 def one_process(cfg):
@@ -47,8 +56,12 @@ def one_process(cfg):
     modality = get_modality(cfg.actor_rollout_ref.model.modality)
     m, a = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor
     torch.manual_seed(int(cfg.trainer.seed))
-    policy = modality.build_policy(OmegaConf.to_container(m, resolve=True), vars(modality.sampling_config(cfg)),
-                                   "cpu", dtype=model_dtype(a.fsdp_config.model_dtype, "cpu"))
+    policy = modality.build_policy(
+        OmegaConf.to_container(m, resolve=True),
+        vars(modality.sampling_config(cfg)),
+        "cpu",
+        dtype=model_dtype(a.fsdp_config.model_dtype, "cpu"),
+    )
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=a.optim.lr, weight_decay=a.optim.weight_decay)
     return modality, policy, optimizer
 
@@ -62,10 +75,20 @@ def generate(policy, modality, prompts, seeds, windows):
 def make_batch(cfg, modality, policy):
     """One step's batch through StepOps.build_batch; sample 1 (group 0, rank 0's) failed."""
     ops = StepOps(cfg, modality, None, None, None, None, [])
-    samples = [Sample(index=p * N + k, uid=f"0-{p}", row=PromptRow(prompt, "x", ""), seed=100 + p * N + k,
-                      window=ops.window(0, p * N + k)) for p, prompt in enumerate(PROMPTS) for k in range(N)]
-    results = generate(policy, modality, [s.row.prompt for s in samples], [s.seed for s in samples],
-                       [s.window for s in samples])
+    samples = [
+        Sample(
+            index=p * N + k,
+            uid=f"0-{p}",
+            row=PromptRow(prompt, "x", ""),
+            seed=100 + p * N + k,
+            window=ops.window(0, p * N + k),
+        )
+        for p, prompt in enumerate(PROMPTS)
+        for k in range(N)
+    ]
+    results = generate(
+        policy, modality, [s.row.prompt for s in samples], [s.seed for s in samples], [s.window for s in samples]
+    )
     for i, (s, r) in enumerate(zip(samples, results, strict=True)):
         s.result = r
         s.outcome = RewardOutcome("failed", error="x") if i == 1 else RewardOutcome("ok", float((i * 7) % 5))
@@ -96,9 +119,11 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_batch(case, ray_sess
     log_probs = compute_log_prob(modality, policy, batch)
 
     pool = RayResourcePool([2], use_gpu=True, max_colocate_count=1, name_prefix=f"dp_{case}")
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(ray.remote(ActorWorker),
-                                                   config=OmegaConf.to_container(cfg, resolve=True)),
-                        name_prefix=f"dp_{case.replace('-', '_')}")
+    wg = RayWorkerGroup(
+        pool,
+        RayClassWithInitArgs(ray.remote(ActorWorker), config=OmegaConf.to_container(cfg, resolve=True)),
+        name_prefix=f"dp_{case.replace('-', '_')}",
+    )
     try:
         wg.init_model()
         assert torch.allclose(wg.compute_log_prob(batch), log_probs, atol=1e-5)  # shares back in batch order
@@ -150,4 +175,3 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_batch(case, ray_sess
         for w in wg.workers:
             ray.kill(w)
         ray.util.remove_placement_group(pool.get_placement_groups()[0])
-

@@ -49,8 +49,9 @@ def test_generate_update_recompute_with_the_model_on_another_device(name):
     window = (WINDOW,) if image else ()
     torch.manual_seed(0)
     with FakeDevice() as device:
-        policy = modality.build_policy({"path": path, "lora_rank": 4, "lora_alpha": 8, "target_modules": targets},
-                                       sampling, device=NAME)
+        policy = modality.build_policy(
+            {"path": path, "lora_rank": 4, "lora_alpha": 8, "target_modules": targets}, sampling, device=NAME
+        )
         results = policy.generate(PROMPTS, SEEDS, *window)
         # What goes back through Ray to the driver is on the CPU.
         assert not any(on_device(t) for r in results for t in result_tensors(r))
@@ -58,12 +59,15 @@ def test_generate_update_recompute_with_the_model_on_another_device(name):
             alone = policy.generate(PROMPTS[1:], SEEDS[1:])[0]
             assert alone.response_ids == results[1].response_ids
 
-        samples = [Sample(i, f"u{i}", PromptRow(p, "test", ""), s, result=r, outcome=RewardOutcome("ok", float(i)))
-                   for i, (p, s, r) in enumerate(zip(PROMPTS, SEEDS, results, strict=True))]
+        samples = [
+            Sample(i, f"u{i}", PromptRow(p, "test", ""), s, result=r, outcome=RewardOutcome("ok", float(i)))
+            for i, (p, s, r) in enumerate(zip(PROMPTS, SEEDS, results, strict=True))
+        ]
         tensors = modality.batch_tensors(samples)  # the driver's batch: CPU tensors
-        batch = TensorBatch({**tensors, "advantages": torch.tensor([1.0, -1.0]),
-                             "loss_mask": torch.ones(2, dtype=torch.bool)},
-                            {"window_start": WINDOW.start} if image else {})
+        batch = TensorBatch(
+            {**tensors, "advantages": torch.tensor([1.0, -1.0]), "loss_mask": torch.ones(2, dtype=torch.bool)},
+            {"window_start": WINDOW.start} if image else {},
+        )
 
         old = compute_log_prob(modality, policy, batch)
         assert not on_device(old)
@@ -73,8 +77,7 @@ def test_generate_update_recompute_with_the_model_on_another_device(name):
         cfg = SimpleNamespace(clip_ratio=0.2, kl_loss_coef=0.01, grad_clip=1.0, ppo_micro_batch_size_per_gpu=2)
         optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=0.05)
         synced = device.synchronized
-        metrics = train_minibatch(modality, policy, optimizer, batch, cfg, param_offload=image,
-                                  optimizer_offload=True)
+        metrics = train_minibatch(modality, policy, optimizer, batch, cfg, param_offload=image, optimizer_offload=True)
         # The reference forward's timer waited for the device at its start and end.
         assert device.synchronized - synced >= 2 and metrics[REF_TIME_KEY]
         assert metrics["actor/skipped_steps"] == [0.0] and metrics["actor/grad_norm"][0] > 0

@@ -36,30 +36,44 @@ def test_both_spellings_compose_to_the_same_layout():
     assert layout(valid()) == "hybrid" and layout(valid("actor_rollout_ref.hybrid_engine=false")) == "split"
     # verl's V1 spelling of async training on a rollout pool (fully async here), with its sync-period alias (verl's
     # meaning: local updates; in fully async a step is one update)
-    v1 = valid(*POOL, "trainer.use_v1=true", "trainer.v1.trainer_mode=separate_async",
-               "trainer.v1.separate_async.parameter_sync_step=4")
+    v1 = valid(
+        *POOL,
+        "trainer.use_v1=true",
+        "trainer.v1.trainer_mode=separate_async",
+        "trainer.v1.separate_async.parameter_sync_step=4",
+    )
     assert v1.async_reward.fully_async and v1.async_training.trigger_parameter_sync_step == 4
     assert sync_period_steps(v1) == 4 and sync_period_steps(valid(*POOL)) == 1
     # lock-step modes: 4 updates of 2 prompts = 2 steps of 4 prompts
     assert sync_period_steps(valid(*POOL, "async_training.trigger_parameter_sync_step=4")) == 2
 
 
-@pytest.mark.parametrize(("overrides", "key", "fix"), [
-    (["actor_rollout_ref.rollout.nnodes=1", "rollout.nnodes=2"], "actor_rollout_ref.rollout.nnodes", "only one"),
-    (["actor_rollout_ref.rollout.n_gpus=4"], "actor_rollout_ref.rollout.n_gpus", "n_gpus_per_node=4"),
-    (["async_training.trigger_parameter_sync_step=1", "trainer.v1.separate_async.parameter_sync_step=2", *POOL],
-     "async_training.trigger_parameter_sync_step", "only one"),
-    (["trainer.v1.trainer_mode=separate_async"], "trainer.v1.trainer_mode", "actor_rollout_ref.rollout.nnodes=1"),
-    (["trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode", "async_reward.one_step_off_policy=true"),
-    (["trainer.use_v1=false", "trainer.v1.trainer_mode=sync"], "trainer.v1.trainer_mode", "trainer.use_v1=true"),
-    (["trainer.v1.trainer_mode=sync", "async_reward.one_step_off_policy=true"], "trainer.v1.trainer_mode", "drop"),
-    ([*POOL, "actor_rollout_ref.model.lora_rank=0"], "checkpoint_engine.backend", "backend=nccl"),
-    ([*NCCL], "checkpoint_engine.backend", "nnodes=1"),
-    ([*POOL, "actor_rollout_ref.rollout.checkpoint_engine.backend=nixl"], "checkpoint_engine.backend", "nccl"),
-    ([*POOL, "async_training.trigger_parameter_sync_step=3"], "trigger_parameter_sync_step", "multiple of 2"),
-    (["async_training.trigger_parameter_sync_step=4"], "trigger_parameter_sync_step", "nnodes=1"),
-    ([*POOL, "actor_rollout_ref.rollout.agent.num_workers=2"], "agent.num_workers", "set it to 1"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "key", "fix"),
+    [
+        (["actor_rollout_ref.rollout.nnodes=1", "rollout.nnodes=2"], "actor_rollout_ref.rollout.nnodes", "only one"),
+        (["actor_rollout_ref.rollout.n_gpus=4"], "actor_rollout_ref.rollout.n_gpus", "n_gpus_per_node=4"),
+        (
+            ["async_training.trigger_parameter_sync_step=1", "trainer.v1.separate_async.parameter_sync_step=2", *POOL],
+            "async_training.trigger_parameter_sync_step",
+            "only one",
+        ),
+        (["trainer.v1.trainer_mode=separate_async"], "trainer.v1.trainer_mode", "actor_rollout_ref.rollout.nnodes=1"),
+        (
+            ["trainer.v1.trainer_mode=colocate_async"],
+            "trainer.v1.trainer_mode",
+            "async_reward.one_step_off_policy=true",
+        ),
+        (["trainer.use_v1=false", "trainer.v1.trainer_mode=sync"], "trainer.v1.trainer_mode", "trainer.use_v1=true"),
+        (["trainer.v1.trainer_mode=sync", "async_reward.one_step_off_policy=true"], "trainer.v1.trainer_mode", "drop"),
+        ([*POOL, "actor_rollout_ref.model.lora_rank=0"], "checkpoint_engine.backend", "backend=nccl"),
+        ([*NCCL], "checkpoint_engine.backend", "nnodes=1"),
+        ([*POOL, "actor_rollout_ref.rollout.checkpoint_engine.backend=nixl"], "checkpoint_engine.backend", "nccl"),
+        ([*POOL, "async_training.trigger_parameter_sync_step=3"], "trigger_parameter_sync_step", "multiple of 2"),
+        (["async_training.trigger_parameter_sync_step=4"], "trigger_parameter_sync_step", "nnodes=1"),
+        ([*POOL, "actor_rollout_ref.rollout.agent.num_workers=2"], "agent.num_workers", "set it to 1"),
+    ],
+)
 def test_conflicting_and_refused_keys_name_the_fix(overrides, key, fix):
     with pytest.raises(ConfigError, match=key) as e:
         valid(*overrides)
@@ -113,8 +127,9 @@ def test_text_long_tail_gives_each_sample_its_own_length_budget():
     assert min(budgets) == 4 and max(budgets) == 40  # x10
     assert 0.02 < sum(b == 40 for b in budgets) / 400 < 0.12  # P(cap) = 10^-1.2 = 6.3%
     assert length_budget(3, 40, None) == 40
-    policy = TextPolicy("tiny:qwen2", TextSamplingConfig(response_length=40, response_length_pareto_alpha=1.2),
-                        lora_rank=0)
+    policy = TextPolicy(
+        "tiny:qwen2", TextSamplingConfig(response_length=40, response_length_pareto_alpha=1.2), lora_rank=0
+    )
     seeds = list(range(8))
     lengths = [len(r.response_ids) for r in policy.generate(["p0"] * 8, seeds)]
     assert all(n <= length_budget(s, 40, 1.2) for n, s in zip(lengths, seeds, strict=True))
@@ -140,8 +155,14 @@ def weights(handle) -> dict[str, torch.Tensor]:
 
 
 def test_image_lora_pools_sync_over_the_group_logprobs_match_and_a_killed_worker_comes_back(trainers):
-    t = trainers(*POOL, *NCCL, *QUIET, "reward.streaming=true", "actor_rollout_ref.actor.optim.lr=3e-2",
-                 "algorithm.rollout_correction.bypass_mode=false")
+    t = trainers(
+        *POOL,
+        *NCCL,
+        *QUIET,
+        "reward.streaming=true",
+        "actor_rollout_ref.actor.optim.lr=3e-2",
+        "algorithm.rollout_correction.bypass_mode=false",
+    )
     rollout, rank0 = t.placement.rollout_workers[0], t.placement.actor_wg.workers[0]
     # Different processes on different bundles of different pools; the rollout worker holds no trainable tensor.
     assert pid(rollout) != pid(rank0)
@@ -196,17 +217,33 @@ def test_text_full_finetune_one_step_off_bf16_bucketed_over_the_group_never_thro
     puts: list = []
     real_put = ray.put
     monkeypatch.setattr(ray, "put", lambda value, *a, **k: (puts.append(type(value)), real_put(value, *a, **k))[1])
-    text = ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=1",
-            "actor_rollout_ref.rollout.response_length=8", "actor_rollout_ref.rollout.agent.max_batch_size=4",
-            "reward.custom_reward_function.name=compute_score_digits", "trainer.logger=[jsonl]",
-            "trainer.resume_mode=disable", "data.shuffle=false", "actor_rollout_ref.model.lora_rank=0",
-            "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16", "actor_rollout_ref.actor.optim.lr=1e-3",
-            "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=1"]
-    trainers = Trainers(write_prompts(tmp_path / "train.jsonl", 8), tmp_path, base=text,
-                        config_name="grpo_text_trainer")
+    text = [
+        "data.train_batch_size=2",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+        "actor_rollout_ref.rollout.response_length=8",
+        "actor_rollout_ref.rollout.agent.max_batch_size=4",
+        "reward.custom_reward_function.name=compute_score_digits",
+        "trainer.logger=[jsonl]",
+        "trainer.resume_mode=disable",
+        "data.shuffle=false",
+        "actor_rollout_ref.model.lora_rank=0",
+        "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=1",
+    ]
+    trainers = Trainers(
+        write_prompts(tmp_path / "train.jsonl", 8), tmp_path, base=text, config_name="grpo_text_trainer"
+    )
     try:
-        t = trainers(*POOL, *NCCL, *QUIET, "reward.streaming=true", "async_reward.one_step_off_policy=true",
-                     "trainer.total_training_steps=3")
+        t = trainers(
+            *POOL,
+            *NCCL,
+            *QUIET,
+            "reward.streaming=true",
+            "async_reward.one_step_off_policy=true",
+            "trainer.total_training_steps=3",
+        )
         check_text_full_finetune(t, puts)
     finally:
         trainers.close()

@@ -35,44 +35,81 @@ def valid(*overrides: str, config_name: str = "flowgrpo_trainer"):
 # ---- keys (no Ray) ---------------------------------------------------------------------------------------------
 def test_verl_fully_async_keys_and_verl_omni_separate_async_compose():
     # verl's fully-async recipe keys: 8 prompts, updates of 2 x 2 groups, a sync every 2 updates, threshold 0.5
-    cfg = valid(*FULLY_ASYNC, "async_training.staleness_threshold=0.5", "async_training.require_batches=2",
-                "async_training.trigger_parameter_sync_step=2", "rollout.total_rollout_steps=8",
-                "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2")
+    cfg = valid(
+        *FULLY_ASYNC,
+        "async_training.staleness_threshold=0.5",
+        "async_training.require_batches=2",
+        "async_training.trigger_parameter_sync_step=2",
+        "rollout.total_rollout_steps=8",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    )
     assert groups_per_update(cfg) == 4 and total_training_steps(cfg, 100) == 2 and sync_period_steps(cfg) == 2
     assert fully_async_bounds(cfg) == (12, 2)  # floor(1.5 x 2 x 2 x 2) groups per window; ceil(12 / 4) - 1
     assert cfg.async_training.partial_rollout  # verl's default, an image run: kept
     # null total_rollout_steps: the lock-step run's prompts (4 steps x 4), in updates of 2 groups
     assert total_training_steps(valid(*FULLY_ASYNC), 100) == 8
     # verl-omni's separate-async script: its overrides carry over, the version span tightens the bound
-    omni = valid(*POOL, "trainer.use_v1=true", "trainer.v1.trainer_mode=separate_async",
-                 "trainer.v1.separate_async.parameter_sync_step=1", "trainer.v1.sampler.max_off_policy_threshold=2",
-                 "trainer.v1.sampler.max_off_policy_strategy=drop", "async_training.staleness_threshold=3")
+    omni = valid(
+        *POOL,
+        "trainer.use_v1=true",
+        "trainer.v1.trainer_mode=separate_async",
+        "trainer.v1.separate_async.parameter_sync_step=1",
+        "trainer.v1.sampler.max_off_policy_threshold=2",
+        "trainer.v1.sampler.max_off_policy_strategy=drop",
+        "async_training.staleness_threshold=3",
+    )
     assert omni.async_reward.fully_async and fully_async_bounds(omni) == (4, 1)  # span <= 2: lag <= 1
     # verl-omni's on-policy recipe (threshold 1, sync every update) is synchronous
-    assert fully_async_bounds(valid(*POOL, "trainer.v1.trainer_mode=separate_async",
-                                    "trainer.v1.sampler.max_off_policy_threshold=1"))[1] == 0
-    text = valid(*FULLY_ASYNC, "async_training.partial_rollout=false",
-                 "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", config_name="grpo_text_trainer")
+    assert (
+        fully_async_bounds(
+            valid(*POOL, "trainer.v1.trainer_mode=separate_async", "trainer.v1.sampler.max_off_policy_threshold=1")
+        )[1]
+        == 0
+    )
+    text = valid(
+        *FULLY_ASYNC,
+        "async_training.partial_rollout=false",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+        config_name="grpo_text_trainer",
+    )
     assert text.async_reward.fully_async
 
 
-@pytest.mark.parametrize(("overrides", "key", "fix"), [
-    (["async_reward.fully_async=true"], "async_reward.fully_async", "actor_rollout_ref.rollout.nnodes=1"),
-    ([*FULLY_ASYNC, "async_reward.one_step_off_policy=true"], "async_reward.fully_async", "one_step_off_policy=false"),
-    ([*FULLY_ASYNC, "async_reward.update_pipeline=true"], "async_reward.fully_async", "update_pipeline=false"),
-    ([*FULLY_ASYNC, "reward.streaming=false"], "reward.streaming", "streaming=auto"),
-    ([*FULLY_ASYNC, "algorithm.rollout_correction.bypass_mode=false"], "bypass_mode", "bypass_mode=true"),
-    ([*FULLY_ASYNC, "async_training.staleness_threshold=-1"], "staleness_threshold", "synchronous"),
-    ([*FULLY_ASYNC, "async_training.require_batches=0"], "require_batches", "default 1"),
-    ([*FULLY_ASYNC, "rollout.total_rollout_steps=1"], "rollout.total_rollout_steps", "raise it"),
-    ([*FULLY_ASYNC, "async_training.trigger_parameter_sync_step=3", "trainer.v1.sampler.max_off_policy_threshold=2"],
-     "max_off_policy_threshold", "set it >= 3"),
-    ([*FULLY_ASYNC, "trainer.v1.sampler.max_off_policy_strategy=keep"], "max_off_policy_strategy", "drop or wait"),
-    ([*POOL, "trainer.v1.sampler.max_off_policy_threshold=2"], "max_off_policy_threshold", "fully_async=true"),
-    ([*POOL, "trainer.v1.trainer_mode=separate_async", "async_reward.one_step_off_policy=true"],
-     "trainer.v1.trainer_mode", "drop async_reward.one_step_off_policy"),
-    ([*FULLY_ASYNC, "trainer.v1.trainer_mode=sync"], "trainer.v1.trainer_mode", "drop one of them"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "key", "fix"),
+    [
+        (["async_reward.fully_async=true"], "async_reward.fully_async", "actor_rollout_ref.rollout.nnodes=1"),
+        (
+            [*FULLY_ASYNC, "async_reward.one_step_off_policy=true"],
+            "async_reward.fully_async",
+            "one_step_off_policy=false",
+        ),
+        ([*FULLY_ASYNC, "async_reward.update_pipeline=true"], "async_reward.fully_async", "update_pipeline=false"),
+        ([*FULLY_ASYNC, "reward.streaming=false"], "reward.streaming", "streaming=auto"),
+        ([*FULLY_ASYNC, "algorithm.rollout_correction.bypass_mode=false"], "bypass_mode", "bypass_mode=true"),
+        ([*FULLY_ASYNC, "async_training.staleness_threshold=-1"], "staleness_threshold", "synchronous"),
+        ([*FULLY_ASYNC, "async_training.require_batches=0"], "require_batches", "default 1"),
+        ([*FULLY_ASYNC, "rollout.total_rollout_steps=1"], "rollout.total_rollout_steps", "raise it"),
+        (
+            [
+                *FULLY_ASYNC,
+                "async_training.trigger_parameter_sync_step=3",
+                "trainer.v1.sampler.max_off_policy_threshold=2",
+            ],
+            "max_off_policy_threshold",
+            "set it >= 3",
+        ),
+        ([*FULLY_ASYNC, "trainer.v1.sampler.max_off_policy_strategy=keep"], "max_off_policy_strategy", "drop or wait"),
+        ([*POOL, "trainer.v1.sampler.max_off_policy_threshold=2"], "max_off_policy_threshold", "fully_async=true"),
+        (
+            [*POOL, "trainer.v1.trainer_mode=separate_async", "async_reward.one_step_off_policy=true"],
+            "trainer.v1.trainer_mode",
+            "drop async_reward.one_step_off_policy",
+        ),
+        ([*FULLY_ASYNC, "trainer.v1.trainer_mode=sync"], "trainer.v1.trainer_mode", "drop one of them"),
+    ],
+)
 def test_refused_fully_async_combinations_name_the_fix(overrides, key, fix):
     with pytest.raises(ConfigError, match=key) as e:
         valid(*overrides)
@@ -99,8 +136,9 @@ def test_image_run_with_a_slow_trainer_and_a_killed_rollout_worker_stays_in_boun
     and a lag of at most ceil(4 / 1) - 1 = 3 steps. Each update is slowed by 1 s, far longer than a group takes to
     generate, so the rollouter runs into both bounds. verl's default partial_rollout=true on images. The rollout
     worker is killed during the first step."""
-    t = trainers(*FULLY_ASYNC, *QUIET, "async_training.staleness_threshold=1",
-                 "async_training.trigger_parameter_sync_step=2")
+    t = trainers(
+        *FULLY_ASYNC, *QUIET, "async_training.staleness_threshold=1", "async_training.trigger_parameter_sync_step=2"
+    )
     assert (t.source.cap, t.source.bound, t.total_steps) == (4, 3, 8)
     trained = record_trained_uids(t.ops)
     real_step = t.ops.optimizer_step
@@ -162,14 +200,28 @@ def test_kill_9_of_the_trainer_then_resume_trains_every_group_once(tmp_path):
 
     data = write_prompts(tmp_path / "train.jsonl", 8)
     run = tmp_path / "run"
-    overrides = [f"data.train_files={data}", f"trainer.run_dir={run}", *SMALL_IMAGE_TRAINER, *FULLY_ASYNC, *QUIET,
-                 "trainer.resume_mode=auto", "async_training.staleness_threshold=1", "trainer.total_training_steps=3",
-                 "trainer.save_freq=2", "trainer.save_interval_min=-1"]
+    overrides = [
+        f"data.train_files={data}",
+        f"trainer.run_dir={run}",
+        *SMALL_IMAGE_TRAINER,
+        *FULLY_ASYNC,
+        *QUIET,
+        "trainer.resume_mode=auto",
+        "async_training.staleness_threshold=1",
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=2",
+        "trainer.save_interval_min=-1",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     runner = [sys.executable, str(ROOT / "tests/trainer/logging_trainer.py")]
     logs = [tmp_path / "killed.log", tmp_path / "resumed.log"]
-    killed = subprocess.Popen([*runner, str(logs[0]), *overrides], env={**env, "SLOW_UPDATE_S": "1.5"},
-                              start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    killed = subprocess.Popen(
+        [*runner, str(logs[0]), *overrides],
+        env={**env, "SLOW_UPDATE_S": "1.5"},
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     ckpt = run / "checkpoints/step_000002/trainer.json"
     deadline = time.time() + 300
     while not ckpt.exists() and killed.poll() is None and time.time() < deadline:
@@ -184,12 +236,19 @@ def test_kill_9_of_the_trainer_then_resume_trains_every_group_once(tmp_path):
         except Exception:
             pass
     killed.wait(30)
-    subprocess.run([*runner, str(logs[1]), *overrides], env=env, check=True, timeout=600,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [*runner, str(logs[1]), *overrides],
+        env=env,
+        check=True,
+        timeout=600,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
     def rows(path):
-        return [tuple(int(x) if i != 1 else x for i, x in enumerate(line.split()))
-                for line in path.read_text().splitlines()]
+        return [
+            tuple(int(x) if i != 1 else x for i, x in enumerate(line.split())) for line in path.read_text().splitlines()
+        ]
 
     first, second = rows(logs[0]), rows(logs[1])
     kept = [r for r in first if r[0] < 2]
@@ -201,6 +260,10 @@ def test_kill_9_of_the_trainer_then_resume_trains_every_group_once(tmp_path):
     # the unfinished groups were regenerated with the same seeds (deterministic from (seed, draw, index))
     seeds = {(uid, index): seed for _, uid, index, seed in first + second}
     assert all(seeds[(uid, index)] == seed for _, uid, index, seed in lost)
-    assert position["draw"] >= 0 and set(position["finished"]) >= {r[1] for r in kept if int(r[1][0]) >= position["draw"]}
+    assert position["draw"] >= 0 and set(position["finished"]) >= {
+        r[1] for r in kept if int(r[1][0]) >= position["draw"]
+    }
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(1, 7)) and metrics[-1]["fully_async/count/dropped_stale_samples"] == 0
+    assert [m["step"] for m in metrics] == list(range(1, 7)) and metrics[-1][
+        "fully_async/count/dropped_stale_samples"
+    ] == 0

@@ -15,9 +15,13 @@ from omni_async.modality import get_modality
 from omni_async.trainer.config import ConfigError, compose, validate
 from omni_async.trainer.loop import RLTrainer
 
-TWO_DEVICES = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.agent.num_workers=2",
-               "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # a group per rank (refused otherwise)
-               "trainer.log_image_freq=-1", "trainer.log_timeline_freq=-1"]
+TWO_DEVICES = [
+    "trainer.n_gpus_per_node=2",
+    "actor_rollout_ref.rollout.agent.num_workers=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # a group per rank (refused otherwise)
+    "trainer.log_image_freq=-1",
+    "trainer.log_timeline_freq=-1",
+]
 
 
 @pytest.fixture
@@ -36,8 +40,11 @@ def run(trainer: RLTrainer, steps: int):
 def test_hybrid_one_pipeline_per_device_no_transfer_same_samples_as_split(make_trainer):
     hybrid = make_trainer(*TWO_DEVICES, "reward.streaming=true")
     workers = hybrid.placement.rollout_workers
-    actor_pids = set(ray.get([w.__ray_call__.remote(lambda self: __import__("os").getpid())
-                              for w in hybrid.placement.actor_wg.workers]))
+    actor_pids = set(
+        ray.get(
+            [w.__ray_call__.remote(lambda self: __import__("os").getpid()) for w in hybrid.placement.actor_wg.workers]
+        )
+    )
     stats = ray.get([w.stats.remote() for w in workers])
     # One process per device, and it is the actor rank: the rollout has no copy of its own.
     assert len(actor_pids) == 2 and {s["pid"] for s in stats} == actor_pids
@@ -62,13 +69,16 @@ def test_hybrid_one_pipeline_per_device_no_transfer_same_samples_as_split(make_t
             assert a.outcome.score == pytest.approx(b.outcome.score, abs=1e-6)
 
 
-
 @pytest.mark.slow
 def test_hybrid_one_step_off_rollout_reads_the_version_that_made_it(make_trainer):
     """Step 1's samples generate while step 0's update changes the live adapter on the same device; they must be
     exactly the samples of version 0 (the rollout reads a snapshot of the adapter, not the weights in training)."""
-    t = make_trainer("async_reward.one_step_off_policy=true", "actor_rollout_ref.actor.optim.lr=3e-2",
-                     "trainer.total_training_steps=2", "reward.streaming=true")
+    t = make_trainer(
+        "async_reward.one_step_off_policy=true",
+        "actor_rollout_ref.actor.optim.lr=3e-2",
+        "trainer.total_training_steps=2",
+        "reward.streaming=true",
+    )
     run(t, 1)
     metrics, samples = t.train_step(1)
     assert metrics["rollout/policy_version"] == 0.0 and metrics["actor/grad_norm"] > 0
@@ -76,8 +86,9 @@ def test_hybrid_one_step_off_rollout_reads_the_version_that_made_it(make_trainer
     # trajectories under it.
     cfg = t.cfg
     modality = get_modality("image")
-    policy = modality.build_policy(OmegaConf.to_container(cfg.actor_rollout_ref.model, resolve=True),
-                                   vars(modality.sampling_config(cfg)), "cpu")
+    policy = modality.build_policy(
+        OmegaConf.to_container(cfg.actor_rollout_ref.model, resolve=True), vars(modality.sampling_config(cfg)), "cpu"
+    )
     assert len({s.window for s in samples}) > 1  # each sample its own SDE window (rollout.algo.sde_window_per_sample)
     batch = t.ops.build_batch(samples)
     with torch.no_grad():
@@ -85,13 +96,22 @@ def test_hybrid_one_step_off_rollout_reads_the_version_that_made_it(make_trainer
     torch.testing.assert_close(recomputed, batch.batch["old_log_probs"], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("overrides", "key", "fix"), [
-    (["async_reward.one_step_off_policy=true", "actor_rollout_ref.model.lora_rank=0"],
-     "actor_rollout_ref.hybrid_engine", "hybrid_engine=False"),
-    (["async_reward.update_pipeline=true", "actor_rollout_ref.model.lora_rank=0"],
-     "actor_rollout_ref.hybrid_engine", "hybrid_engine=False"),
-    (["trainer.n_gpus_per_node=2"], "actor_rollout_ref.rollout.agent.num_workers", "set it to 2"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "key", "fix"),
+    [
+        (
+            ["async_reward.one_step_off_policy=true", "actor_rollout_ref.model.lora_rank=0"],
+            "actor_rollout_ref.hybrid_engine",
+            "hybrid_engine=False",
+        ),
+        (
+            ["async_reward.update_pipeline=true", "actor_rollout_ref.model.lora_rank=0"],
+            "actor_rollout_ref.hybrid_engine",
+            "hybrid_engine=False",
+        ),
+        (["trainer.n_gpus_per_node=2"], "actor_rollout_ref.rollout.agent.num_workers", "set it to 2"),
+    ],
+)
 def test_hybrid_refuses_what_it_cannot_run(overrides, key, fix):
     cfg = compose(["data.train_files=x.jsonl", *overrides])
     with pytest.raises(ConfigError, match=key) as e:

@@ -31,21 +31,39 @@ from omni_async.trainer.strategies import MODE_OVERRIDES, fully_async_overrides
 pytestmark = pytest.mark.slow  # training runs: not in the fast tier (pytest -m 'not slow')
 
 # Full fine-tune: the overlap modes need the split layout (rollout replicas with their own copy of the weights).
-LEARN = ["actor_rollout_ref.model.path=tiny:sd3", "actor_rollout_ref.model.lora_rank=0",
-         "actor_rollout_ref.hybrid_engine=false",
-         "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.actor.clip_ratio=0.2",
-         "data.train_batch_size=4", "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-         "actor_rollout_ref.rollout.num_inference_steps=10", "actor_rollout_ref.rollout.algo.sde_window_size=2",
-         "actor_rollout_ref.rollout.algo.sde_window_range=[0,9]", "actor_rollout_ref.rollout.agent.max_batch_size=16",
-         "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.jpeg", "trainer.logger=[jsonl]",
-         "trainer.log_image_freq=-1", "trainer.log_timeline_freq=-1", "trainer.total_training_steps=10",
-         "trainer.resume_mode=disable"]
+LEARN = [
+    "actor_rollout_ref.model.path=tiny:sd3",
+    "actor_rollout_ref.model.lora_rank=0",
+    "actor_rollout_ref.hybrid_engine=false",
+    "actor_rollout_ref.actor.optim.lr=3e-3",
+    "actor_rollout_ref.actor.clip_ratio=0.2",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.rollout.num_inference_steps=10",
+    "actor_rollout_ref.rollout.algo.sde_window_size=2",
+    "actor_rollout_ref.rollout.algo.sde_window_range=[0,9]",
+    "actor_rollout_ref.rollout.agent.max_batch_size=16",
+    "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.jpeg",
+    "trainer.logger=[jsonl]",
+    "trainer.log_image_freq=-1",
+    "trainer.log_timeline_freq=-1",
+    "trainer.total_training_steps=10",
+    "trainer.resume_mode=disable",
+]
 MARGIN_KB = 0.12
 
 
 def write_prompts(path, n=64):
-    path.write_text("".join(json.dumps({"prompt": f"a photo of object {i}", "data_source": "jpeg",
-                                        "reward_model": {"ground_truth": ""}}) + "\n" for i in range(n)))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {"prompt": f"a photo of object {i}", "data_source": "jpeg", "reward_model": {"ground_truth": ""}}
+            )
+            + "\n"
+            for i in range(n)
+        )
+    )
 
 
 # Fully async: one update = the lock-step step's 4 prompts (2 mini-batches of 2), so 10 updates see the same data as
@@ -101,11 +119,23 @@ def test_main_job_learns_ocr_on_the_bimodal_renderer(tmp_path):
     rise. Run on the previous renderer (MODEL_PATH=tiny:qwen_image_text), the same test fails: training 0.347 ->
     0.396 (+0.049), validation 0.386 -> 0.333. 169 s here (load average 6-13).
     """
-    env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(tmp_path / "data"), "RUN_DIR": str(tmp_path / "run"),
-           "BATCH": "4", "STEPS": str(OCR_STEPS), "VAL_FREQ": str(OCR_STEPS)}
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "DATA_DIR": str(tmp_path / "data"),
+        "RUN_DIR": str(tmp_path / "run"),
+        "BATCH": "4",
+        "STEPS": str(OCR_STEPS),
+        "VAL_FREQ": str(OCR_STEPS),
+    }
     script = Path(__file__).resolve().parents[2] / "examples/run_qwen_image_ocr_async_reward.sh"
-    proc = subprocess.run(["bash", str(script), "trainer.logger=[jsonl]", "trainer.log_timeline_freq=-1"],
-                          capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run(
+        ["bash", str(script), "trainer.logger=[jsonl]", "trainer.log_timeline_freq=-1"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "run directory:" in proc.stdout
     rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]

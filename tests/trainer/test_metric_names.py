@@ -18,14 +18,21 @@ from omni_async.trainer.metrics import (
 def _sample(i: int, uid: str, source: str, score: float | None, response_len: int = 0) -> Sample:
     s = Sample(index=i, uid=uid, row=PromptRow("p", source, "gt"), seed=i)
     s.outcome = RewardOutcome("ok", score) if score is not None else RewardOutcome("failed", error="boom")
-    s.result = TextResult(prompt_ids=[1, 2, 3], response_ids=list(range(response_len)), response="r",
-                          log_probs=torch.zeros(response_len))
+    s.result = TextResult(
+        prompt_ids=[1, 2, 3], response_ids=list(range(response_len)), response="r", log_probs=torch.zeros(response_len)
+    )
     return s
 
 
 def test_validation_keys_are_verls_core_and_aux_sections():
-    samples = [_sample(0, "a", "ocr", 0.2), _sample(1, "a", "ocr", 0.6), _sample(2, "b", "ocr", 1.0),
-               _sample(3, "b", "ocr", None), _sample(4, "c", "gsm8k", 0.0), _sample(5, "c", "gsm8k", 1.0)]
+    samples = [
+        _sample(0, "a", "ocr", 0.2),
+        _sample(1, "a", "ocr", 0.6),
+        _sample(2, "b", "ocr", 1.0),
+        _sample(3, "b", "ocr", None),
+        _sample(4, "c", "gsm8k", 0.0),
+        _sample(5, "c", "gsm8k", 1.0),
+    ]
     m = validation_metrics(samples)
     # verl: per prompt, the mean of its n ok samples, averaged over the prompts with that n; the core key is the
     # largest n (prompt b lost a sample to a failed reward call: it is reported under mean@1, an aux key).
@@ -50,5 +57,9 @@ def test_advantages_weigh_text_tokens_and_throughput_is_per_device():
     assert t["perf/total_num_tokens"] == tokens and t["perf/throughput"] == pytest.approx(tokens / (2.0 * 4))
     assert t["perf/samples_per_s"] == 1.5 and t["perf/time_per_step"] == 2.0
     r = response_length_metrics([a, b, masked], max_length=9)
-    assert r == {"response_length/mean": pytest.approx(13 / 3), "response_length/max": 9.0,
-                 "response_length/min": 1.0, "response_length/clip_ratio": pytest.approx(1 / 3)}
+    assert r == {
+        "response_length/mean": pytest.approx(13 / 3),
+        "response_length/max": 9.0,
+        "response_length/min": 1.0,
+        "response_length/clip_ratio": pytest.approx(1 / 3),
+    }

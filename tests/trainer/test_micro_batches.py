@@ -21,11 +21,19 @@ PROMPTS = ["a red sign", "a blue sign", "say 12", "ok"]
 
 def image_case():
     torch.manual_seed(0)
-    policy = DiffusionPolicy("tiny:sd3", SamplingConfig(height=32, width=32, num_inference_steps=4), lora_rank=4,
-                             lora_alpha=8, target_modules=["to_q", "to_v"])
+    policy = DiffusionPolicy(
+        "tiny:sd3",
+        SamplingConfig(height=32, width=32, num_inference_steps=4),
+        lora_rank=4,
+        lora_alpha=8,
+        target_modules=["to_q", "to_v"],
+    )
     out = policy.rollout(PROMPTS, [1, 2, 3, 4], window=range(1, 3))
-    tensors = {"window_latents": out.window_latents, "old_log_probs": out.log_probs + 0.01 * torch.arange(4.0)[:, None],
-               **out.conditioning}
+    tensors = {
+        "window_latents": out.window_latents,
+        "old_log_probs": out.log_probs + 0.01 * torch.arange(4.0)[:, None],
+        **out.conditioning,
+    }
     return policy, get_modality("image"), tensors, {"window_start": 1}
 
 
@@ -36,8 +44,10 @@ def text_case():
     modality = get_modality("text")
     from omni_async.sample import PromptRow, RewardOutcome, Sample
 
-    samples = [Sample(i, f"u{i // 2}", PromptRow(p, "x", ""), i, result=r, outcome=RewardOutcome("ok", 1.0))
-               for i, (p, r) in enumerate(zip(PROMPTS, results, strict=True))]
+    samples = [
+        Sample(i, f"u{i // 2}", PromptRow(p, "x", ""), i, result=r, outcome=RewardOutcome("ok", 1.0))
+        for i, (p, r) in enumerate(zip(PROMPTS, results, strict=True))
+    ]
     tensors = modality.batch_tensors(samples)
     tensors["old_log_probs"] = tensors["old_log_probs"] - 0.05
     return policy, modality, tensors, {}
@@ -46,10 +56,14 @@ def text_case():
 @pytest.mark.parametrize("case", [image_case, text_case], ids=["image", "text"])
 def test_micro_batched_update_equals_the_full_update(case):
     policy, modality, tensors, meta = case()
-    tensors = {**tensors, "advantages": torch.tensor([1.0, -0.5, 0.7, -1.2]),
-               "loss_mask": torch.tensor([True, True, False, True])}  # sample 2 failed: out of the loss
-    batch = DataProto.from_dict(tensors=tensors, non_tensors={"prompt": np.array(PROMPTS, dtype=object)},
-                                meta_info=meta)
+    tensors = {
+        **tensors,
+        "advantages": torch.tensor([1.0, -0.5, 0.7, -1.2]),
+        "loss_mask": torch.tensor([True, True, False, True]),
+    }  # sample 2 failed: out of the loss
+    batch = DataProto.from_dict(
+        tensors=tensors, non_tensors={"prompt": np.array(PROMPTS, dtype=object)}, meta_info=meta
+    )
     start = copy.deepcopy(policy.weights_state_dict())
     finals = []
     for micro in (None, 1, 3):
@@ -75,9 +89,14 @@ def test_gradient_checkpointing_gives_the_same_gradient():
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        policy = DiffusionPolicy("tiny:sd3", SamplingConfig(height=32, width=32, num_inference_steps=4),
-                                 lora_rank=4, lora_alpha=8, target_modules=["to_q", "to_v"],
-                                 gradient_checkpointing=checkpointing)
+        policy = DiffusionPolicy(
+            "tiny:sd3",
+            SamplingConfig(height=32, width=32, num_inference_steps=4),
+            lora_rank=4,
+            lora_alpha=8,
+            target_modules=["to_q", "to_v"],
+            gradient_checkpointing=checkpointing,
+        )
         assert policy.transformer.is_gradient_checkpointing == checkpointing
         out = policy.rollout(PROMPTS[:2], [1, 2], window=range(1, 3))
         cond = policy.encode(PROMPTS[:2])
@@ -96,4 +115,4 @@ def test_non_finite_gradient_norm_skips_the_optimizer_step():
     assert clipped_step(optimizer, [w], 1.0) is None and torch.equal(w.detach(), torch.ones(3))
     optimizer.zero_grad()
     (w * 2).sum().backward()
-    assert clipped_step(optimizer, [w], 1.0) == pytest.approx(2 * 3 ** 0.5) and not torch.equal(w.detach(), torch.ones(3))
+    assert clipped_step(optimizer, [w], 1.0) == pytest.approx(2 * 3**0.5) and not torch.equal(w.detach(), torch.ones(3))

@@ -12,23 +12,39 @@ from omni_async.trainer.loop import FlowGRPOTrainer
 
 pytestmark = pytest.mark.slow  # training runs: not in the fast tier (pytest -m 'not slow')
 
-SLOW = ["reward.custom_reward_function.path=pkg://omni_async.reward.scorers.simulated",
-        "+reward.custom_reward_function.reward_kwargs.latency_scale=0.02"]  # 20-800 ms per sample
-SMALL = ["actor_rollout_ref.model.path=tiny:sd3", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
-         "actor_rollout_ref.actor.ppo_mini_batch_size=1", "actor_rollout_ref.rollout.num_inference_steps=4",
-         "actor_rollout_ref.rollout.height=32", "actor_rollout_ref.rollout.width=32",
-         "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]", "actor_rollout_ref.rollout.agent.max_batch_size=2",
-         "trainer.logger=[jsonl]", "trainer.resume_mode=disable", "trainer.log_image_freq=-1", *SLOW]
+SLOW = [
+    "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.simulated",
+    "+reward.custom_reward_function.reward_kwargs.latency_scale=0.02",
+]  # 20-800 ms per sample
+SMALL = [
+    "actor_rollout_ref.model.path=tiny:sd3",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+    "actor_rollout_ref.rollout.num_inference_steps=4",
+    "actor_rollout_ref.rollout.height=32",
+    "actor_rollout_ref.rollout.width=32",
+    "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]",
+    "actor_rollout_ref.rollout.agent.max_batch_size=2",
+    "trainer.logger=[jsonl]",
+    "trainer.resume_mode=disable",
+    "trainer.log_image_freq=-1",
+    *SLOW,
+]
 
 
 @pytest.fixture
 def trainer(tmp_path, request):
-    (tmp_path / "train.jsonl").write_text("".join(
-        json.dumps({"prompt": f"p{i}", "data_source": "x", "reward_model": {"ground_truth": ""}}) + "\n"
-        for i in range(16)))
+    (tmp_path / "train.jsonl").write_text(
+        "".join(
+            json.dumps({"prompt": f"p{i}", "data_source": "x", "reward_model": {"ground_truth": ""}}) + "\n"
+            for i in range(16)
+        )
+    )
     shutdown_ray()
-    cfg = compose([f"data.train_files={tmp_path}/train.jsonl", f"trainer.run_dir={tmp_path}/run", *SMALL,
-                   *request.param])
+    cfg = compose(
+        [f"data.train_files={tmp_path}/train.jsonl", f"trainer.run_dir={tmp_path}/run", *SMALL, *request.param]
+    )
     t = FlowGRPOTrainer(cfg)
     t.ops.sync_weights(0)
     yield t
@@ -40,10 +56,15 @@ def spans(timeline, phase):
     return [(p["start"], p["end"]) for p in timeline["trainer"] if p["phase"] == phase]
 
 
-@pytest.mark.parametrize("trainer", [
-    ["async_reward.one_step_off_policy=true", "trainer.total_training_steps=3"],
-    ["async_reward.one_step_off_policy=true", "trainer.total_training_steps=3", "reward.streaming=false"],
-], indirect=True, ids=["stream", "sync_reward"])
+@pytest.mark.parametrize(
+    "trainer",
+    [
+        ["async_reward.one_step_off_policy=true", "trainer.total_training_steps=3"],
+        ["async_reward.one_step_off_policy=true", "trainer.total_training_steps=3", "reward.streaming=false"],
+    ],
+    indirect=True,
+    ids=["stream", "sync_reward"],
+)
 def test_one_step_off_policy_overlaps_next_rollout_with_update_and_lags_by_one(trainer):
     rows, timelines = [], []
     for step in range(3):

@@ -32,8 +32,9 @@ PROMPTS, SEEDS = ["a red sign", "a red sign", "a blue door", "a blue door"], [1,
 def tiny_full_finetune():
     from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
 
-    return DiffusionPolicy("tiny:sd3", SamplingConfig(height=32, width=32, num_inference_steps=4), lora_rank=0,
-                           dtype=torch.bfloat16)
+    return DiffusionPolicy(
+        "tiny:sd3", SamplingConfig(height=32, width=32, num_inference_steps=4), lora_rank=0, dtype=torch.bfloat16
+    )
 
 
 def batch_of(tensors: dict, rows: slice):
@@ -61,13 +62,17 @@ def meta_qwen_image_init(dp) -> dict:
     params = list(module.parameters())
     trained = policy.trainable_parameters()
     state = module._get_fsdp_state()._mp_policy
-    return {"dtypes_before_sharding": before, "total": total,
-            "all_dtensors": all(isinstance(p, DTensor) for p in params),
-            "shard_dtypes": {str(p.to_local().dtype) for p in params},
-            "local_numel": sum(p.to_local().numel() for p in params),
-            "optimizer_steps_the_shards": len(trained) == len(params) and all(
-                a is b for a, b in zip(trained, params, strict=True)),
-            "param_dtype": str(state.param_dtype), "reduce_dtype": str(state.reduce_dtype)}
+    return {
+        "dtypes_before_sharding": before,
+        "total": total,
+        "all_dtensors": all(isinstance(p, DTensor) for p in params),
+        "shard_dtypes": {str(p.to_local().dtype) for p in params},
+        "local_numel": sum(p.to_local().numel() for p in params),
+        "optimizer_steps_the_shards": len(trained) == len(params)
+        and all(a is b for a, b in zip(trained, params, strict=True)),
+        "param_dtype": str(state.param_dtype),
+        "reduce_dtype": str(state.reduce_dtype),
+    }
 
 
 def bf16_full_finetune_step(dp, tensors: dict) -> dict:
@@ -86,11 +91,19 @@ def bf16_full_finetune_step(dp, tensors: dict) -> dict:
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=LR)
     dpm.full_params(policy.trainable)
     gathered = {str(p.dtype) for p in policy.trainable.parameters()}
-    metrics = train_minibatch(ImageModality(), policy, optimizer, batch_of(tensors, slice(2 * dp.rank, 2 * dp.rank + 2)),
-                              OmegaConf.create(ACTOR_CFG), dp=dp)
+    metrics = train_minibatch(
+        ImageModality(),
+        policy,
+        optimizer,
+        batch_of(tensors, slice(2 * dp.rank, 2 * dp.rank + 2)),
+        OmegaConf.create(ACTOR_CFG),
+        dp=dp,
+    )
     dpm.sharded_params(policy.trainable)
-    masters = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-               for k, v in policy.trainable.state_dict().items()}
+    masters = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in policy.trainable.state_dict().items()
+    }
     return {"gathered_dtypes": gathered, "grad_norm": metrics["actor/grad_norm"][0], "masters": masters}
 
 
@@ -160,17 +173,30 @@ def ranks(tmp_path_factory):
     torch.manual_seed(0)
     policy = tiny_full_finetune()
     out = policy.rollout(PROMPTS, SEEDS, window=range(1, 3))
-    tensors = {"window_latents": out.window_latents, "old_log_probs": out.log_probs,
-               "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]), "loss_mask": torch.ones(4, dtype=torch.bool),
-               **out.conditioning}
+    tensors = {
+        "window_latents": out.window_latents,
+        "old_log_probs": out.log_probs,
+        "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        "loss_mask": torch.ones(4, dtype=torch.bool),
+        **out.conditioning,
+    }
     path = tmp_path_factory.mktemp("pg") / "batch.pt"
     torch.save(tensors, path)
     working = {str(p.dtype) for p in policy.transformer.parameters()}
     start = {k: v.clone() for k, v in policy.weights_state_dict().items()}
-    metrics = update_minibatch(ImageModality(), policy, torch.optim.AdamW(policy.trainable_parameters(), lr=LR),
-                               batch_of(tensors, slice(0, 4)), OmegaConf.create(ACTOR_CFG))
-    reference = {"working_dtypes": working, "start": start, "masters": policy.weights_state_dict(),
-                 "grad_norm": metrics["actor/grad_norm"]}
+    metrics = update_minibatch(
+        ImageModality(),
+        policy,
+        torch.optim.AdamW(policy.trainable_parameters(), lr=LR),
+        batch_of(tensors, slice(0, 4)),
+        OmegaConf.create(ACTOR_CFG),
+    )
+    reference = {
+        "working_dtypes": working,
+        "start": start,
+        "masters": policy.weights_state_dict(),
+        "grad_norm": metrics["actor/grad_norm"],
+    }
 
     ctx = mp.get_context("spawn")
     ports = [free_port(), free_port()]

@@ -25,13 +25,19 @@ def ops(*overrides: str) -> StepOps:
 
 
 def batch(old: torch.Tensor, keep: list[bool]) -> DataProto:
-    return DataProto.from_dict(tensors={"old_log_probs": old.clone(), "loss_mask": torch.tensor(keep)},
-                               non_tensors={"uid": np.array(["a"] * len(keep), dtype=object)})
+    return DataProto.from_dict(
+        tensors={"old_log_probs": old.clone(), "loss_mask": torch.tensor(keep)},
+        non_tensors={"uid": np.array(["a"] * len(keep), dtype=object)},
+    )
 
 
 def test_token_is_weights_are_truncated_ratios_per_window_step_and_rejection_masks_steps():
-    o = ops(*DECOUPLED, "algorithm.rollout_correction.rollout_is=token",
-            "algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=0.5_1.5")
+    o = ops(
+        *DECOUPLED,
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_rs=token_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold=0.5_1.5",
+    )
     rollout = torch.zeros(3, 2)
     old = torch.log(torch.tensor([[1.0, 3.0], [0.25, 1.2], [1.0, 1.0]]))  # pi_old / pi_rollout per SDE step
     b = batch(old, [True, True, False])
@@ -45,8 +51,11 @@ def test_token_is_weights_are_truncated_ratios_per_window_step_and_rejection_mas
 
 
 def test_sequence_is_weight_is_the_product_over_the_samples_steps():
-    o = ops(*DECOUPLED, "algorithm.rollout_correction.rollout_is=sequence",
-            "algorithm.rollout_correction.rollout_is_threshold=5.0")
+    o = ops(
+        *DECOUPLED,
+        "algorithm.rollout_correction.rollout_is=sequence",
+        "algorithm.rollout_correction.rollout_is_threshold=5.0",
+    )
     b = batch(torch.log(torch.tensor([[1.5, 2.0], [0.5, 0.5]])), [True, True])
     o.rollout_correction(b, torch.zeros(2, 2))
     torch.testing.assert_close(b.batch["rollout_is_weights"], torch.tensor([[3.0, 3.0], [0.25, 0.25]]))
@@ -62,22 +71,43 @@ def test_losses_multiply_each_clipped_term_by_its_weight():
     assert not torch.allclose(plain, weighted)
     tok = torch.tensor([[0.1, 0.3]], requires_grad=True)
     w = torch.tensor([[1.0, 0.5]])
-    loss_w, _ = grpo_token_loss(tok, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), clip_ratio=10.0,
-                                rollout_is_weights=w)
+    loss_w, _ = grpo_token_loss(
+        tok, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), clip_ratio=10.0, rollout_is_weights=w
+    )
     torch.testing.assert_close(loss_w, -(torch.exp(tok) * w).mean())
 
 
-@pytest.mark.parametrize(("overrides", "key", "fix"), [
-    (["algorithm.rollout_correction.rollout_is=token"], "rollout_is", "bypass_mode=false"),
-    ([*DECOUPLED, "algorithm.rollout_correction.rollout_is=geometric"], "rollout_is", "token or sequence"),
-    ([*DECOUPLED, "algorithm.rollout_correction.rollout_rs=token_k9",
-      "algorithm.rollout_correction.rollout_rs_threshold=2"], "rollout_rs", "token_k1"),
-    ([*DECOUPLED, "algorithm.rollout_correction.rollout_rs=token_k1"], "rollout_rs_threshold", "0.5_2.0"),
-    ([*DECOUPLED, "algorithm.rollout_correction.rollout_is=token",
-      "algorithm.rollout_correction.rollout_is_threshold=big"], "rollout_correction", "lower_upper"),
-    (["actor_rollout_ref.rollout.nnodes=1", "async_reward.fully_async=true", *DECOUPLED], "bypass_mode",
-     "rollout_is=token"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "key", "fix"),
+    [
+        (["algorithm.rollout_correction.rollout_is=token"], "rollout_is", "bypass_mode=false"),
+        ([*DECOUPLED, "algorithm.rollout_correction.rollout_is=geometric"], "rollout_is", "token or sequence"),
+        (
+            [
+                *DECOUPLED,
+                "algorithm.rollout_correction.rollout_rs=token_k9",
+                "algorithm.rollout_correction.rollout_rs_threshold=2",
+            ],
+            "rollout_rs",
+            "token_k1",
+        ),
+        ([*DECOUPLED, "algorithm.rollout_correction.rollout_rs=token_k1"], "rollout_rs_threshold", "0.5_2.0"),
+        (
+            [
+                *DECOUPLED,
+                "algorithm.rollout_correction.rollout_is=token",
+                "algorithm.rollout_correction.rollout_is_threshold=big",
+            ],
+            "rollout_correction",
+            "lower_upper",
+        ),
+        (
+            ["actor_rollout_ref.rollout.nnodes=1", "async_reward.fully_async=true", *DECOUPLED],
+            "bypass_mode",
+            "rollout_is=token",
+        ),
+    ],
+)
 def test_refused_rollout_correction_names_the_fix(overrides, key, fix):
     with pytest.raises(ConfigError, match=key) as e:
         cfg(*overrides)
@@ -85,6 +115,11 @@ def test_refused_rollout_correction_names_the_fix(overrides, key, fix):
 
 
 def test_fully_async_decoupled_mode_composes():
-    c = cfg("actor_rollout_ref.rollout.nnodes=1", "async_reward.fully_async=true", *DECOUPLED,
-            "algorithm.rollout_correction.rollout_is=sequence", 'algorithm.rollout_correction.rollout_is_threshold="0.5_2.0"')
+    c = cfg(
+        "actor_rollout_ref.rollout.nnodes=1",
+        "async_reward.fully_async=true",
+        *DECOUPLED,
+        "algorithm.rollout_correction.rollout_is=sequence",
+        'algorithm.rollout_correction.rollout_is_threshold="0.5_2.0"',
+    )
     assert c.algorithm.rollout_correction.rollout_is == "sequence"

@@ -22,8 +22,14 @@ SMALL = SMALL_IMAGE_TRAINER
 
 @pytest.fixture
 def data_dir(tmp_path):
-    rows = [{"prompt": f'a sign that says "WORD{i}"', "data_source": "ocr",
-             "reward_model": {"ground_truth": f"WORD{i}", "style": "rule"}} for i in range(8)]
+    rows = [
+        {
+            "prompt": f'a sign that says "WORD{i}"',
+            "data_source": "ocr",
+            "reward_model": {"ground_truth": f"WORD{i}", "style": "rule"},
+        }
+        for i in range(8)
+    ]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return tmp_path
 
@@ -40,8 +46,12 @@ def scores(samples) -> list[float]:
 
 
 def test_stream_on_reward_pool_matches_sync_and_skips_colocated_reward(make_trainer):
-    stream = make_trainer("reward.streaming=true", "reward.reward_model.enable_resource_pool=True",
-                          "reward.reward_model.n_gpus_per_node=1", "reward.num_workers=1")
+    stream = make_trainer(
+        "reward.streaming=true",
+        "reward.reward_model.enable_resource_pool=True",
+        "reward.reward_model.n_gpus_per_node=1",
+        "reward.num_workers=1",
+    )
     # Placement: the reward worker holds a device of the reward pool, not of the actor/rollout pool.
     reward_pgs = {pg.id.hex() for pg in stream.placement.pools.get_resource_pool("reward").get_placement_groups()}
     actor_pgs = {pg.id.hex() for pg in stream.placement.pools.get_resource_pool("actor").get_placement_groups()}
@@ -70,8 +80,13 @@ def test_stream_on_reward_pool_matches_sync_and_skips_colocated_reward(make_trai
 
 
 def test_flaky_reward_is_masked_then_failure_ratio_raises(make_trainer):
-    flaky = [f"reward.custom_reward_function.path={TEST_REWARDS}", "reward.custom_reward_function.name=Flaky",
-             "reward.timeout_s=1", "reward.num_workers=1", "reward.streaming=true"]
+    flaky = [
+        f"reward.custom_reward_function.path={TEST_REWARDS}",
+        "reward.custom_reward_function.name=Flaky",
+        "reward.timeout_s=1",
+        "reward.num_workers=1",
+        "reward.streaming=true",
+    ]
     trainer = make_trainer(*flaky, "reward.max_failure_ratio=0.6")
     metrics, samples = trainer.train_step(0)
     status = [s.outcome.status for s in samples]
@@ -89,9 +104,13 @@ def test_flaky_reward_is_masked_then_failure_ratio_raises(make_trainer):
 def test_killed_reward_worker_mid_step_every_sample_scored_once(make_trainer, tmp_path, monkeypatch):
     log = tmp_path / "scored.jsonl"
     monkeypatch.setenv("OMNI_ASYNC_TEST_REWARD_LOG", str(log))
-    trainer = make_trainer(f"reward.custom_reward_function.path={TEST_REWARDS}",
-                           "reward.custom_reward_function.name=slow_logged", "+reward.custom_reward_function."
-                           "reward_kwargs.delay_s=1.0", "reward.num_workers=2", "reward.streaming=true")
+    trainer = make_trainer(
+        f"reward.custom_reward_function.path={TEST_REWARDS}",
+        "reward.custom_reward_function.name=slow_logged",
+        "+reward.custom_reward_function.reward_kwargs.delay_s=1.0",
+        "reward.num_workers=2",
+        "reward.streaming=true",
+    )
     victim = trainer.reward.workers[0]
     victim_pid = ray.get(victim.info.remote())["pid"]
     samples = trainer.ops.make_samples(0, trainer.sampler.next_batch())
@@ -116,9 +135,13 @@ def test_killed_reward_worker_mid_step_every_sample_scored_once(make_trainer, tm
 def test_post_process_sees_whole_groups_and_async_reward_runs_concurrently(make_trainer, tmp_path, monkeypatch):
     log = tmp_path / "groups.jsonl"
     monkeypatch.setenv("OMNI_ASYNC_TEST_REWARD_LOG", str(log))
-    trainer = make_trainer(f"reward.custom_reward_function.path={TEST_REWARDS}",
-                           "reward.custom_reward_function.name=GroupCentred", "reward.num_workers=1",
-                           "reward.streaming=true", "+reward.custom_reward_function.reward_kwargs.delay_s=1.0")
+    trainer = make_trainer(
+        f"reward.custom_reward_function.path={TEST_REWARDS}",
+        "reward.custom_reward_function.name=GroupCentred",
+        "reward.num_workers=1",
+        "reward.streaming=true",
+        "+reward.custom_reward_function.reward_kwargs.delay_s=1.0",
+    )
     metrics, samples = trainer.train_step(0)
     assert [json.loads(x)["group_size"] for x in log.read_text().splitlines()] == [4, 4]
     for uid in {s.uid for s in samples}:
@@ -131,8 +154,12 @@ def test_post_process_sees_whole_groups_and_async_reward_runs_concurrently(make_
 
 
 def test_sync_reward_with_post_process_and_wrong_type_error(make_trainer):
-    trainer = make_trainer("reward.streaming=false", f"reward.custom_reward_function.path={TEST_REWARDS}",
-                           "reward.custom_reward_function.name=wrong_type", "reward.max_failure_ratio=1.0")
+    trainer = make_trainer(
+        "reward.streaming=false",
+        f"reward.custom_reward_function.path={TEST_REWARDS}",
+        "reward.custom_reward_function.name=wrong_type",
+        "reward.max_failure_ratio=1.0",
+    )
     metrics, samples = trainer.train_step(0)
     assert metrics["reward/failed"] == 8
     assert "wrong_type" in samples[0].outcome.error and "'high'" in samples[0].outcome.error

@@ -12,24 +12,53 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # Deterministic comparisons: one sample per device batch, so batching order cannot perturb a float.
-COMMON = ["actor_rollout_ref.model.path=tiny:sd3", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
-          "actor_rollout_ref.actor.ppo_mini_batch_size=1", "actor_rollout_ref.rollout.num_inference_steps=6",
-          "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]", "actor_rollout_ref.rollout.agent.max_batch_size=1",
-          "actor_rollout_ref.actor.clip_ratio=0.2", "actor_rollout_ref.actor.optim.lr=1e-2",
-          "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.jpeg", "trainer.logger=[jsonl]", "reward.streaming=false"]
+COMMON = [
+    "actor_rollout_ref.model.path=tiny:sd3",
+    "data.train_batch_size=2",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+    "actor_rollout_ref.rollout.num_inference_steps=6",
+    "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]",
+    "actor_rollout_ref.rollout.agent.max_batch_size=1",
+    "actor_rollout_ref.actor.clip_ratio=0.2",
+    "actor_rollout_ref.actor.optim.lr=1e-2",
+    "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.jpeg",
+    "trainer.logger=[jsonl]",
+    "reward.streaming=false",
+]
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("data")
-    subprocess.run([sys.executable, str(ROOT / "examples/data/prepare_ocr_prompts.py"), "--out-dir", str(out),
-                    "--num-train", "8", "--num-val", "2"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples/data/prepare_ocr_prompts.py"),
+            "--out-dir",
+            str(out),
+            "--num-train",
+            "8",
+            "--num-val",
+            "2",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return out
 
 
 def run_trainer(run_dir: Path, data_dir: Path, *overrides: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "omni_async.trainer.main", f"data.train_files={data_dir}/train.jsonl",
-           f"trainer.run_dir={run_dir}", f"hydra.run.dir={run_dir}/hydra", *COMMON, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "omni_async.trainer.main",
+        f"data.train_files={data_dir}/train.jsonl",
+        f"trainer.run_dir={run_dir}",
+        f"hydra.run.dir={run_dir}/hydra",
+        *COMMON,
+        *overrides,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "RAY_DEDUP_LOGS": "0"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -47,14 +76,37 @@ def val_reward(row: dict) -> float | None:
 
 @pytest.mark.slow
 def test_sync_run_then_kill_and_resume_gives_same_next_step(tmp_path, data_dir):
-    full = run_trainer(tmp_path / "full", data_dir, "trainer.total_training_steps=3",
-                       f"data.val_files={data_dir}/val.jsonl", "trainer.test_freq=3", "trainer.logger=[console,file]")
+    full = run_trainer(
+        tmp_path / "full",
+        data_dir,
+        "trainer.total_training_steps=3",
+        f"data.val_files={data_dir}/val.jsonl",
+        "trainer.test_freq=3",
+        "trainer.logger=[console,file]",
+    )
     assert [m["step"] for m in full] == [1, 2, 3]
-    for key in ("critic/rewards/mean", "critic/rewards/std_mean", "critic/rewards/zero_std_ratio", "actor/pg_loss",
-                "actor/ppo_kl", "actor/pg_clipfrac", "actor/ratio_mean", "actor/grad_norm", "timing_s/gen",
-                "timing_s/reward", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv", "timing_s/update_actor",
-                "timing_s/step", "perf/throughput", "timing_s/reward_compute/p95", "critic/advantages/mean",
-                "perf/samples_per_s", "perf/total_num_images"):
+    for key in (
+        "critic/rewards/mean",
+        "critic/rewards/std_mean",
+        "critic/rewards/zero_std_ratio",
+        "actor/pg_loss",
+        "actor/ppo_kl",
+        "actor/pg_clipfrac",
+        "actor/ratio_mean",
+        "actor/grad_norm",
+        "timing_s/gen",
+        "timing_s/reward",
+        "timing_s/old_log_prob",
+        "timing_s/ref",
+        "timing_s/adv",
+        "timing_s/update_actor",
+        "timing_s/step",
+        "perf/throughput",
+        "timing_s/reward_compute/p95",
+        "critic/advantages/mean",
+        "perf/samples_per_s",
+        "perf/total_num_images",
+    ):
         assert key in full[0], key
     # verl's meanings: images per second per device (one actor device here), advantages of the trained samples.
     assert full[0]["perf/throughput"] == pytest.approx(8 / full[0]["timing_s/step"])
@@ -89,8 +141,12 @@ def test_sync_run_then_kill_and_resume_gives_same_next_step(tmp_path, data_dir):
 
 
 def test_qwen_image_ocr_smoke(tmp_path, data_dir):
-    metrics = run_trainer(tmp_path / "qi", data_dir, "actor_rollout_ref.model.path=tiny:qwen_image",
-                          "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.ocr",
-                          "trainer.total_training_steps=1")
+    metrics = run_trainer(
+        tmp_path / "qi",
+        data_dir,
+        "actor_rollout_ref.model.path=tiny:qwen_image",
+        "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.ocr",
+        "trainer.total_training_steps=1",
+    )
     assert metrics[0]["reward/failed"] == 0
     assert 0.0 <= metrics[0]["critic/rewards/mean"] <= 1.0

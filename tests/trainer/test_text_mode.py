@@ -17,10 +17,18 @@ from omni_async.trainer.strategies import fully_async_overrides
 ROOT = Path(__file__).resolve().parents[2]
 TEST_REWARDS = str(ROOT / "tests/reward/rewards_for_tests.py")
 DIGITS = ["reward.custom_reward_function.name=compute_score_digits"]
-SMALL = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-         "actor_rollout_ref.rollout.response_length=16", "actor_rollout_ref.rollout.agent.max_batch_size=8",
-         "actor_rollout_ref.actor.optim.lr=2e-3", "trainer.logger=[jsonl]", "trainer.resume_mode=disable",
-         "trainer.log_timeline_freq=-1", "data.shuffle=false"]
+SMALL = [
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.rollout.response_length=16",
+    "actor_rollout_ref.rollout.agent.max_batch_size=8",
+    "actor_rollout_ref.actor.optim.lr=2e-3",
+    "trainer.logger=[jsonl]",
+    "trainer.resume_mode=disable",
+    "trainer.log_timeline_freq=-1",
+    "data.shuffle=false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,15 +37,29 @@ def arith(tmp_path_factory):
     import sys
 
     out = tmp_path_factory.mktemp("arith")
-    subprocess.run([sys.executable, str(ROOT / "examples/data/prepare_arithmetic.py"), "--out-dir", str(out),
-                    "--num-train", "64", "--num-val", "4"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples/data/prepare_arithmetic.py"),
+            "--out-dir",
+            str(out),
+            "--num-train",
+            "64",
+            "--num-val",
+            "4",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return out
 
 
 def make(arith, tmp_path, *overrides) -> FlowGRPOTrainer:
     shutdown_ray()
-    cfg = compose([f"data.train_files={arith}/train.jsonl", f"trainer.run_dir={tmp_path}/run", *SMALL, *overrides],
-                  config_name="grpo_text_trainer")
+    cfg = compose(
+        [f"data.train_files={arith}/train.jsonl", f"trainer.run_dir={tmp_path}/run", *SMALL, *overrides],
+        config_name="grpo_text_trainer",
+    )
     trainer = FlowGRPOTrainer(cfg)
     trainer.ops.sync_weights(0)
     return trainer
@@ -73,8 +95,12 @@ def test_text_stream_scores_land_on_last_token_and_match_sync(arith, tmp_path):
 
 
 # Fully async at staleness 1 on rollout replicas of their own (split layout): an update = the lock-step step's 4 prompts.
-FULLY_ASYNC_1 = ["actor_rollout_ref.hybrid_engine=false", *fully_async_overrides(1), "async_training.require_batches=2",
-                 "async_training.partial_rollout=false"]
+FULLY_ASYNC_1 = [
+    "actor_rollout_ref.hybrid_engine=false",
+    *fully_async_overrides(1),
+    "async_training.require_batches=2",
+    "async_training.partial_rollout=false",
+]
 
 
 @pytest.mark.slow
@@ -94,14 +120,19 @@ def test_text_grpo_learns_a_format_reward(arith, tmp_path, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("streaming", "hybrid"), [("true", "true"), ("false", "false")],
-                         ids=["stream-hybrid", "sync-split"])  # text in both layouts
+@pytest.mark.parametrize(
+    ("streaming", "hybrid"), [("true", "true"), ("false", "false")], ids=["stream-hybrid", "sync-split"]
+)  # text in both layouts
 def test_text_class_post_process_and_tuple_rewards(arith, tmp_path, streaming, hybrid):
-    fns = [f"+reward.reward_functions.repaired.path={TEST_REWARDS}",
-           "+reward.reward_functions.repaired.name=FailingThenRepaired",
-           f"+reward.reward_functions.tuple.path={TEST_REWARDS}", "+reward.reward_functions.tuple.name=tuple_reward",
-           "+reward.reward_functions.tuple.weight=0.5", f"reward.streaming={streaming}",
-           f"actor_rollout_ref.hybrid_engine={hybrid}"]
+    fns = [
+        f"+reward.reward_functions.repaired.path={TEST_REWARDS}",
+        "+reward.reward_functions.repaired.name=FailingThenRepaired",
+        f"+reward.reward_functions.tuple.path={TEST_REWARDS}",
+        "+reward.reward_functions.tuple.name=tuple_reward",
+        "+reward.reward_functions.tuple.weight=0.5",
+        f"reward.streaming={streaming}",
+        f"actor_rollout_ref.hybrid_engine={hybrid}",
+    ]
     trainer = make(arith, tmp_path, *fns)
     try:
         metrics, samples = trainer.train_step(0)
@@ -114,8 +145,7 @@ def test_text_class_post_process_and_tuple_rewards(arith, tmp_path, streaming, h
         if n % 2:  # scored directly
             assert o.parts["repaired"] == pytest.approx(1 + n / 100)
         else:  # failed, then repaired with its group's mean
-            group = [m.outcome.parts["repaired"] for m in samples if m.uid == s.uid
-                     and len(m.result.response) % 2]
+            group = [m.outcome.parts["repaired"] for m in samples if m.uid == s.uid and len(m.result.response) % 2]
             assert o.extra.get("reward/post_process_repaired") == 1.0
             assert o.parts["repaired"] == pytest.approx(np.mean(group) if group else 0.0)
         assert o.score == pytest.approx(o.parts["repaired"] + 0.5 * o.parts["tuple"])
@@ -134,12 +164,29 @@ def test_text_example_script_short_variant(tmp_path):
     import subprocess
     import sys
 
-    env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(tmp_path / "data"), "RUN_DIR": str(tmp_path / "run"),
-           "STEPS": "1", "BATCH": "2", "GROUP": "2", "RESPONSE_LENGTH": "8"}
-    proc = subprocess.run(["bash", str(ROOT / "examples/run_text_grpo_async_reward.sh"), "trainer.logger=[jsonl]"],
-                          capture_output=True, text=True, timeout=240, env=env)
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "DATA_DIR": str(tmp_path / "data"),
+        "RUN_DIR": str(tmp_path / "run"),
+        "STEPS": "1",
+        "BATCH": "2",
+        "GROUP": "2",
+        "RESPONSE_LENGTH": "8",
+    }
+    proc = subprocess.run(
+        ["bash", str(ROOT / "examples/run_text_grpo_async_reward.sh"), "trainer.logger=[jsonl]"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "run directory:" in proc.stdout
     row = json.loads((tmp_path / "run/metrics.jsonl").read_text().splitlines()[0])
-    assert row["timing_s/reward"] == 0.0 and row["reward_queue/total_consumed"] == 4 and any(k.startswith("val-core/") for k in row)
+    assert (
+        row["timing_s/reward"] == 0.0
+        and row["reward_queue/total_consumed"] == 4
+        and any(k.startswith("val-core/") for k in row)
+    )
     assert (tmp_path / "run/samples/step_0001.jsonl").exists()

@@ -42,8 +42,8 @@ VERL_OMNI = {
     "actor_rollout_ref.model.lora_rank": "64",
     "actor_rollout_ref.model.lora_alpha": "128",
     "actor_rollout_ref.model.target_modules": "['to_q','to_k','to_v','to_out.0','add_q_proj','add_k_proj',"
-                                              "'add_v_proj','to_add_out','img_mlp.net.0.proj','img_mlp.net.2',"
-                                              "'txt_mlp.net.0.proj','txt_mlp.net.2']",
+    "'add_v_proj','to_add_out','img_mlp.net.0.proj','img_mlp.net.2',"
+    "'txt_mlp.net.0.proj','txt_mlp.net.2']",
     "actor_rollout_ref.actor.optim.lr": "3e-4",
     "actor_rollout_ref.actor.optim.weight_decay": "0.0001",
     "actor_rollout_ref.actor.ppo_mini_batch_size": "16",
@@ -115,18 +115,31 @@ ON_CPU = {
     "trainer.total_training_steps": ("1", "one step"),
 }
 # Our own keys the CPU run needs on top (verl-omni sets height/width/steps in its pipeline defaults: 512, 10).
-OURS = ["actor_rollout_ref.rollout.height=64", "actor_rollout_ref.rollout.width=64",
-        "actor_rollout_ref.rollout.num_inference_steps=6", "trainer.log_image_freq=-1", "trainer.log_timeline_freq=-1"]
+OURS = [
+    "actor_rollout_ref.rollout.height=64",
+    "actor_rollout_ref.rollout.width=64",
+    "actor_rollout_ref.rollout.num_inference_steps=6",
+    "trainer.log_image_freq=-1",
+    "trainer.log_timeline_freq=-1",
+]
 
 
 def verl_omni_overrides(data_dir, run_dir) -> list[str]:
-    out = [f"{key}={ON_CPU[key][0].format(data=data_dir) if key in ON_CPU else value}" for key, value in VERL_OMNI.items()]
+    out = [
+        f"{key}={ON_CPU[key][0].format(data=data_dir) if key in ON_CPU else value}" for key, value in VERL_OMNI.items()
+    ]
     return [*out, *OURS, f"trainer.run_dir={run_dir}"]
 
 
 def write_rows(path, n: int) -> None:
-    rows = [{"prompt": f'a sign that says "WORD{i}"', "data_source": "ocr",
-             "reward_model": {"ground_truth": f"WORD{i}", "style": "rule"}} for i in range(n)]
+    rows = [
+        {
+            "prompt": f'a sign that says "WORD{i}"',
+            "data_source": "ocr",
+            "reward_model": {"ground_truth": f"WORD{i}", "style": "rule"},
+        }
+        for i in range(n)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -146,7 +159,10 @@ def test_verl_omni_override_list_composes_validates_and_trains_one_step(data_dir
     cfg = validate(compose(verl_omni_overrides(data_dir, tmp_path / "run")))
     assert cfg.actor_rollout_ref.rollout.val_kwargs.algo.noise_level == 0.0
     assert cfg.trainer.total_epochs == 15 and cfg.data.max_prompt_length == 256
-    assert cfg.actor_rollout_ref.actor.fsdp_config.param_offload and cfg.actor_rollout_ref.actor.fsdp_config.optimizer_offload
+    assert (
+        cfg.actor_rollout_ref.actor.fsdp_config.param_offload
+        and cfg.actor_rollout_ref.actor.fsdp_config.optimizer_offload
+    )
     shutdown_ray()
     try:
         run_dir = RLTrainer(cfg).fit()
@@ -162,34 +178,73 @@ def test_verl_omni_override_list_composes_validates_and_trains_one_step(data_dir
 BASE = ["data.train_files=x.jsonl"]
 
 
-@pytest.mark.parametrize("overrides, key, instead", [
-    (["actor_rollout_ref.rollout.name=vllm_omni"], "actor_rollout_ref.rollout.name", "rollout.name=transformers"),
-    (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "actor_rollout_ref.rollout.tensor_model_parallel_size",
-     "agent.num_workers"),
-    (["actor_rollout_ref.rollout.load_format=dummy"], "actor_rollout_ref.rollout.load_format", "load_format=safetensors"),
-    (["actor_rollout_ref.rollout.layered_summon=True", "actor_rollout_ref.model.lora_rank=0"],
-     "actor_rollout_ref.rollout.layered_summon", "layered_summon=False"),
-    (["actor_rollout_ref.model.algorithm=dance_grpo"], "actor_rollout_ref.model.algorithm", "use flow_grpo"),
-    (["reward.reward_model.rollout.free_cache_engine=True"], "reward.reward_model.rollout.free_cache_engine",
-     "set it to False"),
-    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"],
-     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "ppo_micro_batch_size_per_gpu"),
-    (["actor_rollout_ref.rollout.val_kwargs.algo.noise_level=0.5", "actor_rollout_ref.rollout.val_kwargs.pipeline."
-      "num_inference_steps=4"], "actor_rollout_ref.rollout.val_kwargs.algo.noise_level", "num_inference_steps"),
-    (["actor_rollout_ref.rollout.val_kwargs.n=0"], "actor_rollout_ref.rollout.val_kwargs.n", "e.g. 1"),
-    (["data.max_prompt_length=0"], "data.max_prompt_length", "null for no limit"),
-    (["trainer.total_epochs=0"], "trainer.total_epochs", "e.g. 1"),
-    (["trainer.total_training_steps=0"], "trainer.total_training_steps", "e.g. 4"),
-    (["trainer.log_val_generations=-1"], "trainer.log_val_generations", "0 for none"),
-    (["trainer.logger=[console,mlflow]"], "trainer.logger", "pip install mlflow"),
-    (["trainer.logger=[console,jsonl2]"], "trainer.logger", "use verl's: wandb, mlflow"),
-    (["reward.custom_reward_function.path=pkg://omni_async.reward.scorers.vlm_judge",
-      "+reward.custom_reward_function.reward_kwargs.model_path=tiny:qwen2_vl"],
-     "reward.custom_reward_function.reward_kwargs.model_path", "reward.reward_model.model_path=tiny:qwen2_vl"),
-    (["+reward.reward_functions.judge.path=pkg://omni_async.reward.scorers.vlm_judge",
-      "+reward.reward_functions.judge.name=compute_score", "+reward.reward_functions.judge.judge_model_path=/m"],
-     "reward.reward_functions.judge.judge_model_path", "reward.reward_model.model_path=/m"),
-])
+@pytest.mark.parametrize(
+    "overrides, key, instead",
+    [
+        (["actor_rollout_ref.rollout.name=vllm_omni"], "actor_rollout_ref.rollout.name", "rollout.name=transformers"),
+        (
+            ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+            "actor_rollout_ref.rollout.tensor_model_parallel_size",
+            "agent.num_workers",
+        ),
+        (
+            ["actor_rollout_ref.rollout.load_format=dummy"],
+            "actor_rollout_ref.rollout.load_format",
+            "load_format=safetensors",
+        ),
+        (
+            ["actor_rollout_ref.rollout.layered_summon=True", "actor_rollout_ref.model.lora_rank=0"],
+            "actor_rollout_ref.rollout.layered_summon",
+            "layered_summon=False",
+        ),
+        (["actor_rollout_ref.model.algorithm=dance_grpo"], "actor_rollout_ref.model.algorithm", "use flow_grpo"),
+        (
+            ["reward.reward_model.rollout.free_cache_engine=True"],
+            "reward.reward_model.rollout.free_cache_engine",
+            "set it to False",
+        ),
+        (
+            [
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+            ],
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+            "ppo_micro_batch_size_per_gpu",
+        ),
+        (
+            [
+                "actor_rollout_ref.rollout.val_kwargs.algo.noise_level=0.5",
+                "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps=4",
+            ],
+            "actor_rollout_ref.rollout.val_kwargs.algo.noise_level",
+            "num_inference_steps",
+        ),
+        (["actor_rollout_ref.rollout.val_kwargs.n=0"], "actor_rollout_ref.rollout.val_kwargs.n", "e.g. 1"),
+        (["data.max_prompt_length=0"], "data.max_prompt_length", "null for no limit"),
+        (["trainer.total_epochs=0"], "trainer.total_epochs", "e.g. 1"),
+        (["trainer.total_training_steps=0"], "trainer.total_training_steps", "e.g. 4"),
+        (["trainer.log_val_generations=-1"], "trainer.log_val_generations", "0 for none"),
+        (["trainer.logger=[console,mlflow]"], "trainer.logger", "pip install mlflow"),
+        (["trainer.logger=[console,jsonl2]"], "trainer.logger", "use verl's: wandb, mlflow"),
+        (
+            [
+                "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.vlm_judge",
+                "+reward.custom_reward_function.reward_kwargs.model_path=tiny:qwen2_vl",
+            ],
+            "reward.custom_reward_function.reward_kwargs.model_path",
+            "reward.reward_model.model_path=tiny:qwen2_vl",
+        ),
+        (
+            [
+                "+reward.reward_functions.judge.path=pkg://omni_async.reward.scorers.vlm_judge",
+                "+reward.reward_functions.judge.name=compute_score",
+                "+reward.reward_functions.judge.judge_model_path=/m",
+            ],
+            "reward.reward_functions.judge.judge_model_path",
+            "reward.reward_model.model_path=/m",
+        ),
+    ],
+)
 def test_refused_key_names_itself_and_the_alternative(overrides, key, instead):
     with pytest.raises(ConfigError) as err:
         validate(compose(BASE + overrides))
@@ -204,9 +259,17 @@ def test_wandb_without_wandb_installed_is_refused_at_start():
 
 
 def test_no_op_equivalent_values_are_accepted():
-    validate(compose(BASE + ["actor_rollout_ref.rollout.layered_summon=True", "actor_rollout_ref.rollout.load_format=hf",
-                             "reward.reward_model.rollout.free_cache_engine=False",
-                             "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]))
+    validate(
+        compose(
+            BASE
+            + [
+                "actor_rollout_ref.rollout.layered_summon=True",
+                "actor_rollout_ref.rollout.load_format=hf",
+                "reward.reward_model.rollout.free_cache_engine=False",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            ]
+        )
+    )
     text = validate(compose(BASE, config_name="grpo_text_trainer"))
     assert text.actor_rollout_ref.model.algorithm == "grpo"
 
@@ -223,8 +286,10 @@ def test_validation_settings_change_the_denoising_steps_and_batch_apart():
     share a device batch; the transformer runs val_kwargs' number of steps for them, the policy's own otherwise."""
     cfg = compose(BASE + SMALL_IMAGE_TRAINER + ["actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps=7"])
     image = get_modality("image")
-    policy = image.build_policy({"path": "tiny:sd3", "lora_rank": 2, "lora_alpha": 4, "target_modules": ["to_q"]},
-                                vars(image.sampling_config(cfg)))
+    policy = image.build_policy(
+        {"path": "tiny:sd3", "lora_rank": 2, "lora_alpha": 4, "target_modules": ["to_q"]},
+        vars(image.sampling_config(cfg)),
+    )
     calls = []
     policy.transformer.register_forward_hook(lambda *a: calls.append(1))
     sampling = image.validation_sampling(cfg)
@@ -245,14 +310,23 @@ def test_validation_settings_change_the_denoising_steps_and_batch_apart():
 def test_validation_runs_val_kwargs_before_training_logs_n_samples_and_epochs_set_steps(tmp_path):
     write_rows(tmp_path / "train.jsonl", 2)
     write_rows(tmp_path / "val.jsonl", 3)
-    cfg = compose([f"data.train_files={tmp_path}/train.jsonl", f"data.val_files={tmp_path}/val.jsonl",
-                   f"trainer.run_dir={tmp_path}/run", *SMALL_IMAGE_TRAINER,
-                   "trainer.total_training_steps=null", "trainer.total_epochs=1",  # 2 rows / batch 2: one step
-                   "trainer.val_before_train=True", "trainer.log_val_generations=5", "trainer.log_image_freq=-1",
-                   "actor_rollout_ref.rollout.val_kwargs.n=2",  # 3 prompts x 2 = 6 validation samples, 5 logged
-                   "actor_rollout_ref.rollout.val_kwargs.pipeline.height=48",
-                   "actor_rollout_ref.rollout.val_kwargs.pipeline.width=48",
-                   "actor_rollout_ref.rollout.val_kwargs.algo.noise_level=0.5"])  # SDE in validation, window [0,3)
+    cfg = compose(
+        [
+            f"data.train_files={tmp_path}/train.jsonl",
+            f"data.val_files={tmp_path}/val.jsonl",
+            f"trainer.run_dir={tmp_path}/run",
+            *SMALL_IMAGE_TRAINER,
+            "trainer.total_training_steps=null",
+            "trainer.total_epochs=1",  # 2 rows / batch 2: one step
+            "trainer.val_before_train=True",
+            "trainer.log_val_generations=5",
+            "trainer.log_image_freq=-1",
+            "actor_rollout_ref.rollout.val_kwargs.n=2",  # 3 prompts x 2 = 6 validation samples, 5 logged
+            "actor_rollout_ref.rollout.val_kwargs.pipeline.height=48",
+            "actor_rollout_ref.rollout.val_kwargs.pipeline.width=48",
+            "actor_rollout_ref.rollout.val_kwargs.algo.noise_level=0.5",
+        ]
+    )  # SDE in validation, window [0,3)
     shutdown_ray()
     try:
         trainer = RLTrainer(cfg)
@@ -261,7 +335,11 @@ def test_validation_runs_val_kwargs_before_training_logs_n_samples_and_epochs_se
     finally:
         shutdown_ray()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1] and any(k.startswith("val-core/") for k in rows[0]) and "actor/pg_loss" in rows[1]
+    assert (
+        [r["step"] for r in rows] == [0, 1]
+        and any(k.startswith("val-core/") for k in rows[0])
+        and "actor/pg_loss" in rows[1]
+    )
     grid = Image.open(run_dir / "validation/step_0000.png")
     assert grid.size == (4 * 48, 2 * (48 + 14))  # 5 samples at the validation size (the training size is 32)
 
@@ -276,11 +354,27 @@ def test_judge_model_path_has_one_key(monkeypatch):
             return "HELLO"
 
     monkeypatch.setattr(vlm_judge, "transformers_judge", lambda path, *a: seen.append(path) or FakeJudge())
-    base = {"timeout_s": 30, "max_inflight_per_worker": 2, "reward_functions": {}, "custom_reward_function": {
-        "path": "pkg://omni_async.reward.scorers.vlm_judge", "name": "compute_score", "reward_kwargs": {}}}
-    sample = {"prompt": "p", "data_source": "ocr", "ground_truth": "HELLO", "extra_info": {}, "uid": "0",
-              "solution_image": np.zeros((16, 16, 3), np.uint8)}
-    ok = RewardManager(OmegaConf.create({**base, "reward_model": {"model_path": "/models/judge"}})).score_batch([sample])
+    base = {
+        "timeout_s": 30,
+        "max_inflight_per_worker": 2,
+        "reward_functions": {},
+        "custom_reward_function": {
+            "path": "pkg://omni_async.reward.scorers.vlm_judge",
+            "name": "compute_score",
+            "reward_kwargs": {},
+        },
+    }
+    sample = {
+        "prompt": "p",
+        "data_source": "ocr",
+        "ground_truth": "HELLO",
+        "extra_info": {},
+        "uid": "0",
+        "solution_image": np.zeros((16, 16, 3), np.uint8),
+    }
+    ok = RewardManager(OmegaConf.create({**base, "reward_model": {"model_path": "/models/judge"}})).score_batch(
+        [sample]
+    )
     assert seen == ["/models/judge"] and ok[0].ok and ok[0].score == 1.0
     failed = RewardManager(OmegaConf.create({**base, "reward_model": {"model_path": None}})).score_batch([sample])
     assert not failed[0].ok and "reward.reward_model.model_path" in failed[0].error
@@ -296,13 +390,18 @@ def test_metrics_logger_sends_rows_to_wandb_through_verl_tracking(tmp_path, monk
     fake.log = lambda data, step: calls.append(("log", step, dict(data)))
     fake.finish = lambda exit_code=0: calls.append(("finish",))
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    logger = MetricsLogger(tmp_path, ["wandb"], 2, label="exp", project="flow_grpo",
-                           config={"trainer": {"project_name": "flow_grpo"}})
+    logger = MetricsLogger(
+        tmp_path, ["wandb"], 2, label="exp", project="flow_grpo", config={"trainer": {"project_name": "flow_grpo"}}
+    )
     logger.log(0, {"val-core/ocr/reward/mean@1": 0.5}, advance=False)
     logger.log(1, {"actor/pg_loss": 0.1})
     logger.close()
-    assert calls == [("init", "flow_grpo", "exp", str(tmp_path)), ("log", 0, {"val-core/ocr/reward/mean@1": 0.5}),
-                     ("log", 1, {"actor/pg_loss": 0.1}), ("finish",)]
+    assert calls == [
+        ("init", "flow_grpo", "exp", str(tmp_path)),
+        ("log", 0, {"val-core/ocr/reward/mean@1": 0.5}),
+        ("log", 1, {"actor/pg_loss": 0.1}),
+        ("finish",),
+    ]
     assert "WANDB_DIR" not in os.environ
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1]
 
@@ -315,8 +414,11 @@ def test_max_prompt_length_counts_tokens_per_modality():
         assert long_n > short_n + 50
         limit = short_n + 10
         check_prompt_lengths([_row("hi")], limit, lambda p, c=count, m=path: c(m, p))
-        with pytest.raises(DatasetError, match=rf"^data\.max_prompt_length={limit}: 1 prompt\(s\) are longer, the "
-                                               rf"longest {long_n} tokens"):
+        with pytest.raises(
+            DatasetError,
+            match=rf"^data\.max_prompt_length={limit}: 1 prompt\(s\) are longer, the "
+            rf"longest {long_n} tokens",
+        ):
             check_prompt_lengths([_row("hi"), _row(long)], limit, lambda p, c=count, m=path: c(m, p))
 
 
@@ -331,16 +433,23 @@ def test_pipeline_max_sequence_length_truncates_the_prompt_encoding():
     cfg = compose(BASE + ["actor_rollout_ref.rollout.pipeline.max_sequence_length=3"])
     sampling = vars(image.sampling_config(cfg))
     assert sampling["max_sequence_length"] == 3
-    policy = image.build_policy({"path": "tiny:qwen_image", "lora_rank": 2, "lora_alpha": 4, "target_modules": ["to_q"]},
-                                {**sampling, "max_sequence_length": None})
+    policy = image.build_policy(
+        {"path": "tiny:qwen_image", "lora_rank": 2, "lora_alpha": 4, "target_modules": ["to_q"]},
+        {**sampling, "max_sequence_length": None},
+    )
     prompt = ["a sign that says many different words in a row"]
     full = policy.encode(prompt)["prompt_embeds"].shape[1]
     assert full > 3 and policy.with_sampling(max_sequence_length=3).encode(prompt)["prompt_embeds"].shape[1] == 3
 
 
 def test_judge_server_launch_flags():
-    rollout = {"server_python": "py", "tensor_model_parallel_size": 1, "gpu_memory_utilization": 0.9,
-               "enforce_eager": True, "server_args": []}
+    rollout = {
+        "server_python": "py",
+        "tensor_model_parallel_size": 1,
+        "gpu_memory_utilization": 0.9,
+        "enforce_eager": True,
+        "server_args": [],
+    }
     assert "--enforce-eager" in server_command(rollout, "/m", 8000)
     assert "--enforce-eager" not in server_command({**rollout, "enforce_eager": False}, "/m", 8000)
     cmd = server_command(rollout, "/m", 8000)

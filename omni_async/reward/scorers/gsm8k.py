@@ -10,15 +10,25 @@ from __future__ import annotations
 from typing import Any
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
-                  method: str = "strict", format_score: float = 0.0, score: float = 1.0, **kwargs) -> float:
+def compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    method: str = "strict",
+    format_score: float = 0.0,
+    score: float = 1.0,
+    **kwargs,
+) -> float:
     from verl.utils.reward_score import gsm8k
 
-    return float(gsm8k.compute_score(solution_str, str(ground_truth), method=method, format_score=format_score,
-                                     score=score))
+    return float(
+        gsm8k.compute_score(solution_str, str(ground_truth), method=method, format_score=format_score, score=score)
+    )
 
 
-def compute_score_digits(data_source: str, solution_str: str, ground_truth: Any = None,
-                         extra_info: dict | None = None, **kwargs) -> float:
+def compute_score_digits(
+    data_source: str, solution_str: str, ground_truth: Any = None, extra_info: dict | None = None, **kwargs
+) -> float:
     """Share of the response's characters that are ASCII digits (0 for an empty response)."""
     return sum(c in "0123456789" for c in solution_str) / len(solution_str) if solution_str else 0.0

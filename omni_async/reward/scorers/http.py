@@ -59,10 +59,22 @@ class _Pending:
 
 
 class HttpScorer:
-    def __init__(self, server_url: str | list[str], protocol: str = "v1", max_batch: int = 16,
-                 max_wait_ms: float = 10.0, timeout_s: float = 60.0, max_retries: int = 3, backoff_s: float = 0.2,
-                 image_format: str = "png", jpeg_quality: int = 95, token: str | None = None, seed: int = 0,
-                 max_retry_after_s: float = 30.0, **metadata: Any):
+    def __init__(
+        self,
+        server_url: str | list[str],
+        protocol: str = "v1",
+        max_batch: int = 16,
+        max_wait_ms: float = 10.0,
+        timeout_s: float = 60.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.2,
+        image_format: str = "png",
+        jpeg_quality: int = 95,
+        token: str | None = None,
+        seed: int = 0,
+        max_retry_after_s: float = 30.0,
+        **metadata: Any,
+    ):
         if protocol not in ("v1", "flow_grpo"):
             raise ValueError(f"http scorer protocol={protocol!r}: use v1 or flow_grpo")
         if image_format not in ("png", "jpeg"):
@@ -70,16 +82,18 @@ class HttpScorer:
         self.urls = [u.rstrip("/") for u in ([server_url] if isinstance(server_url, str) else list(server_url))]
         self.protocol, self.max_batch, self.max_wait_s = protocol, int(max_batch), float(max_wait_ms) / 1000
         self.timeout_s, self.image_format, self.jpeg_quality = float(timeout_s), image_format, int(jpeg_quality)
-        self.policy = RetryPolicy(max_retries=int(max_retries), backoff_s=float(backoff_s),
-                                  max_retry_after_s=float(max_retry_after_s))
+        self.policy = RetryPolicy(
+            max_retries=int(max_retries), backoff_s=float(backoff_s), max_retry_after_s=float(max_retry_after_s)
+        )
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.metadata = metadata
         self.stats = ClientStats()
         self.rng = random.Random(seed)
         self._pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> list[_Pending]
 
-    async def compute_score(self, data_source: str, solution_image: Any, ground_truth: Any = None,
-                            extra_info: dict | None = None, **kwargs) -> dict[str, Any]:
+    async def compute_score(
+        self, data_source: str, solution_image: Any, ground_truth: Any = None, extra_info: dict | None = None, **kwargs
+    ) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         pending = self._pending.setdefault(loop, [])
         item = _Pending(solution_image, str((extra_info or {}).get("prompt", "")), ground_truth, loop.create_future())
@@ -95,7 +109,7 @@ class HttpScorer:
         batch = self._pending.get(loop) or []
         if not batch:
             return
-        self._pending[loop] = batch[self.max_batch:]
+        self._pending[loop] = batch[self.max_batch :]
         batch = batch[: self.max_batch]
         if self._pending[loop]:
             loop.call_later(self.max_wait_s, self._flush, loop)
@@ -124,18 +138,23 @@ class HttpScorer:
 
     async def _send_v1(self, batch: list[_Pending], tally: RetryTally) -> list[tuple[float, dict]]:
         gts = [None if it.ground_truth is None else str(it.ground_truth) for it in batch]
-        body = {"images": [self._image_json(it.image) for it in batch], "prompts": [it.prompt for it in batch],
-                "metadata": self.metadata}
+        body = {
+            "images": [self._image_json(it.image) for it in batch],
+            "prompts": [it.prompt for it in batch],
+            "metadata": self.metadata,
+        }
         if any(g is not None for g in gts):
             body["ground_truths"] = [g or "" for g in gts]
         client = pooled_client("http-scorer", self.timeout_s)
-        response = await post_with_retries(client, self.urls, "/v1/score", self.stats, self.policy, self.rng,
-                                           tally, json=body, headers=self.headers)
+        response = await post_with_retries(
+            client, self.urls, "/v1/score", self.stats, self.policy, self.rng, tally, json=body, headers=self.headers
+        )
         try:
             out = response.json()
         except json.JSONDecodeError:
-            raise RewardHTTPError(f"scorer at {response.url} answered 200 with a non-JSON body: "
-                                  f"{response.text[:120]!r}") from None
+            raise RewardHTTPError(
+                f"scorer at {response.url} answered 200 with a non-JSON body: {response.text[:120]!r}"
+            ) from None
         return self._results(out, len(batch), str(response.url))
 
     async def _send_flow_grpo(self, batch: list[_Pending], tally: RetryTally) -> list[tuple[float, dict]]:
@@ -144,11 +163,17 @@ class HttpScorer:
         metadata = dict(self.metadata)
         if any(it.ground_truth is not None for it in batch):  # this project's server reads them; others ignore them
             metadata["ground_truths"] = ["" if it.ground_truth is None else str(it.ground_truth) for it in batch]
-        body = pickle.dumps({"images": [encode_image(it.image, "jpeg", self.jpeg_quality) for it in batch],
-                             "prompts": [it.prompt for it in batch], "metadata": metadata})
+        body = pickle.dumps(
+            {
+                "images": [encode_image(it.image, "jpeg", self.jpeg_quality) for it in batch],
+                "prompts": [it.prompt for it in batch],
+                "metadata": metadata,
+            }
+        )
         client = pooled_client("http-scorer", self.timeout_s)
-        response = await post_with_retries(client, self.urls, "/", self.stats, self.policy, self.rng,
-                                           tally, content=body, headers=self.headers)
+        response = await post_with_retries(
+            client, self.urls, "/", self.stats, self.policy, self.rng, tally, content=body, headers=self.headers
+        )
         try:
             out = safe_loads(response.content)
         except UnsafePickleError as e:
@@ -169,8 +194,9 @@ class HttpScorer:
 _instances: dict[str, HttpScorer] = {}
 
 
-async def compute_score(data_source: str, solution_image: Any, ground_truth: Any = None,
-                        extra_info: dict | None = None, **config: Any) -> dict[str, Any]:
+async def compute_score(
+    data_source: str, solution_image: Any, ground_truth: Any = None, extra_info: dict | None = None, **config: Any
+) -> dict[str, Any]:
     """The function form: one :class:`HttpScorer` per distinct config in this process (its batching and pool)."""
     key = json.dumps(config, sort_keys=True, default=str)
     if key not in _instances:

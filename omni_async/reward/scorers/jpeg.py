@@ -38,13 +38,25 @@ def jpeg_kb(image: Any, quality: int = 95) -> float:
     return float(np.mean(sizes))
 
 
-def compute_score(data_source: str, solution_image: Any, ground_truth: Any = None, extra_info: dict | None = None,
-                  quality: int = 95, **kwargs) -> float:
+def compute_score(
+    data_source: str,
+    solution_image: Any,
+    ground_truth: Any = None,
+    extra_info: dict | None = None,
+    quality: int = 95,
+    **kwargs,
+) -> float:
     """JPEG compressibility: higher for images that compress well (``-kB``)."""
     return -jpeg_kb(solution_image, quality)
 
 
-def compute_score_incompressibility(data_source: str, solution_image: Any, ground_truth: Any = None,
-                                    extra_info: dict | None = None, quality: int = 95, **kwargs) -> float:
+def compute_score_incompressibility(
+    data_source: str,
+    solution_image: Any,
+    ground_truth: Any = None,
+    extra_info: dict | None = None,
+    quality: int = 95,
+    **kwargs,
+) -> float:
     """JPEG incompressibility: higher for detailed images (``+kB``)."""
     return jpeg_kb(solution_image, quality)

@@ -88,34 +88,49 @@ def ocr_device(use_cuda: bool | str = "auto") -> int | None:
     device = _local_cuda_device()
     if device is not None and CUDA_EP in onnxruntime.get_available_providers():
         return device
-    why = ("this process has no CUDA device (reward workers get one on the dedicated reward pool, "
-           "reward.reward_model.enable_resource_pool=True)" if device is None else
-           f"onnxruntime {onnxruntime.__version__} has no {CUDA_EP} (install the GPU build matching your CUDA: "
-           "pip uninstall -y onnxruntime && pip install onnxruntime-gpu)")
+    why = (
+        "this process has no CUDA device (reward workers get one on the dedicated reward pool, "
+        "reward.reward_model.enable_resource_pool=True)"
+        if device is None
+        else f"onnxruntime {onnxruntime.__version__} has no {CUDA_EP} (install the GPU build matching your CUDA: "
+        "pip uninstall -y onnxruntime && pip install onnxruntime-gpu)"
+    )
     if use_cuda is True:
         raise RuntimeError(f"OCR reward with use_cuda=true: {why}; or set use_cuda=auto / false (CPU)")
     if device is not None:
-        logger.warning("OCR reward reads on CPU while this worker holds GPU %d idle: %s. To score on CPU without "
-                       "reserving a GPU, set reward.reward_model.enable_resource_pool=False", device, why)
+        logger.warning(
+            "OCR reward reads on CPU while this worker holds GPU %d idle: %s. To score on CPU without "
+            "reserving a GPU, set reward.reward_model.enable_resource_pool=False",
+            device,
+            why,
+        )
     return None
 
 
-def engine_params(device: int | None, det_limit_side_len: int,
-                  intra_op_num_threads: int | None = None) -> dict[str, Any]:
+def engine_params(
+    device: int | None, det_limit_side_len: int, intra_op_num_threads: int | None = None
+) -> dict[str, Any]:
     """rapidocr's ``params``: quiet, the detector's side limit, onnxruntime's CUDA provider on ``device``, its CPU
     threads."""
     params: dict[str, Any] = {"Global.log_level": "critical", "Det.limit_side_len": det_limit_side_len}
     if intra_op_num_threads:
         params["EngineConfig.onnxruntime.intra_op_num_threads"] = int(intra_op_num_threads)
     if device is not None:
-        params.update({"EngineConfig.onnxruntime.use_cuda": True,
-                       "EngineConfig.onnxruntime.cuda_ep_cfg.device_id": device})
+        params.update(
+            {"EngineConfig.onnxruntime.use_cuda": True, "EngineConfig.onnxruntime.cuda_ep_cfg.device_id": device}
+        )
     return params
 
 
 @functools.lru_cache(maxsize=4)
-def _engine(backend: str, det_model_dir: str | None, rec_model_dir: str | None, det_limit_side_len: int,
-            use_cuda: bool | str = "auto", intra_op_num_threads: int | None = None):
+def _engine(
+    backend: str,
+    det_model_dir: str | None,
+    rec_model_dir: str | None,
+    det_limit_side_len: int,
+    use_cuda: bool | str = "auto",
+    intra_op_num_threads: int | None = None,
+):
     if backend == "rapidocr":
         from rapidocr import RapidOCR
 
@@ -126,15 +141,23 @@ def _engine(backend: str, det_model_dir: str | None, rec_model_dir: str | None, 
         except ImportError as e:
             raise ImportError("backend=paddleocr needs the optional extra: pip install 'omni-async[paddle]'") from e
         if not (det_model_dir and rec_model_dir):
-            raise ValueError("backend=paddleocr needs det_model_dir and rec_model_dir (local model dirs): "
-                             "PaddleOCR's default constructor downloads models, which fails offline")
+            raise ValueError(
+                "backend=paddleocr needs det_model_dir and rec_model_dir (local model dirs): "
+                "PaddleOCR's default constructor downloads models, which fails offline"
+            )
         return PaddleOCR(det_model_dir=det_model_dir, rec_model_dir=rec_model_dir, use_angle_cls=False, lang="en")
     raise ValueError(f"unknown OCR backend {backend!r}; use rapidocr (default) or paddleocr")
 
 
-def read_text(image: Any, backend: str = "rapidocr", det_model_dir: str | None = None,
-              rec_model_dir: str | None = None, det_limit_side_len: int = 256, use_cuda: bool | str = "auto",
-              intra_op_num_threads: int | None = None) -> str:
+def read_text(
+    image: Any,
+    backend: str = "rapidocr",
+    det_model_dir: str | None = None,
+    rec_model_dir: str | None = None,
+    det_limit_side_len: int = 256,
+    use_cuda: bool | str = "auto",
+    intra_op_num_threads: int | None = None,
+) -> str:
     engine = _engine(backend, det_model_dir, rec_model_dir, det_limit_side_len, use_cuda, intra_op_num_threads)
     arr = np.asarray(as_pil(image))
     if backend == "rapidocr":
@@ -149,16 +172,27 @@ def sample_frames(solution_image: Any, frame_interval: int = 1) -> list[np.ndarr
     return frames_of(solution_image, frame_interval)
 
 
-def compute_score(data_source: str, solution_image: Any, ground_truth: Any, extra_info: dict | None = None,
-                  backend: str = "rapidocr", substring_shortcut: bool = True, frame_interval: int = 1,
-                  det_model_dir: str | None = None, rec_model_dir: str | None = None,
-                  det_limit_side_len: int = 256, use_cuda: bool | str = "auto",
-                  intra_op_num_threads: int | None = None, **kwargs) -> dict:
+def compute_score(
+    data_source: str,
+    solution_image: Any,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    backend: str = "rapidocr",
+    substring_shortcut: bool = True,
+    frame_interval: int = 1,
+    det_model_dir: str | None = None,
+    rec_model_dir: str | None = None,
+    det_limit_side_len: int = 256,
+    use_cuda: bool | str = "auto",
+    intra_op_num_threads: int | None = None,
+    **kwargs,
+) -> dict:
     """OCR score of one image (or the mean over a video's sampled frames), with the recognised text."""
     texts, scores = [], []
     for frame in sample_frames(solution_image, frame_interval):
-        text = read_text(frame, backend, det_model_dir, rec_model_dir, det_limit_side_len, use_cuda,
-                         intra_op_num_threads)
+        text = read_text(
+            frame, backend, det_model_dir, rec_model_dir, det_limit_side_len, use_cuda, intra_op_num_threads
+        )
         texts.append(text)
         scores.append(ocr_similarity(text, ground_truth, substring_shortcut))
     return {"score": float(np.mean(scores)), "ocr_text": " | ".join(texts)}

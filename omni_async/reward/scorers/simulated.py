@@ -26,8 +26,9 @@ from omni_async.reward.scorers.gsm8k import compute_score_digits
 from omni_async.reward.scorers.jpeg import jpeg_kb
 
 
-def simulated_latency(solution: Any, min_latency_s: float, max_latency_s: float, latency_scale: float,
-                      seed: int) -> float:
+def simulated_latency(
+    solution: Any, min_latency_s: float, max_latency_s: float, latency_scale: float, seed: int
+) -> float:
     """Seconds to wait for this sample: ``U(min, max) * scale`` drawn from a generator seeded by (seed, sample)."""
     # The pixels in one canonical layout (HWC), so the tensor and the numpy form of a sample wait the same time.
     data = solution.encode() if isinstance(solution, str) else to_pixels(solution).tobytes()
@@ -46,10 +47,19 @@ def _service_slot(capacity: int) -> asyncio.Semaphore:
     return _slots[loop]
 
 
-async def compute_score(data_source: str, solution_image: Any = None, ground_truth: Any = None,
-                        extra_info: dict | None = None, min_latency_s: float = 1.0, max_latency_s: float = 40.0,
-                        latency_scale: float = 1.0 / 40.0, seed: int = 0, capacity: int = 0,
-                        solution_str: str | None = None, **kwargs) -> dict[str, float]:
+async def compute_score(
+    data_source: str,
+    solution_image: Any = None,
+    ground_truth: Any = None,
+    extra_info: dict | None = None,
+    min_latency_s: float = 1.0,
+    max_latency_s: float = 40.0,
+    latency_scale: float = 1.0 / 40.0,
+    seed: int = 0,
+    capacity: int = 0,
+    solution_str: str | None = None,
+    **kwargs,
+) -> dict[str, float]:
     """A rule score after a simulated scorer latency; latency and queueing kept in the extra info."""
     sample = solution_str if solution_image is None else solution_image
     latency = simulated_latency(sample, min_latency_s, max_latency_s, latency_scale, seed)

@@ -67,13 +67,15 @@ class TransformersJudge:
         n_tokens = int(pix["image_grid_thw"].prod()) // self.processor.merge_size**2
         text = self.tok.apply_chat_template(
             [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": self.instruction}]}],
-            tokenize=False, add_generation_prompt=True,
+            tokenize=False,
+            add_generation_prompt=True,
         ).replace("<|image_pad|>", "<|image_pad|>" * n_tokens)
         ids = self.tok(text, return_tensors="pt")
         with self.lock, torch.no_grad():
-            out = self.model.generate(**ids, **pix, max_new_tokens=self.max_new_tokens, do_sample=False,
-                                      pad_token_id=self.tok.pad_token_id)
-        return self.tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+            out = self.model.generate(
+                **ids, **pix, max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=self.tok.pad_token_id
+            )
+        return self.tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 _judges: dict[tuple, TransformersJudge] = {}
@@ -91,9 +93,19 @@ def transformers_judge(model_path: str, max_new_tokens: int, instruction: str) -
 class OpenAIJudge:
     """Asks an OpenAI-compatible chat-completions server to transcribe the image."""
 
-    def __init__(self, base_url: str | list[str], model: str = "judge", max_new_tokens: int = 32,
-                 temperature: float = 0.0, timeout_s: float = 60.0, max_retries: int = 3, backoff_s: float = 0.2,
-                 api_key: str | None = None, instruction: str = DEFAULT_INSTRUCTION, seed: int = 0):
+    def __init__(
+        self,
+        base_url: str | list[str],
+        model: str = "judge",
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        timeout_s: float = 60.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.2,
+        api_key: str | None = None,
+        instruction: str = DEFAULT_INSTRUCTION,
+        seed: int = 0,
+    ):
         self.urls = [u.rstrip("/") for u in ([base_url] if isinstance(base_url, str) else list(base_url))]
         self.model, self.max_new_tokens, self.temperature = model, int(max_new_tokens), float(temperature)
         self.timeout_s, self.instruction = float(timeout_s), instruction
@@ -103,28 +115,57 @@ class OpenAIJudge:
 
     async def transcribe(self, image: Image.Image) -> str:
         uri = "data:image/png;base64," + base64.b64encode(encode_image(image, "png")).decode()
-        body = {"model": self.model, "temperature": self.temperature, "max_tokens": self.max_new_tokens,
-                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
-                                                          {"type": "text", "text": self.instruction}]}]}
+        body = {
+            "model": self.model,
+            "temperature": self.temperature,
+            "max_tokens": self.max_new_tokens,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": uri}},
+                        {"type": "text", "text": self.instruction},
+                    ],
+                }
+            ],
+        }
         client = pooled_client("openai-judge", self.timeout_s)
-        response = await post_with_retries(client, self.urls, "/v1/chat/completions", self.stats, self.policy,
-                                           self.rng, json=body, headers=self.headers)
+        response = await post_with_retries(
+            client,
+            self.urls,
+            "/v1/chat/completions",
+            self.stats,
+            self.policy,
+            self.rng,
+            json=body,
+            headers=self.headers,
+        )
         try:
             return str(response.json()["choices"][0]["message"]["content"] or "")
         except (ValueError, KeyError, IndexError, TypeError):
-            raise RewardHTTPError(f"judge answered 200 without choices[0].message.content: "
-                                  f"{response.text[:160]!r}") from None
+            raise RewardHTTPError(
+                f"judge answered 200 without choices[0].message.content: {response.text[:160]!r}"
+            ) from None
 
 
 _openai: dict[str, OpenAIJudge] = {}
 
 
-async def compute_score(data_source: str, solution_image: Any, ground_truth: Any, extra_info: dict | None = None,
-                        backend: str = "transformers", judge_model_path: str | None = None,
-                        base_url: str | list[str] | None = None, frame_interval: int = 1,
-                        substring_shortcut: bool = True, max_new_tokens: int = 32,
-                        instruction: str = DEFAULT_INSTRUCTION, judge_urls: list[str] | None = None,
-                        **backend_kwargs: Any) -> dict[str, Any]:
+async def compute_score(
+    data_source: str,
+    solution_image: Any,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    backend: str = "transformers",
+    judge_model_path: str | None = None,
+    base_url: str | list[str] | None = None,
+    frame_interval: int = 1,
+    substring_shortcut: bool = True,
+    max_new_tokens: int = 32,
+    instruction: str = DEFAULT_INSTRUCTION,
+    judge_urls: list[str] | None = None,
+    **backend_kwargs: Any,
+) -> dict[str, Any]:
     """Score = mean over frames of ``ocr_similarity(judge transcription, ground_truth)``.
 
     ``judge_urls``: the run's vLLM judge servers (``reward.reward_model.rollout.name=vllm``), handed over by the
@@ -136,10 +177,13 @@ async def compute_score(data_source: str, solution_image: Any, ground_truth: Any
     frames = [as_pil(f) for f in sample_frames(solution_image, frame_interval)]
     if backend == "transformers":
         if not judge_model_path:
-            raise ValueError("vlm_judge backend=transformers needs the judge model: set "
-                             "reward.reward_model.model_path (a local dir, or tiny:qwen2_vl on CPU)")
+            raise ValueError(
+                "vlm_judge backend=transformers needs the judge model: set "
+                "reward.reward_model.model_path (a local dir, or tiny:qwen2_vl on CPU)"
+            )
         judge = await asyncio.get_running_loop().run_in_executor(
-            None, transformers_judge, judge_model_path, max_new_tokens, instruction)
+            None, transformers_judge, judge_model_path, max_new_tokens, instruction
+        )
         loop = asyncio.get_running_loop()
         texts = [await loop.run_in_executor(None, judge.transcribe, f) for f in frames]
     elif backend == "openai":
@@ -147,8 +191,9 @@ async def compute_score(data_source: str, solution_image: Any, ground_truth: Any
             raise ValueError("vlm_judge backend=openai needs base_url (the judge server, e.g. http://host:8000)")
         key = repr((base_url, max_new_tokens, instruction, sorted(backend_kwargs.items())))
         if key not in _openai:
-            _openai[key] = OpenAIJudge(base_url, max_new_tokens=max_new_tokens, instruction=instruction,
-                                       **backend_kwargs)
+            _openai[key] = OpenAIJudge(
+                base_url, max_new_tokens=max_new_tokens, instruction=instruction, **backend_kwargs
+            )
         texts = list(await asyncio.gather(*(_openai[key].transcribe(f) for f in frames)))
     else:
         raise ValueError(f"vlm_judge backend={backend!r}: use transformers or openai")

@@ -30,12 +30,10 @@ words (``RUN_TIME`` and ``MEASURED`` below; the full JSON in ``--work``/eval.jso
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
 import random
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -259,35 +257,18 @@ def evaluate(model_dir: str, sets: dict[str, list[str]], seeds: int, steps: int 
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="omni_async/models/weights/tiny_qwen_image_text_bimodal")
-    ap.add_argument("--work", default="/tmp/tiny_bimodal_renderer")
-    ap.add_argument("--vae-steps", type=int, default=400)
-    ap.add_argument("--vae-batch", type=int, default=16)
-    ap.add_argument("--dit-steps", type=int, default=1800)
-    ap.add_argument("--dit-batch", type=int, default=48)
-    ap.add_argument("--dit-lr", type=float, default=1e-3)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=16)
-    ap.add_argument("--variants", type=int, default=16, help="renders per training word, half of them illegible")
-    ap.add_argument("--eval-seeds", type=int, default=4, help="samples per word in the evaluation (a GRPO group)")
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="1 is ~7x faster than 2 on a shared 2-core box (OpenMP spin-waits under contention)",
+    ap = base.stage_parser(
+        __doc__.split("\n\n")[0],
+        "omni_async/models/weights/tiny_qwen_image_text_bimodal",
+        "/tmp/tiny_bimodal_renderer",
+        16,
+        "renders per training word, half of them illegible",
     )
+    ap.add_argument("--eval-seeds", type=int, default=4, help="samples per word in the evaluation (a GRPO group)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    logf = open(work / "log.txt", "a")
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        logf.write(msg + "\n")
-        logf.flush()
+    log = base.open_log(work)
 
     t_start = time.time()
     train_words, val_words = all_words()
@@ -298,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     if not (vae_dir / "config.json").exists():
         vae = train_vae(args.vae_steps, args.vae_batch, log)
         vae.save_pretrained(vae_dir)
-    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline
+    from diffusers import AutoencoderKLQwenImage
 
     vae = AutoencoderKLQwenImage.from_pretrained(vae_dir).eval()
     log(
@@ -318,18 +299,13 @@ def main(argv: list[str] | None = None) -> None:
         torch.save({"lat": base.encode_mean(vae, imgs), "widx": torch.tensor(widx)}, lat_file)
     d = torch.load(lat_file)
     raw, widx = d["lat"], d["widx"]
-    mean, std = raw.mean((0, 2, 3)), raw.std((0, 2, 3))
-    vae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
-    z = vae.config.z_dim
-    norm = (raw - mean.view(1, z, 1, 1)) / std.view(1, z, 1, 1)
-    h, w = norm.shape[-2:]
-    packed = QwenImagePipeline._pack_latents(norm, norm.shape[0], z, h, w).contiguous()
+    packed = base.normalised_packed_latents(vae, raw)
     t_vae = time.time() - t_start
     log(f"latents {tuple(raw.shape)} -> packed {tuple(packed.shape)}; {t_vae:.0f}s so far")
 
     # Stage 2: transformer -----------------------------------------------------------------------------------
     torch.manual_seed(SEED + 4)
-    transformer = base.new_transformer(z, 32, args.layers, args.heads, args.head_dim)
+    transformer = base.new_transformer(vae.config.z_dim, 32, args.layers, args.heads, args.head_dim)
     pipe = build_pipeline(vae, transformer)
     emb, mask = base.encode_prompts(pipe, train_words)
     log(f"prompt embeddings {tuple(emb.shape)}; transformer params {sum(p.numel() for p in transformer.parameters())}")
@@ -338,23 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     t_dit = time.time() - t_dit0
 
     out = Path(args.out)
-    if out.exists():
-        shutil.rmtree(out)
-    pipe.to(torch.float16).save_pretrained(out)  # fp16 on disk keeps the shipped files small
-    (out / "prompts.json").write_text(
-        json.dumps(
-            {
-                "template": base.prompt_of("{text}"),
-                "alphabet": ALPHABET,
-                "lengths": [2],
-                "height": HEIGHT,
-                "width": WIDTH,
-                "val": val_words,
-            },
-            indent=0,
-        )
-        + "\n"
-    )
+    base.save_renderer(pipe, out, [2], val_words)
     t_total = time.time() - t_start
     log(f"time: vae+latents {t_vae:.0f}s, transformer {t_dit:.0f}s, total {t_total:.0f}s")
 

@@ -330,10 +330,11 @@ def evaluate(model_dir: str, words: list[str], seeds: list[int], steps: int = 10
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="omni_async/models/weights/tiny_qwen_image_text")
-    ap.add_argument("--work", default="/tmp/tiny_text_renderer")
+def stage_parser(description: str, out: str, work: str, variants: int, variants_help: str) -> argparse.ArgumentParser:
+    """The flags both pre-training scripts share (stage sizes, transformer shape, threads)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--work", default=work)
     ap.add_argument("--vae-steps", type=int, default=400)
     ap.add_argument("--vae-batch", type=int, default=16)
     ap.add_argument("--dit-steps", type=int, default=1800)
@@ -342,18 +343,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=16)
-    ap.add_argument("--variants", type=int, default=3, help="jittered renders per training word")
-    ap.add_argument("--eval-words", type=int, default=48)
-    ap.add_argument("--eval-seeds", type=int, default=3)
+    ap.add_argument("--variants", type=int, default=variants, help=variants_help)
     ap.add_argument(
         "--threads",
         type=int,
         default=1,
         help="1 is ~7x faster than 2 on a shared 2-core box (OpenMP spin-waits under contention)",
     )
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    work = Path(args.work)
+    return ap
+
+
+def open_log(work: Path):
+    """``log(msg)``: print and append to ``work``/log.txt (a re-run resumes, so the file keeps every run)."""
     work.mkdir(parents=True, exist_ok=True)
     logf = open(work / "log.txt", "a")
 
@@ -361,6 +362,58 @@ def main(argv: list[str] | None = None) -> None:
         print(msg, flush=True)
         logf.write(msg + "\n")
         logf.flush()
+
+    return log
+
+
+def normalised_packed_latents(vae, raw: torch.Tensor) -> torch.Tensor:
+    """Write the per-channel mean / std of ``raw`` [N, z, h, w] into the VAE config (the pipeline un-normalises
+    with them) and return the normalised latents packed as the transformer sees them, [N, seq, 4z]."""
+    from diffusers import QwenImagePipeline
+
+    mean, std = raw.mean((0, 2, 3)), raw.std((0, 2, 3))
+    vae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
+    z = vae.config.z_dim
+    norm = (raw - mean.view(1, z, 1, 1)) / std.view(1, z, 1, 1)
+    h, w = norm.shape[-2:]
+    return QwenImagePipeline._pack_latents(norm, norm.shape[0], z, h, w).contiguous()
+
+
+def save_renderer(pipe, out: Path, lengths: list[int], val_words: list[str]) -> None:
+    """The pipeline in fp16 (small files; DiffusionPolicy loads float32) plus the prompts.json ``tiny.py`` reads."""
+    if out.exists():
+        shutil.rmtree(out)
+    pipe.to(torch.float16).save_pretrained(out)
+    (out / "prompts.json").write_text(
+        json.dumps(
+            {
+                "template": prompt_of("{text}"),
+                "alphabet": ALPHABET,
+                "lengths": lengths,
+                "height": HEIGHT,
+                "width": WIDTH,
+                "val": val_words,
+            },
+            indent=0,
+        )
+        + "\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = stage_parser(
+        __doc__.split("\n\n")[0],
+        "omni_async/models/weights/tiny_qwen_image_text",
+        "/tmp/tiny_text_renderer",
+        3,
+        "jittered renders per training word",
+    )
+    ap.add_argument("--eval-words", type=int, default=48)
+    ap.add_argument("--eval-seeds", type=int, default=3)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    work = Path(args.work)
+    log = open_log(work)
 
     t_start = time.time()
     train_words, val_words = all_words()
@@ -389,19 +442,15 @@ def main(argv: list[str] | None = None) -> None:
         torch.save({"lat": encode_mean(vae, imgs), "widx": torch.tensor(widx)}, lat_file)
     d = torch.load(lat_file)
     raw, widx = d["lat"], d["widx"]
-    mean, std = raw.mean((0, 2, 3)), raw.std((0, 2, 3))
-    vae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
-    z = vae.config.z_dim
-    norm = (raw - mean.view(1, z, 1, 1)) / std.view(1, z, 1, 1)
-    h, w = norm.shape[-2:]
-    from diffusers import QwenImagePipeline
-
-    packed = QwenImagePipeline._pack_latents(norm, norm.shape[0], z, h, w).contiguous()
-    log(f"latents {tuple(raw.shape)} -> packed {tuple(packed.shape)}; raw std per channel {std.numpy().round(3)}")
+    packed = normalised_packed_latents(vae, raw)
+    log(
+        f"latents {tuple(raw.shape)} -> packed {tuple(packed.shape)}; raw std per channel "
+        f"{raw.std((0, 2, 3)).numpy().round(3)}"
+    )
 
     # Stage 2 ------------------------------------------------------------------------------------------------
     torch.manual_seed(SEED + 4)
-    transformer = new_transformer(z, 32, args.layers, args.heads, args.head_dim)
+    transformer = new_transformer(vae.config.z_dim, 32, args.layers, args.heads, args.head_dim)
     pipe = build_pipeline(vae, transformer)
     emb, mask = encode_prompts(pipe, train_words)
     log(f"prompt embeddings {tuple(emb.shape)}; transformer params {sum(p.numel() for p in transformer.parameters())}")
@@ -409,25 +458,8 @@ def main(argv: list[str] | None = None) -> None:
     train_transformer(pipe, packed, widx, emb, mask, args.dit_steps, args.dit_batch, args.dit_lr, log)
     t_dit = time.time() - t_dit0
 
-    # Save (fp16 on disk keeps the shipped files small; DiffusionPolicy loads float32).
     out = Path(args.out)
-    if out.exists():
-        shutil.rmtree(out)
-    pipe.to(torch.float16).save_pretrained(out)
-    (out / "prompts.json").write_text(
-        json.dumps(
-            {
-                "template": prompt_of("{text}"),
-                "alphabet": ALPHABET,
-                "lengths": [2, 3],
-                "height": HEIGHT,
-                "width": WIDTH,
-                "val": val_words,
-            },
-            indent=0,
-        )
-        + "\n"
-    )
+    save_renderer(pipe, out, [2, 3], val_words)
     t_total = time.time() - t_start
     log(f"time: vae+latents {t_vae:.0f}s, transformer {t_dit:.0f}s, total {t_total:.0f}s")
 

@@ -40,9 +40,15 @@ puts ``--rollout-devices`` inference-only rollout workers on a rollout pool and 
 theirs (weights over a gloo group, ``checkpoint_engine.backend=nccl``); ``--pin-cores`` pins each rollout worker and
 trainer rank (all its threads) to a core of its own, so on a CPU box the two pools really run side by side.
 Per mode the JSON also has ``samples_per_s``, each pool's busy fraction over the measured window (rollout: the
-union of the samples' generation intervals; trainer: old-log-prob + update + weight sync) and
-``own_bound_s`` = max(``timing_s/gen``, ``timing_s/update_actor`` + ``timing_s/update_weights``) of the mode itself
-(issue 29's bound for one-step-off on the disaggregated layout). ``--long-tail-alpha`` gives text responses
+union of the device batches of every sample of the run, warm-up and tail steps included since a look-ahead mode
+generates the next step's batch during the measured ones, clipped to the window; trainer: old-log-prob + update +
+weight sync) and ``own_bound_s`` = max(rollout busy, trainer busy) per measured step of the mode itself (issue 29's
+bound max(generation, update + weight sync) with each side costed as it ran in this mode, contention included: mean
+step / own bound is how far the schedule is from keeping the busier pool busy). ``rollout_idle``: the rollout pool's
+idle gaps in the window, split by the trainer phase that ran meanwhile and by whether a request was waiting at a
+worker; ``cpu_s_per_step``: CPU seconds per measured step of the driver, the rollout workers, the trainer ranks, the
+reward workers, Ray's other processes and everything else on the box (the box is shared); ``rollout_batch_sizes``:
+how many device batches of each size the rollout workers ran. ``--long-tail-alpha`` gives text responses
 heavy-tailed lengths (``actor_rollout_ref.rollout.response_length_pareto_alpha``).
 
 For one-step off-policy, one step's "rollout + reward tail" is not a bound here: the look-ahead collection starts
@@ -177,13 +183,106 @@ def pin_cores(trainer) -> dict[str, int]:
     }
 
 
+def ray_stats(handle) -> dict:
+    import ray
+
+    return ray.get(handle.stats.remote())
+
+
+def process_roles(trainer) -> dict[str, set[int]]:
+    """The pids of the run's processes by role (for :func:`cpu_by_role`); the hybrid layout's trainer ranks are its
+    rollout workers too."""
+    import ray
+
+    def pids(handles) -> set[int]:
+        return set(ray.get([h.__ray_call__.remote(lambda self: os.getpid()) for h in handles]))
+
+    p = trainer.placement
+    roles = {"driver (agent loop, trainer loop)": {os.getpid()}}
+    if p.hybrid:
+        roles["trainer ranks (also rollout)"] = pids(p.actor_wg.workers)
+    else:
+        roles["rollout workers"] = pids(p.rollout_workers)
+        roles["trainer ranks"] = pids(p.actor_wg.workers)
+    if getattr(trainer.reward, "workers", None):
+        roles["reward workers"] = pids(trainer.reward.workers)
+    return roles
+
+
 def union_length(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
+    return sum(b - a for a, b in merged(intervals))
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``intervals`` as disjoint sorted intervals."""
+    out: list[list[float]] = []
     for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def rollout_idle(samples: list, spans: list[tuple[str, float, float]], window: tuple[float, float], steps: int) -> dict:
+    """Where the rollout pool idled during the measured window (no device batch on any rollout worker), from the
+    samples' timestamps: each idle gap's seconds split by what the trainer was doing meanwhile (its timer phases;
+    ``between phases`` = the driver between two of them, e.g. from one step to the next) and by whether a request
+    was waiting at a worker (sent, its batch not yet started: the worker's batcher or event loop) or none was out
+    (the driver had not sent the next one: back-pressure or the step's schedule)."""
+    lo, hi = window
+    busy = [(max(a, lo), min(b, hi)) for a, b in merged([(s.times.gen_start, s.times.gen_end) for s in samples])]
+    busy = [(a, b) for a, b in busy if b > a]
+    edges = [lo] + [x for ab in busy for x in ab] + [hi]
+    gaps = [(a, b) for a, b in zip(edges[::2], edges[1::2], strict=True) if b > a]
+    by_phase: dict[str, float] = {}
+    waiting = 0.0
+    for g0, g1 in gaps:
+        covered = 0.0
+        for name, a, b in spans:
+            overlap = min(b, g1) - max(a, g0)
+            if overlap > 0:
+                by_phase[name] = by_phase.get(name, 0.0) + overlap
+                covered += overlap
+        by_phase["between phases"] = by_phase.get("between phases", 0.0) + max(0.0, (g1 - g0) - covered)
+        if any(s.times.requested is not None and s.times.requested <= g0 and s.times.gen_start >= g1 for s in samples):
+            waiting += g1 - g0
+    total = sum(b - a for a, b in gaps)
+    return {
+        "idle_s": total,
+        "idle_s_per_step": total / max(steps, 1),
+        "gaps": len(gaps),
+        "by_trainer_phase_s": dict(sorted(by_phase.items(), key=lambda kv: -kv[1])),
+        "request_waiting_at_a_worker_s": waiting,
+        "no_request_out_s": total - waiting,
+    }
+
+
+def cpu_snapshot() -> dict[int, tuple[bool, float]]:
+    """CPU seconds (user + system) of every process on the box, and whether it belongs to this run (the driver's
+    descendants: the Ray session it started, its workers and daemons)."""
+    import psutil
+
+    ours = {p.pid for p in psutil.Process().children(recursive=True)}
+    out = {}
+    for p in psutil.process_iter(["pid", "cpu_times"]):
+        times = p.info["cpu_times"]
+        if times is not None:
+            out[p.info["pid"]] = (p.info["pid"] in ours, times.user + times.system)
+    return out
+
+
+def cpu_by_role(before: dict, after: dict, roles: dict[str, set[int]]) -> dict[str, float]:
+    """CPU seconds spent between two :func:`cpu_snapshot` s, per role: the given pids' roles, ``ray (other)`` for
+    the run's other processes (Ray's daemons, other workers), ``rest of the box`` for everything else."""
+    out: dict[str, float] = {}
+    for pid, (ours, t1) in after.items():
+        used = t1 - before.get(pid, (ours, 0.0))[1]
+        role = next((r for r, pids in roles.items() if pid in pids), None)
+        if role is None:
+            role = "ray (other)" if ours else "rest of the box"
+        out[role] = out.get(role, 0.0) + max(0.0, used)
+    return out
 
 
 def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -> dict:
@@ -198,20 +297,30 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
     )
     trainer = FlowGRPOTrainer(cfg)
     pinned = pin_cores(trainer) if args.pin_cores else {}
+    roles = process_roles(trainer)
     trainer.ops.sync_weights(0)
     steps, step1 = [], {}
-    gen_intervals: list[tuple[float, float]] = []
+    # Every sample of the run (warm-up and tail steps included: a look-ahead mode generates the next step's batch
+    # during the measured ones) and every trainer phase, for the pools' busy time and the rollout's idle gaps.
+    all_samples: list = []
+    spans: list[tuple[str, float, float]] = []
     window = [float("inf"), 0.0]
+    cpu: list[dict] = []
     try:
         for step in range(args.warmup + args.steps + TAIL_STEPS):
             t_start = time.time()
+            if step == args.warmup:
+                cpu.append(cpu_snapshot())
             metrics, samples = trainer.train_step(step)
+            all_samples += samples
+            spans += [(p["phase"], p["start"], p["end"]) for p in trainer.last_timeline["trainer"]]
             if step == 0:
                 step1 = {k: metrics.get(k) for k in STEP1_KEYS}
             if not args.warmup <= step < args.warmup + args.steps:
                 continue
             window = [min(window[0], t_start), time.time()]
-            gen_intervals += [(s.times.gen_start, s.times.gen_end) for s in samples]
+            if step == args.warmup + args.steps - 1:
+                cpu.append(cpu_snapshot())
             t0 = trainer.last_timeline["t0"]
             ready = [s.times.gen_end - t0 for s in samples]
             latency = [s.outcome.extra["simulated_latency_s"] for s in samples]
@@ -225,6 +334,7 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
             }
             steps.append({"metrics": metrics, "parts": parts, "samples": len(samples)})
             print(f"  {name:20s} step {step + 1}: {metrics['timing_s/step']:.2f}s", flush=True)
+        batch_sizes = [ray_stats(h)["batch_sizes"] for h in trainer.placement.rollout_workers]
     finally:
         if hasattr(trainer.source, "stop"):  # fully async: the rollouter's tasks end before the loop
             trainer.source.stop()
@@ -254,7 +364,11 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
     ]
     step_s = [s["metrics"]["timing_s/step"] for s in steps]
     wall = max(window[1] - window[0], 1e-9)
-    clipped = [(max(a, window[0]), min(b, window[1])) for a, b in gen_intervals if b > window[0] and a < window[1]]
+    gen = [(s.times.gen_start, s.times.gen_end) for s in all_samples]
+    clipped = [(max(a, window[0]), min(b, window[1])) for a, b in gen if b > window[0] and a < window[1]]
+    rollout_busy = union_length(clipped)
+    n_steps = len(steps)
+    cpu_s = cpu_by_role(cpu[0], cpu[1], roles) if len(cpu) == 2 else {}
     trainer_busy = sum(
         s["metrics"].get(k, 0.0)
         for s in steps
@@ -267,17 +381,19 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
         "wall_s": wall,
         "samples": sum(s["samples"] for s in steps),
         "trainer_busy_s": trainer_busy,
-        "rollout_busy_s": union_length(clipped),
+        "rollout_busy_s": rollout_busy,
         "latency_mean_s": statistics.fmean(s["parts"]["latency_mean_s"] for s in steps),
         "samples_per_s": sum(s["samples"] for s in steps) / wall,
-        "busy_fraction": {"rollout": union_length(clipped) / wall, "trainer": trainer_busy / wall},
-        "own_bound_s": statistics.fmean(
-            max(
-                s["metrics"]["timing_s/gen"],
-                s["metrics"].get("timing_s/update_actor", 0.0) + s["metrics"].get("timing_s/update_weights", 0.0),
-            )
-            for s in steps
-        ),
+        "busy_fraction": {"rollout": rollout_busy / wall, "trainer": trainer_busy / wall},
+        # Issue 29's bound max(generation, update + weight sync) from this mode's own run, per step: the rollout
+        # pool's busy time (its device batches) and the trainer's (update + sync), so mean step / own bound is how
+        # far the schedule is from keeping the busier pool busy, whatever the contention made each side cost.
+        "own_bound_s": max(rollout_busy, trainer_busy) / max(n_steps, 1),
+        "rollout_idle": rollout_idle(all_samples, spans, (window[0], window[1]), n_steps),
+        "cpu_s_per_step": {k: v / max(n_steps, 1) for k, v in sorted(cpu_s.items(), key=lambda kv: -kv[1])},
+        "rollout_batch_sizes": {
+            str(k): sum(b.count(k) for b in batch_sizes) for k in sorted({x for b in batch_sizes for x in b})
+        },
         "step_s": step_s,
         "median_step_s": statistics.median(step_s),
         "mean_step_s": statistics.fmean(step_s),
@@ -571,7 +687,8 @@ def print_table(lay: str, report: dict) -> None:
     print(f"\nlayout {lay} ({report['devices']})")
     print(
         f"{'mode':22s} {'median step s':>13s} {'x sync':>7s} {'mean step s':>11s} {'bound s':>8s} {'hidden':>7s} "
-        f"{'overhead ms':>11s} {'step-1 ratio':>12s} {'clipfrac_lower':>14s}"
+        f"{'overhead ms':>11s} {'step-1 ratio':>12s} {'clipfrac_lower':>14s} {'own bound':>9s} {'rollout busy':>12s} "
+        f"{'idle s/step':>11s}"
     )
     for name, r in results.items():
         ovh = r["timing"].get("timing_s/stream_overhead/median")
@@ -579,7 +696,8 @@ def print_table(lay: str, report: dict) -> None:
             f"{name:22s} {r['median_step_s']:13.2f} {r['ratio_to_sync']:7.2f} {r['mean_step_s']:11.2f} "
             f"{r['bound_s']:8.2f} {hidden.get(name, float('nan')):7.2f} "
             f"{'' if ovh is None else f'{ovh * 1000:.2f}':>11s} {_fmt(r['step1'], STEP1_KEYS[0]):>12s} "
-            f"{_fmt(r['step1'], STEP1_KEYS[1]):>14s}"
+            f"{_fmt(r['step1'], STEP1_KEYS[1]):>14s} {r['own_bound_s']:9.2f} {r['busy_fraction']['rollout']:12.2f} "
+            f"{r['rollout_idle']['idle_s_per_step']:11.2f}"
         )
 
 

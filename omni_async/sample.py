@@ -104,6 +104,7 @@ class RewardOutcome:
 class SampleTimes:
     """Wall-clock timestamps (``time.time()``) of one sample's life, and two streaming costs in seconds."""
 
+    requested: float | None = None  # its generation request left for a rollout worker (the last one, if regenerated)
     gen_start: float | None = None  # its batch started on the rollout device
     gen_end: float | None = None  # its image / response exists
     queued: float | None = None  # it took a place in the reward queue

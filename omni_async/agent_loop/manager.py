@@ -250,6 +250,7 @@ class AgentLoopManager:
         while True:
             w = await self._live_worker(w)
             try:
+                s.times.requested = time.time()
                 return await self.workers[w].generate.remote(s.row.prompt, s.seed, s.window, **kwargs)
             except (RayActorError, ActorUnavailableError):
                 # The worker died with this request in flight: generate it again elsewhere (same seed, same

@@ -1,8 +1,8 @@
 """Per-step timelines: what overlapped with what.
 
 Every logged step writes ``{run_dir}/timeline/step_XXXX.json`` (per-sample timestamps and the trainer's phase
-spans, wall clock) and draws ``step_XXXX.png`` from it: one lane per sample (generate, queued, scoring) and the
-trainer's phases beneath. ``python -m omni_async.tools.timeline RUN_DIR --step K`` re-draws a saved step.
+spans, wall clock) and draws ``step_XXXX.png`` from it: one lane per sample (waiting for the device, generate, queued,
+scoring) and the trainer's phases beneath. ``python -m omni_async.tools.timeline RUN_DIR --step K`` re-draws a saved step.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 SAMPLE_PHASES = (
+    ("waiting for the device", "requested", "gen_start", "tab:purple"),
     ("generate", "gen_start", "gen_end", "tab:blue"),
     ("queued", "queued", "sent", "tab:orange"),
     ("scoring", "sent", "scored", "tab:green"),

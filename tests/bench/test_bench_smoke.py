@@ -64,4 +64,9 @@ def check_layout(report: dict) -> None:
         # One mini-batch per step: step 1 scores the rollout's samples before any optimizer step with the rollout's
         # log-probs as pi_old (bypass mode), so its ratio is 1 and nothing is clipped below.
         assert abs(mode["step1"]["actor/ratio_mean"] - 1.0) <= 1e-5 and mode["step1"]["actor/pg_clipfrac_lower"] == 0.0
+        # Where the rollout pool idled: its idle gaps and its busy time make up the measured window; the run's own
+        # processes are accounted for by role.
+        assert mode["rollout_idle"]["idle_s"] + mode["rollout_busy_s"] == pytest.approx(mode["wall_s"])
+        assert 0 < mode["own_bound_s"] and sum(mode["rollout_batch_sizes"].values()) > 0
+        assert mode["cpu_s_per_step"]["driver (agent loop, trainer loop)"] > 0
     assert set(report["hidden_fraction"]) == {"stream+one_step_off"}

@@ -45,8 +45,9 @@ class RolloutWorkersLostError(RuntimeError):
 class Collection:
     """One step's samples in flight. ``iter_groups`` yields each ``uid`` group once all its members are done."""
 
-    def __init__(self, samples: list[Sample], sampling: dict | None = None):
+    def __init__(self, samples: list[Sample], sampling: dict | None = None, version: int | None = None):
         self.samples, self.sampling = samples, sampling
+        self.version = version  # the weights version its samples are for (None: the newest a worker has)
         self.done: Future = Future()
         self.all_generated: Future = Future()  # set once every sample's image / response exists
         self.groups: queue.Queue[list[Sample] | None] = queue.Queue()
@@ -147,11 +148,13 @@ class AgentLoopManager:
         await self._run(collection)
         return samples
 
-    def start(self, samples: list[Sample], *, sampling: dict | None = None) -> Collection:
+    def start(self, samples: list[Sample], *, sampling: dict | None = None, version: int | None = None) -> Collection:
         """Begin generating (and, when streaming, scoring) ``samples``, each with its own SDE window
         (``Sample.window``); returns at once. ``sampling``: settings that differ from the policy's own (validation's
-        ``rollout.val_kwargs``), passed to every request."""
-        collection = Collection(samples, sampling)
+        ``rollout.val_kwargs``), passed to every request. ``version``: the weights version the samples are for (a
+        lock-step step's: the rollout worker generates them with it although a newer set may arrive meanwhile;
+        ``RolloutReplica.generate``); None: the newest weights a worker has."""
+        collection = Collection(samples, sampling, version)
         fut = asyncio.run_coroutine_threadsafe(self._run(collection), self.loop)
 
         def finish(f):
@@ -180,7 +183,7 @@ class AgentLoopManager:
                 collection.all_generated.set_result(None)
 
         async def one(s: Sample) -> None:
-            await self._sample(s, generated, collection.sampling)
+            await self._sample(s, generated, collection.sampling, collection.version)
             remaining[s.uid] -= 1
             if remaining[s.uid] == 0:
                 group = members[s.uid]
@@ -192,11 +195,11 @@ class AgentLoopManager:
 
         await asyncio.gather(*(one(s) for s in collection.samples))
 
-    async def _sample(self, s: Sample, on_generated, sampling: dict | None = None) -> None:
+    async def _sample(self, s: Sample, on_generated, sampling: dict | None = None, version: int | None = None) -> None:
         if self._generating is not None:
             await self._generating.acquire()
         try:
-            gen = await self._generate(s, sampling)
+            gen = await self._generate(s, sampling, version)
             s.result, s.version = gen.result, gen.version
             s.times.gen_start, s.times.gen_end = gen.gen_start, gen.gen_end
             on_generated()
@@ -228,8 +231,10 @@ class AgentLoopManager:
                     )
                 await self._revived.wait()
 
-    async def _generate(self, s: Sample, sampling: dict | None = None) -> Generation:
+    async def _generate(self, s: Sample, sampling: dict | None = None, version: int | None = None) -> Generation:
         kwargs = {"sampling": sampling} if sampling else {}  # training requests use the policy's own settings
+        if version is not None:
+            kwargs["version"] = version
         self._request_out(+1)
         try:
             return await self._generate_on_a_worker(s, kwargs)
@@ -260,6 +265,19 @@ class AgentLoopManager:
                     self.down[w] = True if self.restartable else "lost"
                     if self.restartable:
                         asyncio.ensure_future(self._revive(w))
+
+    def worker_died(self, handle: Any) -> None:
+        """Any thread: ``handle``'s process died outside a generation request (e.g. during a weight sync). It is taken
+        out of the rotation and revived like a worker that died with requests in flight (restart, newest weights);
+        its requests then fail and are generated again elsewhere, or wait for it. Does not block."""
+
+        def mark() -> None:
+            w = next((i for i, h in enumerate(self.workers) if h == handle), None)
+            if w is not None and not self.down[w] and self.restartable:
+                self.down[w] = True
+                asyncio.ensure_future(self._revive(w))
+
+        self.loop.call_soon_threadsafe(mark)
 
     async def _revive(self, w: int) -> None:
         """Wait for Ray to restart worker ``w``, give it the current weights, put it back in the rotation."""

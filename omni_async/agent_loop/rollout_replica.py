@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni_async.agent_loop.weight_sync import WeightGroup, meta_bytes, tensor_meta
+from omni_async.agent_loop.weight_staging import WeightSlots
+from omni_async.agent_loop.weight_sync import WeightGroup, fits_one_bucket, meta_bytes, tensor_meta, write_buckets
 from omni_async.sample import Result
 
 SEED_SAMPLE, SEED_WINDOW, SEED_VALIDATION = 0, 1, 2  # independent random streams
@@ -60,6 +61,7 @@ class _Request:
     window: tuple[int, int] | None
     future: asyncio.Future
     sampling: tuple | None = None  # sorted (field, value) pairs overriding the policy's sampling settings
+    version: int | None = None  # the weights version it is for (None: the newest the worker has)
 
     @property
     def settings(self) -> tuple:
@@ -77,6 +79,13 @@ class GenerationBatcher:
     after it has not (read on the event loop, a load queued between the two could run first unseen).
     A request with ``sampling`` (e.g. validation's settings) is batched only with requests of equal settings and
     runs as ``generate(prompts, seeds, windows, sampling=sampling)``.
+
+    With ``slots`` (a rollout worker that stages weight syncs, ``agent_loop.weight_staging``) a request may name the
+    weights ``version`` it is for. Requests the active weights serve (``version`` at most the active one: a request
+    regenerated after its worker moved on runs on the newer weights and reports them) go first; a request for a newer
+    version waits until that version is staged, and its batch writes the staged set into the model on the device
+    thread first. ``version=None`` means the newest weights the worker has. So the requests of an older version queued
+    at the worker finish on their weights although the next version arrived meanwhile.
     """
 
     def __init__(
@@ -86,39 +95,86 @@ class GenerationBatcher:
         device: ThreadPoolExecutor,
         max_batch_size: int,
         max_wait_ms: float,
+        slots: WeightSlots | None = None,
     ):
-        self.generate, self.version, self.device = generate, version, device
+        self.generate, self.version, self.device, self.slots = generate, version, device, slots
         self.max_batch_size, self.max_wait_s = int(max_batch_size), float(max_wait_ms) / 1000.0
         self._pending: list[_Request] = []
         self._worker: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop requests arrive on
+        self._wake: asyncio.Event | None = None  # set on a new request or a weights change (staged / applied)
         self.batch_sizes: list[int] = []
+        if slots is not None:
+            slots.on_change(self._weights_changed)
+
+    def _weights_changed(self) -> None:
+        """Any thread: a set was staged or applied; a drain waiting for weights looks again."""
+        loop, wake = self._loop, self._wake
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(wake.set)
 
     async def submit(
-        self, prompt: str, seed: int, window: tuple[int, int] | None, *, sampling: dict[str, Any] | None = None
+        self,
+        prompt: str,
+        seed: int,
+        window: tuple[int, int] | None,
+        *,
+        sampling: dict[str, Any] | None = None,
+        version: int | None = None,
     ) -> Generation:
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._loop, self._wake = loop, asyncio.Event()
+        fut = loop.create_future()
         window = (int(window[0]), int(window[1])) if window is not None else None
         settings = tuple(sorted(sampling.items())) if sampling else None
-        self._pending.append(_Request(prompt, int(seed), window, fut, settings))
+        self._pending.append(_Request(prompt, int(seed), window, fut, settings, version))
+        self._wake.set()
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
         return await fut
+
+    def _needs_staged(self, r: _Request) -> bool:
+        """Whether ``r`` runs on the staged set rather than the active weights."""
+        if self.slots is None:
+            return False
+        if r.version is None:
+            return self.slots.has_staged()
+        return r.version > self.slots.active
+
+    def _next_batch(self) -> tuple[list[_Request], bool]:
+        """The next device batch and whether it runs on the staged set: requests the active weights serve first; then
+        those whose version is staged; none while every request waits for weights not here yet."""
+        on_active = [r for r in self._pending if not self._needs_staged(r)]
+        candidates, swap = on_active, False
+        if not on_active:
+            newest = self.slots.newest()
+            candidates = [r for r in self._pending if r.version is None or r.version <= newest]
+            swap = True
+        if not candidates:
+            return [], False
+        settings = candidates[0].settings
+        return [r for r in candidates if r.settings == settings][: self.max_batch_size], swap
 
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
         while self._pending:
             if len(self._pending) < self.max_batch_size:
                 await asyncio.sleep(self.max_wait_s)  # let concurrent requests join the batch
-            settings = self._pending[0].settings
-            sampling = settings[1]
-            batch = [r for r in self._pending if r.settings == settings][: self.max_batch_size]
-            self._pending = [r for r in self._pending if r not in batch]
+            self._wake.clear()
+            batch, swap = self._next_batch()
+            if not batch:  # every request is for weights that have not arrived: wait for them (or a new request)
+                await self._wake.wait()
+                continue
+            taken = {id(r) for r in batch}
+            self._pending = [r for r in self._pending if id(r) not in taken]
+            sampling = batch[0].sampling
             args = ([r.prompt for r in batch], [r.seed for r in batch])
             if batch[0].window is not None:
                 args += ([range(*r.window) for r in batch],)
             call = partial(self.generate, sampling=dict(sampling)) if sampling else self.generate
             try:
-                version, t0, results = await loop.run_in_executor(self.device, self._run, call, args)
+                version, t0, results = await loop.run_in_executor(self.device, self._run, call, args, swap)
             except Exception as e:  # a failed batch fails its requests, not the worker
                 for r in batch:
                     r.future.set_exception(e)
@@ -128,14 +184,23 @@ class GenerationBatcher:
             for r, result in zip(batch, results, strict=True):
                 r.future.set_result(Generation(result, version, t0, t1))
 
-    def _run(self, call: Callable[..., list[Result]], args: tuple) -> tuple[int, float, list[Result]]:
-        """On the device thread: the weights version and start time of this batch, and its results."""
+    def _run(self, call: Callable[..., list[Result]], args: tuple, swap: bool) -> tuple[int, float, list[Result]]:
+        """On the device thread: the staged weights written first when the batch is for them, then the weights
+        version and start time of this batch, and its results."""
+        if swap:
+            self.slots.apply()
         version, t0 = self.version(), time.time()
         return version, t0, call(*args)
 
 
 class RolloutReplica:
-    """An inference-only copy of the policy (split and disaggregated layouts); Ray restarts it if its process dies."""
+    """An inference-only copy of the policy (split and disaggregated layouts); Ray restarts it if its process dies.
+
+    A weight sync is staged when it can be (``agent_loop.weight_staging``): :meth:`set_weights` keeps the object
+    store's state dict, :meth:`receive_weights` receives a one-bucket set on a thread of its own while the device
+    generates; the set is written into the model on the device thread between two batches. With ``activate`` (the
+    default) the call returns once that happened; without, it returns once the set is here and the first batch that
+    asks for it writes it (requests name their version: ``GenerationBatcher``)."""
 
     def __init__(
         self,
@@ -156,13 +221,20 @@ class RolloutReplica:
         self.policy = get_modality(modality).build_policy(model, sampling, self.device, rollout_server, dtype=dtype)
         if hasattr(self.policy, "freeze_for_inference"):  # a vLLM client holds no weights in this process
             self.policy.freeze_for_inference(dtype)
-        self.version = 0
+        self.slots = WeightSlots()
         self.group: WeightGroup | None = None  # the cross-pool weight group (checkpoint_engine.backend=nccl)
-        self.torn = False  # a weight transfer failed half-way: no generation until a complete set arrived
+        self.torn = False  # an in-place weight transfer failed half-way: no generation until a complete set arrived
         self.device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-device")
+        # Staged receives run here, beside the device thread (a broadcast must not wait for the batch on the device).
+        self.receive_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-weights")
         self.batcher = GenerationBatcher(
-            self._generate, lambda: self.version, self.device_thread, max_batch_size, max_wait_ms
+            self._generate, lambda: self.slots.active, self.device_thread, max_batch_size, max_wait_ms, self.slots
         )
+
+    @property
+    def version(self) -> int:
+        """The weights version the model holds now."""
+        return self.slots.active
 
     def _generate(self, *args, **kwargs):
         if self.torn:
@@ -172,24 +244,24 @@ class RolloutReplica:
             )
         return self.policy.generate(*args, **kwargs)
 
-    async def set_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
-        """Load the trainer's updated weights; later samples report ``version``.
+    async def _activate(self) -> int:
+        """Write the staged set on the device thread, after the batch on the device now (if any)."""
+        return await asyncio.get_running_loop().run_in_executor(self.device_thread, self.slots.apply)
 
-        The load runs on the device thread, in call order with the generation batches: after the batch on the
-        device now, before any batch that starts later, so no batch runs on half-loaded weights (an adapter torn
-        between two of its forwards)."""
+    async def set_weights(self, state: dict[str, torch.Tensor], version: int, activate: bool = True) -> int:
+        """The trainer's updated weights (from the object store); later samples report ``version``.
 
-        def load() -> int:
-            self.policy.load_weights_state_dict(state)
-            self.version = int(version)
-            return self.version
-
-        return await asyncio.get_running_loop().run_in_executor(self.device_thread, load)
+        The state dict is staged and loaded on the device thread between two generation batches, so no batch runs on
+        half-loaded weights (an adapter torn between two of its forwards): with ``activate`` before this returns
+        (after the batch on the device now), else before the first batch that asks for ``version`` or newer."""
+        self.slots.stage(version, lambda: self.policy.load_weights_state_dict(state))
+        return await self._activate() if activate else int(version)
 
     def stats(self) -> dict[str, Any]:
         return {
             "batch_sizes": list(self.batcher.batch_sizes),
             "version": self.version,
+            "newest_version": self.slots.newest(),
             "pid": os.getpid(),
             "requires_grad": sum(p.requires_grad for p in self._parameters()),
         }
@@ -210,27 +282,46 @@ class RolloutReplica:
         self.group = None
         self.group = await loop.run_in_executor(None, WeightGroup, address, port, rank, world, self.device)
 
-    async def receive_weights(self, version: int, meta: list, bucket_bytes: int) -> int:
-        """Receive a complete weight set from trainer rank 0, written in place on the device thread (no batch
-        generates meanwhile); later samples report ``version``. Returns the bytes received."""
+    async def receive_weights(self, version: int, meta: list, bucket_bytes: int, activate: bool = True) -> int:
+        """Receive a complete weight set from trainer rank 0; later samples report ``version``. Returns the bytes.
+
+        A set of one bucket (``weight_sync.fits_one_bucket``: a LoRA adapter) is received while the device goes on
+        generating and staged (``activate`` as in :meth:`set_weights`); a larger one is written in place on the
+        device thread, between two batches, and is active when this returns."""
         if self.group is None:
             raise RuntimeError("receive_weights before join_weight_group")
+        group, loop = self.group, asyncio.get_running_loop()
+        if fits_one_bucket(meta, bucket_bytes):
+            received = await loop.run_in_executor(self.receive_thread, group.receive_buckets, meta, bucket_bytes)
+            got = sum(flat.numel() * flat.element_size() for _, flat in received)
+            if got == meta_bytes(meta):
+                self.slots.stage(version, lambda: write_buckets(self.policy.weights_views(), received))
+                if activate:
+                    await self._activate()
+        else:
 
-        def receive() -> int:
-            self.torn = True
-            got = self.group.receive(self.policy.weights_views(), meta, bucket_bytes)
-            self.torn = False
-            self.version = int(version)
-            return got
+            def receive() -> int:
+                self.torn = True
+                n = group.receive(self.policy.weights_views(), meta, bucket_bytes)
+                self.torn = False
+                self.slots.set_active(version)
+                return n
 
-        got = await asyncio.get_running_loop().run_in_executor(self.device_thread, receive)
+            got = await loop.run_in_executor(self.device_thread, receive)
         if got != meta_bytes(meta):
             raise RuntimeError(f"received {got} of {meta_bytes(meta)} weight bytes")
         return got
 
     async def generate(
-        self, prompt: str, seed: int, window: tuple[int, int] | None, *, sampling: dict[str, Any] | None = None
+        self,
+        prompt: str,
+        seed: int,
+        window: tuple[int, int] | None,
+        *,
+        sampling: dict[str, Any] | None = None,
+        version: int | None = None,
     ) -> Generation:
         """One sample (image + SDE-window latents and log-probs, or response tokens + log-probs); ``sampling``
-        overrides the policy's sampling settings for this request (validation: ``rollout.val_kwargs``)."""
-        return await self.batcher.submit(prompt, seed, window, sampling=sampling)
+        overrides the policy's sampling settings for this request (validation: ``rollout.val_kwargs``); ``version``:
+        the weights version it is for (``GenerationBatcher``; None: the newest this worker has)."""
+        return await self.batcher.submit(prompt, seed, window, sampling=sampling, version=version)

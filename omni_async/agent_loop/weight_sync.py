@@ -11,10 +11,13 @@ weights: the LoRA adapter, or the whole transformer / LM for a full fine-tune), 
 (``model_dtype`` for a full fine-tune: bf16 on CUDA), packed into flat buckets of at most
 ``update_weights_bucket_megabytes`` (:func:`plan_buckets`; a tensor larger than a bucket is split across several),
 one broadcast per bucket. Sender and receivers derive the same plan from the same metadata, so only tensor bytes
-travel. Memory on either side is one bucket plus the weights themselves: the sender reads its parameters in place
-and a receiver copies each bucket straight into its parameters. The receiver runs this on its device thread, so no
-generation batch runs while the weights are half written (and a failed transfer leaves the worker refusing to
-generate until a complete set arrives).
+travel. Memory on either side is one bucket plus the weights themselves: the sender reads its parameters in place.
+A receiver whose whole set fits one bucket (a LoRA adapter; :func:`fits_one_bucket`) receives it on a thread of its
+own while it goes on generating and keeps the bucket as a staged set, written into its parameters between two device
+batches (:func:`write_buckets`, ``agent_loop.weight_staging``); a larger set (a full fine-tune) is copied bucket by
+bucket straight into the parameters on the device thread, so generation pauses for the transfer. Either way no
+generation batch runs while the weights are half written (and a failed in-place transfer leaves the worker refusing
+to generate until a complete set arrives; a failed staged one leaves its weights as they were).
 """
 
 from __future__ import annotations
@@ -122,8 +125,9 @@ class WeightGroup:
         opts.rootRank = 0
         self.pg.broadcast([flat], opts).wait()
 
-    def send(self, tensors: dict[str, torch.Tensor], meta: Meta, bucket_bytes: int) -> int:
-        """Rank 0: every tensor of ``meta`` from ``tensors`` (read in place), cast to the metadata's dtype."""
+    def send(self, tensors: dict[str, torch.Tensor], meta: Meta, bucket_bytes: int, keep: list | None = None) -> int:
+        """Rank 0: every tensor of ``meta`` from ``tensors`` (read in place), cast to the metadata's dtype. ``keep``:
+        a list the sent buckets are appended to (the set as sent, for :meth:`send_buckets` later)."""
         sent = 0
         flats = {k: t.detach().reshape(-1) for k, t in tensors.items()}
         missing = [name for name, _, _ in meta if name not in flats]
@@ -133,18 +137,48 @@ class WeightGroup:
             flat = torch.empty(b.numel, dtype=b.dtype, device=self.device)
             for p in b.pieces:
                 flat[p.offset : p.offset + p.hi - p.lo].copy_(flats[p.name][p.lo : p.hi])
+            if keep is not None:  # before the broadcast: kept even when a receiver dies during it
+                keep.append(flat)
             self._broadcast(flat)
             sent += flat.numel() * flat.element_size()
         return sent
 
+    def send_buckets(self, flats: list[torch.Tensor]) -> int:
+        """Rank 0: buckets kept from an earlier :meth:`send`, broadcast again as they are."""
+        for flat in flats:
+            self._broadcast(flat)
+        return sum(flat.numel() * flat.element_size() for flat in flats)
+
     def receive(self, dest: dict[str, torch.Tensor], meta: Meta, bucket_bytes: int) -> int:
         """Ranks > 0: each bucket copied straight into ``dest`` (tensors sharing storage with the parameters)."""
         got = 0
-        flats = {k: t.view(-1) for k, t in dest.items()}
         for b in plan_buckets(meta, bucket_bytes):
             flat = torch.empty(b.numel, dtype=b.dtype, device=self.device)
             self._broadcast(flat)
-            for p in b.pieces:
-                flats[p.name][p.lo : p.hi].copy_(flat[p.offset : p.offset + p.hi - p.lo])
+            write_buckets(dest, [(b, flat)])
             got += flat.numel() * flat.element_size()
         return got
+
+    def receive_buckets(self, meta: Meta, bucket_bytes: int) -> list[tuple[Bucket, torch.Tensor]]:
+        """Ranks > 0: every bucket into buffers of its own (a staged set; :func:`write_buckets` applies it)."""
+        received = []
+        for b in plan_buckets(meta, bucket_bytes):
+            flat = torch.empty(b.numel, dtype=b.dtype, device=self.device)
+            self._broadcast(flat)
+            received.append((b, flat))
+        return received
+
+
+def fits_one_bucket(meta: Meta, bucket_bytes: int) -> bool:
+    """Whether a sync of ``meta`` is one bucket: then a receiver can stage it (hold it beside its weights) at no more
+    memory than an in-place transfer takes anyway."""
+    return len(plan_buckets(meta, bucket_bytes)) <= 1
+
+
+def write_buckets(dest: dict[str, torch.Tensor], received: list[tuple[Bucket, torch.Tensor]]) -> int:
+    """Copy received buckets into ``dest`` (tensors sharing storage with the parameters); returns the bytes."""
+    flats = {k: t.view(-1) for k, t in dest.items()}
+    for b, flat in received:
+        for p in b.pieces:
+            flats[p.name][p.lo : p.hi].copy_(flat[p.offset : p.offset + p.hi - p.lo])
+    return sum(flat.numel() * flat.element_size() for _, flat in received)

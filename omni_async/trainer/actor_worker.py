@@ -36,7 +36,7 @@ from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
 from omni_async.agent_loop.rollout_replica import Generation, GenerationBatcher
-from omni_async.agent_loop.weight_sync import WeightGroup, free_address, tensor_meta
+from omni_async.agent_loop.weight_sync import WeightGroup, fits_one_bucket, free_address, tensor_meta
 from omni_async.cluster import configure_worker
 from omni_async.modality import get_modality
 from omni_async.modality.base import model_dtype
@@ -93,6 +93,7 @@ class ActorWorker(Worker):
         hybrid = cfg.actor_rollout_ref.hybrid_engine and int(r.nnodes) == 0  # not with a rollout pool
         self.snapshot = bool(hybrid and overlap)
         self.weight_group: WeightGroup | None = None  # rank 0 with a rollout pool (checkpoint_engine.backend=nccl)
+        self._last_sent: list[torch.Tensor] | None = None  # the last set broadcast, when it is one bucket
         self.batcher = GenerationBatcher(
             self._generate,
             lambda: self.rollout_version,
@@ -109,9 +110,17 @@ class ActorWorker(Worker):
             return self.policy.generate(*args, **kwargs)
 
     async def generate(
-        self, prompt: str, seed: int, window: tuple[int, int] | None, *, sampling: dict[str, Any] | None = None
+        self,
+        prompt: str,
+        seed: int,
+        window: tuple[int, int] | None,
+        *,
+        sampling: dict[str, Any] | None = None,
+        version: int | None = None,
     ) -> Generation:
-        """One sample, the contract of ``RolloutReplica.generate``: the agent loop streams to either layout."""
+        """One sample, the contract of ``RolloutReplica.generate``: the agent loop streams to either layout. Here the
+        weights are the trainer's own and a sync is a version bump the driver makes before it starts a collection,
+        so ``version`` never names weights this worker does not hold yet: it is not needed."""
         return await self.batcher.submit(prompt, seed, window, sampling=sampling)
 
     async def set_rollout_version(self, version: int) -> int:
@@ -175,11 +184,22 @@ class ActorWorker(Worker):
             None, WeightGroup, address, port, 0, world, self.device
         )
 
-    async def send_weights(self, meta: list, bucket_bytes: int) -> int:
+    async def send_weights(self, meta: list, bucket_bytes: int, again: bool = False) -> int:
         """Broadcast the trainable weights (cast to the rollout's dtypes in ``meta``) in buckets; on the device
-        thread, so it reads the weights between updates. Returns the bytes sent."""
+        thread, so it reads the weights between updates. Returns the bytes sent.
+
+        A set of one bucket (a LoRA adapter) is kept as sent, and ``again`` (a restarted rollout worker's restore)
+        broadcasts that copy: the last synced version, even when an update has begun since. A larger set is not kept
+        (a second copy of the model); ``again`` then sends the weights as they are now."""
+
+        def send() -> int:
+            if again and self._last_sent:
+                return self.weight_group.send_buckets(self._last_sent)
+            self._last_sent = [] if fits_one_bucket(meta, bucket_bytes) else None
+            return self.weight_group.send(self._weight_views(), meta, bucket_bytes, keep=self._last_sent)
+
         self.weights_broadcast += 1
-        return await self._on_device(lambda: self.weight_group.send(self._weight_views(), meta, bucket_bytes))
+        return await self._on_device(send)
 
     @register(dispatch_mode=dpm.BY_GROUPS_ROWS)
     async def compute_log_prob(self, data: DataProto) -> torch.Tensor:

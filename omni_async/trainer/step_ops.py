@@ -71,9 +71,14 @@ class StepOps:
         self.actor_wg, self.rollout_workers, self.hybrid = actor_wg, rollout_workers, hybrid
         self.layout = layout or ("hybrid" if hybrid else "split")
         # Disaggregated layout: the weights go to the rollout pool by checkpoint_engine.backend (trainer.pool_sync).
-        self.pool_sync = PoolSync(cfg, actor_wg, rollout_workers) if self.layout == "disaggregated" else None
+        self.pool_sync = (
+            PoolSync(cfg, actor_wg, rollout_workers, on_death=agent.worker_died)
+            if self.layout == "disaggregated"
+            else None
+        )
         self.sync_period = sync_period_steps(cfg)  # steps between weight syncs (async_training.*)
         self.sync_bytes = 0  # bytes moved by weight syncs since the last step_metrics read
+        self.rollout_version = 0  # the newest weights version published to the rollout (what a collection is for)
         self.corr_metrics: dict[str, list[float]] = defaultdict(list)  # rollout_corr/* of the step's batches
         self.last_checkpoint = last_checkpoint  # for the error when an actor rank dies
         self.sampler_state_before: dict[int, dict] = {}  # sampler state before each step's prompts were drawn
@@ -112,11 +117,12 @@ class StepOps:
         ]
 
     def start_collection(self, step: int) -> Collection:
-        """Draw step ``step``'s prompts and start generating (and, when streaming, scoring) its samples."""
+        """Draw step ``step``'s prompts and start generating (and, when streaming, scoring) its samples, for the weights
+        published last (a rollout worker that stages syncs generates them with those although newer ones arrive)."""
         # Only the newest states can still be checkpointed (see the trainer's save_checkpoint).
         self.sampler_state_before = {k: v for k, v in self.sampler_state_before.items() if k >= step - 1}
         self.sampler_state_before[step] = self.sampler.state_dict()
-        return self.agent.start(self.make_samples(step, self.sampler.next_batch()))
+        return self.agent.start(self.make_samples(step, self.sampler.next_batch()), version=self.rollout_version)
 
     def collect(self, collection: Collection, timer: Timer) -> list[Sample]:
         """Wait for a step's samples. Streamed ones arrive scored; the wait after the last one is the reward tail."""
@@ -132,7 +138,7 @@ class StepOps:
         timer.timing["timing_s/reward_wait"] += max(0.0, collection.t_done - max(last_generated, collection.t_start))
         return samples
 
-    def sync_weights(self, version: int) -> None:
+    def sync_weights(self, version: int, activate: bool = True) -> None:
         """Make ``version`` the rollout's weights.
 
         Hybrid layout: the rollout generates with the model it trains, so this is a version bump (and a device-local
@@ -140,29 +146,43 @@ class StepOps:
         object store once and every rollout replica reads them from there. Disaggregated layout: by
         ``checkpoint_engine.backend`` (``trainer.pool_sync``: the object store for LoRA, or a bucketed broadcast
         from rank 0 over a process group with the rollout workers).
+
+        ``activate=False`` (only where :attr:`sync_stages`): the rollout workers stage the set while they generate and
+        write it in before the first request for ``version`` or newer, not at once.
         """
+        self.rollout_version = int(version)
         if self.hybrid:
             ray.get([w.set_rollout_version.remote(version) for w in self.rollout_workers])
             return
         if self.pool_sync is not None:
-            self.sync_bytes += self.pool_sync.sync(version)
+            self.sync_bytes += self.pool_sync.sync(version, activate)
             return
         ref = self.actor_wg.workers[0].get_weights.remote()
         self._weights = (ref, version)
-        ray.get([w.set_weights.remote(ref, version) for w in self.rollout_workers])
+        ray.get([w.set_weights.remote(ref, version, activate) for w in self.rollout_workers])
+
+    @property
+    def sync_stages(self) -> bool:
+        """Whether the rollout workers receive a sync while they generate and write it in between two device batches
+        (``agent_loop.weight_staging``): rollout replicas (split or disaggregated layout) whose set fits their
+        staging. Not the hybrid layout, whose rollout is the trainer's own model."""
+        if self.hybrid:
+            return False
+        return self.pool_sync is None or self.pool_sync.stages
 
     def sync_due(self, version: int) -> bool:
         """Whether the weights of ``version`` (after ``version`` steps) go to the rollout: every
         ``sync_period`` steps (``async_training.trigger_parameter_sync_step``)."""
         return version % self.sync_period == 0
 
-    def publish(self, version: int, timer: Timer) -> None:
+    def publish(self, version: int, timer: Timer, activate: bool = True) -> None:
         """The end of a step's update: sync when due, timed as ``timing_s/update_weights`` (verl's name;
-        ``timing_s/weight_sync`` is the same time under this project's first name)."""
+        ``timing_s/weight_sync`` is the same time under this project's first name). ``activate``: as
+        :meth:`sync_weights`."""
         if not self.sync_due(version):
             return
         with timer("update_weights"):
-            self.sync_weights(version)
+            self.sync_weights(version, activate)
         timer.timing["timing_s/weight_sync"] = timer.timing["timing_s/update_weights"]
 
     def take_sync_bytes(self) -> int:

@@ -92,3 +92,50 @@ def test_weight_sync_runs_on_the_device_thread_between_batches(monkeypatch):
     assert events == ["batch", "batch done", "load", "load done", "batch", "batch done"]
     assert (first.version, version, second.version) == (0, 3, 3)
     assert not np.array_equal(first.result.pixels, second.result.pixels)  # same seed, new weights
+
+
+def test_a_staged_sync_does_not_wait_for_the_device_and_older_requests_finish_on_their_weights(monkeypatch):
+    """``set_weights(..., activate=False)`` (one-step-off's sync while the look-ahead generates, fully async's) returns
+    while a batch is on the device; a request for the old version queued meanwhile still runs on the old weights, the
+    new set is written in between two batches, before the first request for it, and a request for a version not yet
+    here waits for it."""
+    monkeypatch.setattr("omni_async.cluster.configure_worker", lambda: "cpu")
+    replica = RolloutReplica("image", MODEL, SAMPLING, 4, 1.0)
+    base = replica.policy.weights_state_dict()
+    events, batch_started = [], threading.Event()
+    generate, load = replica.batcher.generate, replica.policy.load_weights_state_dict
+
+    def slow_generate(*args, **kwargs):
+        events.append("batch")
+        batch_started.set()
+        time.sleep(0.3)
+        return generate(*args, **kwargs)
+
+    def logged_load(state):
+        events.append("load")
+        load(state)
+
+    replica.batcher.generate, replica.policy.load_weights_state_dict = slow_generate, logged_load
+
+    async def scenario():
+        first = asyncio.create_task(replica.generate("p", 5, (0, 2), version=0))
+        await asyncio.to_thread(batch_started.wait)
+        staged = await replica.set_weights({k: v + 0.1 for k, v in base.items()}, 1, activate=False)
+        events.append("staged")
+        assert not first.done()  # the sync did not wait for the batch on the device
+        old = asyncio.create_task(replica.generate("p", 5, (0, 2), version=0))
+        new = asyncio.create_task(replica.generate("p", 5, (0, 2), version=1))
+        later = asyncio.create_task(replica.generate("p", 5, (0, 2), version=2))
+        results = await first, await old, await new
+        await asyncio.sleep(0.2)
+        assert not later.done()  # version 2 is not here yet: the request waits, nothing runs on other weights
+        events.append("stage 2")
+        await replica.set_weights({k: v + 0.2 for k, v in base.items()}, 2, activate=False)
+        return staged, *results, await later
+
+    staged, first, old, new, later = asyncio.run(scenario())
+    assert staged == 1  # and the request for the old version queued after it ran before the load
+    assert events == ["batch", "staged", "batch", "load", "batch", "stage 2", "load", "batch"]
+    assert [r.version for r in (first, old, new, later)] == [0, 0, 1, 2]
+    assert np.array_equal(old.result.pixels, first.result.pixels)  # same seed, same (old) weights
+    assert not np.array_equal(new.result.pixels, first.result.pixels)

@@ -6,7 +6,9 @@ Real Ray workers on logical devices; one trainer per test, small models, few ste
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import pytest
 import ray
@@ -206,11 +208,33 @@ def test_image_lora_pools_sync_over_the_group_logprobs_match_and_a_killed_worker
         torch.testing.assert_close(v, weights(rank0)[k], atol=1e-6, rtol=0)
 
     # The mini-batch pipeline with one-step-off ("all") on the same pools: step 4 generated while step 3 trained.
-    t.source, t.update = OneStepOffPolicy(t.ops, total_steps=5), PipelinedUpdate(t.ops)
+    # The LoRA adapter is one bucket, so each sync is staged: sent right after the update while the look-ahead
+    # generates, written in after the look-ahead's requests (every sample of step 4 is still version 3's).
+    t.source, t.update = OneStepOffPolicy(t.ops, total_steps=7), PipelinedUpdate(t.ops)
+    assert t.ops.sync_stages
     trained.clear()
     (_, first), (m4, fourth) = t.train_step(3), t.train_step(4)
     assert sorted(trained) == sorted(s.uid for s in first + fourth)
     assert m4["training/off_policy/trajectory_staleness/max"] == 1.0 and {s.version for s in fourth} == {3}
+    assert "timing_s/wait_next_rollout" not in m4  # the trainer did not wait for the look-ahead to sync
+
+    # The rollout worker dies mid-broadcast (as its receive of step 5's sync begins), with step 6's look-ahead in
+    # flight (its batches slowed to 1 s so they are): the run goes on, Ray restarts the worker, it gets the newest
+    # weights (version 6) and the lost samples are generated again, by version 6; every sample is trained once.
+    def slow_and_doomed(self):
+        generate = self.batcher.generate
+        self.batcher.generate = lambda *a, **k: (time.sleep(1.0), generate(*a, **k))[1]
+        self.group._broadcast = lambda flat: os._exit(1)
+
+    ray.get(rollout.__ray_call__.remote(slow_and_doomed))
+    before = pid(rollout)
+    trained.clear()
+    (m5, fifth), (m6, sixth) = t.train_step(5), t.train_step(6)
+    assert pid(rollout) != before and m5["rollout/regenerated"] + m6["rollout/regenerated"] >= 1
+    assert {s.version for s in fifth} == {4} and 6 in {s.version for s in sixth} <= {5, 6}
+    assert sorted(trained) == sorted(s.uid for s in fifth + sixth) and all(s.outcome.ok for s in fifth + sixth)
+    for k, v in weights(rollout).items():  # after the last sync (version 7) the restarted worker holds rank 0's
+        torch.testing.assert_close(v, weights(rank0)[k], atol=1e-6, rtol=0)
 
 
 def test_text_full_finetune_one_step_off_bf16_bucketed_over_the_group_never_through_ray_put(tmp_path, monkeypatch):

@@ -227,7 +227,9 @@ class RLTrainer:
         self.placement.actor_wg.load_checkpoint(str(ckpt))
         self.sampler.load_state_dict(state["sampler"])
         if isinstance(self.source, FullyAsync):
-            self.source.resume_position = state.get("fully_async")
+            # A lock-step checkpoint has no rollouter position: it drew one batch per step and trained all of them,
+            # so draw numbering (the seeds' and uids' draw index) goes on at its step with the sampler as saved.
+            self.source.resume_position = state.get("fully_async") or {"draw": int(state["step"])}
         return int(state["step"])
 
     def _checkpoint_due(self, done: int) -> bool:

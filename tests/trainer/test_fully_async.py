@@ -13,6 +13,7 @@ import pytest
 import ray
 from helpers import Trainers, record_trained_uids, train_step_killing_rollout, write_prompts
 
+from omni_async.agent_loop.rollout_replica import sample_seed
 from omni_async.trainer.config import (
     ConfigError,
     compose,
@@ -22,6 +23,7 @@ from omni_async.trainer.config import (
     total_training_steps,
     validate,
 )
+from omni_async.trainer.strategies import FullyAsync, OnPolicy
 
 POOL = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
 FULLY_ASYNC = [*POOL, "async_reward.fully_async=true"]
@@ -173,6 +175,24 @@ def test_image_run_with_a_slow_trainer_and_a_killed_rollout_worker_stays_in_boun
     assert rows[-1]["fully_async/count/dropped_stale_samples"] == 0
     assert max(r["fully_async/rollouter/idle_ratio"] for r in rows[1:]) > 0.3  # paused at the bound
     assert all(r["actor/grad_norm"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_resume_from_a_lock_step_checkpoint_goes_on_with_the_next_draw(trainers):
+    """A lock-step checkpoint has no rollouter position. A fully async run resumed from one (here: a real lock-step
+    step 0 and its checkpoint at step 1, then the same trainer switched to fully async and resumed) goes on with draw
+    1, the sampler as saved: the next prompts, and seeds and uids that step 0 did not use."""
+    t = trainers(*FULLY_ASYNC, *QUIET, "trainer.resume_mode=auto", "trainer.total_training_steps=3")
+    t.source = OnPolicy(t.ops)
+    _, lock_step = t.train_step(0)
+    t.save_checkpoint(1)
+    t.source = FullyAsync(t.ops, t.total_steps)
+    assert t.resume() == 1
+    t.ops.sync_weights(1)
+    _, samples = t.train_step(1)
+    assert {s.uid.split("-")[0] for s in lock_step} == {"0"} and {s.uid.split("-")[0] for s in samples} == {"1"}
+    assert all(s.seed == sample_seed(int(t.cfg.trainer.seed), 1, s.index) for s in samples)
+    assert not {s.row.prompt for s in samples} & {s.row.prompt for s in lock_step}
 
 
 def _descendants(pid: int) -> list:

@@ -490,7 +490,8 @@ def compare_fully_async(args, staleness: list[float]) -> None:
     for st in staleness:  # one update = one lock-step step's prompts (require_batches mini-batches)
         cap = int((1 + st) * per_update * args.mini_batch)  # groups per window (K = 1)
         disagg_s = Namespace(**{**vars(disagg), "tail_steps": math.ceil(1 + st)})
-        text = ["async_training.partial_rollout=false"] if args.modality == "text" else []  # refused for text
+        # text: the recorded runs finish each response under the weights that started it (partial rollout off)
+        text = ["async_training.partial_rollout=false"] if args.modality == "text" else []
         rows[f"fully_async s={st:g}"] = (
             disagg_s,
             [*fully_async_overrides(st), *text, f"async_training.require_batches={per_update}"],

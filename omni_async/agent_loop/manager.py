@@ -11,6 +11,13 @@ A rollout worker that dies with requests in flight is restarted by Ray; its requ
 live worker (same seed, same weights version: the same sample) and counted as ``rollout/regenerated``. A
 restarted worker gets the current weights (``restore_worker``) before it serves again.
 
+Partial rollout (text, fully async): a response that a weight sync interrupted comes back unfinished; it is asked for
+again with what it has (``resume``, verl's partial rollout resubmitting the cancelled output) and continued under the
+new weights, as often as syncs interrupt it, counted as ``rollout/resumed``. Its sample's ``version`` is set from its
+first part (the oldest weights in it) as soon as that exists, so the rollouter's lag bound sees it while the rest
+generates. A worker that dies during a continuation loses only that part: it is asked for again from the same
+point.
+
 The tasks run on an event loop in a background thread, so the trainer's step loop stays plain synchronous code
 and a step's collection can run while the trainer does something else (one-step off-policy).
 """
@@ -87,6 +94,7 @@ class AgentLoopManager:
         self.restore_worker, self.restartable = restore_worker, restartable
         self.post_process = post_process
         self.regenerated = 0  # per step; reset by reset_step_counters
+        self.resumed = 0  # continuations of interrupted responses (partial rollout), per step
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="agent-loop", daemon=True)
         self._thread.start()
@@ -119,9 +127,10 @@ class AgentLoopManager:
         def read():
             m = {
                 "rollout/regenerated": float(self.regenerated),
+                "rollout/resumed": float(self.resumed),
                 "rollout/workers_down": float(sum(bool(d) for d in self.down)),
             }
-            self.regenerated = 0
+            self.regenerated = self.resumed = 0
             if self.dispatcher is not None:
                 m.update(self.dispatcher.metrics())
                 self.dispatcher.reset_step_counters()
@@ -251,12 +260,17 @@ class AgentLoopManager:
             self._idle_since = now
 
     async def _generate_on_a_worker(self, s: Sample, kwargs: dict) -> Generation:
+        """The sample's generation; an interrupted text response (partial rollout) is asked for again until it is
+        finished. The answer carries the first part's version (the oldest) and start time."""
         w = s.index % len(self.workers)
+        first: Generation | None = None
         while True:
             w = await self._live_worker(w)
+            resume = {"resume": first.result} if first is not None else {}
             try:
-                s.times.requested = time.time()
-                return await self.workers[w].generate.remote(s.row.prompt, s.seed, s.window, **kwargs)
+                if first is None:
+                    s.times.requested = time.time()
+                gen = await self.workers[w].generate.remote(s.row.prompt, s.seed, s.window, **kwargs, **resume)
             except (RayActorError, ActorUnavailableError):
                 # The worker died with this request in flight: generate it again elsewhere (same seed, same
                 # weights version -> the same sample) while Ray restarts the dead one.
@@ -265,6 +279,15 @@ class AgentLoopManager:
                     self.down[w] = True if self.restartable else "lost"
                     if self.restartable:
                         asyncio.ensure_future(self._revive(w))
+                continue
+            if first is None:
+                first = gen
+                s.version = gen.version  # the oldest weights in it, known before the rest generates
+            else:
+                first = Generation(gen.result, first.version, first.gen_start, gen.gen_end)
+            if not gen.result.unfinished:
+                return first
+            self.resumed += 1
 
     def worker_died(self, handle: Any) -> None:
         """Any thread: ``handle``'s process died outside a generation request (e.g. during a weight sync). It is taken

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -62,6 +63,7 @@ class _Request:
     future: asyncio.Future
     sampling: tuple | None = None  # sorted (field, value) pairs overriding the policy's sampling settings
     version: int | None = None  # the weights version it is for (None: the newest the worker has)
+    resume: Result | None = None  # an interrupted text response to continue (partial rollout)
 
     @property
     def settings(self) -> tuple:
@@ -78,7 +80,9 @@ class GenerationBatcher:
     weights it was made with: a weight load queued on the device thread before the batch has happened, one queued
     after it has not (read on the event loop, a load queued between the two could run first unseen).
     A request with ``sampling`` (e.g. validation's settings) is batched only with requests of equal settings and
-    runs as ``generate(prompts, seeds, windows, sampling=sampling)``.
+    runs as ``generate(prompts, seeds, windows, sampling=sampling)``. A batch with continued responses (partial
+    rollout, text) runs as ``generate(prompts, seeds, resume=[...])``. Each text result's new tokens are stamped with
+    the batch's version (``TextResult.stamp_version``).
 
     With ``slots`` (a rollout worker that stages weight syncs, ``agent_loop.weight_staging``) a request may name the
     weights ``version`` it is for. Requests the active weights serve (``version`` at most the active one: a request
@@ -121,6 +125,7 @@ class GenerationBatcher:
         *,
         sampling: dict[str, Any] | None = None,
         version: int | None = None,
+        resume: Result | None = None,
     ) -> Generation:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
@@ -128,7 +133,7 @@ class GenerationBatcher:
         fut = loop.create_future()
         window = (int(window[0]), int(window[1])) if window is not None else None
         settings = tuple(sorted(sampling.items())) if sampling else None
-        self._pending.append(_Request(prompt, int(seed), window, fut, settings, version))
+        self._pending.append(_Request(prompt, int(seed), window, fut, settings, version, resume))
         self._wake.set()
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
@@ -172,7 +177,10 @@ class GenerationBatcher:
             args = ([r.prompt for r in batch], [r.seed for r in batch])
             if batch[0].window is not None:
                 args += ([range(*r.window) for r in batch],)
-            call = partial(self.generate, sampling=dict(sampling)) if sampling else self.generate
+            kwargs: dict[str, Any] = {"sampling": dict(sampling)} if sampling else {}
+            if any(r.resume is not None for r in batch):
+                kwargs["resume"] = [r.resume for r in batch]
+            call = partial(self.generate, **kwargs) if kwargs else self.generate
             try:
                 version, t0, results = await loop.run_in_executor(self.device, self._run, call, args, swap)
             except Exception as e:  # a failed batch fails its requests, not the worker
@@ -182,6 +190,8 @@ class GenerationBatcher:
             t1 = time.time()
             self.batch_sizes.append(len(batch))
             for r, result in zip(batch, results, strict=True):
+                if hasattr(result, "stamp_version"):  # text: each token's version
+                    result.stamp_version(version)
                 r.future.set_result(Generation(result, version, t0, t1))
 
     def _run(self, call: Callable[..., list[Result]], args: tuple, swap: bool) -> tuple[int, float, list[Result]]:
@@ -200,7 +210,12 @@ class RolloutReplica:
     store's state dict, :meth:`receive_weights` receives a one-bucket set on a thread of its own while the device
     generates; the set is written into the model on the device thread between two batches. With ``activate`` (the
     default) the call returns once that happened; without, it returns once the set is here and the first batch that
-    asks for it writes it (requests name their version: ``GenerationBatcher``)."""
+    asks for it writes it (requests name their version: ``GenerationBatcher``).
+
+    Partial rollout (``partial_rollout``: fully async, text): while a newer set waits (staged, or queued to be written
+    in place) the batch on the device stops after its current token; its unfinished responses go back to the agent
+    loop, which asks for them again with what they have (:meth:`generate` with ``resume``), and they continue on the
+    newer weights. Without it a batch in flight finishes on the weights it started with."""
 
     def __init__(
         self,
@@ -211,6 +226,7 @@ class RolloutReplica:
         max_wait_ms: float = 5.0,
         rollout_server: dict[str, Any] | None = None,
         dtype_name: str | None = None,
+        partial_rollout: bool = False,
     ):
         from omni_async.cluster import configure_worker
         from omni_async.modality import get_modality
@@ -224,6 +240,11 @@ class RolloutReplica:
         self.slots = WeightSlots()
         self.group: WeightGroup | None = None  # the cross-pool weight group (checkpoint_engine.backend=nccl)
         self.torn = False  # an in-place weight transfer failed half-way: no generation until a complete set arrived
+        self.partial_rollout = bool(partial_rollout)
+        # Set (on the event loop) when an in-place weight write is queued on the device thread, cleared by it: with
+        # partial rollout the batch on the device stops after its current token, so the write need not wait for it.
+        self.write_waiting = threading.Event()
+        self.interrupted = 0  # responses returned unfinished (partial rollout)
         self.device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-device")
         # Staged receives run here, beside the device thread (a broadcast must not wait for the batch on the device).
         self.receive_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-weights")
@@ -242,7 +263,16 @@ class RolloutReplica:
                 "this rollout worker's weights are half written (a weight transfer failed); it "
                 "generates again once the next complete sync arrived"
             )
-        return self.policy.generate(*args, **kwargs)
+        if self.partial_rollout:
+            kwargs["should_stop"] = self._newer_weights_waiting
+        results = self.policy.generate(*args, **kwargs)
+        self.interrupted += sum(bool(r.unfinished) for r in results)
+        return results
+
+    def _newer_weights_waiting(self) -> bool:
+        """Partial rollout, asked by the batch on the device after each token: a newer set is staged (the next batch
+        writes it) or an in-place write is queued behind this batch."""
+        return self.write_waiting.is_set() or self.slots.has_staged()
 
     async def _activate(self) -> int:
         """Write the staged set on the device thread, after the batch on the device now (if any)."""
@@ -262,6 +292,7 @@ class RolloutReplica:
             "batch_sizes": list(self.batcher.batch_sizes),
             "version": self.version,
             "newest_version": self.slots.newest(),
+            "interrupted": self.interrupted,
             "pid": os.getpid(),
             "requires_grad": sum(p.requires_grad for p in self._parameters()),
         }
@@ -301,12 +332,15 @@ class RolloutReplica:
         else:
 
             def receive() -> int:
+                self.write_waiting.clear()
                 self.torn = True
                 n = group.receive(self.policy.weights_views(), meta, bucket_bytes)
                 self.torn = False
                 self.slots.set_active(version)
                 return n
 
+            if self.partial_rollout:  # no await before the write is queued: no batch can start in between
+                self.write_waiting.set()
             got = await loop.run_in_executor(self.device_thread, receive)
         if got != meta_bytes(meta):
             raise RuntimeError(f"received {got} of {meta_bytes(meta)} weight bytes")
@@ -320,8 +354,11 @@ class RolloutReplica:
         *,
         sampling: dict[str, Any] | None = None,
         version: int | None = None,
+        resume: Result | None = None,
     ) -> Generation:
         """One sample (image + SDE-window latents and log-probs, or response tokens + log-probs); ``sampling``
         overrides the policy's sampling settings for this request (validation: ``rollout.val_kwargs``); ``version``:
-        the weights version it is for (``GenerationBatcher``; None: the newest this worker has)."""
-        return await self.batcher.submit(prompt, seed, window, sampling=sampling, version=version)
+        the weights version it is for (``GenerationBatcher``; None: the newest this worker has). With partial rollout
+        a text response may come back unfinished (``result.unfinished``: newer weights arrived); the caller continues
+        it with ``resume=result``: its tokens and their versions stay, new tokens follow on the newest weights."""
+        return await self.batcher.submit(prompt, seed, window, sampling=sampling, version=version, resume=resume)

@@ -16,9 +16,16 @@ mode) and keeps every complete, scored group in its message queue until the trai
   (``fully_async/count/dropped_stale_samples``) and replaced by a fresh prompt, so the run still trains its number of
   groups.
 
-A weight sync does not pause generation: the rollout workers load new weights on their device thread between two
-generation batches, so a sample in flight finishes under the version that started it and reports it (an image's SDE
-window log-probs share one pi_old; verl's ``partial_rollout=True`` means exactly this here for images).
+A weight sync does not pause the rollouter: the rollout workers load new weights on their device thread between two
+generation batches, so an image in flight finishes under the version that started it and reports it (its SDE window
+log-probs share one pi_old; verl's ``partial_rollout=True`` means exactly this here for images). Text with
+``partial_rollout=True`` (verl's partial rollout): the sync interrupts the responses on the device, which are
+continued under the new weights (``agent_loop.manager``), so a response's tokens may come from several versions, each
+token's log-prob from its own. A sample's version here is its *oldest* (its first token's, verl's
+``param_version_start``): the lag bound holds for every token of every trained sample, as verl v1's
+``max_off_policy_threshold`` counts a trajectory's age from when its prompt started generating. (The staleness
+metrics report both ends: ``trajectory_staleness`` from the newest version, as verl v1, ``trajectory_staleness_worst``
+from the oldest.) A continued response is never older than its start, so the bound's argument is unchanged.
 
 Every produced group is trained exactly once or dropped with a reason; :meth:`position` gives what a checkpoint
 needs to go on without losing or repeating one (the oldest draw with an unfinished group, and which of that draw's
@@ -56,9 +63,10 @@ class Group:
         return self.samples[0].uid
 
     def version(self) -> int | None:
-        """Its oldest generated member's weights version (``None`` before the first member exists); members made
-        later have the same or newer weights, so this is the group's version from its first member on."""
-        versions = [s.version for s in self.samples if s.result is not None]
+        """Its oldest member's weights version (``None`` before the first member's first tokens exist); members made
+        later have the same or newer weights, so this is the group's version from its first member on. A response
+        still being continued (partial rollout) counts with the version of its first part."""
+        versions = [s.version for s in self.samples if s.version is not None]
         return min(versions) if versions else None
 
 

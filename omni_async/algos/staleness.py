@@ -5,8 +5,11 @@ weight syncs), ``R`` = ``require_batches``, ``m`` = ``ppo_mini_batch_size`` (pro
 (one trainer step) takes ``n = R * m`` groups; a sync window is ``K`` updates, ``W = K * n`` groups.
 
 The weights version of a sample is the trainer step whose weights generated it (the project's convention: the
-version synced after ``v`` updates is ``v``); a group's version is its oldest member's. Its lag when trained at
-step ``v`` is ``v - version`` (verl v1's ``trajectory_staleness``).
+version synced after ``v`` updates is ``v``); a text response continued across a sync (partial rollout) has the
+version of its first token, its oldest (verl's ``param_version_start``); a group's version is its oldest member's.
+Its lag when trained at step ``v`` is ``v - version``: verl v1's ``trajectory_staleness_worst`` (equal to its
+``trajectory_staleness``, measured from the newest version, unless a partial rollout spans versions). Every bound
+here limits this lag, so no token of a trained sample is older than the bound.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """Text: a causal LM trained with GRPO on token log-probs.
 
 Batch tensors per sample: left-padded ``prompt_ids`` / ``prompt_mask``, right-padded ``response_ids`` /
-``response_mask``, ``old_log_probs`` per response token, and verl's token-level ``rm_scores``: the score at the
-last valid response token, zeros elsewhere. The batch comes from the driver on the CPU: the loss moves what it
-uses to the policy's device, and recomputed log-probs go back on the CPU.
+``response_mask``, ``old_log_probs`` per response token (the rollout's: each token's log-prob under the weights that
+generated it), ``token_versions`` (that weights version per token, -1 on padding: with partial rollout one response
+may hold several), and verl's token-level ``rm_scores``: the score at the last valid response token, zeros
+elsewhere. The batch comes from the driver on the CPU: the loss moves what it uses to the policy's device, and
+recomputed log-probs go back on the CPU.
 """
 
 from __future__ import annotations
@@ -91,8 +93,10 @@ class TextModality:
         prompt_ids, prompt_mask = _pad([r.prompt_ids for r in results], self.pad_id, left=True)
         response_ids, response_mask = _pad([r.response_ids for r in results], self.pad_id, left=False)
         old = torch.zeros(response_ids.shape)
+        versions = torch.full(response_ids.shape, -1, dtype=torch.int64)
         for i, r in enumerate(results):
             old[i, : len(r.log_probs)] = r.log_probs
+            versions[i, : len(r.versions)] = r.versions
         rm = torch.zeros(response_ids.shape)
         last = (response_mask.sum(-1) - 1).clamp(min=0)
         rm[torch.arange(len(samples)), last] = torch.tensor([rm_score(s) for s in samples])
@@ -102,6 +106,7 @@ class TextModality:
             "response_ids": response_ids,
             "response_mask": response_mask,
             "old_log_probs": old,
+            "token_versions": versions,
             "rm_scores": rm,
         }
 

@@ -5,10 +5,15 @@ Sampling is reproducible per sample: each row draws its tokens from its own ``to
 device, so a response depends on (weights, prompt, seed, device) only, not on which other prompts share the batch
 (up to the float noise of left padding). Inputs are moved to the model's device here; what leaves the policy
 (``TextResult``) is on the CPU.
+
+Partial rollout (fully async, text): ``should_stop`` ends a batch after its current token (a weight sync is waiting);
+the responses not done come back unfinished with their generators' states and are continued later (``resume``),
+possibly under other weights. Such a response depends also on where it was interrupted, not only on its seed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -98,24 +103,64 @@ class TextPolicy(TrainableModule):
             mask[i, width - len(r) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    def generate(self, prompts: list[str], seeds: list[int]) -> list[TextResult]:
-        """One response per (prompt, seed): token ids up to and including EOS, text, per-token log-probs."""
-        return self.sample_from_ids([self.prompt_ids(p) for p in prompts], seeds)
+    def generate(
+        self,
+        prompts: list[str],
+        seeds: list[int],
+        *,
+        resume: list[TextResult | None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[TextResult]:
+        """One response per (prompt, seed): token ids up to and including EOS, text, per-token log-probs.
+
+        ``resume[i]``: an interrupted response of that prompt and seed, continued from where it stopped (its tokens
+        stay, new ones follow). ``should_stop()`` is asked after each token: once true, the batch returns and the
+        responses not done come back unfinished (partial rollout at a weight sync)."""
+        rows = [
+            r.prompt_ids if r is not None else self.prompt_ids(p)
+            for p, r in zip(prompts, resume or [None] * len(prompts), strict=True)
+        ]
+        return self.sample_from_ids(rows, seeds, resume=resume, should_stop=should_stop)
 
     @torch.no_grad()
-    def sample_from_ids(self, prompt_rows: list[list[int]], seeds: list[int]) -> list[TextResult]:
-        ids, mask = self._left_pad(prompt_rows)
-        gens = [torch.Generator(device=ids.device).manual_seed(int(s)) for s in seeds]  # where the probs are
-        n, temp = len(prompt_rows), max(float(self.sampling.temperature), 1e-5)
+    def sample_from_ids(
+        self,
+        prompt_rows: list[list[int]],
+        seeds: list[int],
+        *,
+        resume: list[TextResult | None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[TextResult]:
+        """Sample the responses of ``prompt_rows`` (see :meth:`generate`).
+
+        A continued response is prompted with its prompt and the tokens it has (the prefix is encoded again under
+        the weights loaded now, as verl's partial rollout resubmits ``prompt_ids + response_ids``) and draws from its
+        saved generator state, with what is left of its length budget; with unchanged weights it ends as the
+        uninterrupted response would (up to the float noise of re-encoding the prefix)."""
+        n = len(prompt_rows)
+        resume = resume or [None] * n
+        prev = [r.response_ids if r is not None else [] for r in resume]
+        ids, mask = self._left_pad([p + q for p, q in zip(prompt_rows, prev, strict=True)])
+        gens = []
+        for s, r in zip(seeds, resume, strict=True):
+            g = torch.Generator(device=ids.device)  # where the probs are
+            if r is not None:
+                g.set_state(r.rng_state)
+            else:
+                g.manual_seed(int(s))
+            gens.append(g)
+        temp = max(float(self.sampling.temperature), 1e-5)
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
         budgets = [
             length_budget(s, self.sampling.response_length, self.sampling.response_length_pareto_alpha) for s in seeds
         ]
-        budget = torch.tensor(budgets, device=self.device)
+        left_list = [b - len(q) for b, q in zip(budgets, prev, strict=True)]  # tokens each row may still draw
+        left = torch.tensor(left_list, device=self.device)
         tokens, logps = [], []
         past, cur = None, ids
-        for t in range(int(self.sampling.response_length)):
+        stopped = False
+        for t in range(max(left_list)):
             pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -cur.shape[1] :]
             out = self.model(input_ids=cur, attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True)
             past = out.past_key_values
@@ -124,23 +169,33 @@ class TextPolicy(TrainableModule):
             nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
             tokens.append(nxt)
             logps.append(logp.gather(-1, nxt[:, None])[:, 0])
-            done |= torch.isin(nxt, eos) | (budget <= t + 1)
+            done |= torch.isin(nxt, eos) | (left <= t + 1)
             cur = nxt[:, None]
             mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
             if done.all():
                 break
+            if should_stop is not None and should_stop():
+                stopped = True  # the rows not done come back unfinished, with their generators' states
+                break
         tokens, logps = torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()  # one copy to the host
+        finished = done.cpu().tolist()
         records = []
         for i in range(n):
             row = tokens[i].tolist()
             length = next((k + 1 for k, t in enumerate(row) if t in self.eos_ids), len(row))  # cut after 1st EOS
-            length = min(length, budgets[i])  # or at the sample's length budget
+            length = min(length, left_list[i])  # or at the sample's length budget
+            response_ids = prev[i] + row[:length]
+            r = resume[i]
             records.append(
                 TextResult(
                     prompt_ids=prompt_rows[i],
-                    response_ids=row[:length],
-                    response=self.tok.decode(row[:length], skip_special_tokens=True),
-                    log_probs=logps[i, :length].clone(),
+                    response_ids=response_ids,
+                    response=self.tok.decode(response_ids, skip_special_tokens=True),
+                    log_probs=torch.cat([r.log_probs, logps[i, :length]])
+                    if r is not None
+                    else logps[i, :length].clone(),
+                    versions=r.versions.clone() if r is not None else torch.zeros(0, dtype=torch.int64),
+                    rng_state=gens[i].get_state() if stopped and not finished[i] else None,
                 )
             )
         return records

@@ -21,6 +21,7 @@ __all__ = [
     "compose",
     "fully_async_bounds",
     "groups_per_update",
+    "interrupts_at_sync",
     "layout",
     "streaming_enabled",
     "sync_period_steps",
@@ -85,6 +86,17 @@ def total_training_steps(cfg: DictConfig, train_rows: int) -> int:
 def groups_per_update(cfg: DictConfig) -> int:
     """Fully async: GRPO groups (prompts) one trainer step takes, ``require_batches x ppo_mini_batch_size``."""
     return int(cfg.async_training.require_batches) * int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
+
+
+def interrupts_at_sync(cfg: DictConfig) -> bool:
+    """Whether a weight sync interrupts the responses being generated, which are then continued under the new
+    weights: verl's ``async_training.partial_rollout`` in fully async training, for text. Images are one device
+    batch each: a sample in flight at a sync finishes under the version that started it (never interrupted)."""
+    return bool(
+        cfg.async_reward.fully_async
+        and cfg.async_training.partial_rollout
+        and cfg.actor_rollout_ref.model.modality == "text"
+    )
 
 
 def fully_async_bounds(cfg: DictConfig) -> tuple[int, int]:
@@ -575,11 +587,12 @@ def _check_fully_async(cfg: DictConfig) -> None:
             "(async_training.trigger_parameter_sync_step), or lower the sync period",
         )
     _check(
-        not (at.partial_rollout and cfg.actor_rollout_ref.model.modality == "text"),
+        not (interrupts_at_sync(cfg) and cfg.actor_rollout_ref.rollout.name == "vllm"),
         "async_training.partial_rollout",
-        "pausing a text response at a weight sync and continuing it under the new weights is not implemented; "
-        "a response in flight finishes under the version that started it",
-        "set async_training.partial_rollout=false",
+        "continuing a text response across a weight sync is implemented for the transformers rollout only (a vLLM "
+        "server's requests would have to be aborted and resubmitted with their tokens)",
+        "set async_training.partial_rollout=false (a response in flight then finishes under the weights that started "
+        "it), or actor_rollout_ref.rollout.name=transformers",
     )
 
 
@@ -652,8 +665,9 @@ def _resolve_aliases(cfg: DictConfig) -> None:
     _check(
         mode != "colocate_async",
         "trainer.v1.trainer_mode",
-        "colocate_async aborts and resumes partial rollouts around each weight update, so one sample mixes "
-        "weight versions; here every sample comes from one version",
+        "colocate_async generates and trains on the same devices, aborting the rollouts in flight at each weight "
+        "update and resuming them after; here a response is continued across versions only by fully async "
+        "training on a rollout pool (separate_async, async_training.partial_rollout for text)",
         "the nearest mode: async_reward.one_step_off_policy=true on the hybrid layout (trainer.v1.trainer_mode=null)",
     )
     one_step_off = cfg.async_reward.one_step_off_policy

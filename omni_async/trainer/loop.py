@@ -24,7 +24,6 @@ import shutil
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -39,6 +38,7 @@ from omni_async.trainer.config import total_training_steps, validate
 from omni_async.trainer.dataset import PromptSampler, check_prompt_lengths, load_prompts
 from omni_async.trainer.metrics import (
     advantage_metrics,
+    off_policy_metrics,
     response_length_metrics,
     reward_metrics,
     throughput_metrics,
@@ -122,9 +122,7 @@ class RLTrainer:
         timing = dict(timer.timing)
         timing.setdefault("timing_s/reward", 0.0)
         timing.setdefault("timing_s/ref", 0.0)
-        version = min(s.version for s in samples)
-        # verl v1's staleness: the trained weights' version minus the version that generated the sample.
-        staleness = np.array([step - s.version for s in samples], dtype=np.float64)
+        version = min(s.version for s in samples)  # the oldest weights in the step (a sample's first token's)
         metrics = {
             **reward_metrics(samples, loss_mask),
             **advantage_metrics(samples),
@@ -134,8 +132,7 @@ class RLTrainer:
             **throughput_metrics(samples, timing["timing_s/step"], self.n_devices),
             "rollout/policy_version": float(version),
             "async_reward/policy_version_lag": float(step - version),
-            "training/off_policy/trajectory_staleness/mean": float(staleness.mean()),
-            "training/off_policy/trajectory_staleness/max": float(staleness.max()),
+            **off_policy_metrics(samples, step, partial=isinstance(self.source, FullyAsync)),
             "weight_sync/bytes": float(self.ops.take_sync_bytes()),
             **self.ops.take_corr_metrics(),
             **self.source.metrics(timing["timing_s/step"]),

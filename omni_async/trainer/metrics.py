@@ -123,3 +123,32 @@ def throughput_metrics(samples: list[Sample], step_s: float, n_devices: int) -> 
         "perf/throughput": units / (step_s * max(n_devices, 1)),
         "perf/samples_per_s": len(samples) / step_s,
     }
+
+
+def off_policy_metrics(samples: list[Sample], step: int, partial: bool) -> dict[str, float]:
+    """How old the trained samples' weights are, under verl v1's names (``verl/trainer/v1``): a trajectory spans the
+    versions ``[oldest, newest]`` that generated its tokens (``Sample.version_span``; one version unless a partial
+    rollout continued it across a sync), and is trained at version ``step``:
+
+    - ``training/off_policy/trajectory_staleness/*``: ``step - newest`` (verl v1's primary staleness, a lower bound)
+    - ``training/off_policy/trajectory_staleness_worst/*``: ``step - oldest`` (what the lag bound limits)
+    - ``training/off_policy/trajectory_spans/*``: ``newest - oldest + 1`` versions in one trajectory
+
+    ``partial`` (fully async): verl's fully-async ``fully_async/partial/{total_partial_num, partial_ratio,
+    max_partial_span}``: trajectories continued across a sync, their share, the largest ``newest - oldest``."""
+    span = np.array([s.version_span for s in samples], dtype=np.float64)
+    oldest, newest = span[:, 0], span[:, 1]
+    out = {}
+    for name, v in (
+        ("trajectory_staleness", step - newest),
+        ("trajectory_staleness_worst", step - oldest),
+        ("trajectory_spans", newest - oldest + 1),
+    ):
+        out[f"training/off_policy/{name}/mean"] = float(v.mean())
+        out[f"training/off_policy/{name}/max"] = float(v.max())
+    if partial:
+        diff = newest - oldest
+        out["fully_async/partial/total_partial_num"] = float((diff > 0).sum())
+        out["fully_async/partial/partial_ratio"] = float((diff > 0).mean())
+        out["fully_async/partial/max_partial_span"] = float(diff.max())
+    return out

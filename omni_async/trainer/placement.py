@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from omni_async.cluster import rollout_pool_size
 from omni_async.modality import get_modality
 from omni_async.trainer.actor_worker import ActorWorker
-from omni_async.trainer.config import layout
+from omni_async.trainer.config import interrupts_at_sync, layout
 
 # Split layout: roles sharing one actor/rollout device bundle, the actor worker and a rollout replica; each takes
 # this share. The hybrid layout has one process per device.
@@ -122,6 +122,7 @@ def _rollout_replicas(cfg: DictConfig, pool: Any, device_share: float) -> list[A
                 r.agent.max_wait_ms,
                 rollout_server,
                 cfg.actor_rollout_ref.actor.fsdp_config.model_dtype,
+                interrupts_at_sync(cfg),
             )
         )
     return replicas

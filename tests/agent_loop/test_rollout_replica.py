@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
+import types
 
 import numpy as np
 import ray
+import torch
 
 from omni_async.agent_loop.rollout_replica import RolloutReplica, sample_seed
+from omni_async.agent_loop.weight_sync import WeightGroup
 from omni_async.cluster import init_ray, shutdown_ray
 from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
 
@@ -139,3 +143,148 @@ def test_a_staged_sync_does_not_wait_for_the_device_and_older_requests_finish_on
     assert [r.version for r in (first, old, new, later)] == [0, 0, 1, 2]
     assert np.array_equal(old.result.pixels, first.result.pixels)  # same seed, same (old) weights
     assert not np.array_equal(new.result.pixels, first.result.pixels)
+
+
+# ---- partial rollout (text) ------------------------------------------------------------------------------------
+TEXT_MODEL = {"path": "tiny:qwen2", "lora_rank": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+TEXT_SAMPLING = {"response_length": 24, "temperature": 1.0}
+
+
+class _Handle:
+    """An in-process replica behind the ``worker.generate.remote(...)`` call shape the agent loop uses."""
+
+    def __init__(self, replica: RolloutReplica):
+        self.generate = types.SimpleNamespace(remote=replica.generate)
+
+
+def _pause_at_forward(policy, k: int):
+    """A forward hook on the LM: its ``k``-th call (token ``k``: call 0 encodes the prompt and draws token 0) signals
+    ``reached`` and holds the device thread until ``go`` is set. Armed by ``arm[0] = True``, once."""
+    reached, go, calls, arm = threading.Event(), threading.Event(), [0], [False]
+
+    def hook(_module, _inputs, _output):
+        if not arm[0]:
+            return
+        if calls[0] == k:
+            arm[0] = False
+            reached.set()
+            assert go.wait(30)
+        calls[0] += 1
+
+    policy.model.register_forward_hook(hook)
+
+    def arm_it() -> None:
+        calls[0], arm[0] = 0, True
+        reached.clear()
+        go.clear()
+
+    return arm_it, reached, go
+
+
+def test_text_partial_rollout_continues_an_interrupted_response_under_the_new_weights(monkeypatch):
+    """A weight sync that arrives while a response is on the device (partial rollout) stops it after its current
+    token; the agent loop asks for it again and it is continued under the new weights. With unchanged weights the
+    continued response is the uninterrupted one (same tokens: the saved generator state continues the same random
+    stream). With new weights each token keeps the log-prob of the version that drew it: recomputed under that
+    version it matches, under the other it does not. Without partial rollout the same sync waits for the batch."""
+    from omni_async.agent_loop.manager import AgentLoopManager
+    from omni_async.sample import PromptRow, Sample
+
+    monkeypatch.setattr("omni_async.cluster.configure_worker", lambda: "cpu")  # in-process: no Ray worker to ask
+    replica = RolloutReplica("text", TEXT_MODEL, TEXT_SAMPLING, 4, 1.0, partial_rollout=True)
+    policy = replica.policy
+    policy.eos_ids = []  # a random tiny LM may stop anywhere; the test needs responses of their full length
+    v0 = policy.weights_state_dict()
+    v1 = {k: v + 0.05 * torch.randn_like(v, generator=torch.Generator().manual_seed(1)) for k, v in v0.items()}
+    agent = AgentLoopManager([_Handle(replica)])
+    k = 6  # interrupted after token k: tokens 0..k are version 0's
+    arm, reached, go = _pause_at_forward(policy, k)
+    seed = sample_seed(42, 0, 3)
+
+    def sample() -> Sample:
+        return Sample(index=0, uid="0-0", row=PromptRow("what is 2+3?", "x", "5"), seed=seed)
+
+    def run(weights: dict | None, version: int, group=None) -> Sample:
+        """One sample; with ``weights``, a sync to ``version`` lands while token ``k`` is being drawn: staged
+        (``set_weights``), or with ``group`` (trainer rank 0's end of a weight group, 1 KB buckets) broadcast and
+        written in place on the device thread (``receive_weights`` of a set larger than a bucket)."""
+        s = sample()
+        if weights is None:
+            agent.call(agent.run_group([s]))
+            return s
+        arm()
+        done = asyncio.run_coroutine_threadsafe(agent.run_group([s]), agent.loop)
+        assert reached.wait(60)
+        if group is None:
+            sync = asyncio.run_coroutine_threadsafe(replica.set_weights(weights, version), agent.loop)
+            waiting = replica.slots.has_staged
+        else:
+            meta = replica.weights_meta()
+            sync = asyncio.run_coroutine_threadsafe(replica.receive_weights(version, meta, 1000), agent.loop)
+            sender = threading.Thread(target=group.send, args=(weights, meta, 1000))
+            sender.start()
+            waiting = replica.write_waiting.is_set
+        deadline = time.time() + 30
+        while not waiting():  # the newer set waits (the batch on the device is held by the hook)
+            assert time.time() < deadline, "the sync never told the batch on the device that newer weights wait"
+            time.sleep(0.001)
+        go.set()
+        sync.result(60)
+        done.result(60)
+        assert replica.version == version
+        return s
+
+    try:
+        ref = run(None, 0)
+        assert len(ref.result.response_ids) == 24 and ref.result.versions.tolist() == [0] * 24
+        # a sync to the same weights: the interrupted + continued response is the uninterrupted one
+        same = run(v0, 1)
+        assert same.result.response_ids == ref.result.response_ids and not same.result.unfinished
+        assert torch.allclose(same.result.log_probs, ref.result.log_probs, atol=1e-4)
+        assert same.result.versions.tolist() == [0] * (k + 1) + [1] * (23 - k)
+        assert (same.version, same.version_span) == (0, (0, 1))
+        assert agent.step_metrics()["rollout/resumed"] == 1.0
+        # new weights: the first k + 1 tokens as before, the rest drawn and scored by version 2
+        replica.policy.load_weights_state_dict(v0)
+        replica.slots.set_active(0)
+        new = run(v1, 2)
+        r = new.result
+        assert r.response_ids[: k + 1] == ref.result.response_ids[: k + 1] and len(r.response_ids) == 24
+        assert r.versions.tolist() == [0] * (k + 1) + [2] * (23 - k) and new.version_span == (0, 2)
+        assert agent.step_metrics()["rollout/resumed"] == 1.0
+        recomputed = {}
+        for v, weights in ((0, v0), (2, v1)):
+            policy.load_weights_state_dict(weights)
+            prompt, response = torch.tensor([r.prompt_ids]), torch.tensor([r.response_ids])
+            recomputed[v] = policy.log_probs(prompt, torch.ones_like(prompt), response, torch.ones_like(response))[0]
+        own = torch.where(r.versions == 0, recomputed[0], recomputed[2])
+        other = torch.where(r.versions == 0, recomputed[2], recomputed[0])
+        assert torch.allclose(r.log_probs, own, atol=1e-4), (r.log_probs - own).abs().max()
+        assert (r.log_probs - other).abs()[k + 1 :].max() > 1e-2  # the versions differ where the check looks
+        assert (r.log_probs - other).abs()[: k + 1].max() > 1e-2
+        # without partial rollout the sync waits for the batch: one version, nothing resumed
+        replica.partial_rollout = False
+        policy.load_weights_state_dict(v0)
+        replica.slots.set_active(0)
+        whole = run(v1, 3)
+        assert whole.result.versions.tolist() == [0] * 24 and whole.result.response_ids == ref.result.response_ids
+        assert agent.step_metrics()["rollout/resumed"] == 0.0
+        # a weight set larger than a bucket is written in place on the device thread: the batch stops for it too, and
+        # the continuation on the same weights v1 is the one of the staged sync above (same generator state)
+        replica.partial_rollout = True
+        policy.load_weights_state_dict(v0)
+        replica.slots.set_active(0)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        joined = asyncio.run_coroutine_threadsafe(replica.join_weight_group("127.0.0.1", port, 1, 2), agent.loop)
+        rank0 = WeightGroup("127.0.0.1", port, 0, 2, torch.device("cpu"), timeout_s=60)
+        joined.result(60)
+        in_place = run(v1, 4, group=rank0)
+        assert in_place.result.response_ids == r.response_ids and in_place.result.versions.tolist() == [0] * (k + 1) + [
+            4
+        ] * (23 - k)
+        assert torch.allclose(in_place.result.log_probs, r.log_probs, atol=1e-4)
+        assert agent.step_metrics()["rollout/resumed"] == 1.0 and replica.interrupted == 3
+    finally:
+        agent.shutdown()

@@ -17,14 +17,26 @@ from omni_async.sample import PromptRow, Sample
 
 
 class Pool:
-    """Generates a group: each sample after a random time (seeded), stamped with the version held then."""
+    """Generates a group: each sample after a random time (seeded), stamped with the version held then.
 
-    def __init__(self, rng: random.Random, tail: float):
-        self.rng, self.tail, self.version = rng, tail, 0
+    ``partial`` (partial rollout of text): a sample's first tokens are drawn at once with the version held then, which
+    becomes its version (the agent loop sets it from the first part), and it finishes after the random time, under
+    whatever syncs happened meanwhile (``spans`` records (first, last) version)."""
+
+    def __init__(self, rng: random.Random, tail: float, partial: bool = False):
+        self.rng, self.tail, self.version, self.partial = rng, tail, 0, partial
+        self.spans: dict[tuple[str, int], tuple[int, int]] = {}
 
     async def run_group(self, samples: list[Sample]) -> list[Sample]:
         async def one(s: Sample) -> None:
             delay = 0.001 * (self.rng.random() + (20 if self.rng.random() < self.tail else 0))
+            if self.partial:
+                await asyncio.sleep(0)
+                s.version = self.version
+                await asyncio.sleep(delay)
+                self.spans[(s.uid, s.index)] = (s.version, self.version)
+                s.result = object()
+                return
             await asyncio.sleep(delay)
             s.result, s.version = object(), self.version
 
@@ -52,9 +64,10 @@ async def train(
     seed: int,
     tail: float,
     threshold: int | None = None,
+    partial: bool = False,
 ):
     rng = random.Random(seed)
-    pool, n = Pool(rng, tail), r * m
+    pool, n = Pool(rng, tail, partial), r * m
     cap, bound = effective_bound(groups_per_window(staleness, k, r, m), n, threshold)
     rollouter = Rollouter(
         pool,
@@ -79,6 +92,7 @@ async def train(
             pool.version = step + 1
             await rollouter.on_sync(step + 1)
     await rollouter.stop()
+    rollouter.pool = pool
     return lags, trained, rollouter, cap, bound, peak_window
 
 
@@ -111,3 +125,16 @@ def test_staleness_formulas_match_verl():
     assert lag_bound(groups_per_window(1, 1, 1, 8), 8) == 1  # one-step-off
     assert lag_bound(groups_per_window(0.5, 2, 1, 4), 4) == 2
     assert effective_bound(16, 4, 2) == (8, 1) and effective_bound(16, 4, None) == (16, 3)
+
+
+@pytest.mark.parametrize(("staleness", "k", "strategy"), [(1, 1, "wait"), (2, 2, "wait"), (3, 1, "drop")])
+def test_partial_rollout_bounds_the_oldest_token_and_trains_every_group_once(staleness, k, strategy):
+    """Partial rollout: a response's version is its first part's (its oldest) as soon as that exists, and it may
+    finish under later weights. The bound holds for that oldest version, and (wait) nothing is dropped."""
+    lags, trained, rollouter, cap, bound, _ = asyncio.run(
+        train(staleness, k, 1, 2, 120, strategy, 2, 0.2, partial=True)
+    )
+    assert max(lags) <= bound and len(trained) == len(set(trained)) == 240
+    assert any(last > first for first, last in rollouter.pool.spans.values())  # responses continued across syncs
+    if strategy == "wait":
+        assert rollouter.dropped_groups == 0

@@ -6,19 +6,23 @@ code runs with real rollout workers, reward workers and trainer ranks."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
 import pytest
 import ray
+import torch
 from helpers import Trainers, record_trained_uids, train_step_killing_rollout, write_prompts
 
 from omni_async.agent_loop.rollout_replica import sample_seed
+from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import (
     ConfigError,
     compose,
     fully_async_bounds,
     groups_per_update,
+    interrupts_at_sync,
     sync_period_steps,
     total_training_steps,
     validate,
@@ -118,10 +122,27 @@ def test_refused_fully_async_combinations_name_the_fix(overrides, key, fix):
     assert fix in str(e.value)
 
 
-def test_text_partial_rollout_is_refused_naming_the_fix():
+def test_text_partial_rollout_is_accepted_and_refused_only_for_a_vllm_rollout():
+    """verl's default partial_rollout=true runs for text (interrupted responses continue under the new weights);
+    only the vLLM rollout, whose server requests cannot be continued here, is refused, naming the fix."""
+    text = valid(
+        *FULLY_ASYNC, "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", config_name="grpo_text_trainer"
+    )
+    assert text.async_training.partial_rollout and interrupts_at_sync(text)
+    assert not interrupts_at_sync(valid(*FULLY_ASYNC))  # images: never interrupted, whatever partial_rollout says
+    off = [
+        *FULLY_ASYNC,
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+        "async_training.partial_rollout=false",
+    ]
+    assert not interrupts_at_sync(valid(*off, config_name="grpo_text_trainer"))
+    vllm = [*FULLY_ASYNC, "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.lora_rank=8"]
     with pytest.raises(ConfigError, match="async_training.partial_rollout") as e:
-        valid(*FULLY_ASYNC, "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", config_name="grpo_text_trainer")
-    assert "partial_rollout=false" in str(e.value)
+        valid(*vllm, config_name="grpo_text_trainer")
+    assert "partial_rollout=false" in str(e.value) and "rollout.name=transformers" in str(e.value)
+    assert not valid(
+        *vllm, "async_training.partial_rollout=false", config_name="grpo_text_trainer"
+    ).async_training.partial_rollout
 
 
 # ---- on Ray ----------------------------------------------------------------------------------------------------
@@ -210,7 +231,6 @@ def test_kill_9_of_the_trainer_then_resume_trains_every_group_once(tmp_path):
     checkpoint exists, with scored groups queued and more generating; the resumed run makes the checkpoint's draws
     again and regenerates the unfinished groups from their seeds. Across the two runs every group is trained exactly
     once (the steps the kill lost are the killed run's steps after the checkpoint: they count as not trained)."""
-    import json
     import os
     import signal
     import subprocess
@@ -287,3 +307,144 @@ def test_kill_9_of_the_trainer_then_resume_trains_every_group_once(tmp_path):
     assert [m["step"] for m in metrics] == list(range(1, 7)) and metrics[-1][
         "fully_async/count/dropped_stale_samples"
     ] == 0
+
+
+# ---- text with partial rollout (verl's default) ------------------------------------------------------------------
+TEXT_PARTIAL = [
+    *FULLY_ASYNC,
+    *QUIET,
+    "data.train_batch_size=2",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+    "actor_rollout_ref.rollout.response_length=32",
+    # one response per device batch: generating a group takes longer than an update, so responses are on the device
+    # at every weight sync and get interrupted (the situation partial rollout is for)
+    "actor_rollout_ref.rollout.agent.max_batch_size=1",
+    "actor_rollout_ref.actor.optim.lr=2e-3",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+    "reward.custom_reward_function.name=compute_score_digits",
+    "async_training.staleness_threshold=1",
+    "trainer.total_training_steps=3",  # 3 x 2 prompts: 6 updates of one group
+    "trainer.logger=[jsonl]",
+    "trainer.resume_mode=auto",
+    "trainer.save_freq=-1",
+    "trainer.save_interval_min=-1",
+    "data.shuffle=false",
+]
+
+
+def _text_trainer(train_file, run_dir):
+    from omni_async.trainer.loop import RLTrainer
+
+    shutdown_ray()
+    cfg = compose(
+        [f"data.train_files={train_file}", f"trainer.run_dir={run_dir}", *TEXT_PARTIAL],
+        config_name="grpo_text_trainer",
+    )
+    return RLTrainer(cfg)
+
+
+def _close(trainer) -> None:
+    if trainer.agent.loop.is_running():  # (fit stops its rollouter and the agent loop itself)
+        trainer.source.stop()
+        trainer.agent.shutdown()
+    shutdown_ray()
+
+
+def _record_batches(ops) -> dict:
+    """Spy on ``StepOps.optimizer_step``: (uid, index) -> the trained row's (old_log_probs, token_versions)."""
+    rows: dict = {}
+    real_step = ops.optimizer_step
+
+    def recording_step(minibatch, timer):
+        b, nt = minibatch.batch, minibatch.non_tensor_batch
+        for i, key in enumerate(zip(nt["uid"].tolist(), nt["index"].tolist(), strict=True)):
+            assert key not in rows, f"{key} trained twice"
+            rows[key] = (b["old_log_probs"][i].clone(), b["token_versions"][i].clone())
+        return real_step(minibatch, timer)
+
+    ops.optimizer_step = recording_step
+    return rows
+
+
+@pytest.mark.slow
+def test_text_partial_rollout_per_token_versions_bound_and_resume(tmp_path):
+    """Text, fully async, verl's default partial_rollout=true, staleness 1 and a sync after every update of one group
+    (cap floor(2 x 1) = 2 groups per window, lag bound ceil(2 / 1) - 1 = 1). Responses in flight at a sync are
+    interrupted and continued under the new weights: some trained responses hold tokens of two versions. Each
+    token's rollout log-prob (pi_old, bypass mode) is the one its own version gives when recomputed, the batch
+    carries each token's version, and the lag bound holds for the oldest token of every sample. After 3 updates the
+    run is checkpointed (with responses in flight) and its rollouter stopped; the trainer resumes from the checkpoint
+    with a fresh rollouter (what a restarted process does, without paying for a second Ray start here: the image test
+    above kills the process), makes the draws again and regenerates the unfinished groups from their seeds: across
+    both every group is trained once."""
+    from omni_async.models.text_policy import TextPolicy, TextSamplingConfig
+    from omni_async.trainer.strategies import FullyAsync
+
+    data, run = write_prompts(tmp_path / "train.jsonl", 8), tmp_path / "run"
+    t = _text_trainer(data, run)
+    rank0 = t.placement.actor_wg.workers[0]
+    weights = {0: ray.get(rank0.get_weights.remote())}
+    real_sync = t.ops.sync_weights
+
+    def recording_sync(version, *args, **kwargs):
+        real_sync(version, *args, **kwargs)
+        weights[version] = ray.get(rank0.get_weights.remote())  # what the rollout workers hold from now on
+
+    t.ops.sync_weights = recording_sync
+    real_step = t.ops.optimizer_step
+    rows = _record_batches(t.ops)
+    try:
+        assert (t.source.cap, t.source.bound, t.total_steps) == (2, 1, 6)
+        t.ops.sync_weights(0)
+        steps = [t.train_step(step) for step in range(3)]
+        t.save_checkpoint(3)
+        t.source.stop()  # the first run ends here, with groups in flight and scored ones not trained
+        # resume: the checkpoint's draws made again, the unfinished groups regenerated, every group trained once
+        t.source, t.ops.optimizer_step = FullyAsync(t.ops, t.total_steps), real_step
+        rows_after = _record_batches(t.ops)
+        t.fit()  # resume_mode=auto: the checkpoint's weights, sampler and rollouter position
+    finally:
+        _close(t)
+    trained = [s for _, samples in steps for s in samples]
+    for step, (metrics, samples) in enumerate(steps):
+        assert len({s.uid for s in samples}) == 1 and len(samples) == 4  # one whole group per update
+        assert all(step - s.version <= 1 for s in samples)  # the oldest token of every sample within the bound
+        assert metrics["training/off_policy/trajectory_staleness_worst/max"] <= 1
+        assert metrics["fully_async/count/dropped_stale_samples"] == 0
+    spans = [s.version_span for s in trained]
+    assert any(new > old for old, new in spans), spans  # responses continued across a sync
+    assert sum(m["rollout/resumed"] for m, _ in steps) >= 1
+    assert sum(m["fully_async/partial/total_partial_num"] for m, _ in steps) == sum(new > old for old, new in spans)
+
+    # pi_old per token: the batch's old_log_probs and token_versions are the rollout's, token by token
+    policy = TextPolicy("tiny:qwen2", TextSamplingConfig(response_length=32), lora_rank=0)
+    recomputed: dict = {}
+    for v in sorted({int(v) for s in trained for v in s.result.versions}):
+        policy.load_weights_state_dict(weights[v])
+        for s in trained:
+            p, r = torch.tensor([s.result.prompt_ids]), torch.tensor([s.result.response_ids])
+            with torch.no_grad():
+                recomputed[(s.uid, s.index, v)] = policy.log_probs(p, torch.ones_like(p), r, torch.ones_like(r))[0]
+    mixed = 0
+    for s in trained:
+        res, n = s.result, len(s.result.response_ids)
+        old, versions = rows[(s.uid, s.index)]
+        assert torch.equal(old[:n], res.log_probs) and torch.equal(versions[:n], res.versions)
+        assert (versions[n:] == -1).all() and len(res.versions) == n
+        own = torch.stack([recomputed[(s.uid, s.index, int(v))][t] for t, v in enumerate(res.versions)])
+        assert torch.allclose(res.log_probs, own, atol=1e-4), (s.uid, s.index, (res.log_probs - own).abs().max())
+        if res.versions.max() > res.versions.min():  # the newer part, scored by the older weights, differs
+            mixed += 1
+            newer = res.versions == res.versions.max()
+            older = recomputed[(s.uid, s.index, int(res.versions.min()))]
+            assert (res.log_probs - older)[newer].abs().max() > 1e-3
+    assert mixed >= 1
+
+    groups = sorted({uid for uid, _ in rows} | {uid for uid, _ in rows_after})
+    assert not set(rows) & set(rows_after)
+    assert len(rows) + len(rows_after) == 6 * 4 and groups == [f"{d}-{p}" for d in range(3) for p in range(2)]
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [4, 5, 6]  # the resumed run's steps (the first run's were not logged)
+    assert all(m["training/off_policy/trajectory_staleness_worst/max"] <= 1 for m in metrics)
+    assert metrics[-1]["fully_async/count/dropped_stale_samples"] == 0

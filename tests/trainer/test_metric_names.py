@@ -8,6 +8,7 @@ import torch
 from omni_async.sample import PromptRow, RewardOutcome, Sample, TextResult
 from omni_async.trainer.metrics import (
     advantage_metrics,
+    off_policy_metrics,
     response_length_metrics,
     throughput_metrics,
     validation_metrics,
@@ -63,3 +64,21 @@ def test_advantages_weigh_text_tokens_and_throughput_is_per_device():
         "response_length/min": 1.0,
         "response_length/clip_ratio": pytest.approx(1 / 3),
     }
+
+
+def test_off_policy_metrics_are_verl_v1s_staleness_from_the_newest_and_worst_from_the_oldest_version():
+    """Trained at step 5: a response continued across two syncs (tokens of versions 3, 4), one of version 4 alone,
+    one of version 5 (a partial rollout's first part is its oldest, verl's param_version_start; its last part the
+    newest, param_version_end)."""
+    samples = [_sample(i, "a", "x", 1.0, response_len=3) for i in range(3)]
+    for s, versions in zip(samples, ([3, 3, 4], [4, 4, 4], [5, 5, 5]), strict=True):
+        s.result.versions = torch.tensor(versions)
+        s.version = versions[0]
+    m = off_policy_metrics(samples, step=5, partial=True)
+    assert m["training/off_policy/trajectory_staleness/max"] == 1.0  # 5 - newest
+    assert m["training/off_policy/trajectory_staleness/mean"] == pytest.approx((1 + 1 + 0) / 3)
+    assert m["training/off_policy/trajectory_staleness_worst/max"] == 2.0  # 5 - oldest
+    assert m["training/off_policy/trajectory_spans/max"] == 2.0 and m["fully_async/partial/max_partial_span"] == 1.0
+    assert m["fully_async/partial/total_partial_num"] == 1.0
+    assert m["fully_async/partial/partial_ratio"] == pytest.approx(1 / 3)
+    assert not any(k.startswith("fully_async/") for k in off_policy_metrics(samples, step=5, partial=False))

@@ -90,6 +90,9 @@ def worker_runtime_env(torch_threads: int = 1, gpu_worker_threads: int | None = 
     threads = str(torch_threads)
     return {
         "env_vars": {
+            # The project's own settings reach the workers on a cluster started elsewhere too (a joined cluster's
+            # workers inherit its raylet's environment, not the driver's).
+            **{k: v for k, v in os.environ.items() if k.startswith("OMNI_ASYNC_") and k != THREADS_ENV},
             THREADS_ENV: threads,
             **({GPU_THREADS_ENV: str(gpu_worker_threads)} if gpu_worker_threads else {}),
             "OMP_NUM_THREADS": threads,
@@ -166,6 +169,9 @@ def init_ray(
         num_cpus = num_cpus if num_cpus is not None else cfg.trainer.ray.num_cpus
         if num_gpus is None:
             num_gpus = sum(logical_devices(cfg).values())
+    # Ray's own convention (`ray start` prints it, job submission sets it): with no address configured, a RAY_ADDRESS
+    # in the environment means "join that cluster" rather than start a new one next to it.
+    address = address or os.environ.get("RAY_ADDRESS") or None
     kwargs: dict[str, Any] = dict(
         runtime_env=worker_runtime_env(torch_threads, gpu_threads),
         include_dashboard=False,

@@ -22,7 +22,7 @@ class _Probe:
         return os.getpid()
 
 
-def test_pools_threads_and_clean_shutdown():
+def test_pools_threads_and_clean_shutdown(own_ray_cluster):
     from verl.single_controller.ray import RayResourcePool
 
     cfg = compose(
@@ -61,7 +61,7 @@ def test_pools_threads_and_clean_shutdown():
     assert after <= before, f"stray processes after shutdown: {after - before}"
 
 
-def test_gpu_box_lets_ray_detect_its_devices(monkeypatch):
+def test_gpu_box_lets_ray_detect_its_devices(monkeypatch, own_ray_cluster):
     """On a machine that reports CUDA, a local Ray is started without num_gpus (Ray counts the real devices)
     instead of the logical-device count a CPU box declares; the GPU workers' thread setting travels along."""
     import torch
@@ -79,6 +79,25 @@ def test_gpu_box_lets_ray_detect_its_devices(monkeypatch):
     seen.clear()
     init_ray(cfg)
     assert seen["num_gpus"] == 4 and seen["num_cpus"] >= 16
+
+
+def test_ray_address_in_the_environment_joins_that_cluster(monkeypatch, own_ray_cluster):
+    """trainer.ray.address=null with RAY_ADDRESS set joins that cluster (Ray's convention) instead of starting a new
+    local one; an address in the config wins over the environment."""
+    seen = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {})
+    cfg = compose(["data.train_files=x.jsonl"])
+    init_ray(cfg)
+    assert seen["address"] == "local" and "num_gpus" in seen
+    seen.clear()
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    init_ray(cfg)
+    assert seen["address"] == "10.0.0.5:6379" and "num_gpus" not in seen and "num_cpus" not in seen
+    seen.clear()
+    init_ray(compose(["data.train_files=x.jsonl", "trainer.ray.address=auto"]))
+    assert seen["address"] == "auto"
 
 
 def test_gpu_worker_takes_its_assigned_device_and_torch_default_threads(monkeypatch):

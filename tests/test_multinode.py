@@ -12,7 +12,8 @@ from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
 from omni_async.trainer.loop import FlowGRPOTrainer
 
-pytestmark = pytest.mark.slow  # training runs: not in the fast tier (pytest -m 'not slow')
+# Training runs (not in the fast tier), on a two-raylet cluster of their own (run after the shared-cluster tests).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("own_ray_cluster")]
 
 
 def test_reward_pool_lands_on_the_other_node(tmp_path):

@@ -1,5 +1,5 @@
-"""It learns: FlowGRPO on tiny:sd3 with the JPEG-compressibility reward raises the reward in every mode, and the main
-job's command raises the OCR reward of tiny:qwen_image_text_bimodal (last test).
+"""It learns: FlowGRPO on tiny:sd3 with the JPEG-compressibility reward raises the reward in sync, the lock-step overlaps
+and fully async, and the main job's command raises the OCR reward of tiny:qwen_image_text_bimodal (last test).
 
 Real trainer, seeded (the curve is reproducible: two runs on different days gave the same values to 0.001 kB).
 The margin is set from measurements, not hoped for: at a fixed policy the per-step mean reward (32 samples) moves

@@ -108,6 +108,7 @@ OCR_MARGIN = 0.10  # training reward: last 3 steps' mean over the first 3 steps'
 OCR_VAL_MARGIN = 0.05  # validation (held-out words, ODE, the same seeds before and after): step OCR_STEPS over step 0
 
 
+@pytest.mark.timeout(900)  # the subprocess's own limit; 159 s on a quiet box, over 300 s at load average 15-27
 def test_main_job_learns_ocr_on_the_bimodal_renderer(tmp_path):
     """The main job's command (``examples/run_qwen_image_ocr_async_reward.sh``: tiny:qwen_image_text_bimodal, LoRA,
     stream mode, PP-OCR on the dedicated reward pool, seed 42) shortened to 16 steps of 4 prompts x 8 (the command:

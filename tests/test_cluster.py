@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import psutil
+import pytest
 import ray
 
 from omni_async.cluster import init_ray, logical_devices, shutdown_ray
@@ -22,6 +23,7 @@ class _Probe:
         return os.getpid()
 
 
+@pytest.mark.slow  # a local Ray cluster of its own: not in the fast tier (pytest -m 'not slow')
 def test_pools_threads_and_clean_shutdown(own_ray_cluster):
     from verl.single_controller.ray import RayResourcePool
 

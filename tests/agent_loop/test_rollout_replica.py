@@ -9,6 +9,7 @@ import time
 import types
 
 import numpy as np
+import pytest
 import ray
 import torch
 
@@ -21,6 +22,7 @@ MODEL = {"path": "tiny:sd3", "lora_rank": 4, "lora_alpha": 8, "target_modules": 
 SAMPLING = {"height": 32, "width": 32, "num_inference_steps": 3}
 
 
+@pytest.mark.slow  # a replica actor with a pipeline: not in the fast tier (pytest -m 'not slow')
 def test_replica_batches_requests_and_reports_versions():
     shutdown_ray()
     init_ray(num_gpus=0, num_cpus=4)

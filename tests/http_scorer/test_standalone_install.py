@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from scorer_server_helpers import BLANK, b64, encode, free_port, text_image
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,6 +54,7 @@ def dependency_wheels(scorer_wheel: Path) -> Path:
     return cache
 
 
+@pytest.mark.slow  # a venv install: not in the fast tier (pytest -m 'not slow')
 def test_scorer_server_runs_from_its_own_install_without_torch(tmp_path):
     run(
         pip(

@@ -228,6 +228,7 @@ def health_only_vllm_python(root) -> str:
     return str(wrapper)
 
 
+@pytest.mark.slow  # a GPU-recipe trainer start: not in the fast tier (pytest -m 'not slow')
 def test_full_gpu_recipe_config_composes_and_vllm_judges_get_tp_bundles(tmp_path):
     recipe = [
         "data.train_files=x.jsonl",

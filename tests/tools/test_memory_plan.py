@@ -52,6 +52,7 @@ def qwen_plan():
     return plan
 
 
+@pytest.mark.slow  # the shared plan measures the full 60-block model (~50 s)
 def test_qwen_image_sizes_are_the_real_model(qwen_plan):
     weights = qwen_plan["weights"]
     assert abs(weights["transformer"]["params"] / 20.4e9 - 1) < 0.02
@@ -65,6 +66,7 @@ def test_qwen_image_sizes_are_the_real_model(qwen_plan):
     assert 0.95 * full["params"] < 60 * full["largest_block_params"] <= full["params"]
 
 
+@pytest.mark.slow  # the shared plan measures the full 60-block model (~50 s)
 def test_default_gpu_recipe_fits_80gb_as_sold(qwen_plan):
     """512², LoRA r64, checkpointing on, micro-batch 1, bf16 frozen weights, CFG on (2 branches in the update and in
     rollout), rollout at agent.max_batch_size requests, 4 data-parallel ranks (NCCL buffers), the rollout snapshot
@@ -83,6 +85,7 @@ def test_default_gpu_recipe_fits_80gb_as_sold(qwen_plan):
     assert any(o["gradient_checkpointing"] and not o["offload_encoders_during_update"] for o in rec["options"])
 
 
+@pytest.mark.slow  # the shared plan measures the full 60-block model (~50 s)
 def test_rollout_is_planned_at_the_configs_request_batch(qwen_plan):
     """The rollout and the text encoder run agent.max_batch_size requests at once, not one micro-batch."""
     assert qwen_plan["rollout_batch"] == 8  # flowgrpo_trainer.yaml's agent.max_batch_size
@@ -93,6 +96,7 @@ def test_rollout_is_planned_at_the_configs_request_batch(qwen_plan):
     assert vae["plain"] > 2 * vae["tiled"]
 
 
+@pytest.mark.slow  # the shared plan measures the full 60-block model (~50 s)
 def test_every_layout_counts_what_it_holds(qwen_plan):
     """Hybrid LoRA vs full fine-tune (FSDP2 shards + gathered bf16 for generation), the rollout-only worker (frozen
     pipeline, no optimizer / gradients / training activations) and the trainer rank (no encoders)."""
@@ -148,6 +152,7 @@ def test_images_decode_plain_and_video_tiled():
     )
 
 
+@pytest.mark.slow  # the shared plan measures the full 60-block model (~50 s)
 def test_activations_are_measured(qwen_plan):
     low, high = qwen_plan["resolutions"]["512"], qwen_plan["resolutions"]["1024"]
     no_ckpt, ckpt = low["train"]["cfg/no_ckpt"], low["train"]["cfg/ckpt"]

@@ -156,6 +156,7 @@ def weights(handle) -> dict[str, torch.Tensor]:
     return ray.get(handle.__ray_call__.remote(lambda self: self.policy.weights_state_dict()))
 
 
+@pytest.mark.slow  # two pools trained for steps: not in the fast tier (pytest -m 'not slow')
 def test_image_lora_pools_sync_over_the_group_logprobs_match_and_a_killed_worker_comes_back(trainers):
     t = trainers(
         *POOL,
@@ -237,6 +238,7 @@ def test_image_lora_pools_sync_over_the_group_logprobs_match_and_a_killed_worker
         torch.testing.assert_close(v, weights(rank0)[k], atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow  # two pools trained for steps: not in the fast tier (pytest -m 'not slow')
 def test_text_full_finetune_one_step_off_bf16_bucketed_over_the_group_never_through_ray_put(tmp_path, monkeypatch):
     puts: list = []
     real_put = ray.put

@@ -155,6 +155,7 @@ def test_the_script_has_56_overrides_and_each_cpu_change_is_one_of_them():
     assert set(ON_CPU) <= set(VERL_OMNI)
 
 
+@pytest.mark.slow  # a training run: not in the fast tier (pytest -m 'not slow')
 def test_verl_omni_override_list_composes_validates_and_trains_one_step(data_dir, tmp_path):
     cfg = validate(compose(verl_omni_overrides(data_dir, tmp_path / "run")))
     assert cfg.actor_rollout_ref.rollout.val_kwargs.algo.noise_level == 0.0
@@ -307,6 +308,7 @@ def test_validation_settings_change_the_denoising_steps_and_batch_apart():
     assert policy.sampling.num_inference_steps == 4 and len(policy.timesteps) == 4  # the policy is unchanged
 
 
+@pytest.mark.slow  # a training run: not in the fast tier (pytest -m 'not slow')
 def test_validation_runs_val_kwargs_before_training_logs_n_samples_and_epochs_set_steps(tmp_path):
     write_rows(tmp_path / "train.jsonl", 2)
     write_rows(tmp_path / "val.jsonl", 3)

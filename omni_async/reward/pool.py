@@ -24,9 +24,10 @@ CONTROL_CALL_SLOTS = 8
 
 
 def create_reward_workers(
-    reward_cfg: DictConfig, resource_pool: Any | None = None, judge_urls: list[str] | None = None
+    reward_cfg: DictConfig, resource_pool: Any | None = None, judge_urls: list[str] | None = None, wait: bool = True
 ) -> list[Any]:
-    """Start ``reward.num_workers`` reward-loop workers, on ``resource_pool`` (a verl ``RayResourcePool``) if given."""
+    """Start ``reward.num_workers`` reward-loop workers, on ``resource_pool`` (a verl ``RayResourcePool``) if given.
+    ``wait``: return once they have loaded their reward functions (:func:`wait_ready`); else at once."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     cls = ray.remote(RewardLoopWorker)
@@ -53,6 +54,12 @@ def create_reward_workers(
                 ),
             )
         workers.append(cls.options(**opts).remote(cfg_dict, i, list(judge_urls or [])))
-    # Fail at start, not mid-step, if a reward function cannot be loaded (bad path, missing dependency).
-    ray.get([w.info.remote() for w in workers])
+    if wait:
+        wait_ready(workers)
     return workers
+
+
+def wait_ready(workers: list[Any]) -> None:
+    """Block until every worker has built its reward manager. Fail at start, not mid-step, if a reward function
+    cannot be loaded (bad path, missing dependency): the worker's error is raised here."""
+    ray.get([w.info.remote() for w in workers])

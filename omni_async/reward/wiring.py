@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from omni_async.reward.dispatcher import RewardDispatcher
 from omni_async.reward.manager import RewardManager, scorer_names
-from omni_async.reward.pool import create_reward_workers
+from omni_async.reward.pool import create_reward_workers, wait_ready
 
 
 def streaming_enabled(cfg: DictConfig) -> bool:
@@ -30,9 +30,11 @@ def streaming_enabled(cfg: DictConfig) -> bool:
 
 
 class RewardSide:
-    def __init__(self, cfg: DictConfig, reward_pool: Any | None, judge_pg: Any | None):
+    def __init__(self, cfg: DictConfig, reward_pool: Any | None, judge_pg: Any | None, wait: bool = True):
         """``reward_pool``: verl's dedicated ``RayResourcePool`` (or ``None``: CPU actors); ``judge_pg``: the
-        placement group of vLLM judge servers (or ``None``)."""
+        placement group of vLLM judge servers (or ``None``). ``wait=False`` returns once the reward-loop workers
+        are asked to start; :meth:`wait_ready` then waits for them (the trainer starts its actor workers
+        meanwhile)."""
         self.cfg = cfg.reward
         self.streaming = streaming_enabled(cfg)
         self.scorer_names = scorer_names(cfg.reward)
@@ -46,9 +48,16 @@ class RewardSide:
         self.workers: list[Any] = []
         self.post_process = False
         if self.streaming:
-            self.workers = create_reward_workers(cfg.reward, reward_pool, self.judge_urls)
-            self.post_process = ray.get(self.workers[0].has_post_process.remote())
+            self.workers = create_reward_workers(cfg.reward, reward_pool, self.judge_urls, wait=False)
         self._colocated: RewardManager | None = None
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until the reward-loop workers have loaded their reward functions (raising a worker's load error)."""
+        if self.workers:
+            wait_ready(self.workers)
+            self.post_process = ray.get(self.workers[0].has_post_process.remote())
 
     def dispatcher_factory(self):
         """Builds the reward queue on the agent loop (``None`` in sync mode: nothing is streamed)."""

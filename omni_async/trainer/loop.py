@@ -45,7 +45,7 @@ from omni_async.trainer.metrics import (
     validation_metrics,
 )
 from omni_async.trainer.metrics_logger import MetricsLogger
-from omni_async.trainer.placement import place
+from omni_async.trainer.placement import make_pools, place
 from omni_async.trainer.step_ops import RewardFailureError, StepOps
 from omni_async.trainer.strategies import FullBatchUpdate, FullyAsync, OneStepOffPolicy, OnPolicy, PipelinedUpdate
 from omni_async.trainer.timeline import save_timeline, timeline_record
@@ -76,10 +76,14 @@ class RLTrainer:
         )
         self.sampler = PromptSampler(train_rows, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
         self.total_steps = total_training_steps(cfg, len(train_rows))
-        self.placement = place(cfg)
+        pools = make_pools(cfg)
+        # The reward workers start (process, imports, reward functions) while the actor workers load the model: the
+        # two start-ups overlap instead of adding up.
+        self.reward = RewardSide(cfg, pools.reward_pool, pools.judge_pg, wait=False)
+        self.placement = place(cfg, pools)
+        self.reward.wait_ready()
         # verl's perf/throughput divides by every device of the run (its resource pools; here also the judges').
         self.n_devices = self.placement.pools.get_n_gpus() + (reward_pool_size(cfg) if self.placement.judge_pg else 0)
-        self.reward = RewardSide(cfg, self.placement.reward_pool, self.placement.judge_pg)
         agent = cfg.actor_rollout_ref.rollout.agent
         self.agent = AgentLoopManager(
             self.placement.rollout_workers,

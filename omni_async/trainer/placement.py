@@ -45,7 +45,19 @@ class Placement:
     layout: str = "hybrid"  # hybrid | split | disaggregated (trainer.config.layout)
 
 
-def place(cfg: DictConfig) -> Placement:
+@dataclass
+class Pools:
+    """The run's resource pools, made before any worker starts (:func:`make_pools`)."""
+
+    manager: Any  # verl ResourcePoolManager
+    reward_pool: Any | None  # verl RayResourcePool for reward-loop workers, or None
+    judge_pg: Any | None  # placement group of vLLM judge servers, or None
+    layout: str
+
+
+def make_pools(cfg: DictConfig) -> Pools:
+    """The resource pools (actor/rollout, rollout, reward) and the judges' placement group, without workers: the
+    trainer starts the reward side on them while :func:`place` starts the actor workers."""
     from verl.single_controller.ray import ResourcePoolManager
 
     t, rm = cfg.trainer, cfg.reward.reward_model
@@ -68,15 +80,22 @@ def place(cfg: DictConfig) -> Placement:
         resource_pool_spec=spec, mapping=mapping, max_colocate_count=ACTOR_ROLLOUT_COLOCATE if lay == "split" else 1
     )
     pools.create_resource_pool()
-    actor_wg = _actor_worker_group(cfg, pools.get_resource_pool("actor"))
     reward_pool = pools.get_resource_pool("reward") if "reward" in mapping else None
+    return Pools(pools, reward_pool, judge_pg, lay)
+
+
+def place(cfg: DictConfig, made: Pools | None = None) -> Placement:
+    """The actor worker group (its model loaded) and the rollout workers, on ``made`` (or new pools)."""
+    made = made or make_pools(cfg)
+    pools, lay = made.manager, made.layout
+    actor_wg = _actor_worker_group(cfg, pools.get_resource_pool("actor"))
     if lay == "hybrid":
         rollout = list(actor_wg.workers)
     elif lay == "split":
         rollout = _rollout_replicas(cfg, pools.get_resource_pool("actor"), DEVICE_SHARE)
     else:
         rollout = _rollout_replicas(cfg, pools.get_resource_pool("rollout"), 1.0)
-    return Placement(pools, actor_wg, rollout, lay == "hybrid", reward_pool, judge_pg, lay)
+    return Placement(pools, actor_wg, rollout, lay == "hybrid", made.reward_pool, made.judge_pg, lay)
 
 
 def _actor_worker_group(cfg: DictConfig, pool: Any) -> Any:

@@ -8,7 +8,7 @@
 # With no arguments, on a CPU box: LoRA-trains tiny:qwen_image_text_bimodal (a tiny Qwen-Image shipped in the repo
 # that draws short strings such as Text "K4" legibly or, for the same prompt, too faint for OCR, about half each) on
 # prompts in its vocabulary, with a dedicated (logical) reward device running PP-OCR, for 20 steps of 8 prompts x 8
-# samples (7-8 min measured on 2 CPU cores shared with other jobs); the OCR reward rises as the policy moves samples
+# samples (about 3 min measured on 2 quiet CPU cores); the OCR reward rises as the policy moves samples
 # to the legible mode (README, "The main job on CPU": measured curves). The run writes plots/reward.png (reward per
 # step, validation on the held-out words before training and every 10 steps) and sample grids, and prints the run
 # directory.

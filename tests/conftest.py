@@ -50,20 +50,22 @@ def server_factory():
         s.stop()
 
 
-# One Ray cluster for the whole session: a local cluster costs ~15-20 s to start on this 2-core box (GCS, dashboard
-# and metrics agents, raylet), and the suite starts one per trainer test. Each test still runs as its own Ray job
-# (init_ray joins through RAY_ADDRESS, shutdown_ray ends the job, and Ray then kills the job's actors and removes its
-# placement groups), so tests stay isolated; subprocesses (the main job's command, benchmarks) inherit RAY_ADDRESS
-# and join too. Logical resources are generous: a test's own num_gpus / num_cpus are ignored when joining.
-# OMNI_ASYNC_TEST_OWN_RAY=1 gives every test its own local cluster, as before; tests that must own their cluster
-# use the `own_ray_cluster` fixture.
+# One Ray cluster for the whole run: a local cluster costs ~15-20 s to start on this 2-core box (GCS, dashboard and
+# metrics agents, raylet), and the suite would start one per trainer test. It is started once per `pytest` command,
+# before pytest-xdist starts its workers, so the workers (`-n 2`) and every subprocess (the main job's command,
+# benchmarks) inherit RAY_ADDRESS and join it. Each test still runs as its own Ray job (init_ray joins through
+# RAY_ADDRESS, shutdown_ray ends the job, and Ray then kills the job's actors and removes its placement groups), so
+# tests stay isolated. Logical resources are generous: a test's own num_gpus / num_cpus are ignored when joining, and
+# two tests at a time fit. OMNI_ASYNC_TEST_OWN_RAY=1 gives every test its own local cluster instead; tests that must
+# own theirs use the `own_ray_cluster` fixture.
 SHARED_RAY_GPUS, SHARED_RAY_CPUS = 16, 96
+_SHARED_CLUSTER = pytest.StashKey()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def shared_ray_cluster():
+def pytest_configure(config):
+    if hasattr(config, "workerinput") or config.option.collectonly:
+        return  # an xdist worker joins the cluster its controller started (RAY_ADDRESS)
     if os.environ.get("OMNI_ASYNC_TEST_OWN_RAY") == "1" or os.environ.get("RAY_ADDRESS"):
-        yield None
         return
     from ray.cluster_utils import Cluster
 
@@ -72,22 +74,57 @@ def shared_ray_cluster():
         head_node_args={"num_cpus": SHARED_RAY_CPUS, "num_gpus": SHARED_RAY_GPUS, "include_dashboard": False},
     )
     os.environ["RAY_ADDRESS"] = cluster.address
-    try:
-        yield cluster
-    finally:
+    config.stash[_SHARED_CLUSTER] = cluster
+
+
+def pytest_unconfigure(config):
+    cluster = config.stash.get(_SHARED_CLUSTER, None)
+    if cluster is not None:
         os.environ.pop("RAY_ADDRESS", None)
         cluster.shutdown()
 
 
 @pytest.fixture
 def own_ray_cluster(monkeypatch):
-    """This test starts (and stops) a local Ray cluster of its own instead of joining the session's."""
+    """This test starts (and stops) a local Ray cluster of its own instead of joining the run's (it runs in a
+    process of its own when the run shares one: :func:`pytest_pyfunc_call`)."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     yield
 
 
+def _runs_apart(item) -> bool:
+    return "own_ray_cluster" in getattr(item, "fixturenames", ()) and os.environ.get("OMNI_ASYNC_TEST_OWN_RAY") != "1"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A test that owns its Ray cluster runs in a fresh pytest process: once a process has started a local cluster
+    and shut it down, Ray (2.60) cannot create actors in a cluster it joins afterwards (the actor is cancelled before
+    it starts), so such a test would break every later test of the process that joins the shared cluster."""
+    if not _runs_apart(pyfuncitem):
+        return None
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMNI_ASYNC_TEST_OWN_RAY": "1"}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "--show-capture=no", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    cmd.append(pyfuncitem.nodeid)
+    proc = subprocess.run(cmd, cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True)
+    out = proc.stdout[-6000:] + proc.stderr[-3000:]
+    if proc.returncode != 0:
+        pytest.fail(f"{pyfuncitem.nodeid} failed in its own process:\n{out}", pytrace=False)
+    if " passed" not in proc.stdout.splitlines()[-1]:
+        pytest.skip(f"skipped in its own process: {out[-500:]}")
+    return True
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests that own their Ray cluster run after all the others: once a process has started a local cluster and shut
-    it down, Ray (2.60) cannot create actors in a cluster it joins afterwards (the actor is cancelled before it
-    starts), while joining first and starting a local cluster later works."""
-    items.sort(key=lambda item: "own_ray_cluster" in getattr(item, "fixturenames", ()))
+    """Long modules first, so with `-n 2 --dist loadscope` they start early and the short ones fill in at the end
+    instead of one long module running alone. A module's weight: its slow tests, a test in a process and cluster of
+    its own counting as three (they are the multi-minute multi-node runs)."""
+    weight: dict[str, int] = {}
+    for item in items:
+        w = 3 if _runs_apart(item) else item.get_closest_marker("slow") is not None
+        weight[item.location[0]] = weight.get(item.location[0], 0) + w
+    items.sort(key=lambda item: -weight[item.location[0]])

@@ -33,6 +33,9 @@ DP = [
     "trainer.log_timeline_freq=-1",
     "reward.streaming=true",
     "trainer.total_training_steps=6",
+    # One sample per device batch: which samples share a batch depends on arrival times (load), and a batch of two
+    # rounds differently from two of one; the resumes below compare rewards to 1e-5.
+    "actor_rollout_ref.rollout.agent.max_batch_size=1",
 ]
 KEYS = ("critic/rewards/mean", "actor/pg_loss", "actor/grad_norm", "perf/samples_per_rank")
 

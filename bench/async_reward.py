@@ -38,7 +38,8 @@ same devices (hybrid: ``--rollout-devices + --actor-ranks`` ranks) and writes th
 bounds and ``hidden_fraction`` come from its own sync run, and ``to_bound`` = mean step / bound. ``--layout disaggregated``
 puts ``--rollout-devices`` inference-only rollout workers on a rollout pool and ``--actor-ranks`` trainer ranks on
 theirs (weights over a gloo group, ``checkpoint_engine.backend=nccl``); ``--pin-cores`` pins each rollout worker and
-trainer rank (all its threads) to a core of its own, so on a CPU box the two pools really run side by side.
+trainer rank (all its threads) to a core of its own, so on a CPU box the two pools really run side by side, and with
+a rollout pool the run's other processes (driver, reward workers, Ray's daemons) to the trainer ranks' cores.
 Per mode the JSON also has ``samples_per_s``, each pool's busy fraction over the measured window (rollout: the
 union of the device batches of every sample of the run, warm-up and tail steps included since a look-ahead mode
 generates the next step's batch during the measured ones, clipped to the window; trainer: old-log-prob + update +
@@ -95,6 +96,8 @@ from omni_async.trainer.strategies import MODE_OVERRIDES  # noqa: E402
 # Steps run after the measured ones and not measured: a look-ahead mode's last step has no next rollout to start or
 # wait for, so measuring it would flatter one-step-off.
 TAIL_STEPS = 1
+# The cores this benchmark may use (--pin-cores spreads the run's processes over them).
+CORES = sorted(os.sched_getaffinity(0))
 # Reported for the first training step of every mode (module docstring).
 STEP1_KEYS = ("actor/ratio_mean", "actor/pg_clipfrac_lower")
 
@@ -162,12 +165,16 @@ def layout_overrides(args) -> list[str]:
 
 
 def pin_cores(trainer) -> dict[str, int]:
-    """Each rollout worker and trainer rank (every thread of its process) on a core of its own, round robin."""
-    import os
+    """Each rollout worker and trainer rank (every thread of its process) on a core of its own, round robin.
 
+    With a rollout pool (split / disaggregated layout) the run's other processes (the driver with its agent loop,
+    the reward workers, Ray's daemons) go on the trainer ranks' cores, so a rollout worker's core is its own as a GPU
+    would be (on the 2-core box they otherwise took turns on it with the rollout worker). In the hybrid layout every
+    core generates and trains, so they stay unpinned."""
+    import psutil
     import ray
 
-    cores = sorted(os.sched_getaffinity(0))
+    cores = CORES
     handles = list(trainer.placement.actor_wg.workers)
     if not trainer.placement.hybrid:
         handles = list(trainer.placement.rollout_workers) + handles
@@ -177,10 +184,23 @@ def pin_cores(trainer) -> dict[str, int]:
             os.sched_setaffinity(int(tid), {core})
         return os.getpid()
 
-    return {
-        str(ray.get(h.__ray_call__.remote(pin, cores[i % len(cores)]))): cores[i % len(cores)]
+    pinned = {
+        int(ray.get(h.__ray_call__.remote(pin, cores[i % len(cores)]))): cores[i % len(cores)]
         for i, h in enumerate(handles)
     }
+    others = set(cores)  # (every core again after an earlier mode pinned the driver)
+    if not trainer.placement.hybrid:
+        rollout = {cores[i % len(cores)] for i in range(len(trainer.placement.rollout_workers))}
+        others = (set(pinned.values()) - rollout) or others
+    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        if proc.pid in pinned:
+            continue
+        try:
+            for t in proc.threads():
+                os.sched_setaffinity(t.id, others)
+        except (psutil.Error, OSError):  # gone, or a thread that ended meanwhile
+            pass
+    return {str(pid): core for pid, core in pinned.items()}
 
 
 def ray_stats(handle) -> dict:

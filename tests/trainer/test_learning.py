@@ -108,7 +108,7 @@ OCR_MARGIN = 0.10  # training reward: last 3 steps' mean over the first 3 steps'
 OCR_VAL_MARGIN = 0.05  # validation (held-out words, ODE, the same seeds before and after): step OCR_STEPS over step 0
 
 
-@pytest.mark.timeout(900)  # the subprocess's own limit; 159 s on a quiet box, over 300 s at load average 15-27
+@pytest.mark.timeout(900)  # the subprocess's own limit; 98 s alone on a quiet box, over 300 s at load average 15-27
 def test_main_job_learns_ocr_on_the_bimodal_renderer(tmp_path):
     """The main job's command (``examples/run_qwen_image_ocr_async_reward.sh``: tiny:qwen_image_text_bimodal, LoRA,
     stream mode, PP-OCR on the dedicated reward pool, seed 42) shortened to 16 steps of 4 prompts x 8 (the command:
@@ -126,7 +126,7 @@ def test_main_job_learns_ocr_on_the_bimodal_renderer(tmp_path):
     (+0.368); with these settings over seeds 42 / 2 / 3 it rose by +0.13 to +0.47 at steps 10, 20 and 30. Its
     margin, 0.05, is about two half-read words of the 19 (a word reads 0, 0.5 or 1) and 0.08 below the smallest measured
     rise. Run on the previous renderer (MODEL_PATH=tiny:qwen_image_text), the same test fails: training 0.347 ->
-    0.396 (+0.049), validation 0.386 -> 0.333. 169 s here (load average 6-13).
+    0.396 (+0.049), validation 0.386 -> 0.333. 98 s on a quiet box (the command runs the update beside generation since 67736d8).
     """
     env = {
         **os.environ,

@@ -63,11 +63,12 @@ def test_pools_threads_and_clean_shutdown(own_ray_cluster):
     assert after <= before, f"stray processes after shutdown: {after - before}"
 
 
-def test_gpu_box_lets_ray_detect_its_devices(monkeypatch, own_ray_cluster):
+def test_gpu_box_lets_ray_detect_its_devices(monkeypatch):
     """On a machine that reports CUDA, a local Ray is started without num_gpus (Ray counts the real devices)
     instead of the logical-device count a CPU box declares; the GPU workers' thread setting travels along."""
     import torch
 
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # ray.init is a spy: no cluster starts, none is joined
     seen = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
@@ -83,9 +84,10 @@ def test_gpu_box_lets_ray_detect_its_devices(monkeypatch, own_ray_cluster):
     assert seen["num_gpus"] == 4 and seen["num_cpus"] >= 16
 
 
-def test_ray_address_in_the_environment_joins_that_cluster(monkeypatch, own_ray_cluster):
+def test_ray_address_in_the_environment_joins_that_cluster(monkeypatch):
     """trainer.ray.address=null with RAY_ADDRESS set joins that cluster (Ray's convention) instead of starting a new
     local one; an address in the config wins over the environment."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # ray.init is a spy: no cluster starts, none is joined
     seen = {}
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))

@@ -12,7 +12,7 @@ from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
 from omni_async.trainer.loop import FlowGRPOTrainer
 
-# Training runs (not in the fast tier), on a two-raylet cluster of their own (run after the shared-cluster tests).
+# Training runs (not in the fast tier), on a two-raylet cluster of their own (each in a pytest process of its own).
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("own_ray_cluster")]
 
 

@@ -20,7 +20,7 @@ from omni_async.trainer.loop import RLTrainer
 from omni_async.trainer.step_ops import ActorRankDiedError
 from omni_async.trainer.strategies import FullBatchUpdate, OneStepOffPolicy, OnPolicy, PipelinedUpdate
 
-# Training runs (not in the fast tier), on a two-raylet cluster of their own (run after the shared-cluster tests).
+# Training runs (not in the fast tier), on a two-raylet cluster of their own (each in a pytest process of its own).
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("own_ray_cluster")]
 
 # 4 prompts x 2 samples; a mini-batch of 2 groups = one group per rank.

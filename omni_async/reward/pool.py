@@ -24,10 +24,10 @@ CONTROL_CALL_SLOTS = 8
 
 
 def create_reward_workers(
-    reward_cfg: DictConfig, resource_pool: Any | None = None, judge_urls: list[str] | None = None, wait: bool = True
+    reward_cfg: DictConfig, resource_pool: Any | None = None, judge_urls: list[str] | None = None
 ) -> list[Any]:
     """Start ``reward.num_workers`` reward-loop workers, on ``resource_pool`` (a verl ``RayResourcePool``) if given.
-    ``wait``: return once they have loaded their reward functions (:func:`wait_ready`); else at once."""
+    Returns at once, while they load; :func:`wait_ready` waits for them."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     cls = ray.remote(RewardLoopWorker)
@@ -54,8 +54,6 @@ def create_reward_workers(
                 ),
             )
         workers.append(cls.options(**opts).remote(cfg_dict, i, list(judge_urls or [])))
-    if wait:
-        wait_ready(workers)
     return workers
 
 

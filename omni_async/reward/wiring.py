@@ -30,11 +30,10 @@ def streaming_enabled(cfg: DictConfig) -> bool:
 
 
 class RewardSide:
-    def __init__(self, cfg: DictConfig, reward_pool: Any | None, judge_pg: Any | None, wait: bool = True):
+    def __init__(self, cfg: DictConfig, reward_pool: Any | None, judge_pg: Any | None):
         """``reward_pool``: verl's dedicated ``RayResourcePool`` (or ``None``: CPU actors); ``judge_pg``: the
-        placement group of vLLM judge servers (or ``None``). ``wait=False`` returns once the reward-loop workers
-        are asked to start; :meth:`wait_ready` then waits for them (the trainer starts its actor workers
-        meanwhile)."""
+        placement group of vLLM judge servers (or ``None``). Returns once the reward-loop workers are asked to
+        start; :meth:`wait_ready` waits for them (the trainer starts its actor workers meanwhile)."""
         self.cfg = cfg.reward
         self.streaming = streaming_enabled(cfg)
         self.scorer_names = scorer_names(cfg.reward)
@@ -48,10 +47,8 @@ class RewardSide:
         self.workers: list[Any] = []
         self.post_process = False
         if self.streaming:
-            self.workers = create_reward_workers(cfg.reward, reward_pool, self.judge_urls, wait=False)
+            self.workers = create_reward_workers(cfg.reward, reward_pool, self.judge_urls)
         self._colocated: RewardManager | None = None
-        if wait:
-            self.wait_ready()
 
     def wait_ready(self) -> None:
         """Block until the reward-loop workers have loaded their reward functions (raising a worker's load error)."""

@@ -79,7 +79,7 @@ class RLTrainer:
         pools = make_pools(cfg)
         # The reward workers start (process, imports, reward functions) while the actor workers load the model: the
         # two start-ups overlap instead of adding up.
-        self.reward = RewardSide(cfg, pools.reward_pool, pools.judge_pg, wait=False)
+        self.reward = RewardSide(cfg, pools.reward_pool, pools.judge_pg)
         self.placement = place(cfg, pools)
         self.reward.wait_ready()
         # verl's perf/throughput divides by every device of the run (its resource pools; here also the judges').

@@ -84,9 +84,8 @@ def make_pools(cfg: DictConfig) -> Pools:
     return Pools(pools, reward_pool, judge_pg, lay)
 
 
-def place(cfg: DictConfig, made: Pools | None = None) -> Placement:
-    """The actor worker group (its model loaded) and the rollout workers, on ``made`` (or new pools)."""
-    made = made or make_pools(cfg)
+def place(cfg: DictConfig, made: Pools) -> Placement:
+    """The actor worker group (its model loaded) and the rollout workers, on the pools :func:`make_pools` made."""
     pools, lay = made.manager, made.layout
     actor_wg = _actor_worker_group(cfg, pools.get_resource_pool("actor"))
     if lay == "hybrid":

@@ -5,7 +5,9 @@ reward as soon as it exists; a :class:`GenerationBatcher` still runs the device 
 within ``max_wait_ms`` of each other (up to ``max_batch_size``, same sampling settings and SDE window length) are
 generated together, each with its own SDE window (the policy runs per-row windows in one batch, as verl-omni's
 request batches do). The model runs in one device thread, so the worker's event loop keeps accepting requests while
-a batch is on the device.
+a batch is on the device. A text policy batches continuously (``TextPolicy.generate_stream``): a request that arrives
+while a batch runs takes the row of a response that ended, between two tokens, and each response is answered when it
+ends, not when the batch's longest one does.
 
 Sampling is a pure function of (weights version, seed, window): sample ``i`` of step ``k`` uses the seed
 :func:`sample_seed` (trainer seed, k, i) and the window the trainer drew for it, so results do not depend on
@@ -43,6 +45,35 @@ SEED_SAMPLE, SEED_WINDOW, SEED_VALIDATION = 0, 1, 2  # independent random stream
 def sample_seed(base_seed: int, step: int, index: int, stream: int = SEED_SAMPLE) -> int:
     """A 31-bit seed that depends only on (base seed, stream, step, sample index)."""
     return int(np.random.SeedSequence([base_seed, stream, step, index]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+class DeviceThread(ThreadPoolExecutor):
+    """The one thread that runs a worker's device work (generation batches, weight writes, updates), counting the
+    calls queued behind the one running: a continuous-batching session takes no new requests while another call
+    waits, so a weight write or an update is not starved by a stream of requests."""
+
+    def __init__(self, name: str):
+        super().__init__(max_workers=1, thread_name_prefix=name)
+        self._lock = threading.Lock()
+        self._queued = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        def run():
+            with self._lock:
+                self._queued -= 1
+            return fn(*args, **kwargs)
+
+        with self._lock:
+            self._queued += 1
+        try:
+            return super().submit(run)
+        except BaseException:
+            with self._lock:
+                self._queued -= 1
+            raise
+
+    def others_waiting(self) -> bool:
+        return self._queued > 0
 
 
 @dataclass
@@ -100,9 +131,13 @@ class GenerationBatcher:
         max_batch_size: int,
         max_wait_ms: float,
         slots: WeightSlots | None = None,
+        stream: Callable[..., None] | None = None,
     ):
         self.generate, self.version, self.device, self.slots = generate, version, device, slots
+        self.stream = stream
         self.max_batch_size, self.max_wait_s = int(max_batch_size), float(max_wait_ms) / 1000.0
+        # The event loop adds and picks requests; a streaming session on the device thread takes them too.
+        self._lock = threading.Lock()
         self._pending: list[_Request] = []
         self._worker: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop requests arrive on
@@ -133,7 +168,8 @@ class GenerationBatcher:
         fut = loop.create_future()
         window = (int(window[0]), int(window[1])) if window is not None else None
         settings = tuple(sorted(sampling.items())) if sampling else None
-        self._pending.append(_Request(prompt, int(seed), window, fut, settings, version, resume))
+        with self._lock:
+            self._pending.append(_Request(prompt, int(seed), window, fut, settings, version, resume))
         self._wake.set()
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
@@ -167,12 +203,16 @@ class GenerationBatcher:
             if len(self._pending) < self.max_batch_size:
                 await asyncio.sleep(self.max_wait_s)  # let concurrent requests join the batch
             self._wake.clear()
-            batch, swap = self._next_batch()
+            with self._lock:
+                batch, swap = self._next_batch()
+                taken = {id(r) for r in batch}
+                self._pending = [r for r in self._pending if id(r) not in taken]
             if not batch:  # every request is for weights that have not arrived: wait for them (or a new request)
                 await self._wake.wait()
                 continue
-            taken = {id(r) for r in batch}
-            self._pending = [r for r in self._pending if id(r) not in taken]
+            if self.stream is not None and batch[0].window is None and batch[0].sampling is None:
+                await self._session(batch, swap)
+                continue
             sampling = batch[0].sampling
             args = ([r.prompt for r in batch], [r.seed for r in batch])
             if batch[0].window is not None:
@@ -194,6 +234,52 @@ class GenerationBatcher:
                     result.stamp_version(version)
                 r.future.set_result(Generation(result, version, t0, t1))
 
+    async def _session(self, first: list[_Request], swap: bool) -> None:
+        """Continuous batching (``stream``, text): ``first`` starts a session on the device that takes further
+        requests of the same settings between two tokens while rows are free, on the weights it started with (a
+        request that needs newer weights waits for the next session) and while no other device call waits; each
+        response is answered the moment it ends. ``batch_sizes`` records the session's peak rows."""
+        loop = asyncio.get_running_loop()
+        settings = first[0].settings
+        admitted: dict[int, tuple[_Request, float]] = {}
+        version, index = 0, len(self.batch_sizes)
+        self.batch_sizes.append(0)
+
+        def admit(free: int) -> list[tuple[int, str, int, Result | None]]:
+            if first:
+                take = first[:free]
+                del first[:free]
+            elif getattr(self.device, "others_waiting", lambda: False)():
+                return []
+            else:
+                with self._lock:
+                    take = [r for r in self._pending if r.settings == settings and not self._needs_staged(r)][:free]
+                    taken = {id(r) for r in take}
+                    self._pending = [r for r in self._pending if id(r) not in taken]
+            t = time.time()
+            admitted.update({id(r): (r, t) for r in take})
+            self.batch_sizes[index] = max(self.batch_sizes[index], len(admitted))
+            return [(id(r), r.prompt, r.seed, r.resume) for r in take]
+
+        def emit(key: int, result: Result) -> None:
+            r, t0 = admitted.pop(key)
+            result.stamp_version(version)
+            loop.call_soon_threadsafe(_answer, r.future, Generation(result, version, t0, time.time()))
+
+        def run() -> None:
+            nonlocal version
+            if swap:
+                self.slots.apply()
+            version = self.version()
+            self.stream(admit, emit, capacity=self.max_batch_size)
+
+        try:
+            await loop.run_in_executor(self.device, run)
+        except Exception as e:  # a failed session fails the requests it holds, not the worker
+            for r in [*first, *(r for r, _ in admitted.values())]:
+                if not r.future.done():
+                    r.future.set_exception(e)
+
     def _run(self, call: Callable[..., list[Result]], args: tuple, swap: bool) -> tuple[int, float, list[Result]]:
         """On the device thread: the staged weights written first when the batch is for them, then the weights
         version and start time of this batch, and its results."""
@@ -201,6 +287,11 @@ class GenerationBatcher:
             self.slots.apply()
         version, t0 = self.version(), time.time()
         return version, t0, call(*args)
+
+
+def _answer(future: asyncio.Future, generation: Generation) -> None:
+    if not future.done():  # its caller may have given up (cancelled)
+        future.set_result(generation)
 
 
 class RolloutReplica:
@@ -245,11 +336,17 @@ class RolloutReplica:
         # partial rollout the batch on the device stops after its current token, so the write need not wait for it.
         self.write_waiting = threading.Event()
         self.interrupted = 0  # responses returned unfinished (partial rollout)
-        self.device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-device")
+        self.device_thread = DeviceThread("rollout-device")
         # Staged receives run here, beside the device thread (a broadcast must not wait for the batch on the device).
         self.receive_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-weights")
         self.batcher = GenerationBatcher(
-            self._generate, lambda: self.slots.active, self.device_thread, max_batch_size, max_wait_ms, self.slots
+            self._generate,
+            lambda: self.slots.active,
+            self.device_thread,
+            max_batch_size,
+            max_wait_ms,
+            self.slots,
+            stream=self._stream if hasattr(self.policy, "generate_stream") else None,
         )
 
     @property
@@ -257,17 +354,31 @@ class RolloutReplica:
         """The weights version the model holds now."""
         return self.slots.active
 
-    def _generate(self, *args, **kwargs):
+    def _check_weights(self) -> None:
         if self.torn:
             raise RuntimeError(
                 "this rollout worker's weights are half written (a weight transfer failed); it "
                 "generates again once the next complete sync arrived"
             )
+
+    def _generate(self, *args, **kwargs):
+        self._check_weights()
         if self.partial_rollout:
             kwargs["should_stop"] = self._newer_weights_waiting
         results = self.policy.generate(*args, **kwargs)
         self.interrupted += sum(bool(r.unfinished) for r in results)
         return results
+
+    def _stream(self, admit, emit, capacity: int) -> None:
+        """A continuous-batching session (text): as :meth:`_generate`, responses answered one by one."""
+        self._check_weights()
+
+        def counted(key, result) -> None:
+            self.interrupted += bool(result.unfinished)
+            emit(key, result)
+
+        stop = self._newer_weights_waiting if self.partial_rollout else None
+        self.policy.generate_stream(admit, counted, capacity=capacity, should_stop=stop)
 
     def _newer_weights_waiting(self) -> bool:
         """Partial rollout, asked by the batch on the device after each token: a newer set is staged (the next batch

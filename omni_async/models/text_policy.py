@@ -6,6 +6,10 @@ device, so a response depends on (weights, prompt, seed, device) only, not on wh
 (up to the float noise of left padding). Inputs are moved to the model's device here; what leaves the policy
 (``TextResult``) is on the CPU.
 
+Decoding is continuously batched (:meth:`TextPolicy.generate_stream`, as vLLM's scheduler does): a response leaves
+the batch after its last token and a waiting request takes its row before the next token, so a batch with a long
+response in it does not run its other rows as padding, and each response reaches its reward the moment it ends.
+
 Partial rollout (fully async, text): ``should_stop`` ends a batch after its current token (a weight sync is waiting);
 the responses not done come back unfinished with their generators' states and are continued later (``resume``),
 possibly under other weights. Such a response depends also on where it was interrupted, not only on its seed.
@@ -14,7 +18,8 @@ possibly under other weights. Such a response depends also on where it was inter
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -131,74 +136,77 @@ class TextPolicy(TrainableModule):
         resume: list[TextResult | None] | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> list[TextResult]:
-        """Sample the responses of ``prompt_rows`` (see :meth:`generate`).
+        """Sample the responses of ``prompt_rows`` (see :meth:`generate`): one decoding batch that none joins.
 
         A continued response is prompted with its prompt and the tokens it has (the prefix is encoded again under
         the weights loaded now, as verl's partial rollout resubmits ``prompt_ids + response_ids``) and draws from its
         saved generator state, with what is left of its length budget; with unchanged weights it ends as the
         uninterrupted response would (up to the float noise of re-encoding the prefix)."""
-        n = len(prompt_rows)
-        resume = resume or [None] * n
-        prev = [r.response_ids if r is not None else [] for r in resume]
-        ids, mask = self._left_pad([p + q for p, q in zip(prompt_rows, prev, strict=True)])
-        gens = []
-        for s, r in zip(seeds, resume, strict=True):
-            g = torch.Generator(device=ids.device)  # where the probs are
-            if r is not None:
-                g.set_state(r.rng_state)
-            else:
-                g.manual_seed(int(s))
-            gens.append(g)
-        temp = max(float(self.sampling.temperature), 1e-5)
-        done = torch.zeros(n, dtype=torch.bool, device=self.device)
-        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
-        budgets = [
-            length_budget(s, self.sampling.response_length, self.sampling.response_length_pareto_alpha) for s in seeds
-        ]
-        left_list = [b - len(q) for b, q in zip(budgets, prev, strict=True)]  # tokens each row may still draw
-        left = torch.tensor(left_list, device=self.device)
-        tokens, logps = [], []
-        past, cur = None, ids
-        stopped = False
-        for t in range(max(left_list)):
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -cur.shape[1] :]
-            out = self.model(input_ids=cur, attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            logp = torch.log_softmax(out.logits[:, -1].float() / temp, dim=-1)
-            nxt = torch.stack([torch.multinomial(logp[i].exp(), 1, generator=gens[i])[0] for i in range(n)])
-            nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
-            tokens.append(nxt)
-            logps.append(logp.gather(-1, nxt[:, None])[:, 0])
-            done |= torch.isin(nxt, eos) | (left <= t + 1)
-            cur = nxt[:, None]
-            mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
-            if done.all():
-                break
+        resume = resume or [None] * len(prompt_rows)
+        rows = list(enumerate(zip(prompt_rows, seeds, resume, strict=True)))
+        out: dict[int, TextResult] = {}
+
+        def admit(free: int) -> list[tuple[int, list[int], int, TextResult | None]]:
+            taken = [(i, *row) for i, row in rows[:free]]
+            del rows[:free]
+            return taken
+
+        self.decode(admit, out.__setitem__, capacity=len(prompt_rows), should_stop=should_stop)
+        return [out[i] for i in range(len(prompt_rows))]
+
+    def generate_stream(
+        self,
+        admit: Callable[[int], list[tuple[Any, str, int, TextResult | None]]],
+        emit: Callable[[Any, TextResult], None],
+        *,
+        capacity: int,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> None:
+        """Continuous batching (a rollout worker's session, ``rollout_replica.GenerationBatcher``): ``admit(free)``
+        returns up to ``free`` new requests ``(key, prompt, seed, resume)`` and is asked before every token while
+        fewer than ``capacity`` responses are in flight; each response goes to ``emit(key, result)`` the moment it
+        ends, so it reaches its reward while the others go on. Returns when nothing is in flight and ``admit`` gives
+        nothing (or, with ``should_stop``, after emitting the responses in flight unfinished)."""
+
+        def admit_ids(free: int) -> list[tuple[Any, list[int], int, TextResult | None]]:
+            return [
+                (key, r.prompt_ids if r is not None else self.prompt_ids(p), seed, r) for key, p, seed, r in admit(free)
+            ]
+
+        with torch.no_grad():
+            self.decode(admit_ids, emit, capacity=capacity, should_stop=should_stop)
+
+    def decode(
+        self,
+        admit: Callable[[int], list[tuple[Any, list[int], int, TextResult | None]]],
+        emit: Callable[[Any, TextResult], None],
+        *,
+        capacity: int,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> None:
+        """The decoding loop of :meth:`sample_from_ids` and :meth:`generate_stream` (``admit`` gives prompt token
+        ids). A response leaves the batch after its last token and free rows are filled before the next one: the
+        device runs the responses it has, not the padding of the longest one (a long-tail batch of 4 is ~50 %
+        padding under static batching). Where the model's cache is not a plain full-attention ``DynamicCache`` (a
+        sliding-window layer), rows join only while the batch is empty: static batches."""
+        batch = _DecodeBatch(self)
+        while True:
+            free = capacity - len(batch.rows)
+            if free > 0 and (batch.splice_ok or not batch.rows):
+                new = admit(free)
+                if new:
+                    batch.join(new)
+            if not batch.rows:
+                return
+            for key, result in batch.pop_done():
+                emit(key, result)
+            if not batch.rows:
+                continue
             if should_stop is not None and should_stop():
-                stopped = True  # the rows not done come back unfinished, with their generators' states
-                break
-        tokens, logps = torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()  # one copy to the host
-        finished = done.cpu().tolist()
-        records = []
-        for i in range(n):
-            row = tokens[i].tolist()
-            length = next((k + 1 for k, t in enumerate(row) if t in self.eos_ids), len(row))  # cut after 1st EOS
-            length = min(length, left_list[i])  # or at the sample's length budget
-            response_ids = prev[i] + row[:length]
-            r = resume[i]
-            records.append(
-                TextResult(
-                    prompt_ids=prompt_rows[i],
-                    response_ids=response_ids,
-                    response=self.tok.decode(response_ids, skip_special_tokens=True),
-                    log_probs=torch.cat([r.log_probs, logps[i, :length]])
-                    if r is not None
-                    else logps[i, :length].clone(),
-                    versions=r.versions.clone() if r is not None else torch.zeros(0, dtype=torch.int64),
-                    rng_state=gens[i].get_state() if stopped and not finished[i] else None,
-                )
-            )
-        return records
+                for key, result in batch.interrupt():
+                    emit(key, result)
+                return
+            batch.step()
 
     def log_probs(
         self,
@@ -219,3 +227,150 @@ class TextPolicy(TrainableModule):
         lr = response_ids.shape[1]
         logits = logits[:, -lr - 1 : -1].float() / max(float(self.sampling.temperature), 1e-5)
         return torch.log_softmax(logits, -1).gather(-1, response_ids[..., None])[..., 0]
+
+
+@dataclass
+class _Row:
+    """One response in a :class:`_DecodeBatch`."""
+
+    key: Any
+    prompt_ids: list[int]
+    prev: list[int]  # the tokens it came with (a continued response)
+    resume: TextResult | None
+    gen: torch.Generator
+    left: int  # tokens it may still draw (its length budget less what it has)
+    tokens: list[int] = field(default_factory=list)
+    logps: list[torch.Tensor] = field(default_factory=list)  # one 0-d tensor per token, on the device
+    done: bool = False
+
+
+class _DecodeBatch:
+    """Responses decoding together, each with its own generator and budget; rows join (their prompts encoded in one
+    forward, the caches left-padded to a common length) and leave (their cache rows dropped) between two tokens.
+
+    Every row's next token is sampled but not yet in the cache (``nxt``); positions come from the attention mask, so
+    left padding of any width, and trimming columns no row attends to, leave each row's computation unchanged up to
+    float noise."""
+
+    def __init__(self, policy: TextPolicy):
+        self.p = policy
+        self.rows: list[_Row] = []
+        self.cache: Any = None
+        self.mask: torch.Tensor | None = None  # [B, T]: which cached positions each row attends to
+        self.nxt: torch.Tensor | None = None  # [B]
+        self.splice_ok = True  # set False by a cache this class cannot splice (see TextPolicy.decode)
+        self.temp = max(float(policy.sampling.temperature), 1e-5)
+        self.eos = torch.tensor(policy.eos_ids, dtype=torch.long, device=policy.device)
+
+    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        """Each row's next token from its own generator; records it and its log-prob."""
+        logp = torch.log_softmax(logits.float() / self.temp, dim=-1)
+        nxt = torch.stack([torch.multinomial(logp[i].exp(), 1, generator=r.gen)[0] for i, r in enumerate(rows)])
+        lp = logp.gather(-1, nxt[:, None])[:, 0]
+        ended = torch.isin(nxt, self.eos).tolist()
+        for i, (r, tok) in enumerate(zip(rows, nxt.tolist(), strict=True)):
+            r.tokens.append(tok)
+            r.logps.append(lp[i])
+            r.done = ended[i] or len(r.tokens) >= r.left
+        return nxt
+
+    def join(self, new: list[tuple[Any, list[int], int, TextResult | None]]) -> None:
+        p = self.p
+        rows = []
+        for key, prompt_ids, seed, r in new:
+            g = torch.Generator(device=p.device)  # where the probs are
+            if r is not None:
+                g.set_state(r.rng_state)
+            else:
+                g.manual_seed(int(seed))
+            prev = r.response_ids if r is not None else []
+            budget = length_budget(seed, p.sampling.response_length, p.sampling.response_length_pareto_alpha)
+            rows.append(_Row(key, prompt_ids, list(prev), r, g, budget - len(prev)))
+        ids, mask = p._left_pad([r.prompt_ids + r.prev for r in rows])
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = p.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        nxt = self._sample(out.logits[:, -1], rows)
+        cache = out.past_key_values
+        if not self.rows:
+            self.rows, self.cache, self.mask, self.nxt = rows, cache, mask, nxt
+            self.splice_ok = _plain_layers(cache) is not None
+            return
+        old, new_ = _plain_layers(self.cache), _plain_layers(cache)
+        width = max(self.mask.shape[1], mask.shape[1])
+        for a, b in zip(old, new_, strict=True):
+            a.keys = torch.cat([_pad_left(a.keys, width, -2), _pad_left(b.keys, width, -2)])
+            a.values = torch.cat([_pad_left(a.values, width, -2), _pad_left(b.values, width, -2)])
+        self.mask = torch.cat([_pad_left(self.mask, width, 1), _pad_left(mask, width, 1)])
+        self.nxt = torch.cat([self.nxt, nxt])
+        self.rows += rows
+
+    def step(self) -> None:
+        """One token for every row."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
+        pos = (self.mask.cumsum(-1) - 1)[:, -1:]
+        out = self.p.model(
+            input_ids=self.nxt[:, None],
+            attention_mask=self.mask,
+            position_ids=pos,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.cache = out.past_key_values
+        self.nxt = self._sample(out.logits[:, -1], self.rows)
+
+    def pop_done(self) -> list[tuple[Any, TextResult]]:
+        """The rows that ended, as results; their cache rows and the columns no row attends to any more go."""
+        done = [r for r in self.rows if r.done]
+        if not done:
+            return []
+        keep = [i for i, r in enumerate(self.rows) if not r.done]
+        self.rows = [self.rows[i] for i in keep]
+        if self.rows:
+            index = torch.tensor(keep, device=self.mask.device)
+            self.mask, self.nxt = self.mask[index], self.nxt[index]
+            if self.splice_ok:
+                first = int(self.mask.any(0).int().argmax())  # columns before it are padding in every row left
+                self.mask = self.mask[:, first:]
+                for layer in _plain_layers(self.cache):
+                    layer.keys = layer.keys[index, :, first:]
+                    layer.values = layer.values[index, :, first:]
+            else:
+                self.cache.batch_select_indices(index)
+        return [(r.key, self._result(r, finished=True)) for r in done]
+
+    def interrupt(self) -> list[tuple[Any, TextResult]]:
+        """Every row in flight, unfinished (partial rollout), with its generator's state to continue from."""
+        rows, self.rows = self.rows, []
+        return [(r.key, self._result(r, finished=False)) for r in rows]
+
+    def _result(self, r: _Row, finished: bool) -> TextResult:
+        response_ids = r.prev + r.tokens
+        logps = torch.stack(r.logps).cpu()
+        return TextResult(
+            prompt_ids=r.prompt_ids,
+            response_ids=response_ids,
+            response=self.p.tok.decode(response_ids, skip_special_tokens=True),
+            log_probs=torch.cat([r.resume.log_probs, logps]) if r.resume is not None else logps,
+            versions=r.resume.versions.clone() if r.resume is not None else torch.zeros(0, dtype=torch.int64),
+            rng_state=None if finished else r.gen.get_state(),
+        )
+
+
+def _plain_layers(cache: Any) -> list | None:
+    """The layers of a cache whose rows and columns can be spliced (full-attention ``DynamicLayer``s), else None."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        return None
+    return layers
+
+
+def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """``t`` with zeros prepended along ``dim`` up to ``width`` (cache positions no row attends to)."""
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -35,7 +34,7 @@ from verl import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
-from omni_async.agent_loop.rollout_replica import Generation, GenerationBatcher
+from omni_async.agent_loop.rollout_replica import DeviceThread, Generation, GenerationBatcher
 from omni_async.agent_loop.weight_sync import WeightGroup, fits_one_bucket, free_address, tensor_meta
 from omni_async.cluster import configure_worker
 from omni_async.modality import get_modality
@@ -52,7 +51,7 @@ class ActorWorker(Worker):
         self.cfg = OmegaConf.create(config)
         self.device = configure_worker()
         self.modality = get_modality(self.cfg.actor_rollout_ref.model.modality)
-        self._device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actor-device")
+        self._device_thread = DeviceThread("actor-device")
         self.rollout_version = 0
         self.weights_shipped = 0  # get_weights calls: the split layout's transfers (stays 0 in the hybrid one)
         self.weights_broadcast = 0  # send_weights calls: transfers over the cross-pool group (disaggregated, nccl)
@@ -100,6 +99,7 @@ class ActorWorker(Worker):
             self._device_thread,
             r.agent.max_batch_size,
             r.agent.max_wait_ms,
+            stream=self._stream if hasattr(self.policy, "generate_stream") else None,
         )
 
     # ---- rollout (hybrid layout) --------------------------------------------------------------------------------
@@ -108,6 +108,12 @@ class ActorWorker(Worker):
             return self.policy.generate(*args, **kwargs)
         with self.policy.rollout_adapter():
             return self.policy.generate(*args, **kwargs)
+
+    def _stream(self, admit, emit, capacity: int) -> None:
+        if not self.snapshot:
+            return self.policy.generate_stream(admit, emit, capacity=capacity)
+        with self.policy.rollout_adapter():
+            return self.policy.generate_stream(admit, emit, capacity=capacity)
 
     async def generate(
         self,

@@ -1,6 +1,7 @@
 """``python tests/trainer/logging_trainer.py LOG OVERRIDES...``: the trainer's ``fit`` as ``python -m
 omni_async.trainer.main`` runs it, appending ``step uid index seed`` of every trained sample to LOG after each step
-(flushed), and sleeping ``SLOW_UPDATE_S`` seconds in each optimizer step. A test kills this process with SIGKILL."""
+(flushed), and sleeping ``SLOW_UPDATE_S`` seconds in each optimizer step; ``CONFIG_NAME`` picks the shipped config
+(default flowgrpo_trainer). A test kills this process with SIGKILL."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from omni_async.trainer.loop import RLTrainer
 
 def main() -> None:
     log_path, overrides = sys.argv[1], sys.argv[2:]
-    trainer = RLTrainer(compose(overrides))
+    trainer = RLTrainer(compose(overrides, config_name=os.environ.get("CONFIG_NAME", "flowgrpo_trainer")))
     slow = float(os.environ.get("SLOW_UPDATE_S", "0"))
     real_step, real_train_step = trainer.ops.optimizer_step, trainer.train_step
 

@@ -226,11 +226,13 @@ def _descendants(pid: int) -> list:
 
 
 @pytest.mark.slow
-def test_kill_9_of_the_trainer_then_resume_trains_every_group_once(tmp_path):
+@pytest.mark.parametrize("modality", ["image", "text"])
+def test_kill_9_of_the_trainer_then_resume_trains_every_group_once(tmp_path, modality):
     """The trainer process (driver, rollouter, message queue, Ray head) is killed with SIGKILL once its step-2
-    checkpoint exists, with scored groups queued and more generating; the resumed run makes the checkpoint's draws
-    again and regenerates the unfinished groups from their seeds. Across the two runs every group is trained exactly
-    once (the steps the kill lost are the killed run's steps after the checkpoint: they count as not trained)."""
+    checkpoint exists, with scored groups queued and more generating (text: with verl's partial rollout, responses
+    half generated); the resumed run makes the checkpoint's draws again and regenerates the unfinished groups from
+    their seeds. Across the two runs every group is trained exactly once (the steps the kill lost are the killed
+    run's steps after the checkpoint: they count as not trained)."""
     import os
     import signal
     import subprocess
@@ -240,19 +242,21 @@ def test_kill_9_of_the_trainer_then_resume_trains_every_group_once(tmp_path):
 
     data = write_prompts(tmp_path / "train.jsonl", 8)
     run = tmp_path / "run"
+    if modality == "image":
+        base, config_name = [*SMALL_IMAGE_TRAINER, *FULLY_ASYNC, *QUIET], "flowgrpo_trainer"
+    else:  # two responses per device batch: some are in flight at every sync, so partial rollout interrupts them
+        base, config_name = [*TEXT_PARTIAL, "actor_rollout_ref.rollout.agent.max_batch_size=2"], "grpo_text_trainer"
     overrides = [
         f"data.train_files={data}",
         f"trainer.run_dir={run}",
-        *SMALL_IMAGE_TRAINER,
-        *FULLY_ASYNC,
-        *QUIET,
+        *base,
         "trainer.resume_mode=auto",
         "async_training.staleness_threshold=1",
         "trainer.total_training_steps=3",
         "trainer.save_freq=2",
         "trainer.save_interval_min=-1",
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CONFIG_NAME": config_name}
     runner = [sys.executable, str(ROOT / "tests/trainer/logging_trainer.py")]
     logs = [tmp_path / "killed.log", tmp_path / "resumed.log"]
     killed = subprocess.Popen(

@@ -7,7 +7,8 @@ with the simulated remote scorer: a seeded uniform 1-40 s latency per sample sca
 (25 ms - 1 s by default), served at most ``--scorer-capacity`` requests at a time (a remote judge's concurrency
 limit). The sync baseline's colocated reward and the single reward-loop worker of the streaming modes go through
 the same capacity. Only the steps after warm-up are measured, and one more step runs after them unmeasured
-(``TAIL_STEPS``: a look-ahead mode's last step of a run has no next rollout to overlap).
+(``TAIL_STEPS``: a look-ahead mode's last step of a run has no next rollout to overlap; fully async: ceil(1 + s)
+steps, which train what the rollouter generated ahead during the measured ones, so that counts as busy).
 
 ``--actor-ranks 2`` trains data-parallel on two actor ranks (one rollout worker each); on a CPU box the two share
 its cores, so it is recorded for the record (``samples_per_rank``, ``throughput``), not expected to be faster:
@@ -62,9 +63,9 @@ time a mode hid. Means, not medians, because the overlapped modes carry work fro
 after every update) on the disaggregated layout (1 rollout + 1 trainer device) at each staleness threshold, against
 the hybrid layout's colocated sync and one-step-off on the same 2 devices (2 ranks), every process pinned to a core
 of its own. Per row: samples/s over the measured steps, ×one-step-off, each pool's busy fraction, the largest lag, and
-the bound (``fully_async_bound``): the smaller of latency-bound = samples in flight / (judge latency + generation +
-update) and device-bound = samples / busy time of the busier pool (hybrid: generation + update take turns on each
-device). ``--min-latency 2 --max-latency 3 --latency-scale 1 --scorer-capacity 0`` is a remote judge of 2-3 s with
+the bound (``fully_async_bound``): the smallest of latency-bound = samples in flight / (judge latency + generation +
+update), device-bound = samples / busy time of the busier pool (hybrid: generation + update take turns on each
+device) and judge-bound = calls served at once (judge capacity or the reward loop's in-flight limit) / latency. ``--min-latency 2 --max-latency 3 --latency-scale 1 --scorer-capacity 0`` is a remote judge of 2-3 s with
 ample concurrency; ``--modality text --long-tail-alpha 1.2 --lora-rank 8`` the long tail (LoRA: hybrid one-step-off
 snapshots a LoRA adapter only).
 
@@ -327,7 +328,9 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
     window = [float("inf"), 0.0]
     cpu: list[dict] = []
     try:
-        for step in range(args.warmup + args.steps + TAIL_STEPS):
+        # The run's every step: a fully async run's tail steps train what its rollouter generated during the
+        # measured window (left out, that generation would count as the rollout pool idling).
+        for step in range(args.warmup + args.steps + max(TAIL_STEPS, getattr(args, "tail_steps", 0))):
             t_start = time.time()
             if step == args.warmup:
                 cpu.append(cpu_snapshot())
@@ -460,7 +463,18 @@ def bounds(p: dict, minibatches: int, shared_devices: bool = False) -> dict[str,
     }
 
 
-def fully_async_bound(r: dict, in_flight_samples: float, step_samples: int, capacity: int = 0) -> dict[str, float]:
+def reward_inflight(args) -> int:
+    """The reward-loop worker's concurrent calls in this run: ``--reward-inflight`` or the shipped config's."""
+    if args.reward_inflight is not None:
+        return int(args.reward_inflight)
+    from omegaconf import OmegaConf
+
+    return int(OmegaConf.load(ROOT / "omni_async/config/flowgrpo_trainer.yaml").reward.max_inflight_per_worker)
+
+
+def fully_async_bound(
+    r: dict, in_flight_samples: float, step_samples: int, capacity: int = 0, reward_inflight: int = 0
+) -> dict[str, float]:
     """A row's throughput bounds from its own run, samples/s (the smallest is the bound):
 
     - latency-bound: samples in flight / (judge latency + generation + update), with the generation and update
@@ -469,7 +483,9 @@ def fully_async_bound(r: dict, in_flight_samples: float, step_samples: int, capa
     - device-bound: samples / max(rollout busy s, trainer busy s) when the two pools are separate (disaggregated),
       samples / (rollout busy s + trainer busy s) / devices when both jobs share the devices (hybrid: generation
       and update take turns on each device);
-    - judge-bound (``--scorer-capacity`` > 0): capacity / mean judge latency, the judge's own throughput.
+    - judge-bound: the calls served at once / mean judge latency, where that is the smaller of the judge's
+      capacity (``--scorer-capacity`` > 0) and the reward-loop worker's ``reward.max_inflight_per_worker``
+      (``reward_inflight``; one worker here).
     """
     n = r["samples"]
     gen = r["rollout_busy_s"] / n * step_samples
@@ -479,7 +495,8 @@ def fully_async_bound(r: dict, in_flight_samples: float, step_samples: int, capa
         device = n / max(r["rollout_busy_s"], r["trainer_busy_s"])
     else:  # hybrid: each of the 2 devices generates and updates in turn, its half of the samples
         device = n / (r["rollout_busy_s"] / 2 + r["trainer_busy_s"])
-    judge = capacity / r["latency_mean_s"] if capacity > 0 else None
+    concurrent = min(c for c in (capacity, reward_inflight, float("inf")) if c > 0)
+    judge = concurrent / r["latency_mean_s"] if concurrent < float("inf") else None
     return {
         "latency_bound": latency,
         "device_bound": device,
@@ -510,8 +527,11 @@ def compare_fully_async(args, staleness: list[float]) -> None:
     for st in staleness:  # one update = one lock-step step's prompts (require_batches mini-batches)
         cap = int((1 + st) * per_update * args.mini_batch)  # groups per window (K = 1)
         disagg_s = Namespace(**{**vars(disagg), "tail_steps": math.ceil(1 + st)})
-        # text: the recorded runs finish each response under the weights that started it (partial rollout off)
-        text = ["async_training.partial_rollout=false"] if args.modality == "text" else []
+        # text: verl's partial rollout (default) continues a response in flight at a sync under the new weights;
+        # off, the rollout worker lets it finish first and takes no new request meanwhile (its long tail idles rows)
+        text = (
+            [f"async_training.partial_rollout={str(args.partial_rollout).lower()}"] if args.modality == "text" else []
+        )
         rows[f"fully_async s={st:g}"] = (
             disagg_s,
             [*fully_async_overrides(st), *text, f"async_training.require_batches={per_update}"],
@@ -537,7 +557,9 @@ def compare_fully_async(args, staleness: list[float]) -> None:
         )
         for name, (a, overrides, in_flight) in rows.items():
             results[name] = run_mode(name.replace(" ", "_").replace("=", ""), overrides, a, data, Path(tmp) / "runs")
-            results[name].update(fully_async_bound(results[name], in_flight, step_samples, args.scorer_capacity))
+            results[name].update(
+                fully_async_bound(results[name], in_flight, step_samples, args.scorer_capacity, reward_inflight(args))
+            )
     load["after"] = os.getloadavg()
     base = results["hybrid one-step-off"]["samples_per_s"]
     for r in results.values():
@@ -623,9 +645,16 @@ def main() -> None:
         help="e.g. 0.5,1,2,3: compare fully async (disaggregated, 1+1 devices) at these thresholds with "
         "colocated sync and hybrid one-step-off (2 ranks); ignores --modes / --layout",
     )
+    p.add_argument(
+        "--partial-rollout",
+        choices=["true", "false"],
+        default="true",
+        help="text, fully async rows: async_training.partial_rollout (verl's default true)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/async_reward.json")
     args = p.parse_args()
     args.model = args.model or ("tiny:qwen2" if args.modality == "text" else "tiny:qwen_image")
+    args.partial_rollout = args.partial_rollout == "true"
     if args.fully_async_staleness:
         compare_fully_async(args, [float(x) for x in args.fully_async_staleness.split(",")])
         return

@@ -83,7 +83,11 @@ def test_sample_does_not_depend_on_batch_or_companions():
     policy = make("sd3")
     alone = policy.rollout(["x"], [7], range(1, 3))
     together = policy.rollout(["y", "x"], [8, 7], [range(0, 2), range(1, 3)])
-    np.testing.assert_array_equal(alone.images[0], together.images[1])
+    # The float path is batch-shape invariant only to ~1e-7 (BLAS picks kernels by shape; measured on an AMD EPYC:
+    # one pixel of 3072 one level apart), so the uint8 image may round a level differently; the latents and
+    # log-probs below hold it to 1e-6.
+    diff = np.abs(alone.images[0].astype(np.int16) - together.images[1].astype(np.int16))
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.01, (diff.max(), (diff > 0).mean())
     assert torch.allclose(alone.log_probs[0], together.log_probs[1], atol=1e-6)
     assert torch.allclose(alone.window_latents[0], together.window_latents[1], atol=1e-6)
     companion = policy.rollout(["y"], [8], range(0, 2))

@@ -1,11 +1,15 @@
-"""Learning curves of fully async training at several staleness thresholds, on the image learning test's workload.
+"""Learning curves of fully async training at several staleness thresholds, on a learning test's workload.
 
-    .venv/bin/python bench/fully_async_learning.py [--staleness 0,1,3] [--out bench/results/fully_async_learning.json]
+    .venv/bin/python bench/fully_async_learning.py [--modality image|text] [--staleness 0,1,3] [--lock-step]
+        [--out bench/results/fully_async_learning.json]
 
-The workload is ``tests/trainer/test_learning.py``'s (FlowGRPO on tiny:sd3, full fine-tune, JPEG compressibility,
-4 prompts x 8 samples per update, 10 updates, seeded), run with ``async_reward.fully_async=true``,
-``async_training.require_batches=2`` (an update = the lock-step step's 4 prompts in 2 mini-batches) and each
-``staleness_threshold``. Writes the per-step reward means and the first-3 / last-3 means per threshold.
+Image: ``tests/trainer/test_learning.py``'s workload (FlowGRPO on tiny:sd3, full fine-tune, JPEG compressibility,
+4 prompts x 8 samples per update, 10 updates, seeded). Text: ``tests/trainer/test_text_mode.py``'s (GRPO on
+tiny:qwen2, the digits reward, 4 prompts x 8 samples, 20 updates, rollout replicas of their own, verl's partial
+rollout). Each is run with ``async_reward.fully_async=true``, ``async_training.require_batches=2`` (an update = the
+lock-step step's 4 prompts in 2 mini-batches) and each ``staleness_threshold``; ``--lock-step`` adds the lock-step
+on-policy run of the same workload first. Writes the per-step reward means, the first-3 / last-3 means and the
+per-update maximum lag of each run.
 """
 
 from __future__ import annotations
@@ -21,25 +25,32 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests/trainer")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests/trainer")]
 
-from test_learning import FULLY_ASYNC_LEARN, learn  # noqa: E402
+from test_learning import FULLY_ASYNC_LEARN, MODES, learn  # noqa: E402
+from test_text_mode import fully_async_text, learn_digits, write_arith  # noqa: E402
 
 from omni_async.trainer.strategies import fully_async_overrides  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--modality", choices=["image", "text"], default="image")
     p.add_argument("--staleness", default="0,1,3")
-    p.add_argument("--out", type=Path, default=ROOT / "bench/results/fully_async_learning.json")
+    p.add_argument("--lock-step", action="store_true", help="also the lock-step on-policy run (key 'lock_step')")
+    p.add_argument("--out", type=Path, default=None, help="default: bench/results/fully_async_learning[_text].json")
     args = p.parse_args()
+    suffix = "" if args.modality == "image" else "_text"
+    out = args.out or ROOT / f"bench/results/fully_async_learning{suffix}.json"
     runs = {}
     load = {"before": os.getloadavg()}
-    for s in [float(x) for x in args.staleness.split(",")]:
+    cases = {"lock_step": None} if args.lock_step else {}
+    cases.update({x: float(x) for x in args.staleness.split(",")})
+    for name, s in cases.items():
         t0 = time.time()
         with tempfile.TemporaryDirectory() as tmp:
-            curve, rows = learn(Path(tmp), *fully_async_overrides(s), *FULLY_ASYNC_LEARN, with_rows=True)
-        runs[str(s)] = {
+            curve, rows = run(args.modality, Path(tmp), s)
+        runs[name] = {
             "reward_mean": curve,
             "first3": float(np.mean(curve[:3])),
             "last3": float(np.mean(curve[-3:])),
@@ -47,14 +58,23 @@ def main() -> None:
             "wall_s": time.time() - t0,
         }
         print(
-            f"staleness {s}: {np.mean(curve[:3]):.3f} -> {np.mean(curve[-3:]):.3f} kB "
-            f"(lag max {max(runs[str(s)]['staleness_max'])})",
+            f"{name}: {np.mean(curve[:3]):.3f} -> {np.mean(curve[-3:]):.3f} (lag max {max(runs[name]['staleness_max'])})",
             flush=True,
         )
     load["after"] = os.getloadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"runs": runs, "load_average": load, "cpu_count": os.cpu_count()}, indent=1))
-    print(f"written: {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"modality": args.modality, "load_average": load, "cpu_count": os.cpu_count()}
+    out.write_text(json.dumps({"runs": runs, **meta}, indent=1))
+    print(f"written: {out}")
+
+
+def run(modality: str, tmp: Path, staleness: float | None) -> tuple[list[float], list[dict]]:
+    """One learning run: lock-step on-policy when ``staleness`` is None, else fully async at that threshold."""
+    if modality == "image":
+        mode = MODES["sync"] if staleness is None else [*fully_async_overrides(staleness), *FULLY_ASYNC_LEARN]
+        return learn(tmp, *mode, with_rows=True)
+    mode = [] if staleness is None else fully_async_text(staleness)
+    return learn_digits(write_arith(tmp / "arith"), tmp, *mode, with_rows=True)
 
 
 if __name__ == "__main__":

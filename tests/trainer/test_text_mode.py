@@ -31,27 +31,20 @@ SMALL = [
 ]
 
 
-@pytest.fixture(scope="module")
-def arith(tmp_path_factory):
+def write_arith(out: Path) -> Path:
+    """The arithmetic prompts of the text tests (64 train, 4 val) under ``out``, by the example's data script."""
     import subprocess
     import sys
 
-    out = tmp_path_factory.mktemp("arith")
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples/data/prepare_arithmetic.py"),
-            "--out-dir",
-            str(out),
-            "--num-train",
-            "64",
-            "--num-val",
-            "4",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    script = ROOT / "examples/data/prepare_arithmetic.py"
+    args = [sys.executable, str(script), "--out-dir", str(out), "--num-train", "64", "--num-val", "4"]
+    subprocess.run(args, check=True, capture_output=True)
     return out
+
+
+@pytest.fixture(scope="module")
+def arith(tmp_path_factory):
+    return write_arith(tmp_path_factory.mktemp("arith"))
 
 
 def make(arith, tmp_path, *overrides) -> FlowGRPOTrainer:
@@ -97,11 +90,15 @@ def test_text_stream_scores_land_on_last_token_and_match_sync(arith, tmp_path):
 # Fully async at staleness 1 on rollout replicas of their own (split layout): an update = the lock-step step's 4 prompts.
 # verl's default partial_rollout=true: responses in flight at a sync are continued under the new weights (measured:
 # 50 and 79 responses continued across a sync over the 20 updates in two runs; rise 0.23 and 0.25).
-FULLY_ASYNC_1 = [
-    "actor_rollout_ref.hybrid_engine=false",
-    *fully_async_overrides(1),
-    "async_training.require_batches=2",
-]
+def fully_async_text(staleness: float) -> list[str]:
+    return [
+        "actor_rollout_ref.hybrid_engine=false",
+        *fully_async_overrides(staleness),
+        "async_training.require_batches=2",
+    ]
+
+
+FULLY_ASYNC_1 = fully_async_text(1)
 
 
 @pytest.mark.slow
@@ -111,13 +108,20 @@ def test_text_grpo_learns_a_format_reward(arith, tmp_path, mode):
     20 steps with these settings (0.99 after 40); per-step noise of the mean is ~0.01, the margin is 0.15. Fully
     async at staleness 1 (every update trains on samples of the weights one update old at most) must clear the same
     margin."""
-    trainer = make(arith, tmp_path, *DIGITS, "trainer.total_training_steps=20", "trainer.log_image_freq=-1", *mode)
+    curve = learn_digits(arith, tmp_path, *mode)
+    assert np.mean(curve[-3:]) > np.mean(curve[:3]) + 0.15, [round(c, 3) for c in curve]
+
+
+def learn_digits(arith: Path, tmp_path: Path, *overrides: str, with_rows: bool = False):
+    """20 updates of the digits reward; the per-update reward means (and the metric rows with ``with_rows``)."""
+    trainer = make(arith, tmp_path, *DIGITS, "trainer.total_training_steps=20", "trainer.log_image_freq=-1", *overrides)
     try:
         trainer.fit()
     finally:
         shutdown_ray()
-    curve = [json.loads(x)["critic/rewards/mean"] for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    assert np.mean(curve[-3:]) > np.mean(curve[:3]) + 0.15, [round(c, 3) for c in curve]
+    rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    curve = [r["critic/rewards/mean"] for r in rows]
+    return (curve, rows) if with_rows else curve
 
 
 @pytest.mark.slow

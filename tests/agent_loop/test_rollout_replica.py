@@ -236,6 +236,17 @@ def test_text_partial_rollout_continues_an_interrupted_response_under_the_new_we
         assert replica.version == version
         return s
 
+    def on_device(fn):
+        """The test's own weight and setting changes go through the device thread, as the worker's do: the session
+        that answered the last response may still be there taking requests, with the version it started on."""
+        return replica.device_thread.submit(fn).result(60)
+
+    def reset(partial_rollout: bool | None = None) -> None:
+        policy.load_weights_state_dict(v0)
+        replica.slots.set_active(0)
+        if partial_rollout is not None:
+            replica.partial_rollout = partial_rollout
+
     try:
         ref = run(None, 0)
         assert len(ref.result.response_ids) == 24 and ref.result.versions.tolist() == [0] * 24
@@ -247,8 +258,7 @@ def test_text_partial_rollout_continues_an_interrupted_response_under_the_new_we
         assert (same.version, same.version_span) == (0, (0, 1))
         assert agent.step_metrics()["rollout/resumed"] == 1.0
         # new weights: the first k + 1 tokens as before, the rest drawn and scored by version 2
-        replica.policy.load_weights_state_dict(v0)
-        replica.slots.set_active(0)
+        on_device(reset)
         new = run(v1, 2)
         r = new.result
         assert r.response_ids[: k + 1] == ref.result.response_ids[: k + 1] and len(r.response_ids) == 24
@@ -256,7 +266,7 @@ def test_text_partial_rollout_continues_an_interrupted_response_under_the_new_we
         assert agent.step_metrics()["rollout/resumed"] == 1.0
         recomputed = {}
         for v, weights in ((0, v0), (2, v1)):
-            policy.load_weights_state_dict(weights)
+            on_device(lambda w=weights: policy.load_weights_state_dict(w))
             prompt, response = torch.tensor([r.prompt_ids]), torch.tensor([r.response_ids])
             recomputed[v] = policy.log_probs(prompt, torch.ones_like(prompt), response, torch.ones_like(response))[0]
         own = torch.where(r.versions == 0, recomputed[0], recomputed[2])
@@ -265,17 +275,13 @@ def test_text_partial_rollout_continues_an_interrupted_response_under_the_new_we
         assert (r.log_probs - other).abs()[k + 1 :].max() > 1e-2  # the versions differ where the check looks
         assert (r.log_probs - other).abs()[: k + 1].max() > 1e-2
         # without partial rollout the sync waits for the batch: one version, nothing resumed
-        replica.partial_rollout = False
-        policy.load_weights_state_dict(v0)
-        replica.slots.set_active(0)
+        on_device(lambda: reset(partial_rollout=False))
         whole = run(v1, 3)
         assert whole.result.versions.tolist() == [0] * 24 and whole.result.response_ids == ref.result.response_ids
         assert agent.step_metrics()["rollout/resumed"] == 0.0
         # a weight set larger than a bucket is written in place on the device thread: the batch stops for it too, and
         # the continuation on the same weights v1 is the one of the staged sync above (same generator state)
-        replica.partial_rollout = True
-        policy.load_weights_state_dict(v0)
-        replica.slots.set_active(0)
+        on_device(lambda: reset(partial_rollout=True))
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]

@@ -65,8 +65,9 @@ the hybrid layout's colocated sync and one-step-off on the same 2 devices (2 ran
 of its own. Per row: samples/s over the measured steps, ×one-step-off, each pool's busy fraction, the largest lag, and
 the bound (``fully_async_bound``): the smallest of latency-bound = samples in flight / (judge latency + generation +
 update), device-bound = samples / busy time of the busier pool (hybrid: generation + update take turns on each
-device) and judge-bound = calls served at once (judge capacity or the reward loop's in-flight limit) / latency. ``--min-latency 2 --max-latency 3 --latency-scale 1 --scorer-capacity 0`` is a remote judge of 2-3 s with
-ample concurrency; ``--modality text --long-tail-alpha 1.2 --lora-rank 8`` the long tail (LoRA: hybrid one-step-off
+device) and judge-bound = calls served at once (judge capacity or the reward loop's in-flight limit) / latency.
+``--min-latency 2 --max-latency 3 --latency-scale 1 --scorer-capacity 0`` is a remote judge of 2-3 s with ample
+concurrency; ``--modality text --long-tail-alpha 1.2 --lora-rank 8`` the long tail (LoRA: hybrid one-step-off
 snapshots a LoRA adapter only).
 
 ``step1`` per mode: ``actor/ratio_mean`` and ``actor/pg_clipfrac_lower`` of the first training step (warm-up
@@ -495,8 +496,8 @@ def fully_async_bound(
         device = n / max(r["rollout_busy_s"], r["trainer_busy_s"])
     else:  # hybrid: each of the 2 devices generates and updates in turn, its half of the samples
         device = n / (r["rollout_busy_s"] / 2 + r["trainer_busy_s"])
-    concurrent = min(c for c in (capacity, reward_inflight, float("inf")) if c > 0)
-    judge = concurrent / r["latency_mean_s"] if concurrent < float("inf") else None
+    limits = [c for c in (capacity, reward_inflight) if c > 0]
+    judge = min(limits) / r["latency_mean_s"] if limits else None
     return {
         "latency_bound": latency,
         "device_bound": device,
@@ -555,10 +556,11 @@ def compare_fully_async(args, staleness: list[float]) -> None:
                 for i in range(256)
             )
         )
+        inflight = reward_inflight(args)
         for name, (a, overrides, in_flight) in rows.items():
             results[name] = run_mode(name.replace(" ", "_").replace("=", ""), overrides, a, data, Path(tmp) / "runs")
             results[name].update(
-                fully_async_bound(results[name], in_flight, step_samples, args.scorer_capacity, reward_inflight(args))
+                fully_async_bound(results[name], in_flight, step_samples, args.scorer_capacity, inflight)
             )
     load["after"] = os.getloadavg()
     base = results["hybrid one-step-off"]["samples_per_s"]

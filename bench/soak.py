@@ -47,7 +47,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from omni_async.reward.contract import to_pixels  # noqa: E402
+from omni_async.reward.pixels import to_pixels  # noqa: E402
 from omni_async.reward.scorers.http import HttpScorer  # noqa: E402
 
 SMALL = [

@@ -4,17 +4,19 @@ is free.
 Each request puts its items in the one queue (:meth:`Batcher.submit`) and awaits their outcomes. The loop waits for a free scorer process,
 then takes up to ``max_batch`` waiting items with the same metadata (one model call has one set of options). If
 fewer than ``max_batch`` are waiting, it waits for more until the oldest has waited ``max_wait_ms``, then sends
-what it has. Items never queue behind a busy process while another is free (see pool.py for why).
+what it has (``omni_async.batching.MicroBatcher``, the project's one micro-batcher). Items never queue behind a busy
+process while another is free (see pool.py for why).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from http_scorer.pool import Outcome, ScorerPool
+from omni_async.batching import MicroBatcher
 
 
 @dataclass
@@ -25,16 +27,13 @@ class Item:
     metadata: dict[str, Any]
     future: asyncio.Future
     settled: asyncio.Event  # set when no scorer process holds the item (done, or withdrawn before it was sent)
-    arrived: float = field(default_factory=time.monotonic)
     sent: bool = False
 
 
 class Batcher:
     def __init__(self, pool: ScorerPool, max_batch: int, max_wait_ms: float, on_batch=None):
         self.pool = pool
-        self.max_batch, self.max_wait_s = int(max_batch), float(max_wait_ms) / 1000.0
-        self.pending: list[Item] = []
-        self._arrived = asyncio.Event()
+        self.queue: MicroBatcher[Item] = MicroBatcher(max_batch, max_wait_ms)
         self.on_batch = on_batch or (lambda size, seconds: None)
         self._free: asyncio.Queue = asyncio.Queue()
         self._task: asyncio.Task | None = None
@@ -42,7 +41,7 @@ class Batcher:
 
     def start(self) -> None:
         if self.pool.info and self.pool.info.max_batch:  # the scorer's own limit (scorers.py)
-            self.max_batch = min(self.max_batch, self.pool.info.max_batch)
+            self.queue.max_batch = min(self.queue.max_batch, self.pool.info.max_batch)
         for w in self.pool.workers:
             self._free.put_nowait(w)
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -60,8 +59,7 @@ class Batcher:
             Item(x, p, g, metadata, loop.create_future(), asyncio.Event())
             for x, p, g in zip(payloads, prompts, ground_truths, strict=True)
         ]
-        self.pending.extend(items)
-        self._arrived.set()
+        self.queue.put(*items)
         return items
 
     async def results(self, items: list[Item]) -> list[Outcome]:
@@ -70,8 +68,7 @@ class Batcher:
     def withdraw(self, items: list[Item]) -> None:
         """A request that gave up (timeout, client gone): its items not yet sent leave the queue, and their bytes
         with them; items already in a scorer process finish there (see :meth:`settled`)."""
-        mine = {id(it) for it in items}
-        self.pending = [it for it in self.pending if id(it) not in mine]
+        self.queue.discard(items)
         for it in items:
             if not it.sent:
                 it.payload = None
@@ -84,7 +81,7 @@ class Batcher:
             await it.settled.wait()
 
     def queue_depth(self) -> int:
-        return len(self.pending)
+        return len(self.queue)
 
     async def _run(self) -> None:
         while True:
@@ -96,28 +93,10 @@ class Batcher:
 
     async def _take(self) -> list[Item]:
         """The next batch: waits for items, and for more of them until the oldest has waited max_wait_ms."""
-        while True:
-            self.pending = [it for it in self.pending if not it.future.done()]
-            if not self.pending:
-                self._arrived.clear()
-                await self._arrived.wait()
-                continue
-            meta = self.pending[0].metadata
-            same = [it for it in self.pending if it.metadata == meta]
-            wait = self.pending[0].arrived + self.max_wait_s - time.monotonic()
-            if len(same) < self.max_batch and wait > 0:
-                self._arrived.clear()
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), wait)
-                except asyncio.TimeoutError:
-                    pass
-                continue
-            batch = same[: self.max_batch]
-            for it in batch:
-                it.sent = True
-            taken = {id(it) for it in batch}
-            self.pending = [it for it in self.pending if id(it) not in taken]
-            return batch
+        batch = await self.queue.next_batch(_same_metadata, wait_for_items=True)
+        for it in batch:
+            it.sent = True
+        return batch
 
     async def _dispatch(self, worker, batch: list[Item]) -> None:
         t0 = time.monotonic()
@@ -142,3 +121,9 @@ class Batcher:
                 await self.pool.restart(worker)
         finally:
             self._free.put_nowait(worker)
+
+
+def _same_metadata(waiting: list[Item]) -> list[Item]:
+    """The items that may share a model call with the oldest live one: the same metadata (one set of options)."""
+    live = [it for it in waiting if not it.future.done()]
+    return [it for it in live if it.metadata == live[0].metadata] if live else []

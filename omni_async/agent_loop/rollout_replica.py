@@ -37,6 +37,7 @@ import torch
 
 from omni_async.agent_loop.weight_staging import WeightSlots
 from omni_async.agent_loop.weight_sync import WeightGroup, fits_one_bucket, meta_bytes, tensor_meta, write_buckets
+from omni_async.batching import MicroBatcher
 from omni_async.sample import Result
 
 SEED_SAMPLE, SEED_WINDOW, SEED_VALIDATION = 0, 1, 2  # independent random streams
@@ -105,7 +106,8 @@ class _Request:
 
 class GenerationBatcher:
     """Collects concurrent requests into device batches and runs ``generate(prompts, seeds, windows)`` on ``device``
-    (``windows``: one ``range`` per request; left out for a modality without SDE windows).
+    (``windows``: one ``range`` per request; left out for a modality without SDE windows). A batch goes when
+    ``max_batch_size`` requests of one kind wait or the oldest has waited ``max_wait_ms`` (``batching.MicroBatcher``).
 
     ``version()`` is read on the device thread when a batch starts there, so every sample of a batch reports the
     weights it was made with: a weight load queued on the device thread before the batch has happened, one queued
@@ -135,22 +137,13 @@ class GenerationBatcher:
     ):
         self.generate, self.version, self.device, self.slots = generate, version, device, slots
         self.stream = stream
-        self.max_batch_size, self.max_wait_s = int(max_batch_size), float(max_wait_ms) / 1000.0
+        self.max_batch_size = int(max_batch_size)
         # The event loop adds and picks requests; a streaming session on the device thread takes them too.
-        self._lock = threading.Lock()
-        self._pending: list[_Request] = []
+        self._pending: MicroBatcher[_Request] = MicroBatcher(max_batch_size, max_wait_ms)
         self._worker: asyncio.Task | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # the loop requests arrive on
-        self._wake: asyncio.Event | None = None  # set on a new request or a weights change (staged / applied)
         self.batch_sizes: list[int] = []
         if slots is not None:
-            slots.on_change(self._weights_changed)
-
-    def _weights_changed(self) -> None:
-        """Any thread: a set was staged or applied; a drain waiting for weights looks again."""
-        loop, wake = self._loop, self._wake
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(wake.set)
+            slots.on_change(self._pending.wake)  # a set was staged or applied: a drain waiting for weights looks again
 
     async def submit(
         self,
@@ -162,15 +155,10 @@ class GenerationBatcher:
         version: int | None = None,
         resume: Result | None = None,
     ) -> Generation:
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop:
-            self._loop, self._wake = loop, asyncio.Event()
-        fut = loop.create_future()
+        fut = asyncio.get_running_loop().create_future()
         window = (int(window[0]), int(window[1])) if window is not None else None
         settings = tuple(sorted(sampling.items())) if sampling else None
-        with self._lock:
-            self._pending.append(_Request(prompt, int(seed), window, fut, settings, version, resume))
-        self._wake.set()
+        self._pending.put(_Request(prompt, int(seed), window, fut, settings, version, resume))
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
         return await fut
@@ -183,33 +171,23 @@ class GenerationBatcher:
             return self.slots.has_staged()
         return r.version > self.slots.active
 
-    def _next_batch(self) -> tuple[list[_Request], bool]:
-        """The next device batch and whether it runs on the staged set: requests the active weights serve first; then
-        those whose version is staged; none while every request waits for weights not here yet."""
-        on_active = [r for r in self._pending if not self._needs_staged(r)]
-        candidates, swap = on_active, False
-        if not on_active:
-            newest = self.slots.newest()
-            candidates = [r for r in self._pending if r.version is None or r.version <= newest]
-            swap = True
+    def _next_batch(self, pending: list[_Request]) -> list[_Request]:
+        """The next device batch: requests the active weights serve first; then those whose version is staged (the
+        batch runs on the staged set); none while every request waits for weights not here yet."""
+        candidates = [r for r in pending if not self._needs_staged(r)]
         if not candidates:
-            return [], False
+            newest = self.slots.newest()
+            candidates = [r for r in pending if r.version is None or r.version <= newest]
+        if not candidates:
+            return []
         settings = candidates[0].settings
-        return [r for r in candidates if r.settings == settings][: self.max_batch_size], swap
+        return [r for r in candidates if r.settings == settings][: self.max_batch_size]
 
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
-        while self._pending:
-            if len(self._pending) < self.max_batch_size:
-                await asyncio.sleep(self.max_wait_s)  # let concurrent requests join the batch
-            self._wake.clear()
-            with self._lock:
-                batch, swap = self._next_batch()
-                taken = {id(r) for r in batch}
-                self._pending = [r for r in self._pending if id(r) not in taken]
-            if not batch:  # every request is for weights that have not arrived: wait for them (or a new request)
-                await self._wake.wait()
-                continue
+        # Waits for each batch to come due; a batch of requests for weights not here yet waits for them.
+        while batch := await self._pending.next_batch(self._next_batch):
+            swap = self._needs_staged(batch[0])  # only when no waiting request runs on the active weights
             if self.stream is not None and batch[0].window is None and batch[0].sampling is None:
                 await self._session(batch, swap)
                 continue
@@ -252,10 +230,9 @@ class GenerationBatcher:
             elif getattr(self.device, "others_waiting", lambda: False)():
                 return []
             else:
-                with self._lock:
-                    take = [r for r in self._pending if r.settings == settings and not self._needs_staged(r)][:free]
-                    taken = {id(r) for r in take}
-                    self._pending = [r for r in self._pending if id(r) not in taken]
+                take = self._pending.take_now(
+                    lambda pending: [r for r in pending if r.settings == settings and not self._needs_staged(r)][:free]
+                )
             t = time.time()
             admitted.update({id(r): (r, t) for r in take})
             self.batch_sizes[index] = max(self.batch_sizes[index], len(admitted))

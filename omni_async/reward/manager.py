@@ -29,7 +29,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from omni_async.reward.contract import check_reward_function, to_solution_image
+from omni_async.reward.contract import check_reward_function
+from omni_async.reward.pixels import to_solution_image
 from omni_async.sample import RewardOutcome
 
 # verl's reward-function argument for the generated sample, per modality (see ``sample.*Result.reward_fields``).

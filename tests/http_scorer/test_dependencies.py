@@ -124,7 +124,7 @@ def test_the_standalone_scorer_install_ships_everything_the_server_imports():
         path = path if path.exists() else ROOT / module.replace(".", "/") / "__init__.py"
         tree = ast.parse(path.read_text())
         # http_scorer runs its lazy imports while serving; the omni_async modules' lazy imports (torch in
-        # contract.to_solution_image, verl's text rewards, paddleocr) are not on the server's path.
+        # pixels.to_solution_image, verl's text rewards, paddleocr) are not on the server's path.
         nodes = ast.walk(tree) if module.startswith("http_scorer") else tree.body
         for node in nodes:
             if isinstance(node, ast.Import):

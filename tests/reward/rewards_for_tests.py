@@ -13,7 +13,7 @@ import zlib
 
 import numpy as np
 
-from omni_async.reward.contract import to_pixels
+from omni_async.reward.pixels import to_pixels
 from omni_async.reward.scorers.jpeg import compute_score as jpeg_score
 
 LOG = os.environ.get("OMNI_ASYNC_TEST_REWARD_LOG")

@@ -20,14 +20,12 @@ from PIL import Image, ImageDraw, ImageFont
 from omni_async.reward import contract
 from omni_async.reward.contract import (
     RewardConfigError,
-    RewardContractError,
     UnknownDataSourceError,
     check_reward_function,
     default_compute_score,
-    to_pixels,
-    to_solution_image,
 )
 from omni_async.reward.manager import RewardManager
+from omni_async.reward.pixels import RewardContractError, to_pixels, to_solution_image
 from omni_async.reward.scorers import jpeg, ocr, simulated, vlm_judge
 
 TEST_REWARDS = str(Path(__file__).with_name("rewards_for_tests.py"))

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from PIL import Image, ImageDraw, ImageFont
 
 from omni_async.cluster import init_ray, shutdown_ray
-from omni_async.reward.http_client import RewardHTTPError, retry_after_seconds
+from omni_async.reward.http_client import RetryTally, RewardHTTPError, retry_after_seconds
 from omni_async.reward.scorers import jpeg, vlm_judge
 from omni_async.reward.scorers.http import HttpScorer
 from omni_async.reward.scorers.ocr import ocr_similarity
@@ -128,6 +128,34 @@ def test_http_client_micro_batches_against_the_scorer_server(server_factory):
 
     flow = HttpScorer(server.url, protocol="flow_grpo", max_batch=8, max_wait_ms=50)
     assert all(np.isfinite(o["score"]) for o in asyncio.run(run(flow)))
+
+
+def test_http_client_sends_no_batch_early_after_a_full_one(monkeypatch):
+    """A batch sent because it was full leaves no timer behind: the next sample waits its own ``max_wait_ms`` for
+    company. (A stale timer of the full batch's first sample used to send the next sample alone, 0.2 s after it
+    arrived, and the one after it alone too.)"""
+    sizes: list[int] = []
+
+    async def send(self, batch):
+        sizes.append(len(batch))
+        for it in batch:
+            it.future.set_result((0.0, {}, RetryTally()))
+
+    monkeypatch.setattr(HttpScorer, "_send", send)
+    client = HttpScorer("http://127.0.0.1:9", max_batch=2, max_wait_ms=1000)
+    img = np.zeros((8, 8, 3), np.uint8)
+
+    async def at(delay_s: float):
+        await asyncio.sleep(delay_s)
+        return await client.compute_score("x", img)
+
+    async def run():
+        # 0 s: two samples, a full batch. 0.8 s: a third, due at 1.8 s. 1.4 s: a fourth joins it (a stale timer of
+        # the first batch would have fired at 1.0 s, between them).
+        await asyncio.gather(at(0.0), at(0.0), at(0.8), at(1.4))
+
+    asyncio.run(run())
+    assert sizes == [2, 2]
 
 
 def test_http_client_retry_policy_and_malicious_pickle(fake_servers, tmp_path):

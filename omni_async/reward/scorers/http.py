@@ -33,7 +33,7 @@ from typing import Any
 
 from PIL import Image
 
-from omni_async.reward.contract import to_pixels
+from omni_async.batching import MicroBatcher
 from omni_async.reward.http_client import (
     ClientStats,
     RetryPolicy,
@@ -42,6 +42,7 @@ from omni_async.reward.http_client import (
     pooled_client,
     post_with_retries,
 )
+from omni_async.reward.pixels import to_pixels
 from omni_async.reward.safe_pickle import UnsafePickleError, safe_loads
 from omni_async.sample import is_video
 
@@ -56,6 +57,15 @@ def encode_image(image: Any, fmt: str = "png", quality: int = 95) -> bytes:
 class _Pending:
     def __init__(self, image, prompt: str, ground_truth, future: asyncio.Future):
         self.image, self.prompt, self.ground_truth, self.future = image, prompt, ground_truth, future
+
+
+class _LoopQueue:
+    """One event loop's samples waiting to be sent, and the task that sends them as they come due."""
+
+    def __init__(self, max_batch: int, max_wait_ms: float):
+        self.waiting: MicroBatcher[_Pending] = MicroBatcher(max_batch, max_wait_ms)
+        self.drain: asyncio.Task | None = None
+        self.sending: set[asyncio.Task] = set()  # held here: the loop keeps only weak references to tasks
 
 
 class HttpScorer:
@@ -80,7 +90,7 @@ class HttpScorer:
         if image_format not in ("png", "jpeg"):
             raise ValueError(f"http scorer image_format={image_format!r}: use png (lossless, OCR-safe) or jpeg")
         self.urls = [u.rstrip("/") for u in ([server_url] if isinstance(server_url, str) else list(server_url))]
-        self.protocol, self.max_batch, self.max_wait_s = protocol, int(max_batch), float(max_wait_ms) / 1000
+        self.protocol, self.max_batch, self.max_wait_ms = protocol, int(max_batch), float(max_wait_ms)
         self.timeout_s, self.image_format, self.jpeg_quality = float(timeout_s), image_format, int(jpeg_quality)
         self.policy = RetryPolicy(
             max_retries=int(max_retries), backoff_s=float(backoff_s), max_retry_after_s=float(max_retry_after_s)
@@ -89,31 +99,31 @@ class HttpScorer:
         self.metadata = metadata
         self.stats = ClientStats()
         self.rng = random.Random(seed)
-        self._pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> list[_Pending]
+        self._queues: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> _LoopQueue
 
     async def compute_score(
         self, data_source: str, solution_image: Any, ground_truth: Any = None, extra_info: dict | None = None, **kwargs
     ) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
-        pending = self._pending.setdefault(loop, [])
+        queue = self._queues.get(loop)
+        if queue is None:
+            queue = self._queues[loop] = _LoopQueue(self.max_batch, self.max_wait_ms)
         item = _Pending(solution_image, str((extra_info or {}).get("prompt", "")), ground_truth, loop.create_future())
-        pending.append(item)
-        if len(pending) >= self.max_batch:
-            self._flush(loop)
-        elif len(pending) == 1:
-            loop.call_later(self.max_wait_s, self._flush, loop)
+        queue.waiting.put(item)
+        if queue.drain is None:
+            queue.drain = loop.create_task(self._drain(queue))
         score, detail, tally = await item.future
         return {"score": score, **detail, "http_retries": tally.retries, "http_timeouts": tally.timeouts}
 
-    def _flush(self, loop) -> None:
-        batch = self._pending.get(loop) or []
-        if not batch:
-            return
-        self._pending[loop] = batch[self.max_batch :]
-        batch = batch[: self.max_batch]
-        if self._pending[loop]:
-            loop.call_later(self.max_wait_s, self._flush, loop)
-        loop.create_task(self._send(batch))
+    async def _drain(self, queue: _LoopQueue) -> None:
+        """Sends each batch as it comes due (full, or its oldest sample waited max_wait_ms) until none waits."""
+        try:
+            while batch := await queue.waiting.next_batch():
+                task = asyncio.get_running_loop().create_task(self._send(batch))
+                queue.sending.add(task)
+                task.add_done_callback(queue.sending.discard)
+        finally:
+            queue.drain = None  # a finished task still holds its loop, the weak key of this queue
 
     async def _send(self, batch: list[_Pending]) -> None:
         tally = RetryTally()

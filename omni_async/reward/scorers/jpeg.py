@@ -12,13 +12,13 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from omni_async.reward.contract import RewardContractError, frames_of, to_pixels
+from omni_async.reward.pixels import RewardContractError, frames_of, to_pixels
 
 
 def as_pil(image: Any, name: str = "solution_image") -> Image.Image:
-    """One image in any form :func:`omni_async.reward.contract.to_pixels` accepts (verl-omni's uint8 tensor
+    """One image in any form :func:`omni_async.reward.pixels.to_pixels` accepts (verl-omni's uint8 tensor
     ``(C, H, W)``, a uint8 array ``(H, W, 3)`` / ``(H, W)``, a PIL image) as an RGB PIL image; a video is an error
-    naming the argument (score its frames: :func:`omni_async.reward.contract.frames_of`)."""
+    naming the argument (score its frames: :func:`omni_async.reward.pixels.frames_of`)."""
     if isinstance(image, Image.Image):
         return image.convert("RGB")
     arr = to_pixels(image, name)

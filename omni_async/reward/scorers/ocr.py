@@ -39,7 +39,7 @@ from typing import Any
 import Levenshtein
 import numpy as np
 
-from omni_async.reward.contract import frames_of
+from omni_async.reward.pixels import frames_of
 from omni_async.reward.scorers.jpeg import as_pil
 
 _WS = re.compile(r"\s+")
@@ -168,7 +168,7 @@ def read_text(
 
 def sample_frames(solution_image: Any, frame_interval: int = 1) -> list[np.ndarray]:
     """An image as one uint8 ``(H, W, 3)`` frame; a video (verl-omni's ``(N, C, H, W)`` tensor, a ``(T, H, W, 3)``
-    array or a list of frames) as every ``frame_interval``-th frame (:func:`omni_async.reward.contract.frames_of`)."""
+    array or a list of frames) as every ``frame_interval``-th frame (:func:`omni_async.reward.pixels.frames_of`)."""
     return frames_of(solution_image, frame_interval)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from omni_async.reward.contract import to_pixels
+from omni_async.reward.pixels import to_pixels
 from omni_async.reward.scorers.gsm8k import compute_score_digits
 from omni_async.reward.scorers.jpeg import jpeg_kb
 

@@ -1,0 +1,108 @@
+"""The one micro-batcher: items that arrive close together go out as one batch.
+
+Three places batch this way: a rollout worker's generation requests (``agent_loop.rollout_replica``), the HTTP
+scorer client's samples (``reward.scorers.http``) and the scorer server's items (``http_scorer.batcher``). A batch
+is due when ``max_batch`` items that may go together are waiting, or when the oldest of them has waited
+``max_wait_ms``; which items may go together (same sampling settings, same metadata, weights that are here) is the
+caller's ``select``. The deadline is the oldest waiting item's own, so a batch sent because it was full leaves no
+timer behind that would send the next one early.
+
+Standard library only: the scorer server's own install (``packages/scorer``) ships this module without torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+Select = Callable[[list[T]], Sequence[T]]
+
+
+class MicroBatcher(Generic[T]):
+    """Items waiting to be batched, oldest first.
+
+    :meth:`put` and :meth:`next_batch` run on the event loop the items arrive on; :meth:`take_now`, :meth:`wake`,
+    :meth:`discard` and ``len()`` may be called from any thread (a device thread that admits requests into a running
+    batch, a thread that staged new weights)."""
+
+    def __init__(self, max_batch: int, max_wait_ms: float):
+        self.max_batch, self.max_wait_s = int(max_batch), float(max_wait_ms) / 1000.0
+        self._lock = threading.Lock()
+        self._items: list[T] = []
+        self._arrived: dict[int, float] = {}  # id(item) -> time.monotonic() of its put
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Event | None = None  # set on put / wake: a waiting next_batch looks again
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _event(self) -> asyncio.Event:
+        """The change event of the running loop (a new one when the loop is new: an event belongs to one loop)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._changed is None:
+            self._loop, self._changed = loop, asyncio.Event()
+        return self._changed
+
+    def put(self, *items: T) -> None:
+        changed = self._event()
+        now = time.monotonic()
+        with self._lock:
+            self._items.extend(items)
+            self._arrived.update((id(it), now) for it in items)
+        changed.set()
+
+    def wake(self) -> None:
+        """Any thread: what ``select`` depends on changed (e.g. weights arrived); a waiting :meth:`next_batch` looks
+        again."""
+        loop, changed = self._loop, self._changed
+        if loop is not None and changed is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(changed.set)
+
+    def discard(self, items: Sequence[T]) -> None:
+        """Take these items out of the queue (those still in it): nobody waits for them any more."""
+        with self._lock:
+            self._remove(items)
+
+    def take_now(self, select: Select[T] | None = None) -> list[T]:
+        """Any thread: remove and return ``select``'s pick of the waiting items at once, due or not."""
+        with self._lock:
+            return self._remove((select or self._oldest)(list(self._items)))
+
+    async def next_batch(self, select: Select[T] | None = None, *, wait_for_items: bool = False) -> list[T]:
+        """The next due batch, removed from the queue: ``select(waiting)`` (default: the oldest ``max_batch``) once
+        it holds ``max_batch`` items or its oldest has waited ``max_wait_ms``. While ``select`` picks nothing the
+        items wait for a :meth:`wake`. Returns ``[]`` when nothing waits, unless ``wait_for_items``."""
+        changed = self._event()
+        while True:
+            changed.clear()
+            timeout: float | None = None
+            with self._lock:
+                if not self._items and not wait_for_items:
+                    # Idle: forget the loop, so a queue kept per loop (weakly keyed) does not keep its loop alive.
+                    self._loop = self._changed = None
+                    return []
+                batch = list((select or self._oldest)(list(self._items)))[: self.max_batch]
+                if batch:
+                    oldest = min(self._arrived[id(it)] for it in batch)
+                    timeout = oldest + self.max_wait_s - time.monotonic()
+                    if len(batch) >= self.max_batch or timeout <= 0:
+                        return self._remove(batch)
+            try:
+                await asyncio.wait_for(changed.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+
+    def _oldest(self, items: list[T]) -> list[T]:
+        return items[: self.max_batch]
+
+    def _remove(self, items: Sequence[T]) -> list[T]:
+        """Under the lock: drop ``items`` from the queue; returns them."""
+        gone = {id(it) for it in items}
+        self._items = [it for it in self._items if id(it) not in gone]
+        for key in gone:
+            self._arrived.pop(key, None)
+        return list(items)

@@ -13,11 +13,14 @@ One call, :func:`init_ray`, for the trainer, the tests and the benchmarks:
   GPU is not capped to 1 (its CPU threads feed the device): :func:`configure_worker` gives it
   ``trainer.ray.gpu_worker_torch_threads`` (null: torch's default, one per physical core) and places its model on
   the GPU Ray assigned it. Workers allocate CUDA memory with ``expandable_segments``.
+- Logging (``omni_async.logs``): the driver's level is ``trainer.log_level``; it travels to every worker as
+  ``$OMNI_ASYNC_LOG_LEVEL`` in the runtime env, and the process setup hook configures each worker's logger with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -25,6 +28,10 @@ from typing import Any
 
 import ray
 from omegaconf import DictConfig
+
+from omni_async.logs import LOG_LEVEL_ENV, check_log_level, setup_logging
+
+logger = logging.getLogger(__name__)
 
 THREADS_ENV = "OMNI_ASYNC_TORCH_THREADS"
 RESTART_POLL_S = 0.2  # how often a restarting actor is probed
@@ -35,6 +42,8 @@ ALLOC_CONF_ENV, ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:Tru
 def setup_worker_process() -> None:
     """Ray ``worker_process_setup_hook``: runs once in every worker process before any task or actor."""
     import torch
+
+    setup_logging()  # the level from $OMNI_ASYNC_LOG_LEVEL (worker_runtime_env)
 
     n = int(os.environ.get(THREADS_ENV, "1"))
     torch.set_num_threads(n)
@@ -74,6 +83,7 @@ def configure_worker() -> str:
     import ray
     import torch
 
+    setup_logging()  # idempotent; covers an actor whose process skipped the setup hook (a ray.init of its own)
     gpu_ids = ray.get_gpu_ids()
     if gpu_ids and torch.cuda.is_available():
         index = local_device_index(str(gpu_ids[0]), os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -84,7 +94,11 @@ def configure_worker() -> str:
     return "cpu"
 
 
-def worker_runtime_env(torch_threads: int = 1, gpu_worker_threads: int | None = None) -> dict[str, Any]:
+def worker_runtime_env(
+    torch_threads: int = 1, gpu_worker_threads: int | None = None, log_level: str | None = None
+) -> dict[str, Any]:
+    """The job's runtime env; ``log_level`` (``trainer.log_level``) becomes the workers' ``$OMNI_ASYNC_LOG_LEVEL``
+    (None: the driver's own variable, if set, passes through with the other ``OMNI_ASYNC_*`` ones)."""
     from omni_async.models.tiny import cache_root
 
     threads = str(torch_threads)
@@ -95,6 +109,7 @@ def worker_runtime_env(torch_threads: int = 1, gpu_worker_threads: int | None = 
             **{k: v for k, v in os.environ.items() if k.startswith("OMNI_ASYNC_") and k != THREADS_ENV},
             THREADS_ENV: threads,
             **({GPU_THREADS_ENV: str(gpu_worker_threads)} if gpu_worker_threads else {}),
+            **({LOG_LEVEL_ENV: log_level} if log_level else {}),
             "OMP_NUM_THREADS": threads,
             "MKL_NUM_THREADS": threads,
             "OPENBLAS_NUM_THREADS": threads,
@@ -162,6 +177,10 @@ def init_ray(
     """Start (or join) Ray once per process; return the cluster's resources. Idempotent."""
     if ray.is_initialized():
         return ray.cluster_resources()
+    # The driver's logging first, so a bad trainer.log_level fails before a cluster starts (no config: the level of
+    # $OMNI_ASYNC_LOG_LEVEL, else INFO, which the workers then inherit with the other OMNI_ASYNC_* variables).
+    log_level = check_log_level(cfg.trainer.log_level) if cfg is not None else None
+    setup_logging(log_level)
     address, gpu_threads = None, None
     if cfg is not None:
         gpu_threads = cfg.trainer.ray.gpu_worker_torch_threads
@@ -173,13 +192,15 @@ def init_ray(
     # in the environment means "join that cluster" rather than start a new one next to it.
     address = address or os.environ.get("RAY_ADDRESS") or None
     kwargs: dict[str, Any] = dict(
-        runtime_env=worker_runtime_env(torch_threads, gpu_threads),
+        runtime_env=worker_runtime_env(torch_threads, gpu_threads, log_level),
         include_dashboard=False,
         logging_level="warning",
         log_to_driver=True,
     )
+    t0 = time.perf_counter()
     if address:
         ray.init(address=address, **kwargs)
+        how = f"joined the Ray cluster at {address}"
     else:
         import torch
 
@@ -190,7 +211,16 @@ def init_ray(
         # "local": always a new local cluster. Without it ray.init joins any cluster already running on the machine
         # (another job's `ray start`) and then refuses num_cpus / num_gpus.
         ray.init(address="local", **kwargs)
-    return ray.cluster_resources()
+        how = "started a local Ray cluster"
+    resources = ray.cluster_resources()
+    logger.info("%s in %.1fs: %s", how, time.perf_counter() - t0, _describe(resources))
+    return resources
+
+
+def _describe(resources: dict[str, Any]) -> str:
+    """``N CPUs, M GPUs, K nodes`` of ``ray.cluster_resources()`` (GPUs are logical ones on a CPU box)."""
+    nodes = sum(1 for k in resources if k.startswith("node:") and k != "node:__internal_head__")
+    return f"{resources.get('CPU', 0):g} CPUs, {resources.get('GPU', 0):g} GPUs, {nodes} node(s)"
 
 
 def shutdown_ray() -> None:

@@ -23,6 +23,7 @@ process group with trainer rank 0 (:meth:`RolloutReplica.receive_weights`, ``age
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -39,6 +40,8 @@ from omni_async.agent_loop.weight_staging import WeightSlots
 from omni_async.agent_loop.weight_sync import WeightGroup, fits_one_bucket, meta_bytes, tensor_meta, write_buckets
 from omni_async.batching import MicroBatcher
 from omni_async.sample import Result
+
+logger = logging.getLogger(__name__)
 
 SEED_SAMPLE, SEED_WINDOW, SEED_VALIDATION = 0, 1, 2  # independent random streams
 
@@ -301,10 +304,20 @@ class RolloutReplica:
         from omni_async.modality.base import model_dtype
 
         self.device = configure_worker()
+        t0 = time.perf_counter()
         dtype = model_dtype(dtype_name, self.device)
         self.policy = get_modality(modality).build_policy(model, sampling, self.device, rollout_server, dtype=dtype)
         if hasattr(self.policy, "freeze_for_inference"):  # a vLLM client holds no weights in this process
             self.policy.freeze_for_inference(dtype)
+        logger.info(
+            "rollout worker started: %s model %s on %s (%s) in %.1fs, batches of up to %d",
+            modality,
+            model.get("path"),
+            self.device,
+            dtype,
+            time.perf_counter() - t0,
+            max_batch_size,
+        )
         self.slots = WeightSlots()
         self.group: WeightGroup | None = None  # the cross-pool weight group (checkpoint_engine.backend=nccl)
         self.torn = False  # an in-place weight transfer failed half-way: no generation until a complete set arrived
@@ -372,8 +385,18 @@ class RolloutReplica:
         The state dict is staged and loaded on the device thread between two generation batches, so no batch runs on
         half-loaded weights (an adapter torn between two of its forwards): with ``activate`` before this returns
         (after the batch on the device now), else before the first batch that asks for ``version`` or newer."""
+        t0 = time.perf_counter()
         self.slots.stage(version, lambda: self.policy.load_weights_state_dict(state))
-        return await self._activate() if activate else int(version)
+        active = await self._activate() if activate else int(version)
+        logger.info(
+            "weights v%d from the object store: %d tensors, %.1f MB, %s in %.3fs",
+            version,
+            len(state),
+            sum(t.numel() * t.element_size() for t in state.values()) / 2**20,
+            "written" if activate else "staged",
+            time.perf_counter() - t0,
+        )
+        return active
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -410,6 +433,7 @@ class RolloutReplica:
         if self.group is None:
             raise RuntimeError("receive_weights before join_weight_group")
         group, loop = self.group, asyncio.get_running_loop()
+        t0 = time.perf_counter()
         if fits_one_bucket(meta, bucket_bytes):
             received = await loop.run_in_executor(self.receive_thread, group.receive_buckets, meta, bucket_bytes)
             got = sum(flat.numel() * flat.element_size() for _, flat in received)
@@ -432,6 +456,14 @@ class RolloutReplica:
             got = await loop.run_in_executor(self.device_thread, receive)
         if got != meta_bytes(meta):
             raise RuntimeError(f"received {got} of {meta_bytes(meta)} weight bytes")
+        logger.info(
+            "weights v%d over the %s group: %.1f MB, %s in %.3fs",
+            version,
+            group.backend,
+            got / 2**20,
+            "written in place" if not fits_one_bucket(meta, bucket_bytes) else "written" if activate else "staged",
+            time.perf_counter() - t0,
+        )
         return got
 
     async def generate(

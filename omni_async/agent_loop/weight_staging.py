@@ -7,12 +7,18 @@ staged set into the model between two device batches, before the first batch tha
 (``rollout_replica.GenerationBatcher``): a request names the weights version it is for (lock-step modes: the version
 the trainer published when it started the step's collection), so the requests of an older version queued at the worker
 finish on the weights they were made for, and a batch never runs on half-written weights.
+
+Logging: staging and writing a set are DEBUG (the rollout worker logs each set it received at INFO).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
 
 
 class WeightSlots:
@@ -38,7 +44,8 @@ class WeightSlots:
         """Any thread: a complete set of ``version`` is here; ``write()`` puts it into the model (device thread).
         A newer staged set replaces an older one that was never applied."""
         with self._lock:
-            self._staged = (int(version), write)
+            replaced, self._staged = self._staged, (int(version), write)
+        logger.debug("weights v%d staged%s", version, f" (replacing v{replaced[0]}, never applied)" if replaced else "")
         self._changed()
 
     def apply(self) -> int:
@@ -46,8 +53,10 @@ class WeightSlots:
         with self._lock:
             staged, self._staged = self._staged, None
         if staged is not None:
+            t0 = time.perf_counter()
             staged[1]()
             self.active = staged[0]
+            logger.debug("staged weights v%d written into the model in %.3fs", self.active, time.perf_counter() - t0)
             self._changed()
         return self.active
 

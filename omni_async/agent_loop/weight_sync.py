@@ -18,16 +18,23 @@ batches (:func:`write_buckets`, ``agent_loop.weight_staging``); a larger set (a 
 bucket straight into the parameters on the device thread, so generation pauses for the transfer. Either way no
 generation batch runs while the weights are half written (and a failed in-place transfer leaves the worker refusing
 to generate until a complete set arrives; a failed staged one leaves its weights as they were).
+
+Logging: a member joining its group is INFO; each transfer (bytes, buckets, seconds) is DEBUG here, since the rollout
+worker logs the set it received at INFO (``rollout_replica``) and a sync runs every step.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 GROUP_TIMEOUT_S = 600.0  # a broadcast waits this long for every member (a bucket of 2 GB on a slow link included)
 DTYPES = {
@@ -108,6 +115,7 @@ class WeightGroup:
         self, address: str, port: int, rank: int, world: int, device: torch.device, timeout_s: float = GROUP_TIMEOUT_S
     ):
         self.rank, self.world, self.device = int(rank), int(world), torch.device(device)
+        t0 = time.perf_counter()
         timeout = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(address, int(port), self.world, self.rank == 0, timeout=timeout)
         if self.device.type == "cuda":
@@ -119,6 +127,16 @@ class WeightGroup:
         else:
             self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.world, timeout)
             self.backend = "gloo"
+        logger.info(
+            "joined the weight-sync group at %s:%s as rank %d of %d (%s on %s) in %.1fs",
+            address,
+            port,
+            self.rank,
+            self.world,
+            self.backend,
+            self.device,
+            time.perf_counter() - t0,
+        )
 
     def _broadcast(self, flat: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
@@ -128,7 +146,7 @@ class WeightGroup:
     def send(self, tensors: dict[str, torch.Tensor], meta: Meta, bucket_bytes: int, keep: list | None = None) -> int:
         """Rank 0: every tensor of ``meta`` from ``tensors`` (read in place), cast to the metadata's dtype. ``keep``:
         a list the sent buckets are appended to (the set as sent, for :meth:`send_buckets` later)."""
-        sent = 0
+        sent, t0 = 0, time.perf_counter()
         flats = {k: t.detach().reshape(-1) for k, t in tensors.items()}
         missing = [name for name, _, _ in meta if name not in flats]
         if missing:
@@ -141,6 +159,7 @@ class WeightGroup:
                 keep.append(flat)
             self._broadcast(flat)
             sent += flat.numel() * flat.element_size()
+        _debug("sent", sent, len(plan_buckets(meta, bucket_bytes)), t0)
         return sent
 
     def send_buckets(self, flats: list[torch.Tensor]) -> int:
@@ -151,22 +170,28 @@ class WeightGroup:
 
     def receive(self, dest: dict[str, torch.Tensor], meta: Meta, bucket_bytes: int) -> int:
         """Ranks > 0: each bucket copied straight into ``dest`` (tensors sharing storage with the parameters)."""
-        got = 0
-        for b in plan_buckets(meta, bucket_bytes):
+        got, t0, buckets = 0, time.perf_counter(), plan_buckets(meta, bucket_bytes)
+        for b in buckets:
             flat = torch.empty(b.numel, dtype=b.dtype, device=self.device)
             self._broadcast(flat)
             write_buckets(dest, [(b, flat)])
             got += flat.numel() * flat.element_size()
+        _debug("received and written in place", got, len(buckets), t0)
         return got
 
     def receive_buckets(self, meta: Meta, bucket_bytes: int) -> list[tuple[Bucket, torch.Tensor]]:
         """Ranks > 0: every bucket into buffers of its own (a staged set; :func:`write_buckets` applies it)."""
-        received = []
+        received, t0 = [], time.perf_counter()
         for b in plan_buckets(meta, bucket_bytes):
             flat = torch.empty(b.numel, dtype=b.dtype, device=self.device)
             self._broadcast(flat)
             received.append((b, flat))
+        _debug("received to stage", sum(f.numel() * f.element_size() for _, f in received), len(received), t0)
         return received
+
+
+def _debug(what: str, nbytes: int, buckets: int, t0: float) -> None:
+    logger.debug("weights %s: %.1f MB in %d bucket(s), %.3fs", what, nbytes / 2**20, buckets, time.perf_counter() - t0)
 
 
 def fits_one_bucket(meta: Meta, bucket_bytes: int) -> bool:

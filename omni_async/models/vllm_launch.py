@@ -1,8 +1,11 @@
 """Starting a vLLM OpenAI-compatible server from its own environment, shared by the text rollout
-(``models.vllm_text_policy``) and the judge servers (``reward.vllm_server``). Nothing here imports vLLM."""
+(``models.vllm_text_policy``) and the judge servers (``reward.vllm_server``). Nothing here imports vLLM.
+
+Logging: a server that became healthy is INFO (its URL, model, devices and start-up time)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -10,6 +13,8 @@ import time
 from typing import Any
 
 import httpx
+
+logger = logging.getLogger(__name__)
 
 # vLLM's MaxLoRARanks (vllm/config/lora.py); older releases accept a subset (<= 0.6: 8..64, later up to 256).
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -70,12 +75,22 @@ def start_vllm(
             "install vLLM into its own environment and point server_python at that environment's python"
         )
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
-    deadline = time.time() + startup_timeout_s
+    t0 = time.time()
+    deadline = t0 + startup_timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"vLLM server ({config_key}) exited with code {proc.returncode} during start-up")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                logger.info(
+                    "vLLM server (%s) healthy at %s after %.0fs: model %s, CUDA_VISIBLE_DEVICES=%s, pid %d",
+                    config_key,
+                    url,
+                    time.time() - t0,
+                    cmd[cmd.index("--model") + 1] if "--model" in cmd else "?",
+                    (env or {}).get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", "")),
+                    proc.pid,
+                )
                 return proc
         except httpx.HTTPError:
             time.sleep(2)

@@ -14,12 +14,24 @@ Every finished sample calls ``await dispatcher.score(chunk)``:
 
 It runs on the agent loop's event loop; Ray object refs are awaited, so thousands of in-flight samples cost
 no threads.
+
+Logging (``omni_async.logs``): a re-sent sample is INFO and a sample given up after its re-sends is WARNING (both at
+most once per worker per :data:`LOG_INTERVAL_S`, counting the ones held back); a worker that died is INFO when it is
+back, WARNING when it does not come back. A timed-out sample (the scorer past ``reward.timeout_s``, or a worker that
+gave no answer) is WARNING, at most once per :data:`LOG_INTERVAL_S`.
+The failure rate is watched over the last :data:`FAILURE_WINDOW` outcomes (``failed`` and ``timeout`` count, of any
+scorer of the dispatcher): once at least :data:`FAILURE_MIN_OUTCOMES` are in the window and more than
+:data:`FAILURE_RATE_WARN` of them failed, one WARNING names the rate and the last error; one INFO follows when it is
+back at or below :data:`FAILURE_RATE_CLEAR` (hysteresis, so a rate near the threshold does not flap). Each sample's
+outcome is DEBUG.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,11 +40,50 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from verl import DataProto
 
 from omni_async.cluster import wait_for_restart
+from omni_async.logs import Throttle
 from omni_async.sample import RewardOutcome, SampleTimes
+
+logger = logging.getLogger(__name__)
 
 # A worker enforces reward.timeout_s itself; the dispatcher's own deadline only has to catch a worker that
 # stopped answering (a hung process, a lost node), so it allows transport time on top.
 TRANSPORT_GRACE_S = 10.0
+# The failure-rate watch (module docstring): a window long enough that one bad sample is not an alarm, short enough
+# that a scorer going down shows within seconds at streaming rates.
+FAILURE_WINDOW, FAILURE_MIN_OUTCOMES = 100, 20
+FAILURE_RATE_WARN, FAILURE_RATE_CLEAR = 0.10, 0.05
+LOG_INTERVAL_S = 30.0  # events that can come per sample (re-sends, timeouts) log at most this often per worker
+
+
+class FailureRate:
+    """The share of failed outcomes among the last ``window`` ones, with a degraded flag that is raised above
+    ``warn`` (once ``min_outcomes`` are in the window) and lowered at or below ``clear``."""
+
+    def __init__(
+        self,
+        window: int = FAILURE_WINDOW,
+        min_outcomes: int = FAILURE_MIN_OUTCOMES,
+        warn: float = FAILURE_RATE_WARN,
+        clear: float = FAILURE_RATE_CLEAR,
+    ):
+        self.outcomes: deque[bool] = deque(maxlen=int(window))  # True: failed
+        self.min_outcomes, self.warn, self.clear = int(min_outcomes), float(warn), float(clear)
+        self.degraded = False
+
+    @property
+    def rate(self) -> float:
+        return sum(self.outcomes) / len(self.outcomes) if self.outcomes else 0.0
+
+    def observe(self, failed: bool) -> str | None:
+        """Add one outcome; ``"degraded"`` or ``"recovered"`` when the flag changes, else ``None``."""
+        self.outcomes.append(bool(failed))
+        if not self.degraded and len(self.outcomes) >= self.min_outcomes and self.rate > self.warn:
+            self.degraded = True
+            return "degraded"
+        if self.degraded and self.rate <= self.clear:
+            self.degraded = False
+            return "recovered"
+        return None
 
 
 class RewardDispatcher:
@@ -44,8 +95,13 @@ class RewardDispatcher:
         max_inflight_per_worker: int,
         timeout_s: float,
         max_resends: int = 2,
+        scorers: str = "reward",
     ):
+        """``scorers``: what the workers score with (``manager.scorer_names``), named in the log."""
         self.workers = list(workers)
+        self.scorers = scorers
+        self.failure_rate = FailureRate()
+        self._throttle = Throttle(LOG_INTERVAL_S)
         self.inflight = [0] * len(self.workers)
         self.down = [False] * len(self.workers)
         self.max_inflight = int(max_inflight_per_worker)
@@ -86,8 +142,18 @@ class RewardDispatcher:
 
     async def _revive(self, w: int) -> None:
         """Keep a dead worker out of the rotation until Ray has restarted it and it answers again."""
+        t0 = time.perf_counter()
         if not await wait_for_restart(self.workers[w].info.remote, self.deadline_s):
+            logger.warning(
+                "reward worker %d did not come back within %.0fs (Ray's restarts exhausted or no answer); it stays "
+                "out of the rotation, %d of %d workers left",
+                w,
+                self.deadline_s,
+                self.down.count(False),
+                len(self.workers),
+            )
             return  # restarts exhausted or no answer in time: it stays out of the rotation
+        logger.info("reward worker %d restarted and answering again after %.1fs", w, time.perf_counter() - t0)
         async with self._freed:
             self.down[w] = False
             self._freed.notify_all()
@@ -149,7 +215,23 @@ class RewardDispatcher:
                         error=f"reward worker died {attempt + 1} times while scoring "
                         f"this sample (reward.max_resends={self.max_resends}): {e}",
                     )
+                    if (held := self._throttle.ready(("given_up", w))) is not None:
+                        logger.warning(
+                            "reward re-sends exhausted, sample given up as failed: %s (%d more since the last report)",
+                            outcome.error,
+                            held,
+                        )
                     break
+                if (held := self._throttle.ready(("resent", w))) is not None:
+                    logger.info(
+                        "reward worker %d died with a sample in flight (%s); re-sending it, attempt %d of %d "
+                        "(%d more re-sends since the last report)",
+                        w,
+                        type(e).__name__,
+                        attempt + 2,
+                        self.max_resends + 1,
+                        held,
+                    )
                 await self._give_back(w)
                 attempt += 1
                 self.counters["retried"] += 1
@@ -157,7 +239,32 @@ class RewardDispatcher:
         await self._give_back(w)
         self.counters["total_consumed"] += 1
         times.scored = time.time()
+        self._watch(outcome)
         return outcome
+
+    def _watch(self, outcome: RewardOutcome) -> None:
+        """The failure-rate watch (module docstring): a line when the rate crosses a threshold, never per sample."""
+        logger.debug("reward outcome %s (error: %s)", outcome.status, outcome.error)
+        # A scorer past reward.timeout_s (the worker's verdict) or a worker that gave no answer (the dispatcher's).
+        if outcome.status == "timeout" and (held := self._throttle.ready("timeout")) is not None:
+            logger.warning("reward timed out: %s (%d more timeouts since the last report)", outcome.error, held)
+        change = self.failure_rate.observe(not outcome.ok)
+        if change == "degraded":
+            logger.warning(
+                "reward failure rate %.0f%% over the last %d outcomes (> %.0f%%) of %s; last error: %s",
+                100 * self.failure_rate.rate,
+                len(self.failure_rate.outcomes),
+                100 * self.failure_rate.warn,
+                self.scorers,
+                outcome.error,
+            )
+        elif change == "recovered":
+            logger.info(
+                "reward failure rate back to %.0f%% over the last %d outcomes of %s",
+                100 * self.failure_rate.rate,
+                len(self.failure_rate.outcomes),
+                self.scorers,
+            )
 
     async def post_process_group(self, outcomes: list[RewardOutcome]) -> list[RewardOutcome]:
         """Run the reward classes' ``post_process_scores`` on one complete group, on the least-loaded worker."""

@@ -7,12 +7,18 @@ full jitter; a 503 / 429 with ``Retry-After`` (seconds or an HTTP date) waits th
 sending it again cannot help). Every retry is counted (``ClientStats`` for the process, an optional
 ``RetryTally`` per call: the reward functions return it per sample as ``http_retries`` / ``http_timeouts``), and
 every error names the URL it was sent to.
+
+Logging (``omni_async.logs``), at most one line per server and kind per :data:`LOG_INTERVAL_S` (counting the ones
+held back), since these events come at the sample rate when a server is down: an attempt that timed out and a call
+given up (retries exhausted, or refused with a 4xx) are WARNING, a call answered only after retries is INFO; each
+retried attempt is DEBUG.
 """
 
 from __future__ import annotations
 
 import asyncio
 import email.utils
+import logging
 import random
 import time
 import weakref
@@ -21,7 +27,13 @@ from typing import Any
 
 import httpx
 
+from omni_async.logs import Throttle
+
+logger = logging.getLogger(__name__)
+
 RETRY_STATUS = {408, 429}
+LOG_INTERVAL_S = 30.0
+_throttle = Throttle(LOG_INTERVAL_S)  # per process: every client of a server shares its reports
 
 
 class RewardHTTPError(RuntimeError):
@@ -120,18 +132,23 @@ async def post_with_retries(
             stats.timeouts += 1
             tally.timeouts += 1
             last = f"{type(e).__name__} after {_timeout_s(client)} from {url}"
+            _report(logging.WARNING, ("timeout", url), "reward server timed out: %s", last)
         except httpx.TransportError as e:
             last = f"{type(e).__name__}: {e or 'connection failed'} ({url})"
         else:
             if response.status_code < 400:
+                if attempt:
+                    _report(logging.INFO, ("resent", url), "POST %s answered after %d retries", url, attempt)
                 return response
             last = f"HTTP {response.status_code} from {url}: {response.text[:200]}"
             if response.status_code < 500 and response.status_code not in RETRY_STATUS:
                 stats.errors += 1
-                raise RewardHTTPError(
+                error = (
                     f"POST {url} answered HTTP {response.status_code}: {response.text[:200]} "
                     "(not retried: the request itself was refused)"
                 )
+                _report(logging.WARNING, ("refused", url), "reward call failed: %s", error)
+                raise RewardHTTPError(error)
             if response.status_code in (429, 503):
                 retry_after = retry_after_seconds(response.headers.get("retry-after"))
         finally:
@@ -139,12 +156,22 @@ async def post_with_retries(
         if attempt < policy.max_retries:
             stats.retries += 1
             tally.retries += 1
-            await asyncio.sleep(policy.delay(attempt, rng, retry_after))
+            delay = policy.delay(attempt, rng, retry_after)
+            logger.debug("POST attempt %d failed (%s); retrying in %.2fs", attempt + 1, last, delay)
+            await asyncio.sleep(delay)
     stats.errors += 1
-    raise RewardHTTPError(
+    error = (
         f"POST {' / '.join(tried)} failed after {policy.max_retries + 1} attempts; last: {last}. "
         "Check that the server is running and reachable at that address."
     )
+    _report(logging.WARNING, ("exhausted", tuple(tried)), "reward retries exhausted: %s", error)
+    raise RewardHTTPError(error)
+
+
+def _report(level: int, key: tuple, msg: str, *args: Any) -> None:
+    """``msg`` at ``level``, at most once per ``key`` per :data:`LOG_INTERVAL_S`, with the count held back."""
+    if logger.isEnabledFor(level) and (held := _throttle.ready(key)) is not None:
+        logger.log(level, msg + " (%d more since the last report)", *args, held)
 
 
 def _timeout_s(client: httpx.AsyncClient) -> str:

@@ -10,12 +10,16 @@ Workers restart when their process dies (``max_restarts``); the dispatcher re-se
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import ray
 from omegaconf import DictConfig, OmegaConf
 
 from omni_async.reward.worker import RewardLoopWorker
+
+logger = logging.getLogger(__name__)
 
 WORKER_MAX_RESTARTS = 4
 # Ray admits this many calls beyond the dispatcher's scoring slots (info probes, group post-processing), so a
@@ -54,10 +58,17 @@ def create_reward_workers(
                 ),
             )
         workers.append(cls.options(**opts).remote(cfg_dict, i, list(judge_urls or [])))
+    logger.info(
+        "starting %d reward worker(s) %s",
+        len(workers),
+        f"on the reward pool ({len(bundles)} device(s))" if bundles else "as CPU actors",
+    )
     return workers
 
 
 def wait_ready(workers: list[Any]) -> None:
     """Block until every worker has built its reward manager. Fail at start, not mid-step, if a reward function
     cannot be loaded (bad path, missing dependency): the worker's error is raised here."""
+    t0 = time.perf_counter()
     ray.get([w.info.remote() for w in workers])
+    logger.info("%d reward worker(s) ready after %.1fs", len(workers), time.perf_counter() - t0)

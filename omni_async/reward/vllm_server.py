@@ -62,6 +62,9 @@ class VLLMServer:
     def __init__(self, rollout_cfg: dict[str, Any], model_path: str, startup_timeout_s: float = 900.0):
         import ray
 
+        from omni_async.logs import setup_logging
+
+        setup_logging()  # idempotent (the process setup hook normally did it); start_vllm logs the server's start
         self.port, self.host = free_port(), ray.util.get_node_ip_address()
         self.proc = start_vllm(
             server_command(rollout_cfg, model_path, self.port),

@@ -68,6 +68,7 @@ class RewardSide:
             max_inflight_per_worker=r.max_inflight_per_worker,
             timeout_s=r.timeout_s,
             max_resends=r.max_resends,
+            scorers=self.scorer_names,
         )
 
     @property

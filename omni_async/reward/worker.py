@@ -9,19 +9,27 @@ up to the dispatcher's per-worker in-flight limit.
 
 A failure is never a fake score: the outcome's status says ``failed`` or ``timeout`` (in verl's form,
 ``reward_score`` is ``None`` and ``reward_extra_info`` carries ``reward_status`` and ``reward_error``).
+
+Logging: a worker logs once that it started (its scorers, device and judge servers; INFO); each scored sample is
+DEBUG at most (the dispatcher watches the failure rate).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from typing import Any
 
 import numpy as np
 from omegaconf import OmegaConf
 from verl import DataProto
 
+from omni_async.logs import setup_logging
 from omni_async.reward.manager import RewardManager
 from omni_async.sample import RewardOutcome
+
+logger = logging.getLogger(__name__)
 
 # Per-sample fields a reward function may see; everything else (trajectory latents, embeddings) stays behind.
 TEXT_FIELDS = ("prompt", "data_source", "ground_truth", "extra_info", "uid", "solution_str")
@@ -53,6 +61,8 @@ def proto_to_sample(data: DataProto) -> dict[str, Any]:
 
 class RewardLoopWorker:
     def __init__(self, reward_cfg: dict[str, Any], worker_index: int = 0, judge_urls: list[str] | None = None):
+        setup_logging()  # idempotent: the process setup hook normally did it (level from $OMNI_ASYNC_LOG_LEVEL)
+        t0 = time.perf_counter()
         self.worker_index = worker_index
         # Each worker starts its judge list at its own server, so functions given one server (verl-omni's
         # reward_router_address) spread over all of them, as verl's reward router would.
@@ -62,6 +72,15 @@ class RewardLoopWorker:
             urls = urls[k:] + urls[:k]
         self.manager = RewardManager(OmegaConf.create(reward_cfg), urls)
         self.calls = 0
+        logger.info(
+            "reward worker %d started: %s on %s, %d judge server(s), up to %s calls in flight, in %.1fs",
+            worker_index,
+            self.manager.scorer_names,
+            _device(),
+            len(urls),
+            reward_cfg.get("max_inflight_per_worker"),
+            time.perf_counter() - t0,
+        )
 
     async def score(self, data: DataProto) -> RewardOutcome:
         """Score one sample; never raises for a bad sample or a failing function (the outcome says so)."""
@@ -80,6 +99,7 @@ class RewardLoopWorker:
         return self.manager.has_post_process
 
     def info(self) -> dict[str, Any]:
+        """Where this worker runs; also the dispatcher's liveness probe, so it stays cheap and unlogged."""
         import ray
 
         ctx = ray.get_runtime_context()
@@ -91,3 +111,11 @@ class RewardLoopWorker:
             "accelerator_ids": ctx.get_accelerator_ids(),
             "placement_group_id": ctx.get_placement_group_id(),
         }
+
+
+def _device() -> str:
+    """The devices Ray gave this worker (``GPU 0``), else ``cpu``."""
+    import ray
+
+    ids = ray.get_gpu_ids() if ray.is_initialized() else []
+    return f"GPU {','.join(str(i) for i in ids)}" if ids else "cpu"

@@ -19,12 +19,17 @@ optimizer step of the whole group (LoRA gradients all-reduced, a full fine-tune 
 weights gathered again for generation after each step). Rank 0 writes the LoRA checkpoint; FSDP2 writes one
 sharded checkpoint. Each of these calls runs under ``DataParallel.failfast``: a rank that raises tears the group down
 and the others stop at once with ``RankFailedError`` naming it, instead of waiting ``actor_rollout_ref.nccl_timeout``.
+
+Logging: each rank logs the model it loaded (INFO); rank 0 logs each checkpoint saved or loaded and each weight set
+it broadcast to a rollout pool (INFO; the other ranks at DEBUG, so a line per event, not per rank).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import time
 from collections import deque
 from typing import Any
 
@@ -41,6 +46,8 @@ from omni_async.modality import get_modality
 from omni_async.modality.base import model_dtype
 from omni_async.trainer import data_parallel as dpm
 from omni_async.trainer.actor_core import begin_step, compute_log_prob, train_minibatch
+
+logger = logging.getLogger(__name__)
 
 TRAINED_ROWS_KEPT = 1 << 16  # the (uid, index) rows this rank trained on, newest kept (ActorWorker.trained_rows)
 
@@ -62,7 +69,24 @@ class ActorWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     async def init_model(self) -> None:
+        t0 = time.perf_counter()
         await self._on_device(self._init_model)
+        m = self.cfg.actor_rollout_ref.model
+        logger.info(
+            "actor rank %d of %d started: %s model %s (%s, %.2fM trainable parameters on this rank) on %s in %.1fs",
+            self.dp.rank,
+            self.dp.world,
+            m.modality,
+            m.path,
+            f"LoRA rank {m.lora_rank}" if self.policy.lora else "full fine-tune",
+            sum(p.numel() for p in self.policy.trainable_parameters()) / 1e6,
+            self.device,
+            time.perf_counter() - t0,
+        )
+
+    def _log_rank0(self, msg: str, *args: Any) -> None:
+        """INFO on rank 0, DEBUG on the others: one line per event of the whole group."""
+        logger.log(logging.INFO if self.dp.rank == 0 else logging.DEBUG, msg, *args)
 
     def _init_model(self) -> None:
         cfg = self.cfg
@@ -205,7 +229,15 @@ class ActorWorker(Worker):
             return self.weight_group.send(self._weight_views(), meta, bucket_bytes, keep=self._last_sent)
 
         self.weights_broadcast += 1
-        return await self._on_device(send)
+        t0 = time.perf_counter()
+        sent = await self._on_device(send)
+        self._log_rank0(
+            "weights %s to the rollout pool: %.1f MB in %.3fs",
+            "re-sent" if again else "broadcast",
+            sent / 2**20,
+            time.perf_counter() - t0,
+        )
+        return sent
 
     @register(dispatch_mode=dpm.BY_GROUPS_ROWS)
     async def compute_log_prob(self, data: DataProto) -> torch.Tensor:
@@ -263,7 +295,9 @@ class ActorWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     async def save_checkpoint(self, path: str) -> None:
+        t0 = time.perf_counter()
         await self._on_device(self._save_checkpoint, path)
+        self._log_rank0("checkpoint saved to %s in %.1fs", path, time.perf_counter() - t0)
 
     def _save_checkpoint(self, path: str) -> None:
         """One checkpoint set: rank 0's ``actor.pt`` (LoRA, or one rank), or one sharded ``actor_dcp/`` (FSDP2)."""
@@ -273,7 +307,9 @@ class ActorWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     async def load_checkpoint(self, path: str) -> None:
+        t0 = time.perf_counter()
         await self._on_device(self._load_checkpoint, path)
+        self._log_rank0("checkpoint loaded from %s in %.1fs", path, time.perf_counter() - t0)
 
     def _load_checkpoint(self, path: str) -> None:
         """Every rank reads it; a LoRA checkpoint resumes on any number of ranks."""

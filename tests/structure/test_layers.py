@@ -15,6 +15,7 @@ PKG = ROOT / "omni_async"
 # Lower layers never import higher ones (not even lazily inside a function).
 LAYERS = {
     "sample": 0,
+    "logs": 0,  # omni_async.logs: every layer logs through it
     "batching": 0,
     "algos": 1,
     "models": 2,

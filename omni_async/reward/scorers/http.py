@@ -18,6 +18,10 @@ per-step ``reward/http_retries`` metric. Errors name the URL.
 Protocols: ``v1`` (JSON, images base64 PNG by default, JPEG with ``image_format=jpeg``) and ``flow_grpo``
 (pickled request; the pickled response is read with a restricted unpickler that admits only plain containers,
 strings, bytes and numbers, so a malicious server cannot run code here).
+
+Logging: a scorer's creation (its servers and protocol) is INFO; a batch that fails is WARNING, at most once per
+scorer per ``http_client.LOG_INTERVAL_S`` (retries, timeouts and exhausted retries are ``http_client``'s); each sent
+batch is DEBUG.
 """
 
 from __future__ import annotations
@@ -26,15 +30,19 @@ import asyncio
 import base64
 import io
 import json
+import logging
 import pickle
 import random
+import time
 import weakref
 from typing import Any
 
 from PIL import Image
 
 from omni_async.batching import MicroBatcher
+from omni_async.logs import Throttle
 from omni_async.reward.http_client import (
+    LOG_INTERVAL_S,
     ClientStats,
     RetryPolicy,
     RetryTally,
@@ -45,6 +53,8 @@ from omni_async.reward.http_client import (
 from omni_async.reward.pixels import to_pixels
 from omni_async.reward.safe_pickle import UnsafePickleError, safe_loads
 from omni_async.sample import is_video
+
+logger = logging.getLogger(__name__)
 
 
 def encode_image(image: Any, fmt: str = "png", quality: int = 95) -> bytes:
@@ -99,6 +109,16 @@ class HttpScorer:
         self.metadata = metadata
         self.stats = ClientStats()
         self.rng = random.Random(seed)
+        self._throttle = Throttle(LOG_INTERVAL_S)
+        logger.info(
+            "HTTP scorer: %s, protocol %s, batches of up to %d within %gms, timeout %gs, %d retries",
+            ", ".join(self.urls),
+            protocol,
+            int(max_batch),
+            float(max_wait_ms),
+            self.timeout_s,
+            self.policy.max_retries,
+        )
         self._queues: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> _LoopQueue
 
     async def compute_score(
@@ -127,14 +147,28 @@ class HttpScorer:
 
     async def _send(self, batch: list[_Pending]) -> None:
         tally = RetryTally()
+        t0 = time.perf_counter()
         try:
             send = self._send_v1 if self.protocol == "v1" else self._send_flow_grpo
             results = await send(batch, tally)
         except Exception as e:
+            if (held := self._throttle.ready("failed")) is not None:
+                logger.warning(
+                    "HTTP scorer batch of %d failed after %d retries: %s: %s (%d more failed batches since the last "
+                    "report)",
+                    len(batch),
+                    tally.retries,
+                    type(e).__name__,
+                    e,
+                    held,
+                )
             for it in batch:
                 if not it.future.done():
                     it.future.set_exception(e)
             return
+        logger.debug(
+            "HTTP scorer batch of %d scored in %.3fs (%d retries)", len(batch), time.perf_counter() - t0, tally.retries
+        )
         for it, (score, detail) in zip(batch, results, strict=True):
             if not it.future.done():
                 it.future.set_result((score, detail, tally))

@@ -93,7 +93,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from omni_async.trainer.strategies import MODE_OVERRIDES  # noqa: E402
+from omni_async.trainer.mode import MODE_OVERRIDES  # noqa: E402
 
 # Steps run after the measured ones and not measured: a look-ahead mode's last step has no next rollout to start or
 # wait for, so measuring it would flatter one-step-off.
@@ -178,7 +178,7 @@ def pin_cores(trainer) -> dict[str, int]:
 
     cores = CORES
     handles = list(trainer.placement.actor_wg.workers)
-    if not trainer.placement.hybrid:
+    if not trainer.layout.rollout_is_actor:
         handles = list(trainer.placement.rollout_workers) + handles
 
     def pin(self, core):
@@ -191,7 +191,7 @@ def pin_cores(trainer) -> dict[str, int]:
         for i, h in enumerate(handles)
     }
     others = set(cores)  # (every core again after an earlier mode pinned the driver)
-    if not trainer.placement.hybrid:
+    if not trainer.layout.rollout_is_actor:
         rollout = {cores[i % len(cores)] for i in range(len(trainer.placement.rollout_workers))}
         others = (set(pinned.values()) - rollout) or others
     for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
@@ -221,7 +221,7 @@ def process_roles(trainer) -> dict[str, set[int]]:
 
     p = trainer.placement
     roles = {"driver (agent loop, trainer loop)": {os.getpid()}}
-    if p.hybrid:
+    if trainer.layout.rollout_is_actor:
         roles["trainer ranks (also rollout)"] = pids(p.actor_wg.workers)
     else:
         roles["rollout workers"] = pids(p.rollout_workers)
@@ -320,7 +320,7 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
     trainer = FlowGRPOTrainer(cfg)
     pinned = pin_cores(trainer) if args.pin_cores else {}
     roles = process_roles(trainer)
-    trainer.ops.sync_weights(0)
+    trainer.sync_weights(0)
     steps, step1 = [], {}
     # Every sample of the run (warm-up and tail steps included: a look-ahead mode generates the next step's batch
     # during the measured ones) and every trainer phase, for the pools' busy time and the rollout's idle gaps.
@@ -360,9 +360,7 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
             print(f"  {name:20s} step {step + 1}: {metrics['timing_s/step']:.2f}s", flush=True)
         batch_sizes = [ray_stats(h)["batch_sizes"] for h in trainer.placement.rollout_workers]
     finally:
-        if hasattr(trainer.source, "stop"):  # fully async: the rollouter's tasks end before the loop
-            trainer.source.stop()
-        trainer.agent.shutdown()
+        trainer.close()
         shutdown_ray()
     med = lambda key: statistics.median(s["metrics"].get(key, 0.0) for s in steps)  # noqa: E731
     timing_keys = [
@@ -512,7 +510,7 @@ def compare_fully_async(args, staleness: list[float]) -> None:
     colocated sync and one-step-off on the same 2 devices (2 ranks), each process pinned to its own core."""
     from argparse import Namespace
 
-    from omni_async.trainer.strategies import fully_async_overrides
+    from omni_async.trainer.mode import fully_async_overrides
 
     # A run ends with steps that train what is already generated (one-step-off's last step has no look-ahead; fully
     # async's last ceil(1 + s) updates drain the rollouter): they run after the measured steps (``tail_steps`` in

@@ -30,7 +30,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests/trainer")]
 from test_learning import FULLY_ASYNC_LEARN, MODES, learn  # noqa: E402
 from test_text_mode import fully_async_text, learn_digits, write_arith  # noqa: E402
 
-from omni_async.trainer.strategies import fully_async_overrides  # noqa: E402
+from omni_async.trainer.mode import fully_async_overrides  # noqa: E402
 
 
 def main() -> None:

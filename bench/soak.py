@@ -298,7 +298,7 @@ def main() -> None:
         trainer.ops.optimizer_step = recording_step
         per_step, kills = [], []
         try:
-            trainer.ops.sync_weights(0)
+            trainer.sync_weights(0)
             for step in range(args.steps):
                 seen.update(rows=0, trained=0)
                 before = httpx.get(f"{proxy_url}/__proxy_stats").json()
@@ -342,7 +342,7 @@ def main() -> None:
                     flush=True,
                 )
         finally:
-            trainer.agent.shutdown()
+            trainer.close()
             shutdown_ray()
             proxy_counts = httpx.get(f"{proxy_url}/__proxy_stats").json()
             stop(proxy)

@@ -120,14 +120,12 @@ class Trainers:
             config_name=self.config_name,
         )
         self.made.append(RLTrainer(cfg))
-        self.made[-1].ops.sync_weights(0)
+        self.made[-1].sync_weights(0)
         return self.made[-1]
 
     def close(self) -> None:
         for t in self.made:
-            if hasattr(t.source, "stop"):  # fully async: the rollouter's tasks end before the loop does
-                t.source.stop()
-            t.agent.shutdown()
+            t.close()  # the rollouter's tasks end before the loop does
         shutdown_ray()
 
 
@@ -191,3 +189,21 @@ def shipped_renderer_policy(tmp_path_factory, name: str):
         )
     finally:
         mp.undo()
+
+
+def switch_mode(trainer, *, streaming: bool | None = None, **async_reward: bool) -> None:
+    """Go on training ``trainer`` in another mode: ``async_reward.<key>=<value>`` (and ``reward.streaming``) applied to
+    a copy of its config, the producer restarted at its position (``RLTrainer.set_mode``). ``streaming=False`` also
+    takes the agent loop's reward dispatcher away, so samples come back unscored and the update scores them."""
+    import copy
+
+    from omni_async.trainer.mode import mode_of
+
+    cfg = copy.deepcopy(trainer.cfg)
+    for key, value in async_reward.items():
+        cfg.async_reward[key] = value
+    if streaming is not None:
+        cfg.reward.streaming = str(streaming).lower()
+        if not streaming:
+            trainer.agent.dispatcher = None
+    trainer.set_mode(mode_of(cfg))

@@ -53,11 +53,11 @@ def test_reward_pool_lands_on_the_other_node(tmp_path):
             )
         )
         assert reward_node != actor_node
-        trainer.ops.sync_weights(0)
+        trainer.sync_weights(0)
         metrics, samples = trainer.train_step(0)  # and a step runs across the two nodes
         assert not trainer.reward.colocated_used and all(s.outcome.ok for s in samples)
     finally:
         if trainer is not None:
-            trainer.agent.shutdown()
+            trainer.close()
         shutdown_ray()
         cluster.shutdown()

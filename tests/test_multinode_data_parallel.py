@@ -12,13 +12,12 @@ import shutil
 import pytest
 import ray
 import torch
-from helpers import SMALL_IMAGE_TRAINER, two_node_cluster, write_prompts
+from helpers import SMALL_IMAGE_TRAINER, switch_mode, two_node_cluster, write_prompts
 
 from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
 from omni_async.trainer.loop import RLTrainer
 from omni_async.trainer.step_ops import ActorRankDiedError
-from omni_async.trainer.strategies import FullBatchUpdate, OneStepOffPolicy, OnPolicy, PipelinedUpdate
 
 # Training runs (not in the fast tier), on a two-raylet cluster of their own (each in a pytest process of its own).
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("own_ray_cluster")]
@@ -61,11 +60,11 @@ def resume_step_1(cfg) -> tuple[dict, dict]:
     try:
         start = trainer.resume()
         assert start == 1
-        trainer.ops.sync_weights(start)
+        trainer.sync_weights(start)
         metrics, _ = trainer.train_step(start)
         return metrics, weights(trainer)[0]
     finally:
-        trainer.agent.shutdown()
+        trainer.close()
         shutdown_ray()
 
 
@@ -93,7 +92,7 @@ def test_two_node_data_parallel_trains_every_mode_checkpoints_once_and_resumes(t
         assert len(set(nodes)) == 2  # one rank per node
         assert [s["rank"] for s in ray.get([w.stats.remote() for w in workers])] == [0, 1]
 
-        trainer.ops.sync_weights(0)
+        trainer.sync_weights(0)
         rows = []
         for step in (0, 1):
             metrics, samples = trainer.train_step(step)
@@ -112,21 +111,20 @@ def test_two_node_data_parallel_trains_every_mode_checkpoints_once_and_resumes(t
         assert max_diff(after_two[0], after_one) > 1e-5  # step 2 (what the resumes must reproduce) moved them
 
         # The other modes on the same two ranks.
-        ops = trainer.ops
-        trainer.update = PipelinedUpdate(ops)  # stream + pipeline: a mini-batch per 2 scored groups
+        switch_mode(trainer, update_pipeline=True)  # stream + pipeline: a mini-batch per 2 scored groups
         metrics, _ = trainer.train_step(2)
-        trainer.source, trainer.update = OneStepOffPolicy(ops, 5), FullBatchUpdate(ops)  # stream + one-step off
+        switch_mode(trainer, update_pipeline=False, one_step_off_policy=True)  # stream + one-step off
         for step in (3, 4):
             metrics, _ = trainer.train_step(step)
         assert metrics["async_reward/policy_version_lag"] == 1.0
-        trainer.source, trainer.agent.dispatcher = OnPolicy(ops), None  # sync: score after rollout, colocated
+        switch_mode(trainer, one_step_off_policy=False, streaming=False)  # sync: score after rollout, colocated
         metrics, samples = trainer.train_step(5)
         assert trainer.reward.colocated_used and all(s.outcome.ok for s in samples)
         assert metrics["actor/grad_norm"] > 0
         ray.kill(workers[1], no_restart=True)  # a rank dies: the next update stops, naming the last checkpoint
         with pytest.raises(ActorRankDiedError, match="step_000002"):
             trainer.train_step(6)
-        trainer.agent.shutdown()
+        trainer.close()
         shutdown_ray()  # the run ends here; the resumes below start from the checkpoint of step 1
         trainer = None
 
@@ -143,6 +141,6 @@ def test_two_node_data_parallel_trains_every_mode_checkpoints_once_and_resumes(t
         assert max_diff(w, after_two[0]) < 1e-6
     finally:
         if trainer is not None:
-            trainer.agent.shutdown()
+            trainer.close()
         shutdown_ray()
         cluster.shutdown()

@@ -27,7 +27,7 @@ def make_trainer(tmp_path: Path, name: str, *overrides: str) -> RLTrainer:
     trainer = RLTrainer(
         compose([f"data.train_files={tmp_path}/train.jsonl", f"trainer.run_dir={tmp_path}/{name}", *SMALL, *overrides])
     )
-    trainer.ops.sync_weights(0)
+    trainer.sync_weights(0)
     return trainer
 
 
@@ -49,12 +49,12 @@ def test_rollout_worker_killed_mid_step_regenerates_the_same_samples(tmp_path):
         assert sorted(trained) == sorted(s.uid for s in samples)  # every sample trained exactly once
         killed_pixels = [s.result.pixels for s in samples]
     finally:
-        trainer.agent.shutdown()
+        trainer.close()
     clean = make_trainer(tmp_path, "clean", *SPLIT)
     try:
         _, reference = clean.train_step(0)
     finally:
-        clean.agent.shutdown()
+        clean.close()
         shutdown_ray()
     for a, b in zip(killed_pixels, [s.result.pixels for s in reference], strict=True):
         np.testing.assert_array_equal(a, b)
@@ -109,11 +109,11 @@ def test_dead_actor_rank_stops_the_run_naming_the_last_checkpoint_and_old_checkp
             trainer.save_checkpoint(step)
         kept = sorted(p.name for p in (tmp_path / "run/checkpoints").iterdir())
         assert kept == ["step_000002", "step_000003"]
-        trainer.ops.sync_weights(0)
+        trainer.sync_weights(0)
         ray.kill(trainer.placement.actor_wg.workers[0], no_restart=True)
         with pytest.raises(ActorRankDiedError) as exc:
             trainer.train_step(0)
         assert "step_000003" in str(exc.value) and "trainer.resume_mode=auto" in str(exc.value)
     finally:
-        trainer.agent.shutdown()
+        trainer.close()
         shutdown_ray()

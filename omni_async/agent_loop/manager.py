@@ -18,19 +18,18 @@ first part (the oldest weights in it) as soon as that exists, so the rollouter's
 generates. A worker that dies during a continuation loses only that part: it is asked for again from the same
 point.
 
-The tasks run on an event loop in a background thread, so the trainer's step loop stays plain synchronous code
-and a step's collection can run while the trainer does something else (one-step off-policy).
+The tasks run on an event loop in a background thread, beside the rollouter (``agent_loop.rollouter``) that starts
+the groups, so the trainer's step loop stays plain synchronous code and generation goes on while it trains.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
+import logging
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Future
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -41,34 +40,14 @@ from omni_async.reward.dispatcher import RewardDispatcher
 from omni_async.reward.worker import sample_to_proto
 from omni_async.sample import Sample
 
+logger = logging.getLogger(__name__)
+
 # How long a dead rollout worker may take to come back (Ray restart + model load) before it is given up.
 WORKER_RESTART_TIMEOUT_S = 300.0
 
 
 class RolloutWorkersLostError(RuntimeError):
     """Every rollout worker is dead and none came back."""
-
-
-class Collection:
-    """One step's samples in flight. ``iter_groups`` yields each ``uid`` group once all its members are done."""
-
-    def __init__(self, samples: list[Sample], sampling: dict | None = None, version: int | None = None):
-        self.samples, self.sampling = samples, sampling
-        self.version = version  # the weights version its samples are for (None: the newest a worker has)
-        self.done: Future = Future()
-        self.all_generated: Future = Future()  # set once every sample's image / response exists
-        self.groups: queue.Queue[list[Sample] | None] = queue.Queue()
-        self.t_start = time.time()
-        self.t_done = float("nan")
-
-    def wait(self) -> list[Sample]:
-        return self.done.result()
-
-    def iter_groups(self):
-        """Complete groups in the order they finish; ends when the collection does (re-raises its error)."""
-        while (group := self.groups.get()) is not None:
-            yield group
-        self.wait()
 
 
 class AgentLoopManager:
@@ -151,67 +130,52 @@ class AgentLoopManager:
 
         return self.on_loop(read)
 
-    async def run_group(self, samples: list[Sample]) -> list[Sample]:
-        """On the agent loop: generate and score ``samples`` (one GRPO group) and return them once all are done."""
-        collection = Collection(samples)
-        await self._run(collection)
+    async def run_group(
+        self,
+        samples: list[Sample],
+        *,
+        sampling: dict | None = None,
+        version: int | None = None,
+        on_generated: Callable[[], None] | None = None,
+    ) -> list[Sample]:
+        """On the agent loop: generate and (when streaming) score ``samples``, one GRPO group, and return them once
+        all are done; the reward classes' ``post_process_scores`` run on the complete group. Each sample has its own
+        seed and SDE window (``Sample.window``). ``sampling``: settings that differ from the policy's own
+        (validation's ``rollout.val_kwargs``), passed to every request. ``version``: the weights version the samples
+        are for (a lock-step draw's: the rollout worker generates them with it although a newer set may arrive
+        meanwhile; ``RolloutReplica.generate``); None: the newest weights a worker has. ``on_generated()`` is called
+        as each sample's image / response exists."""
+        await asyncio.gather(*(self._sample(s, on_generated, sampling, version) for s in samples))
+        if self.dispatcher is not None and self.post_process:
+            outcomes = await self.dispatcher.post_process_group([m.outcome for m in samples])
+            for m, o in zip(samples, outcomes, strict=True):
+                m.outcome = o
         return samples
 
-    def start(self, samples: list[Sample], *, sampling: dict | None = None, version: int | None = None) -> Collection:
-        """Begin generating (and, when streaming, scoring) ``samples``, each with its own SDE window
-        (``Sample.window``); returns at once. ``sampling``: settings that differ from the policy's own (validation's
-        ``rollout.val_kwargs``), passed to every request. ``version``: the weights version the samples are for (a
-        lock-step step's: the rollout worker generates them with it although a newer set may arrive meanwhile;
-        ``RolloutReplica.generate``); None: the newest weights a worker has."""
-        collection = Collection(samples, sampling, version)
-        fut = asyncio.run_coroutine_threadsafe(self._run(collection), self.loop)
+    def generate(self, samples: list[Sample], *, sampling: dict | None = None) -> list[Sample]:
+        """From the trainer's thread: generate (and, when streaming, score) ``samples`` group by group and wait for all
+        of them (validation)."""
+        groups: dict[str, list[Sample]] = defaultdict(list)
+        for s in samples:
+            groups[s.uid].append(s)
 
-        def finish(f):
-            collection.t_done = time.time()
-            if not collection.all_generated.done():
-                collection.all_generated.set_result(None)
-            collection.groups.put(None)
-            if f.exception() is not None:
-                collection.done.set_exception(f.exception())
-            else:
-                collection.done.set_result(samples)
+        async def run() -> None:
+            await asyncio.gather(*(self.run_group(g, sampling=sampling) for g in groups.values()))
 
-        fut.add_done_callback(finish)
-        return collection
+        self.call(run())
+        return samples
 
-    async def _run(self, collection: Collection) -> None:
-        members: dict[str, list[Sample]] = defaultdict(list)
-        for s in collection.samples:
-            members[s.uid].append(s)
-        remaining = {uid: len(group) for uid, group in members.items()}
-        to_generate = [len(collection.samples)]
-
-        def generated() -> None:
-            to_generate[0] -= 1
-            if to_generate[0] == 0:
-                collection.all_generated.set_result(None)
-
-        async def one(s: Sample) -> None:
-            await self._sample(s, generated, collection.sampling, collection.version)
-            remaining[s.uid] -= 1
-            if remaining[s.uid] == 0:
-                group = members[s.uid]
-                if self.dispatcher is not None and self.post_process:
-                    outcomes = await self.dispatcher.post_process_group([m.outcome for m in group])
-                    for m, o in zip(group, outcomes, strict=True):
-                        m.outcome = o
-                collection.groups.put(group)
-
-        await asyncio.gather(*(one(s) for s in collection.samples))
-
-    async def _sample(self, s: Sample, on_generated, sampling: dict | None = None, version: int | None = None) -> None:
+    async def _sample(
+        self, s: Sample, on_generated: Callable[[], None] | None, sampling: dict | None, version: int | None
+    ) -> None:
         if self._generating is not None:
             await self._generating.acquire()
         try:
             gen = await self._generate(s, sampling, version)
             s.result, s.version = gen.result, gen.version
             s.times.gen_start, s.times.gen_end = gen.gen_start, gen.gen_end
-            on_generated()
+            if on_generated is not None:
+                on_generated()
             if self.dispatcher is None:
                 return
             # The generation slot is held until the sample is in the reward queue: back-pressure on rollout.
@@ -276,6 +240,11 @@ class AgentLoopManager:
                 # weights version -> the same sample) while Ray restarts the dead one.
                 self.regenerated += 1
                 if not self.down[w]:
+                    logger.info(
+                        "rollout worker %d died with requests in flight; they are generated again on a live worker%s",
+                        w,
+                        " while Ray restarts it" if self.restartable else " (it is not restarted: an actor rank)",
+                    )
                     self.down[w] = True if self.restartable else "lost"
                     if self.restartable:
                         asyncio.ensure_future(self._revive(w))
@@ -297,6 +266,7 @@ class AgentLoopManager:
         def mark() -> None:
             w = next((i for i, h in enumerate(self.workers) if h == handle), None)
             if w is not None and not self.down[w] and self.restartable:
+                logger.info("rollout worker %d died outside a generation request; waiting for its restart", w)
                 self.down[w] = True
                 asyncio.ensure_future(self._revive(w))
 
@@ -311,6 +281,10 @@ class AgentLoopManager:
                 await self.restore_worker(self.workers[w])
 
         revived = await wait_for_restart(back_with_current_weights, WORKER_RESTART_TIMEOUT_S)
+        if revived:
+            logger.info("rollout worker %d restarted with the newest weights and serves again", w)
+        else:
+            logger.warning("rollout worker %d did not come back within %g s: given up", w, WORKER_RESTART_TIMEOUT_S)
         async with self._revived:
             self.down[w] = False if revived else "lost"
             self._revived.notify_all()

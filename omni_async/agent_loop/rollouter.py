@@ -1,10 +1,12 @@
-"""The rollouter of fully async training (``async_reward.fully_async``; verl's ``FullyAsyncRollouter`` +
+"""The rollouter: the one producer of training samples, in every mode (verl's ``FullyAsyncRollouter`` +
 ``MessageQueue``), on the agent loop's event loop.
 
-It never waits for the trainer's step: it draws prompts (``data.train_batch_size`` at a time, each sample seeded by
-(trainer seed, draw, index) as a lock-step step's, so a group is the same whoever generates it and whenever), starts
-whole GRPO groups on the rollout workers (each sample streams to the reward queue the moment it exists, as in every
-mode) and keeps every complete, scored group in its message queue until the trainer takes it. Two bounds:
+It draws prompts (``agent_loop.draws``: ``data.train_batch_size`` at a time, each sample seeded by (trainer seed,
+draw, index), so a group is the same whoever generates it and whenever), starts whole GRPO groups on the rollout
+workers (each sample streams to the reward queue the moment it exists, when the reward streams) and keeps every
+complete, scored group until the trainer takes it. The modes are its settings (:class:`ProducerSettings`, made by
+``trainer.mode``), as verl's fully async design states them: staleness 0 is the on-policy pipeline, 1 is one-step-off,
+``s`` is fully async. Two bounds:
 
 - **production** (verl's ``staleness_threshold``): at most ``cap`` groups are started per sync window, counting the
   ones left unconsumed from the previous window (``algos.staleness.groups_per_window``). At the cap it pauses until
@@ -16,36 +18,61 @@ mode) and keeps every complete, scored group in its message queue until the trai
   (``fully_async/count/dropped_stale_samples``) and replaced by a fresh prompt, so the run still trains its number of
   groups.
 
-A weight sync does not pause the rollouter: the rollout workers load new weights on their device thread between two
-generation batches, so an image in flight finishes under the version that started it and reports it (its SDE window
-log-probs share one pi_old; verl's ``partial_rollout=True`` means exactly this here for images). Text with
-``partial_rollout=True`` (verl's partial rollout): the sync interrupts the responses on the device, which are
-continued under the new weights (``agent_loop.manager``), so a response's tokens may come from several versions, each
-token's log-prob from its own. A sample's version here is its *oldest* (its first token's, verl's
-``param_version_start``): the lag bound holds for every token of every trained sample, as verl v1's
-``max_off_policy_threshold`` counts a trajectory's age from when its prompt started generating. (The staleness
-metrics report both ends: ``trajectory_staleness`` from the newest version, as verl v1, ``trajectory_staleness_worst``
-from the oldest.) A continued response is never older than its start, so the bound's argument is unchanged.
+**Lock-step** (``ProducerSettings.lock_step``: the sync, stream, pipeline and one-step-off presets): a step trains the
+groups of the oldest draw not yet trained, in draw order (the pipeline takes them ``ppo_mini_batch_size`` at a time
+as they are scored), and each group's requests name the weights version its draw started under, so every sample of
+a draw is made by one version even when newer weights are staged at the worker meanwhile. **Fully async**: a step
+trains any scored groups, oldest weights first, and a request takes the newest weights its worker has.
+
+A weight sync does not pause the rollouter where the workers stage it (they load new weights on their device thread
+between two generation batches, so an image in flight finishes under the version that started it and reports it).
+Where the layout cannot (the hybrid layout: the rollout is the trainer's own model) or a lock-step draw must keep its
+one version and the sync is written in place, :meth:`quiesce` stops starting groups and waits until every started
+sample is generated; :meth:`on_sync` starts production again. Text with ``partial_rollout=True`` (verl's partial
+rollout): the sync interrupts the responses on the device, which are continued under the new weights
+(``agent_loop.manager``), so a response's tokens may come from several versions, each token's log-prob from its own.
+A sample's version here is its *oldest* (its first token's, verl's ``param_version_start``): the lag bound holds for
+every token of every trained sample.
 
 Every produced group is trained exactly once or dropped with a reason; :meth:`position` gives what a checkpoint
-needs to go on without losing or repeating one (the oldest draw with an unfinished group, and which of that draw's
-and later draws' groups are finished): on resume those draws are made again and the unfinished groups regenerated
-from their seeds (under the checkpoint's weights).
+needs to go on without losing or repeating one (the oldest draw with an unfinished group, the sampler state before
+it, and which of that draw's and later draws' groups are finished): on resume those draws are made again and the
+unfinished groups regenerated from their seeds (under the checkpoint's weights). It is the one resume format.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from omni_async.sample import Sample
 
+logger = logging.getLogger(__name__)
+
 # How often a waiting trainer re-checks the queue without a wake-up (a member generated changes a group's version).
 TAKE_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class ProducerSettings:
+    """What makes a mode, for the rollouter (``trainer.mode.Mode.producer`` makes it from the config)."""
+
+    cap: int  # groups started per sync window, counting the ones left unconsumed from the last
+    bound: int  # the largest lag a trained group may have
+    wait_for_stale: bool  # max_off_policy_strategy=wait: the trainer waits for a group due now (else it is dropped)
+    lock_step: bool  # a step trains the oldest draw's groups, each draw made by one weights version
+
+
+class DrawSource(Protocol):
+    """Where the rollouter's prompts come from (``agent_loop.draws.Draws``)."""
+
+    def make(self, draw: int) -> tuple[dict, list[Sample]]: ...
+
+    def state(self) -> dict: ...
 
 
 @dataclass
@@ -56,6 +83,7 @@ class Group:
     draw: int  # the draw (batch of data.train_batch_size prompts) it came from
     samples: list[Sample]
     done: bool = False
+    generated: int = 0  # members whose image / response exists
     t_done: float = field(default=float("nan"))
 
     @property
@@ -74,23 +102,20 @@ class Rollouter:
     def __init__(
         self,
         agent: Any,
-        draw: Callable[[int], tuple[dict, list[Sample]]],
-        sampler_state: Callable[[], dict],
+        draws: DrawSource,
+        settings: ProducerSettings,
         *,
-        cap: int,
-        bound: int,
-        wait_for_stale: bool,
         groups_to_train: int,
         rollout_version: int,
         first_draw: int = 0,
         finished: dict[str, int] | None = None,
     ):
-        """``draw(d)`` returns (sampler state before the draw, the samples of draw ``d``) and ``sampler_state()`` the
-        state now; both run on the loop (the only thread that touches the sampler during fully async training).
-        ``groups_to_train``: groups the trainer will still take. ``finished``: uid -> draw of groups trained or
-        dropped before a resume (skipped when their draw is made again)."""
-        self.agent, self.draw, self.sampler_state = agent, draw, sampler_state
-        self.cap, self.bound, self.wait_for_stale = int(cap), int(bound), bool(wait_for_stale)
+        """``agent``: runs a group (``AgentLoopManager.run_group``). ``draws``: the prompts, on the loop (the only
+        thread that touches the sampler while the rollouter runs). ``groups_to_train``: groups the trainer will
+        still take. ``finished``: uid -> draw of groups trained or dropped before a resume (skipped when their draw
+        is made again)."""
+        self.agent, self.draws, self.settings = agent, draws, settings
+        self.cap, self.bound = int(settings.cap), int(settings.bound)
         self.to_train = int(groups_to_train)
         self.rollout_version = int(rollout_version)  # the weights the rollout workers hold since the last sync
         self.next_draw = int(first_draw)
@@ -100,6 +125,7 @@ class Rollouter:
         self.live: dict[str, Group] = {}  # started, not yet taken or dropped
         self.window = 0  # groups started in this sync window + the ones left from the last (verl's staleness_samples)
         self.started = 0
+        self.paused = False  # quiesce: no group starts until the next sync
         self.dropped_groups = self.dropped_samples = 0
         self.error: BaseException | None = None
         self._waiters: list[asyncio.Future] = []
@@ -134,7 +160,7 @@ class Rollouter:
 
     async def _produce(self) -> None:
         while True:
-            while not (self.window < self.cap and self._wanted() > 0):
+            while self.paused or not (self.window < self.cap and self._wanted() > 0):
                 await self._changed()
             group = self._next_group()
             self.window += 1
@@ -147,7 +173,7 @@ class Rollouter:
     def _next_group(self) -> Group:
         while not self.pending:
             d = self.next_draw
-            state, samples = self.draw(d)
+            state, samples = self.draws.make(d)
             self.draw_states[d] = state
             self.next_draw += 1
             members: dict[str, list[Sample]] = {}
@@ -161,8 +187,15 @@ class Rollouter:
         return group
 
     async def _run(self, group: Group) -> None:
+        def generated() -> None:
+            group.generated += 1
+            if group.generated == len(group.samples):
+                self._notify()
+
+        # Lock-step: the draw's weights, although newer ones may be staged at the worker before it serves the request.
+        version = self.rollout_version if self.settings.lock_step else None
         try:
-            await self.agent.run_group(group.samples)
+            await self.agent.run_group(group.samples, version=version, on_generated=generated)
             group.done, group.t_done = True, time.time()
         except asyncio.CancelledError:
             raise
@@ -170,29 +203,61 @@ class Rollouter:
             self.error = e
         self._notify()
 
+    async def quiesce(self) -> None:
+        """Stop starting groups and wait until every started sample is generated (before a sync that cannot be staged
+        beside generation); :meth:`on_sync` starts production again."""
+        self.paused = True
+        while any(g.generated < len(g.samples) for g in self.live.values()):
+            if self.error is not None:
+                raise self.error
+            await self._changed(TAKE_POLL_S)
+
     async def on_sync(self, version: int) -> None:
         """The rollout workers hold ``version`` now: a new window starts with the groups left from the last."""
         self.rollout_version = int(version)
         self.window = len(self.live)
+        self.paused = False
         self._notify()
 
-    async def take(self, step: int, n: int) -> list[Group]:
-        """The ``n`` groups step ``step`` trains (oldest weights first), once they are scored."""
+    async def take(self, step: int, n: int, among: int | None = None) -> list[Group]:
+        """``n`` scored groups for step ``step``, in start order. Lock-step: the first ``n`` to be scored among the
+        ``among`` oldest started (the rest of the step's draw); fully async: the ``n`` with the oldest weights."""
         while True:
             if self.error is not None:
                 raise self.error
-            self._drop_stale(step)
-            picked = self._pick(step, n)
+            if self.settings.lock_step:
+                picked = self._pick_in_order(n, n if among is None else among)
+            else:
+                self._drop_stale(step)
+                picked = self._pick(step, n)
             if picked is not None:
-                return picked
+                for g in picked:
+                    self._finish(g)
+                self.to_train -= n
+                self._notify()
+                return sorted(picked, key=lambda g: g.seq)
             await self._changed(TAKE_POLL_S)
 
+    def _pick_in_order(self, n: int, among: int) -> list[Group] | None:
+        oldest = sorted(self.live.values(), key=lambda g: g.seq)[:among]
+        done = sorted((g for g in oldest if g.done), key=lambda g: g.t_done)
+        return done[:n] if len(done) >= n else None
+
     def _drop_stale(self, step: int) -> None:
-        for g in [g for g in self.live.values() if g.done and step - g.version() > self.bound]:
+        stale = [g for g in self.live.values() if g.done and step - g.version() > self.bound]
+        for g in stale:
             self._finish(g)
             self.dropped_groups += 1
             self.dropped_samples += len(g.samples)
             self.window -= 1  # its replacement may start in this window
+        if stale:
+            logger.info(
+                "step %d: dropped %d stale group(s) past the lag bound %d (%d dropped so far)",
+                step,
+                len(stale),
+                self.bound,
+                self.dropped_groups,
+            )
         self._notify()
 
     def _deadline(self, g: Group) -> int:
@@ -221,16 +286,12 @@ class Rollouter:
         if len(done) < n:
             return None
         picked = done[:n]
-        if self.wait_for_stale:
+        if self.settings.wait_for_stale:
             taken = {g.uid for g in picked}
             if self._feasible(order[n:], step, n) and not self._feasible(
                 [g for g in live if g.uid not in taken], step, n
             ):
                 return None
-        for g in picked:
-            self._finish(g)
-        self.to_train -= n
-        self._notify()
         return picked
 
     def _finish(self, g: Group) -> None:
@@ -244,7 +305,7 @@ class Rollouter:
         first = min(unfinished, default=self.next_draw)
         self.draw_states = {d: s for d, s in self.draw_states.items() if d >= first}
         self.finished = {u: d for u, d in self.finished.items() if d >= first}
-        state = self.draw_states[first] if first in self.draw_states else self.sampler_state()
+        state = self.draw_states[first] if first in self.draw_states else self.draws.state()
         return {"draw": first, "sampler": state, "finished": dict(self.finished)}
 
     def metrics(self) -> dict[str, float]:

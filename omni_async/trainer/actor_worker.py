@@ -46,6 +46,7 @@ from omni_async.modality import get_modality
 from omni_async.modality.base import model_dtype
 from omni_async.trainer import data_parallel as dpm
 from omni_async.trainer.actor_core import begin_step, compute_log_prob, train_minibatch
+from omni_async.trainer.mode import mode_of
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class ActorWorker(Worker):
             )
             if self.dp.sharded:
                 dpm.full_params(self.policy.trainable)  # generation runs on the gathered (bf16) weights
-        overlap = cfg.async_reward.one_step_off_policy or cfg.async_reward.update_pipeline
+        overlap = mode_of(cfg).overlaps_update
         hybrid = cfg.actor_rollout_ref.hybrid_engine and int(r.nnodes) == 0  # not with a rollout pool
         self.snapshot = bool(hybrid and overlap)
         self.weight_group: WeightGroup | None = None  # rank 0 with a rollout pool (checkpoint_engine.backend=nccl)

@@ -15,10 +15,13 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import MISSING, field, fields, is_dataclass, make_dataclass
+from pathlib import Path
 from typing import Any, Optional, get_args, get_origin
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ValidationError
+
+from omni_async.config_error import ConfigError
 
 # Keys whose default is null: the type a value must have when set (null stays allowed).
 NULLABLE: dict[str, Any] = {
@@ -110,18 +113,37 @@ def _dataclass(prefix: str, nodes: list[dict]) -> type:
     return make_dataclass(f"{name}Config", fields)
 
 
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
+
+
+CONFIG_NAMES = ("flowgrpo_trainer", "grpo_text_trainer")  # every config file users compose from
+
+
+def compose_untyped(overrides: list[str] | None = None, config_name: str = "flowgrpo_trainer") -> DictConfig:
+    """Hydra's composition of ``config_name`` with ``overrides``; also callable inside ``@hydra.main`` (the entry
+    point's Hydra state is put aside and restored)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
+
+    outer = get_gh_backup()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+    finally:
+        restore_gh_from_backup(outer)
+
+
 @functools.cache
 def schema() -> type:
     """The structured schema of the trainer configs' defaults (composed once per process)."""
-    from omni_async.trainer.config import CONFIG_NAMES, compose_untyped
-
     return _dataclass("", [OmegaConf.to_container(compose_untyped([], name), resolve=False) for name in CONFIG_NAMES])
 
 
 def typed(cfg: DictConfig) -> DictConfig:
     """``cfg`` checked against the schema; a wrong type raises ``ConfigError`` naming key, value and type."""
-    from omni_async.trainer.config import ConfigError
-
     try:
         return OmegaConf.merge(OmegaConf.structured(schema()), cfg)
     except ValidationError as err:

@@ -1,34 +1,39 @@
-"""The step loop, one for every modality and mode.
+"""The step loop, one for every modality, mode and layout.
 
-One step, as data::
+One sample, from prompt to gradient::
 
-    prompts (train_batch_size, each with a uid) x rollout.n
-      -> agent loop: one task per sample on the rollout workers     timing_s/gen
-         stream mode: each finished sample -> reward queue -> reward-loop worker, while the rest generate
-                                                                     timing_s/reward_wait (tail after last sample)
-      -> reward, only if rollout did not bring rm_scores (sync mode) timing_s/reward
-      -> group advantages per uid, failure policy                    timing_s/adv
-      -> pi_old: rollout log-probs (bypass) or recomputed            timing_s/old_log_prob
-      -> actor update over mini-batches of whole groups              timing_s/update_actor
-      -> weights pushed to the rollout workers with a version        timing_s/update_weights (= timing_s/weight_sync)
+    rollouter (agent_loop.rollouter, the only producer)   draws prompts (agent_loop.draws), starts whole groups
+      -> agent loop: one task per sample on a rollout worker (the layout's), each finished sample streamed to the
+         reward queue -> reward-loop worker, while the rest generate                         timing_s/gen
+      -> a scored group waits in the rollouter until a step takes it                          timing_s/collect_wait
+    update (trainer.update): per chunk of groups (the step, or a mini-batch as it is scored)
+      -> reward, only if rollout did not bring it (sync reward)                               timing_s/reward
+      -> group advantages per uid, failure policy                                             timing_s/adv
+      -> pi_old: rollout log-probs (bypass) or recomputed                                     timing_s/old_log_prob
+      -> actor update over mini-batches of whole groups                                       timing_s/update_actor
+    weights to the rollout every sync period (the layout's sync), a new production window    timing_s/update_weights
 
-Where the samples come from and how they become optimizer steps are the two strategies (``strategies``); the
-operations they compose are ``step_ops.StepOps``. This class wires the run (placement, reward side, agent loop),
-runs the loop, validates, logs and checkpoints.
+The mode (``trainer.mode.Mode``) is the rollouter's settings and the update's chunk size; the layout
+(``trainer.layout``) is placement, weight sync and worker restore. This class wires the run (placement, reward side,
+agent loop), runs the loop, validates, logs, checkpoints and hands pictures to a background thread.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from omni_async.agent_loop.manager import AgentLoopManager
+from omni_async.agent_loop.draws import Draws
+from omni_async.agent_loop.manager import AgentLoopManager, RolloutWorkersLostError
 from omni_async.agent_loop.rollout_replica import SEED_VALIDATION, sample_seed
+from omni_async.agent_loop.rollouter import Group, Rollouter
 from omni_async.algos.sde import sde_window
 from omni_async.cluster import init_ray, reward_pool_size
 from omni_async.modality import get_modality
@@ -36,6 +41,7 @@ from omni_async.reward.wiring import RewardSide
 from omni_async.sample import Sample
 from omni_async.trainer.config import total_training_steps, validate
 from omni_async.trainer.dataset import PromptSampler, check_prompt_lengths, load_prompts
+from omni_async.trainer.layout import make_layout
 from omni_async.trainer.metrics import (
     advantage_metrics,
     off_policy_metrics,
@@ -45,13 +51,16 @@ from omni_async.trainer.metrics import (
     validation_metrics,
 )
 from omni_async.trainer.metrics_logger import MetricsLogger
+from omni_async.trainer.mode import Mode, mode_of
 from omni_async.trainer.placement import make_pools, place
 from omni_async.trainer.step_ops import RewardFailureError, StepOps
-from omni_async.trainer.strategies import FullBatchUpdate, FullyAsync, OneStepOffPolicy, OnPolicy, PipelinedUpdate
 from omni_async.trainer.timeline import save_timeline, timeline_record
 from omni_async.trainer.timer import Timer
+from omni_async.trainer.update import update
 
 __all__ = ["RLTrainer", "FlowGRPOTrainer", "RewardFailureError"]
+
+logger = logging.getLogger(__name__)
 
 # Samples in flight per rollout worker between "asked for" and "queued for reward": one device batch generating
 # and one forming. More only grows the queue in front of a slow reward; fewer idles the device between batches.
@@ -59,12 +68,16 @@ GENERATING_BATCHES_PER_WORKER = 2
 # Validation draws its samples' seeds from (SEED_VALIDATION, step 0) and, with val_kwargs.algo.noise_level > 0, its
 # SDE window from (SEED_VALIDATION, step 1): fixed for the run, so every validation is comparable.
 VALIDATION_WINDOW_STEP = 1
+# A pool idle for more than this share of the last IDLE_WINDOW steps is logged as a WARNING (with what to change).
+IDLE_WARNING = 0.5
+IDLE_WINDOW = 10
 
 
 class RLTrainer:
     def __init__(self, cfg: DictConfig):
         self.cfg = validate(cfg)
         init_ray(cfg)
+        self.mode = mode_of(self.cfg)
         self.modality = get_modality(cfg.actor_rollout_ref.model.modality)
         self.run_dir = Path(cfg.trainer.run_dir)
         train_rows = load_prompts(cfg.data.train_files)
@@ -75,12 +88,14 @@ class RLTrainer:
             lambda prompts: self.modality.prompt_lengths(cfg.actor_rollout_ref.model.path, prompts),
         )
         self.sampler = PromptSampler(train_rows, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
+        self.draws = Draws.from_config(cfg, self.sampler, self.modality.uses_window)
         self.total_steps = total_training_steps(cfg, len(train_rows))
-        pools = make_pools(cfg)
+        self.layout = make_layout(cfg)
+        pools = make_pools(cfg, self.layout)
         # The reward workers start (process, imports, reward functions) while the actor workers load the model: the
         # two start-ups overlap instead of adding up.
         self.reward = RewardSide(cfg, pools.reward_pool, pools.judge_pg)
-        self.placement = place(cfg, pools)
+        self.placement = place(cfg, pools, self.layout)
         self.reward.wait_ready()
         # verl's perf/throughput divides by every device of the run (its resource pools; here also the judges').
         self.n_devices = self.placement.pools.get_n_gpus() + (reward_pool_size(cfg) if self.placement.judge_pg else 0)
@@ -90,39 +105,129 @@ class RLTrainer:
             self.reward.dispatcher_factory(),
             agent.num_workers * agent.max_batch_size * GENERATING_BATCHES_PER_WORKER,
             self.reward.post_process,
-            restore_worker=lambda w: self.ops.restore_worker(w),
-            restartable=not self.placement.hybrid,
+            restore_worker=self.layout.restore,
+            restartable=not self.layout.rollout_is_actor,
         )
-        self.ops = StepOps(
-            cfg,
-            self.modality,
-            self.sampler,
-            self.agent,
-            self.reward,
-            self.placement.actor_wg,
-            self.placement.rollout_workers,
-            self.placement.hybrid,
-            last_checkpoint=self.latest_checkpoint,
-            layout=self.placement.layout,
-        )
-        a = cfg.async_reward
-        if a.fully_async:
-            self.source = FullyAsync(self.ops, self.total_steps)
-        elif a.one_step_off_policy:
-            self.source = OneStepOffPolicy(self.ops, self.total_steps)
-        else:
-            self.source = OnPolicy(self.ops)
-        self.update = (PipelinedUpdate if a.update_pipeline else FullBatchUpdate)(self.ops)
+        self.layout.on_death = self.agent.worker_died
+        self.ops = StepOps(cfg, self.modality, self.reward, self.placement.actor_wg, self.latest_checkpoint)
+        self.rollouter: Rollouter | None = None  # started at the first step (after a resume: at its position)
+        self.resume_position: dict | None = None
+        self.rollout_version = 0  # the weights version the rollout workers hold
+        self.pictures = ThreadPoolExecutor(1, thread_name_prefix="pictures")  # never on the training path
         self.last_timeline: dict | None = None
+        self._idle: list[tuple[float, float]] = []
+        self._t_metrics = time.perf_counter()
         self._last_save = time.monotonic()
+        logger.info(
+            "mode %s (cap %d groups per sync window, lag bound %d, %d groups per step), %s layout, %d steps",
+            self.mode.name,
+            self.mode.cap,
+            self.mode.bound,
+            self.mode.groups_per_step,
+            self.layout.name,
+            self.total_steps,
+        )
+
+    # ---- the producer -----------------------------------------------------------------------------------------
+    def sync_weights(self, version: int) -> None:
+        """Make ``version`` the rollout's weights at once (the start of a run, or a test's)."""
+        self.layout.sync(version)
+        self.rollout_version = int(version)
+
+    def _start_producer(self, step: int) -> None:
+        pos = self.resume_position or {}
+        if pos.get("sampler") is not None:
+            self.sampler.load_state_dict(pos["sampler"])
+        self.rollouter = self.agent.on_loop(
+            lambda: Rollouter(
+                self.agent,
+                self.draws,
+                self.mode.producer,
+                groups_to_train=(self.total_steps - step) * self.mode.groups_per_step,
+                rollout_version=self.rollout_version,
+                first_draw=int(pos.get("draw", 0)),
+                finished=pos.get("finished"),
+            )
+        )
+        self.agent.call(self.rollouter.start())
+        self._t_metrics = time.perf_counter()
+
+    def set_mode(self, mode: Mode) -> None:
+        """Go on in another mode (tests, benchmarks): the producer stops where it is and the next step starts one with
+        the new settings at its position, as a resume would (groups in flight are regenerated from their seeds)."""
+        if self.rollouter is not None:
+            self.resume_position = self.agent.on_loop(self.rollouter.position)
+            self.agent.call(self.rollouter.stop())
+            self.rollouter = None
+        self.mode = mode
+
+    def _take(self, step: int, n: int, among: int) -> list[Group]:
+        try:
+            return self.agent.call(self.rollouter.take(step, n, among))
+        except RolloutWorkersLostError as e:
+            if self.layout.rollout_is_actor:  # the rollout workers are the actor ranks
+                raise self.ops._rank_died("rollout", e) from e
+            raise
+
+    def after_update(self, step: int, timer: Timer) -> None:
+        """Every sync period, the new weights to the rollout and a new production window. Staged beside generation
+        where the layout can; where it cannot (the hybrid layout), or a lock-step draw must keep its one version and
+        the set is written in place, once every started sample is generated."""
+        version = step + 1
+        if version % self.mode.sync_period:
+            return
+        quiet = self.layout.sync_needs_idle_rollout or (self.mode.lock_step and not self.layout.stages)
+        if quiet:
+            with timer("wait_next_rollout"):
+                self.agent.call(self.rollouter.quiesce())
+        with timer("update_weights"):  # verl's name; timing_s/weight_sync is this project's first name for it
+            self.layout.sync(version, activate=quiet)
+        timer.timing["timing_s/weight_sync"] = timer.timing["timing_s/update_weights"]
+        self.rollout_version = version
+        self.agent.call(self.rollouter.on_sync(version))
+
+    def producer_metrics(self, step_s: float, waited_s: float) -> dict[str, float]:
+        """The rollouter's counters and both pools' idle shares (verl's fully async names)."""
+        now = time.perf_counter()
+        wall, self._t_metrics = now - self._t_metrics, now
+        m = self.agent.on_loop(self.rollouter.metrics)
+        trainer_idle = waited_s / step_s if step_s > 0 else 0.0
+        rollout_idle = min(1.0, self.agent.take_idle_s() / wall) if wall > 0 else 0.0
+        m["fully_async/trainer/idle_ratio"], m["fully_async/rollouter/idle_ratio"] = trainer_idle, rollout_idle
+        self._idle = [*self._idle[-(IDLE_WINDOW - 1) :], (trainer_idle, rollout_idle)]
+        if len(self._idle) == IDLE_WINDOW:
+            trainer_mean = sum(t for t, _ in self._idle) / IDLE_WINDOW
+            rollout_mean = sum(r for _, r in self._idle) / IDLE_WINDOW
+            if trainer_mean > IDLE_WARNING:
+                logger.warning(
+                    "the trainer waited for samples %.0f %% of the last %d steps: the run is rollout-bound (more "
+                    "rollout workers, or more staleness: async_training.staleness_threshold with "
+                    "async_reward.fully_async=true)",
+                    100 * trainer_mean,
+                    IDLE_WINDOW,
+                )
+            if rollout_mean > IDLE_WARNING:
+                logger.warning(
+                    "the rollout workers had no request %.0f %% of the last %d steps: production waits for the "
+                    "trainer (mode %s, cap %d groups per sync window)",
+                    100 * rollout_mean,
+                    IDLE_WINDOW,
+                    self.mode.name,
+                    self.mode.cap,
+                )
+            self._idle = []
+        return m
 
     # ---- one step -------------------------------------------------------------------------------------------
     def train_step(self, step: int) -> tuple[dict[str, float], list[Sample]]:
         timer = Timer()
         with timer("step"):
-            collection = self.source.collection(step)
-            samples, loss_mask, actor_metrics = self.update.run(collection, step, timer)
-            self.source.after_update(step, timer)
+            if self.rollouter is None:
+                self._start_producer(step)
+            groups, samples, loss_mask, actor_metrics = update(
+                self.ops, self.mode, self._take, step, timer, int(self.cfg.actor_rollout_ref.rollout.n)
+            )
+            self.after_update(step, timer)
         timing = dict(timer.timing)
         timing.setdefault("timing_s/reward", 0.0)
         timing.setdefault("timing_s/ref", 0.0)
@@ -136,14 +241,15 @@ class RLTrainer:
             **throughput_metrics(samples, timing["timing_s/step"], self.n_devices),
             "rollout/policy_version": float(version),
             "async_reward/policy_version_lag": float(step - version),
-            **off_policy_metrics(samples, step, partial=isinstance(self.source, FullyAsync)),
-            "weight_sync/bytes": float(self.ops.take_sync_bytes()),
+            **off_policy_metrics(samples, step, partial=not self.mode.lock_step),
+            "weight_sync/bytes": float(self.layout.take_sync_bytes()),
             **self.ops.take_corr_metrics(),
-            **self.source.metrics(timing["timing_s/step"]),
+            **self.producer_metrics(timing["timing_s/step"], timing.get("timing_s/collect_wait", 0.0)),
         }
         if self.cfg.actor_rollout_ref.model.modality == "text":
             metrics.update(response_length_metrics(samples, int(self.cfg.actor_rollout_ref.rollout.response_length)))
-        self.last_timeline = timeline_record(step + 1, collection, samples, timer)
+        t0 = min(s.times.requested for s in samples)
+        self.last_timeline = timeline_record(step + 1, t0, samples, timer)
         return metrics, samples
 
     # ---- validation, checkpoints ----------------------------------------------------------------------------
@@ -167,7 +273,7 @@ class RLTrainer:
             window = self._validation_window(sampling)
             for s in samples:
                 s.window = window
-        samples = self.agent.start(samples, sampling=sampling).wait()
+        samples = self.agent.generate(samples, sampling=sampling)
         if any(s.outcome is None for s in samples):
             self.ops.score_colocated(samples, Timer())
         if self.cfg.trainer.log_val_generations > 0:
@@ -200,18 +306,18 @@ class RLTrainer:
         return sorted(p.parent for p in (self.run_dir / "checkpoints").glob("step_*/trainer.json"))
 
     def save_checkpoint(self, step: int) -> None:
+        """The actor's weights and optimizer, and the producer's position: the oldest draw with a group not yet
+        trained, the sampler state before it and the groups of that draw and later ones already trained (a resumed
+        run makes those draws again and regenerates the rest from their seeds, with the checkpoint's weights)."""
         path = self._ckpt_dir(step)
         self.placement.actor_wg.save_checkpoint(str(path))
-        # A look-ahead rollout (one-step off-policy) may already have drawn the next prompts: save the sampler as
-        # it was before that, so a resumed run trains on exactly those prompts (regenerated with its weights).
-        sampler = self.ops.sampler_state_before.get(step, self.sampler.state_dict())
-        state = {"step": step, "sampler": sampler}
-        if isinstance(self.source, FullyAsync):
-            # Fully async: the oldest draw with a group not yet trained and which groups of it (and later draws)
-            # are done; a resumed run makes those draws again and regenerates the rest from their seeds.
-            state["fully_async"] = self.source.position()
-        (path / "trainer.json").write_text(json.dumps(state))
+        if self.rollouter is not None:
+            position = self.agent.on_loop(self.rollouter.position)
+        else:
+            position = {"draw": step, "sampler": self.sampler.state_dict(), "finished": {}}
+        (path / "trainer.json").write_text(json.dumps({"step": step, **position}))
         self._last_save = time.monotonic()
+        logger.info("checkpoint saved at step %d: %s (next draw %d)", step, path, position["draw"])
         keep = int(self.cfg.trainer.max_ckpt_to_keep)
         if keep > 0:
             for old in self._checkpoints()[:-keep]:
@@ -226,12 +332,16 @@ class RLTrainer:
             return 0
         state = json.loads((ckpt / "trainer.json").read_text())
         self.placement.actor_wg.load_checkpoint(str(ckpt))
+        step = int(state["step"])
+        # A lock-step checkpoint of earlier releases has no draw: it drew one batch per step and trained all of them.
+        self.resume_position = {
+            "draw": int(state.get("draw", step)),
+            "sampler": state["sampler"],
+            "finished": state.get("finished") or {},
+        }
         self.sampler.load_state_dict(state["sampler"])
-        if isinstance(self.source, FullyAsync):
-            # A lock-step checkpoint has no rollouter position: it drew one batch per step and trained all of them,
-            # so draw numbering (the seeds' and uids' draw index) goes on at its step with the sampler as saved.
-            self.source.resume_position = state.get("fully_async") or {"draw": int(state["step"])}
-        return int(state["step"])
+        logger.info("resumed from %s at step %d (draw %d)", ckpt, step, self.resume_position["draw"])
+        return step
 
     def _checkpoint_due(self, done: int) -> bool:
         t = self.cfg.trainer
@@ -243,8 +353,8 @@ class RLTrainer:
     def fit(self) -> Path:
         t = self.cfg.trainer
         start = self.resume()
-        self.ops.sync_weights(start)
-        logger = MetricsLogger(
+        self.sync_weights(start)
+        logger_ = MetricsLogger(
             self.run_dir,
             list(t.logger),
             self.total_steps,
@@ -255,25 +365,32 @@ class RLTrainer:
         )
         try:
             if t.val_before_train and self.val_rows:  # logged at the starting step, as verl does
-                logger.log(start, self.validate_step(start), advance=False)
+                logger_.log(start, self.validate_step(start), advance=False)
             for step in range(start, self.total_steps):
                 metrics, samples = self.train_step(step)
                 done = step + 1
                 if t.test_freq > 0 and self.val_rows and done % t.test_freq == 0:
                     metrics.update(self.validate_step(done))
-                logger.log(done, metrics)
+                logger_.log(done, metrics)
                 if t.log_timeline_freq > 0 and done % t.log_timeline_freq == 0:
-                    save_timeline(self.run_dir, self.last_timeline)
+                    self.pictures.submit(save_timeline, self.run_dir, self.last_timeline)
                 if t.log_image_freq > 0 and done % t.log_image_freq == 0:
-                    self.modality.save_samples(self.run_dir / "samples", done, samples)
+                    self.pictures.submit(self.modality.save_samples, self.run_dir / "samples", done, samples)
                 if self._checkpoint_due(done):
                     self.save_checkpoint(done)
         finally:
-            logger.close()
-            if isinstance(self.source, FullyAsync):
-                self.source.stop()
-            self.agent.shutdown()
+            logger_.close()
+            self.close()
         return self.run_dir
+
+    def close(self) -> None:
+        """Stop the producer and the agent loop; wait for the pictures still being drawn. Idempotent."""
+        if self.rollouter is not None:
+            self.agent.call(self.rollouter.stop())
+            self.rollouter = None
+        if self.agent.loop.is_running():
+            self.agent.shutdown()
+        self.pictures.shutdown(wait=True)
 
 
 FlowGRPOTrainer = RLTrainer  # the name of the first releases, kept for existing scripts

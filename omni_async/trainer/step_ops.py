@@ -1,8 +1,9 @@
-"""The operations a training step is made of. The strategies (``trainer.strategies``) compose them into modes.
+"""The operations a training step's update is made of: colocated reward, the failure policy, the actor's batch with
+group advantages, pi_old, optimizer steps over mini-batches and epochs (``trainer.update`` runs them in every mode).
 
-``StepOps`` owns what the operations share (config, prompt sampler, agent loop, reward side, actor workers) and
-is the one place where a batch is split into mini-batches and epochs (:func:`minibatches`,
-:meth:`StepOps.train_epochs`), so every mode does the same optimisation math.
+``StepOps`` owns what the operations share (config, reward side, actor workers) and is the one place where a batch
+is split into mini-batches and epochs (:func:`minibatches`, :meth:`StepOps.train_epochs`), so every mode does the
+same optimisation math.
 """
 
 from __future__ import annotations
@@ -18,16 +19,10 @@ from omegaconf import DictConfig
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from verl import DataProto
 
-from omni_async.agent_loop.manager import AgentLoopManager, Collection, RolloutWorkersLostError
-from omni_async.agent_loop.rollout_replica import SEED_WINDOW, sample_seed
 from omni_async.algos.advantages import group_advantages
-from omni_async.algos.sde import sde_window
 from omni_async.modality import REF_TIME_KEY, Modality
 from omni_async.reward.wiring import RewardSide
 from omni_async.sample import Sample
-from omni_async.trainer.config import sync_period_steps
-from omni_async.trainer.dataset import PromptSampler
-from omni_async.trainer.pool_sync import PoolSync
 from omni_async.trainer.timer import Timer
 
 RANK_PROBE_TIMEOUT_S = 30.0  # after a failed actor call: how long a rank may take to answer "are you alive"
@@ -58,143 +53,13 @@ class StepOps:
         self,
         cfg: DictConfig,
         modality: Modality,
-        sampler: PromptSampler,
-        agent: AgentLoopManager,
         reward: RewardSide,
         actor_wg: Any,
-        rollout_workers: list[Any],
-        hybrid: bool = False,
         last_checkpoint=lambda: None,
-        layout: str | None = None,
     ):
-        self.cfg, self.modality, self.sampler, self.agent, self.reward = cfg, modality, sampler, agent, reward
-        self.actor_wg, self.rollout_workers, self.hybrid = actor_wg, rollout_workers, hybrid
-        self.layout = layout or ("hybrid" if hybrid else "split")
-        # Disaggregated layout: the weights go to the rollout pool by checkpoint_engine.backend (trainer.pool_sync).
-        self.pool_sync = (
-            PoolSync(cfg, actor_wg, rollout_workers, on_death=agent.worker_died)
-            if self.layout == "disaggregated"
-            else None
-        )
-        self.sync_period = sync_period_steps(cfg)  # steps between weight syncs (async_training.*)
-        self.sync_bytes = 0  # bytes moved by weight syncs since the last step_metrics read
-        self.rollout_version = 0  # the newest weights version published to the rollout (what a collection is for)
+        self.cfg, self.modality, self.reward, self.actor_wg = cfg, modality, reward, actor_wg
         self.corr_metrics: dict[str, list[float]] = defaultdict(list)  # rollout_corr/* of the step's batches
         self.last_checkpoint = last_checkpoint  # for the error when an actor rank dies
-        self.sampler_state_before: dict[int, dict] = {}  # sampler state before each step's prompts were drawn
-        # Split layout: (object ref of the newest weights, version), for a restarted replica. The hybrid layout's
-        # rollout workers are actor ranks, never restarted.
-        self._weights: tuple[Any, int] | None = None
-
-    # ---- rollout ------------------------------------------------------------------------------------------------
-    def window(self, step: int, index: int) -> tuple[int, int] | None:
-        """The SDE window of sample ``index`` of step ``step``, or ``None`` for a modality without one.
-
-        A pure function of (trainer seed, step, index), so every layout, batching and regeneration agrees. With
-        ``rollout.algo.sde_window_per_sample`` (default) each sample draws its own, as verl-omni's SD3 / Qwen-Image
-        request batches draw one per row; false: one per step, shared by all its samples (sample 0's).
-        """
-        if not self.modality.uses_window:
-            return None
-        r = self.cfg.actor_rollout_ref.rollout
-        draw = index if r.algo.sde_window_per_sample else 0
-        gen = torch.Generator().manual_seed(sample_seed(self.cfg.trainer.seed, step, draw, SEED_WINDOW))
-        w = sde_window(r.num_inference_steps, r.algo.sde_window_size, tuple(r.algo.sde_window_range), gen)
-        return w.start, w.stop
-
-    def make_samples(self, step: int, rows: list) -> list[Sample]:
-        n = self.cfg.actor_rollout_ref.rollout.n
-        return [
-            Sample(
-                index=i,
-                uid=f"{step}-{p}",
-                row=row,
-                seed=sample_seed(self.cfg.trainer.seed, step, i),
-                window=self.window(step, i),
-            )
-            for p, row in enumerate(rows)
-            for i in range(p * n, p * n + n)
-        ]
-
-    def start_collection(self, step: int) -> Collection:
-        """Draw step ``step``'s prompts and start generating (and, when streaming, scoring) its samples, for the weights
-        published last (a rollout worker that stages syncs generates them with those although newer ones arrive)."""
-        # Only the newest states can still be checkpointed (see the trainer's save_checkpoint).
-        self.sampler_state_before = {k: v for k, v in self.sampler_state_before.items() if k >= step - 1}
-        self.sampler_state_before[step] = self.sampler.state_dict()
-        return self.agent.start(self.make_samples(step, self.sampler.next_batch()), version=self.rollout_version)
-
-    def collect(self, collection: Collection, timer: Timer) -> list[Sample]:
-        """Wait for a step's samples. Streamed ones arrive scored; the wait after the last one is the reward tail."""
-        with timer("collect_wait"):
-            try:
-                samples = collection.wait()
-            except RolloutWorkersLostError as e:
-                if self.hybrid:  # the rollout workers are the actor ranks
-                    raise self._rank_died("rollout", e) from e
-                raise
-        last_generated = max(s.times.gen_end for s in samples)
-        timer.timing["timing_s/gen"] += max(0.0, last_generated - collection.t_start)
-        timer.timing["timing_s/reward_wait"] += max(0.0, collection.t_done - max(last_generated, collection.t_start))
-        return samples
-
-    def sync_weights(self, version: int, activate: bool = True) -> None:
-        """Make ``version`` the rollout's weights.
-
-        Hybrid layout: the rollout generates with the model it trains, so this is a version bump (and a device-local
-        LoRA snapshot when updates overlap generation). Split layout: rank 0's trainable weights go into Ray's
-        object store once and every rollout replica reads them from there. Disaggregated layout: by
-        ``checkpoint_engine.backend`` (``trainer.pool_sync``: the object store for LoRA, or a bucketed broadcast
-        from rank 0 over a process group with the rollout workers).
-
-        ``activate=False`` (only where :attr:`sync_stages`): the rollout workers stage the set while they generate and
-        write it in before the first request for ``version`` or newer, not at once.
-        """
-        self.rollout_version = int(version)
-        if self.hybrid:
-            ray.get([w.set_rollout_version.remote(version) for w in self.rollout_workers])
-            return
-        if self.pool_sync is not None:
-            self.sync_bytes += self.pool_sync.sync(version, activate)
-            return
-        ref = self.actor_wg.workers[0].get_weights.remote()
-        self._weights = (ref, version)
-        ray.get([w.set_weights.remote(ref, version, activate) for w in self.rollout_workers])
-
-    @property
-    def sync_stages(self) -> bool:
-        """Whether the rollout workers receive a sync while they generate and write it in between two device batches
-        (``agent_loop.weight_staging``): rollout replicas (split or disaggregated layout) whose set fits their
-        staging. Not the hybrid layout, whose rollout is the trainer's own model."""
-        if self.hybrid:
-            return False
-        return self.pool_sync is None or self.pool_sync.stages
-
-    def sync_due(self, version: int) -> bool:
-        """Whether the weights of ``version`` (after ``version`` steps) go to the rollout: every
-        ``sync_period`` steps (``async_training.trigger_parameter_sync_step``)."""
-        return version % self.sync_period == 0
-
-    def publish(self, version: int, timer: Timer, activate: bool = True) -> None:
-        """The end of a step's update: sync when due, timed as ``timing_s/update_weights`` (verl's name;
-        ``timing_s/weight_sync`` is the same time under this project's first name). ``activate``: as
-        :meth:`sync_weights`."""
-        if not self.sync_due(version):
-            return
-        with timer("update_weights"):
-            self.sync_weights(version, activate)
-        timer.timing["timing_s/weight_sync"] = timer.timing["timing_s/update_weights"]
-
-    def take_sync_bytes(self) -> int:
-        n, self.sync_bytes = self.sync_bytes, 0
-        return n
-
-    async def restore_worker(self, worker: Any) -> None:
-        """Give a restarted rollout worker the newest weights (it came back with the initial ones)."""
-        if self.pool_sync is not None:
-            await self.pool_sync.restore(worker)
-        elif self._weights is not None:
-            await worker.set_weights.remote(*self._weights)
 
     # ---- reward -------------------------------------------------------------------------------------------------
     def score_colocated(self, samples: list[Sample], timer: Timer) -> None:

@@ -19,10 +19,11 @@ SAMPLE_PHASES = (
 )
 
 
-def timeline_record(step: int, collection, samples, timer) -> dict[str, Any]:
+def timeline_record(step: int, t0: float, samples, timer) -> dict[str, Any]:
+    """A step's record: its samples' timestamps and the trainer's phase spans; ``t0`` its first request."""
     return {
         "step": step,
-        "t0": collection.t_start,
+        "t0": t0,
         "samples": [{"index": s.index, "uid": s.uid, **s.times.as_dict()} for s in samples],
         "trainer": [{"phase": name, "start": a, "end": b} for name, a, b in timer.spans if name != "step"],
     }

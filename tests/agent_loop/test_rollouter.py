@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from omni_async.agent_loop.rollouter import Rollouter
+from omni_async.agent_loop.rollouter import ProducerSettings, Rollouter
 from omni_async.algos.staleness import effective_bound, groups_per_window, lag_bound
 from omni_async.sample import PromptRow, Sample
 
@@ -27,7 +27,9 @@ class Pool:
         self.rng, self.tail, self.version, self.partial = rng, tail, 0, partial
         self.spans: dict[tuple[str, int], tuple[int, int]] = {}
 
-    async def run_group(self, samples: list[Sample]) -> list[Sample]:
+    async def run_group(self, samples: list[Sample], *, version=None, on_generated=None) -> list[Sample]:
+        """``version``: the weights the requests name (lock-step), generated with them; else the pool's newest."""
+
         async def one(s: Sample) -> None:
             delay = 0.001 * (self.rng.random() + (20 if self.rng.random() < self.tail else 0))
             if self.partial:
@@ -36,22 +38,31 @@ class Pool:
                 await asyncio.sleep(delay)
                 self.spans[(s.uid, s.index)] = (s.version, self.version)
                 s.result = object()
+                on_generated()
                 return
             await asyncio.sleep(delay)
-            s.result, s.version = object(), self.version
+            s.result, s.version = object(), self.version if version is None else version
+            on_generated()
 
         await asyncio.gather(*(one(s) for s in samples))
         return samples
 
 
-def draws(group_size: int, batch: int):
-    def draw(d: int):
+class Draws:
+    """``batch`` prompts per draw, ``group_size`` samples each (``agent_loop.draws.Draws``'s contract)."""
+
+    def __init__(self, group_size: int, batch: int):
+        self.group_size, self.batch = group_size, batch
+
+    def make(self, d: int):
         row = PromptRow(prompt="p", data_source="x", ground_truth="", extra_info={})
         return {"d": d}, [
-            Sample(index=i, uid=f"{d}-{i // group_size}", row=row, seed=i) for i in range(batch * group_size)
+            Sample(index=i, uid=f"{d}-{i // self.group_size}", row=row, seed=i)
+            for i in range(self.batch * self.group_size)
         ]
 
-    return draw
+    def state(self) -> dict:
+        return {}
 
 
 async def train(
@@ -71,11 +82,8 @@ async def train(
     cap, bound = effective_bound(groups_per_window(staleness, k, r, m), n, threshold)
     rollouter = Rollouter(
         pool,
-        draws(2, 3),
-        lambda: {},
-        cap=cap,
-        bound=bound,
-        wait_for_stale=strategy == "wait",
+        Draws(2, 3),
+        ProducerSettings(cap=cap, bound=bound, wait_for_stale=strategy == "wait", lock_step=False),
         groups_to_train=steps * n,
         rollout_version=0,
     )
@@ -138,3 +146,44 @@ def test_partial_rollout_bounds_the_oldest_token_and_trains_every_group_once(sta
     assert any(last > first for first, last in rollouter.pool.spans.values())  # responses continued across syncs
     if strategy == "wait":
         assert rollouter.dropped_groups == 0
+
+
+@pytest.mark.parametrize(("staleness", "pipelined"), [(0, False), (1, False), (0, True), (1, True)])
+def test_lock_step_trains_each_draw_in_order_with_one_version_per_draw(staleness, pipelined):
+    """The lock-step presets: a step takes the oldest draw's groups (the pipeline: a mini-batch at a time, as they are
+    scored), every sample of draw d is made by the weights its draw started under (d - staleness, at least 0), and
+    with staleness 1 the next draw generates while a step trains; quiesce waits until nothing is generating."""
+
+    async def run():
+        rng = random.Random(5)
+        pool, n, per = Pool(rng, 0.2), 3, (1 if pipelined else 3)
+        cap = (1 + staleness) * n
+        rollouter = Rollouter(
+            pool,
+            Draws(2, n),
+            ProducerSettings(cap=cap, bound=lag_bound(cap, n), wait_for_stale=True, lock_step=True),
+            groups_to_train=8 * n,
+            rollout_version=0,
+        )
+        await rollouter.start()
+        steps, ahead = [], []
+        for step in range(8):
+            taken = []
+            while len(taken) < n:
+                taken += await rollouter.take(step, per, n - len(taken))
+            steps.append(taken)
+            await asyncio.sleep(0.002)  # the update
+            ahead.append(len(rollouter.live))
+            await rollouter.quiesce()
+            assert all(g.generated == len(g.samples) for g in rollouter.live.values())
+            pool.version = step + 1
+            await rollouter.on_sync(step + 1)
+        await rollouter.stop()
+        return steps, ahead
+
+    steps, ahead = asyncio.run(run())
+    for step, groups in enumerate(steps):
+        assert {g.draw for g in groups} == {step}  # the step's own draw, each group once
+        assert sorted(g.uid for g in groups) == [f"{step}-{p}" for p in range(3)]
+        assert {s.version for g in groups for s in g.samples} == {max(0, step - staleness)}
+    assert ahead[:-1] == [3 * staleness] * 7 and ahead[-1] == 0  # one draw ahead (one-step-off), none past the end

@@ -17,6 +17,7 @@ LAYERS = {
     "sample": 0,
     "logs": 0,  # omni_async.logs: every layer logs through it
     "batching": 0,
+    "config_error": 0,  # omni_async.config_error: every layer's config checks raise it
     "algos": 1,
     "models": 2,
     "cluster": 3,

@@ -174,11 +174,6 @@ def test_missing_train_files():
             "algorithm.global_std",
             "global_std=false",
         ),
-        (
-            ["async_reward.update_pipeline=true", "reward.streaming=false"],
-            "async_reward.update_pipeline",
-            "reward.streaming=auto",
-        ),
         (["reward.queue_size=0"], "reward.queue_size", "default"),
         (["reward.reward_manager.name=dapo"], "reward.reward_manager.name", "naive"),
         (["reward.reward_model.rollout.gpu_memory_utilization=0"], "gpu_memory_utilization", "0.5"),

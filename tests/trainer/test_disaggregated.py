@@ -13,11 +13,11 @@ import time
 import pytest
 import ray
 import torch
-from helpers import Trainers, record_trained_uids, train_step_killing_rollout, write_prompts
+from helpers import Trainers, record_trained_uids, switch_mode, train_step_killing_rollout, write_prompts
 
 from omni_async.agent_loop.weight_sync import meta_bytes, plan_buckets
-from omni_async.trainer.config import ConfigError, compose, layout, sync_period_steps, validate
-from omni_async.trainer.strategies import OneStepOffPolicy, PipelinedUpdate
+from omni_async.trainer.config import ConfigError, compose, layout, validate
+from omni_async.trainer.mode import mode_of
 
 POOL = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
 QUIET = ["trainer.log_image_freq=-1", "trainer.log_timeline_freq=-1"]
@@ -45,9 +45,9 @@ def test_both_spellings_compose_to_the_same_layout():
         "trainer.v1.separate_async.parameter_sync_step=4",
     )
     assert v1.async_reward.fully_async and v1.async_training.trigger_parameter_sync_step == 4
-    assert sync_period_steps(v1) == 4 and sync_period_steps(valid(*POOL)) == 1
+    assert mode_of(v1).sync_period == 4 and mode_of(valid(*POOL)).sync_period == 1
     # lock-step modes: 4 updates of 2 prompts = 2 steps of 4 prompts
-    assert sync_period_steps(valid(*POOL, "async_training.trigger_parameter_sync_step=4")) == 2
+    assert mode_of(valid(*POOL, "async_training.trigger_parameter_sync_step=4")).sync_period == 2
 
 
 @pytest.mark.parametrize(
@@ -61,11 +61,7 @@ def test_both_spellings_compose_to_the_same_layout():
             "only one",
         ),
         (["trainer.v1.trainer_mode=separate_async"], "trainer.v1.trainer_mode", "actor_rollout_ref.rollout.nnodes=1"),
-        (
-            ["trainer.v1.trainer_mode=colocate_async"],
-            "trainer.v1.trainer_mode",
-            "async_reward.one_step_off_policy=true",
-        ),
+        ([*POOL, "trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode", "separate_async"),
         (["trainer.use_v1=false", "trainer.v1.trainer_mode=sync"], "trainer.v1.trainer_mode", "trainer.use_v1=true"),
         (["trainer.v1.trainer_mode=sync", "async_reward.one_step_off_policy=true"], "trainer.v1.trainer_mode", "drop"),
         ([*POOL, "actor_rollout_ref.model.lora_rank=0"], "checkpoint_engine.backend", "backend=nccl"),
@@ -211,8 +207,8 @@ def test_image_lora_pools_sync_over_the_group_logprobs_match_and_a_killed_worker
     # The mini-batch pipeline with one-step-off ("all") on the same pools: step 4 generated while step 3 trained.
     # The LoRA adapter is one bucket, so each sync is staged: sent right after the update while the look-ahead
     # generates, written in after the look-ahead's requests (every sample of step 4 is still version 3's).
-    t.source, t.update = OneStepOffPolicy(t.ops, total_steps=7), PipelinedUpdate(t.ops)
-    assert t.ops.sync_stages
+    switch_mode(t, one_step_off_policy=True, update_pipeline=True)
+    assert t.layout.stages
     trained.clear()
     (_, first), (m4, fourth) = t.train_step(3), t.train_step(4)
     assert sorted(trained) == sorted(s.uid for s in first + fourth)

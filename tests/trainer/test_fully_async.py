@@ -20,14 +20,11 @@ from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import (
     ConfigError,
     compose,
-    fully_async_bounds,
-    groups_per_update,
     interrupts_at_sync,
-    sync_period_steps,
     total_training_steps,
     validate,
 )
-from omni_async.trainer.strategies import FullyAsync, OnPolicy
+from omni_async.trainer.mode import mode_of
 
 POOL = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
 FULLY_ASYNC = [*POOL, "async_reward.fully_async=true"]
@@ -50,8 +47,9 @@ def test_verl_fully_async_keys_and_verl_omni_separate_async_compose():
         "data.train_batch_size=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
     )
-    assert groups_per_update(cfg) == 4 and total_training_steps(cfg, 100) == 2 and sync_period_steps(cfg) == 2
-    assert fully_async_bounds(cfg) == (12, 2)  # floor(1.5 x 2 x 2 x 2) groups per window; ceil(12 / 4) - 1
+    m = mode_of(cfg)
+    assert m.groups_per_step == 4 and total_training_steps(cfg, 100) == 2 and m.sync_period == 2
+    assert (m.cap, m.bound) == (12, 2)  # floor(1.5 x 2 x 2 x 2) groups per window; ceil(12 / 4) - 1
     assert cfg.async_training.partial_rollout  # verl's default, an image run: kept
     # null total_rollout_steps: the lock-step run's prompts (4 steps x 4), in updates of 2 groups
     assert total_training_steps(valid(*FULLY_ASYNC), 100) == 8
@@ -65,14 +63,10 @@ def test_verl_fully_async_keys_and_verl_omni_separate_async_compose():
         "trainer.v1.sampler.max_off_policy_strategy=drop",
         "async_training.staleness_threshold=3",
     )
-    assert omni.async_reward.fully_async and fully_async_bounds(omni) == (4, 1)  # span <= 2: lag <= 1
+    assert omni.async_reward.fully_async and (mode_of(omni).cap, mode_of(omni).bound) == (4, 1)  # span <= 2: lag <= 1
     # verl-omni's on-policy recipe (threshold 1, sync every update) is synchronous
-    assert (
-        fully_async_bounds(
-            valid(*POOL, "trainer.v1.trainer_mode=separate_async", "trainer.v1.sampler.max_off_policy_threshold=1")
-        )[1]
-        == 0
-    )
+    on_policy = valid(*POOL, "trainer.v1.trainer_mode=separate_async", "trainer.v1.sampler.max_off_policy_threshold=1")
+    assert mode_of(on_policy).bound == 0
     text = valid(
         *FULLY_ASYNC,
         "async_training.partial_rollout=false",
@@ -85,14 +79,16 @@ def test_verl_fully_async_keys_and_verl_omni_separate_async_compose():
 @pytest.mark.parametrize(
     ("overrides", "key", "fix"),
     [
-        (["async_reward.fully_async=true"], "async_reward.fully_async", "actor_rollout_ref.rollout.nnodes=1"),
+        (
+            ["async_reward.fully_async=true", "actor_rollout_ref.model.lora_rank=0"],
+            "actor_rollout_ref.hybrid_engine",
+            "lora_rank > 0",
+        ),
         (
             [*FULLY_ASYNC, "async_reward.one_step_off_policy=true"],
-            "async_reward.fully_async",
-            "one_step_off_policy=false",
+            "async_reward.one_step_off_policy",
+            "drop async_reward.one_step_off_policy=true",
         ),
-        ([*FULLY_ASYNC, "async_reward.update_pipeline=true"], "async_reward.fully_async", "update_pipeline=false"),
-        ([*FULLY_ASYNC, "reward.streaming=false"], "reward.streaming", "streaming=auto"),
         ([*FULLY_ASYNC, "algorithm.rollout_correction.bypass_mode=false"], "bypass_mode", "bypass_mode=true"),
         ([*FULLY_ASYNC, "async_training.staleness_threshold=-1"], "staleness_threshold", "synchronous"),
         ([*FULLY_ASYNC, "async_training.require_batches=0"], "require_batches", "default 1"),
@@ -120,6 +116,33 @@ def test_refused_fully_async_combinations_name_the_fix(overrides, key, fix):
     with pytest.raises(ConfigError, match=key) as e:
         valid(*overrides)
     assert fix in str(e.value)
+
+
+def test_the_modes_are_settings_that_combine():
+    """One producer makes every mode, so settings that were separate modes combine: fully async on the hybrid layout
+    (verl v1's colocate_async), with the mini-batch pipeline, or with a sync reward."""
+    hybrid = mode_of(valid("async_reward.fully_async=true"))
+    assert hybrid.name == "fully_async" and not hybrid.lock_step and hybrid.overlaps_update
+    colocate = valid("trainer.v1.trainer_mode=colocate_async")
+    assert colocate.async_reward.fully_async and mode_of(colocate) == hybrid
+    piped = mode_of(valid(*FULLY_ASYNC, "async_reward.update_pipeline=true"))
+    assert piped.pipelined and not piped.lock_step
+    assert not mode_of(valid(*FULLY_ASYNC, "reward.streaming=false")).streaming
+    with pytest.raises(ConfigError, match="colocate_async generates on the devices that train"):
+        valid(*POOL, "trainer.v1.trainer_mode=colocate_async")
+    presets = {
+        "sync": ["reward.streaming=false"],
+        "stream": [],
+        "stream+pipeline": ["async_reward.update_pipeline=true"],
+        "stream+one_step_off": ["async_reward.one_step_off_policy=true"],
+        "all": ["async_reward.update_pipeline=true", "async_reward.one_step_off_policy=true"],
+        "sync+one_step_off": ["async_reward.one_step_off_policy=true", "reward.streaming=false"],
+    }
+    for name, overrides in presets.items():
+        m = mode_of(valid(*overrides))
+        assert m.name == name and m.lock_step and m.groups_per_step == 4  # data.train_batch_size
+        off = "one_step_off" in name or name == "all"
+        assert (m.cap, m.bound) == ((8, 1) if off else (4, 0))  # one draw ahead, trained one version late
 
 
 def test_text_partial_rollout_is_accepted_and_refused_only_for_a_vllm_rollout():
@@ -162,7 +185,7 @@ def test_image_run_with_a_slow_trainer_and_a_killed_rollout_worker_stays_in_boun
     t = trainers(
         *FULLY_ASYNC, *QUIET, "async_training.staleness_threshold=1", "async_training.trigger_parameter_sync_step=2"
     )
-    assert (t.source.cap, t.source.bound, t.total_steps) == (4, 3, 8)
+    assert (t.mode.cap, t.mode.bound, t.total_steps) == (4, 3, 8)
     trained = record_trained_uids(t.ops)
     real_step = t.ops.optimizer_step
 
@@ -199,21 +222,22 @@ def test_image_run_with_a_slow_trainer_and_a_killed_rollout_worker_stays_in_boun
 
 
 @pytest.mark.slow
-def test_resume_from_a_lock_step_checkpoint_goes_on_with_the_next_draw(trainers):
-    """A lock-step checkpoint has no rollouter position. A fully async run resumed from one (here: a real lock-step
-    step 0 and its checkpoint at step 1, then the same trainer switched to fully async and resumed) goes on with draw
-    1, the sampler as saved: the next prompts, and seeds and uids that step 0 did not use."""
+def test_resume_from_a_lock_step_checkpoint_of_earlier_releases_goes_on_with_the_next_draw(trainers):
+    """Earlier releases wrote lock-step checkpoints with the step and the sampler state only (one draw per step, all of
+    it trained). A fully async run resumed from one goes on with draw 1, the sampler as saved: the next prompts, and
+    seeds and uids that step 0 did not use."""
     t = trainers(*FULLY_ASYNC, *QUIET, "trainer.resume_mode=auto", "trainer.total_training_steps=3")
-    t.source = OnPolicy(t.ops)
-    _, lock_step = t.train_step(0)
-    t.save_checkpoint(1)
-    t.source = FullyAsync(t.ops, t.total_steps)
+    lock_step = t.sampler.next_batch()  # what that run's step 0 drew
+    path = t._ckpt_dir(1)
+    t.placement.actor_wg.save_checkpoint(str(path))
+    (path / "trainer.json").write_text(json.dumps({"step": 1, "sampler": t.sampler.state_dict()}))
+    t.sampler.load_state_dict({"epoch": 0, "position": 0})
     assert t.resume() == 1
-    t.ops.sync_weights(1)
+    t.sync_weights(1)
     _, samples = t.train_step(1)
-    assert {s.uid.split("-")[0] for s in lock_step} == {"0"} and {s.uid.split("-")[0] for s in samples} == {"1"}
+    assert {s.uid.split("-")[0] for s in samples} == {"1"}
     assert all(s.seed == sample_seed(int(t.cfg.trainer.seed), 1, s.index) for s in samples)
-    assert not {s.row.prompt for s in samples} & {s.row.prompt for s in lock_step}
+    assert not {s.row.prompt for s in samples} & {r.prompt for r in lock_step}
 
 
 def _descendants(pid: int) -> list:
@@ -349,9 +373,7 @@ def _text_trainer(train_file, run_dir):
 
 
 def _close(trainer) -> None:
-    if trainer.agent.loop.is_running():  # (fit stops its rollouter and the agent loop itself)
-        trainer.source.stop()
-        trainer.agent.shutdown()
+    trainer.close()  # idempotent (fit stops its rollouter and the agent loop itself)
     shutdown_ray()
 
 
@@ -383,29 +405,28 @@ def test_text_partial_rollout_per_token_versions_bound_and_resume(tmp_path):
     above kills the process), makes the draws again and regenerates the unfinished groups from their seeds: across
     both every group is trained once."""
     from omni_async.models.text_policy import TextPolicy, TextSamplingConfig
-    from omni_async.trainer.strategies import FullyAsync
 
     data, run = write_prompts(tmp_path / "train.jsonl", 8), tmp_path / "run"
     t = _text_trainer(data, run)
     rank0 = t.placement.actor_wg.workers[0]
     weights = {0: ray.get(rank0.get_weights.remote())}
-    real_sync = t.ops.sync_weights
+    real_sync = t.layout.sync
 
     def recording_sync(version, *args, **kwargs):
         real_sync(version, *args, **kwargs)
         weights[version] = ray.get(rank0.get_weights.remote())  # what the rollout workers hold from now on
 
-    t.ops.sync_weights = recording_sync
+    t.layout.sync = recording_sync
     real_step = t.ops.optimizer_step
     rows = _record_batches(t.ops)
     try:
-        assert (t.source.cap, t.source.bound, t.total_steps) == (2, 1, 6)
-        t.ops.sync_weights(0)
+        assert (t.mode.cap, t.mode.bound, t.total_steps) == (2, 1, 6)
+        t.sync_weights(0)
         steps = [t.train_step(step) for step in range(3)]
         t.save_checkpoint(3)
-        t.source.stop()  # the first run ends here, with groups in flight and scored ones not trained
+        t.agent.call(t.rollouter.stop())  # the first run ends here, with groups in flight and scored ones not trained
         # resume: the checkpoint's draws made again, the unfinished groups regenerated, every group trained once
-        t.source, t.ops.optimizer_step = FullyAsync(t.ops, t.total_steps), real_step
+        t.rollouter, t.ops.optimizer_step = None, real_step
         rows_after = _record_batches(t.ops)
         t.fit()  # resume_mode=auto: the checkpoint's weights, sampler and rollouter position
     finally:

@@ -27,7 +27,7 @@ from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
 from omni_async.trainer.loop import FlowGRPOTrainer
 from omni_async.trainer.metrics import validation_reward_mean
-from omni_async.trainer.strategies import MODE_OVERRIDES, fully_async_overrides
+from omni_async.trainer.mode import MODE_OVERRIDES, fully_async_overrides
 
 pytestmark = pytest.mark.slow  # training runs: not in the fast tier (pytest -m 'not slow')
 

@@ -46,9 +46,9 @@ def trainer(tmp_path, request):
         [f"data.train_files={tmp_path}/train.jsonl", f"trainer.run_dir={tmp_path}/run", *SMALL, *request.param]
     )
     t = FlowGRPOTrainer(cfg)
-    t.ops.sync_weights(0)
+    t.sync_weights(0)
     yield t
-    t.agent.shutdown()
+    t.close()
     shutdown_ray()
 
 
@@ -77,7 +77,8 @@ def test_one_step_off_policy_overlaps_next_rollout_with_update_and_lags_by_one(t
         update_end = max(end for _, end in spans(timelines[k], "update_actor"))
         next_rollout_start = min(s["gen_start"] for s in timelines[k + 1]["samples"])
         assert next_rollout_start < update_end  # step k+1's rollout ran while step k trained
-    assert trainer.source.pending is None  # nothing generated past the last step
+    producer = trainer.agent.on_loop(lambda: (len(trainer.rollouter.live), trainer.rollouter.started))
+    assert producer == (0, 3 * 4)  # every group started was trained: nothing generated past the last step
 
 
 @pytest.mark.parametrize("trainer", [["async_reward.update_pipeline=true"]], indirect=True)

@@ -1,20 +1,19 @@
-"""Which SDE window each sample of a step runs (``StepOps.window``): a pure function of (seed, step, index)."""
+"""Which SDE window each sample of a draw runs (``Draws.window``): a pure function of (seed, draw, index)."""
 
 from __future__ import annotations
 
-from omni_async.modality import get_modality
+from omni_async.agent_loop.draws import Draws
 from omni_async.trainer.config import compose, validate
-from omni_async.trainer.step_ops import StepOps
 
 BASE = ["data.train_files=x.jsonl", "actor_rollout_ref.rollout.n=8", "trainer.seed=3"]
 
 
-def ops(*overrides: str) -> StepOps:
-    return StepOps(validate(compose(BASE + list(overrides))), get_modality("image"), None, None, None, None, [])
+def ops(*overrides: str) -> Draws:
+    return Draws.from_config(validate(compose(BASE + list(overrides))), None, uses_window=True)
 
 
-def windows(o: StepOps, step: int = 1) -> list[tuple[int, int]]:
-    return [s.window for s in o.make_samples(step, [object(), object()])]
+def windows(o: Draws, step: int = 1) -> list[tuple[int, int]]:
+    return [s.window for s in o.samples(step, [object(), object()])]
 
 
 def test_each_sample_draws_its_own_window_from_seed_step_index_or_one_per_step():

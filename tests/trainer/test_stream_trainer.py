@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -113,13 +114,14 @@ def test_killed_reward_worker_mid_step_every_sample_scored_once(make_trainer, tm
     )
     victim = trainer.reward.workers[0]
     victim_pid = ray.get(victim.info.remote())["pid"]
-    samples = trainer.ops.make_samples(0, trainer.sampler.next_batch())
-    collection = trainer.agent.start(samples)
+    _, samples = trainer.draws.make(0)
+    done = threading.Thread(target=lambda: trainer.agent.generate(samples))
+    done.start()
     deadline = time.time() + 60
     while not any(s.times.sent is not None for s in samples) and time.time() < deadline:
         time.sleep(0.01)
     ray.kill(victim, no_restart=False)  # Ray restarts it; the dispatcher re-sends its samples
-    collection.wait()
+    done.join(timeout=300)
     assert all(s.outcome.ok for s in samples), [s.outcome.error for s in samples]
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert sorted(r["key"] for r in lines) == sorted({r["key"] for r in lines})  # no sample scored twice

@@ -12,7 +12,7 @@ from helpers import score_on_one_worker
 from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
 from omni_async.trainer.loop import FlowGRPOTrainer
-from omni_async.trainer.strategies import fully_async_overrides
+from omni_async.trainer.mode import fully_async_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_REWARDS = str(ROOT / "tests/reward/rewards_for_tests.py")
@@ -54,12 +54,12 @@ def make(arith, tmp_path, *overrides) -> FlowGRPOTrainer:
         config_name="grpo_text_trainer",
     )
     trainer = FlowGRPOTrainer(cfg)
-    trainer.ops.sync_weights(0)
+    trainer.sync_weights(0)
     return trainer
 
 
 def close(trainer) -> None:
-    trainer.agent.shutdown()
+    trainer.close()
     shutdown_ray()
 
 

@@ -1,0 +1,80 @@
+"""Draws: the prompts the producer takes from the dataset, ``data.train_batch_size`` at a time, made into samples.
+
+Draw ``d`` is the ``d``-th batch of the prompt sampler. Each prompt becomes one GRPO group of ``rollout.n``
+samples with uid ``"{d}-{p}"``; sample ``i`` of the draw is seeded by (trainer seed, ``d``, ``i``) and, for a
+modality with an SDE window, gets its window from (trainer seed, ``d``, ``i`` or 0). So a sample is a pure function
+of (seed, draw, index, weights version): whichever worker makes it, whenever, in whatever mode, and again after a
+resume or a worker's death.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omni_async.agent_loop.rollout_replica import SEED_WINDOW, sample_seed
+from omni_async.algos.sde import sde_window
+from omni_async.sample import Sample
+
+
+class Draws:
+    def __init__(
+        self,
+        sampler,
+        *,
+        seed: int,
+        n: int,
+        window: tuple[int, int, tuple[int, int], bool] | None,
+    ):
+        """``sampler``: a ``trainer.dataset.PromptSampler`` (``next_batch``, ``state_dict``, ``load_state_dict``).
+        ``window``: (num_inference_steps, sde_window_size, sde_window_range, per_sample) for a modality with an SDE
+        window, else ``None``."""
+        self.sampler, self.seed, self.n, self.window_spec = sampler, int(seed), int(n), window
+
+    @classmethod
+    def from_config(cls, cfg, sampler, uses_window: bool) -> Draws:
+        r = cfg.actor_rollout_ref.rollout
+        window = None
+        if uses_window:
+            window = (
+                int(r.num_inference_steps),
+                int(r.algo.sde_window_size),
+                tuple(r.algo.sde_window_range),
+                bool(r.algo.sde_window_per_sample),
+            )
+        return cls(sampler, seed=int(cfg.trainer.seed), n=int(r.n), window=window)
+
+    def window(self, draw: int, index: int) -> tuple[int, int] | None:
+        """The SDE window of sample ``index`` of draw ``draw``. With ``rollout.algo.sde_window_per_sample`` (default)
+        each sample draws its own, as verl-omni's SD3 / Qwen-Image request batches draw one per row; false: one per
+        draw, shared by all its samples (sample 0's)."""
+        if self.window_spec is None:
+            return None
+        steps, size, span, per_sample = self.window_spec
+        gen = torch.Generator().manual_seed(sample_seed(self.seed, draw, index if per_sample else 0, SEED_WINDOW))
+        w = sde_window(steps, size, span, gen)
+        return w.start, w.stop
+
+    def samples(self, draw: int, rows: list) -> list[Sample]:
+        """``rows`` (one draw's prompts) as the draw's samples, ``n`` per prompt."""
+        return [
+            Sample(
+                index=i,
+                uid=f"{draw}-{p}",
+                row=row,
+                seed=sample_seed(self.seed, draw, i),
+                window=self.window(draw, i),
+            )
+            for p, row in enumerate(rows)
+            for i in range(p * self.n, p * self.n + self.n)
+        ]
+
+    def make(self, draw: int) -> tuple[dict, list[Sample]]:
+        """Draw ``draw`` from the sampler: (its state before the draw, the draw's samples)."""
+        state = self.sampler.state_dict()
+        return state, self.samples(draw, self.sampler.next_batch())
+
+    def state(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)

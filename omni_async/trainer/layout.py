@@ -1,0 +1,358 @@
+"""Layouts: where the rollout runs and how new weights reach it, one object each.
+
+- :class:`Hybrid` (``actor_rollout_ref.hybrid_engine=True``, verl's hybrid engine, the default): each actor worker is
+  also its device's rollout worker. A sync is a version bump (and, when updates overlap generation, a fresh
+  device-local snapshot of the LoRA adapter the rollout reads), so it waits until no sample is generating.
+- :class:`Split` (``hybrid_engine=False``): rollout replicas with their own copy of the policy share the actor
+  devices' bundles (``ACTOR_ROLLOUT_COLOCATE`` processes per device). Rank 0's trainable weights go into Ray's object
+  store once and every replica reads them; the replicas stage them beside generation.
+- :class:`Disaggregated` (``actor_rollout_ref.rollout.nnodes`` > 0): inference-only replicas on a rollout pool of
+  their own, weights by ``checkpoint_engine.backend`` (``trainer.pool_sync``: the object store for LoRA, or a
+  bucketed broadcast over a process group). Staged when the set fits the workers' staging, else written in place
+  between two generation batches.
+
+A layout owns the placement of its rollout workers (:meth:`Layout.start_rollout`, with the pools ``placement``
+makes from :meth:`Layout.pool_spec`), the weight sync after an update (:meth:`Layout.sync`), whether a sync can be
+staged while generation runs (:attr:`Layout.stages`) or needs the rollout idle (:attr:`Layout.sync_needs_idle_rollout`),
+and bringing a restarted rollout worker back to the newest weights (:meth:`Layout.restore`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import ray
+from omegaconf import DictConfig, OmegaConf
+
+from omni_async.cluster import rollout_pool_size
+from omni_async.config_error import check as _check
+from omni_async.modality import get_modality
+from omni_async.trainer.mode import interrupts_at_sync, mode_of
+from omni_async.trainer.pool_sync import PoolSync
+
+logger = logging.getLogger(__name__)
+
+# Split layout: roles sharing one actor/rollout device bundle, the actor worker and a rollout replica; each takes
+# this share. The other layouts have one process per device.
+ACTOR_ROLLOUT_COLOCATE = 2
+ROLLOUT_MAX_RESTARTS = 4
+
+
+class Layout:
+    name: ClassVar[str]
+    colocate: ClassVar[int] = 1  # processes per actor-pool bundle (verl's max_colocate_count)
+    rollout_is_actor: ClassVar[bool] = False  # the rollout workers are the actor ranks (never restarted alone)
+    sync_needs_idle_rollout: ClassVar[bool] = False  # a sync must wait until no sample is generating
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.actor_wg: Any = None
+        self.workers: list[Any] = []
+        # Any thread: a rollout worker died outside a generation request (set to the agent loop's worker_died).
+        self.on_death: Callable[[Any], None] = lambda worker: None
+        self.sync_bytes = 0  # bytes moved by syncs since the last take_sync_bytes
+
+    def pool_spec(self) -> dict[str, list[int]]:
+        """Resource pools of its own besides ``actor_rollout`` (name -> devices per node), mapped to the role
+        ``rollout``."""
+        return {}
+
+    def start_rollout(self, pools: Any, actor_wg: Any) -> list[Any]:
+        """Start the rollout workers on ``pools`` (verl's ``ResourcePoolManager``), the actor group already loaded."""
+        raise NotImplementedError
+
+    @property
+    def stages(self) -> bool:
+        """Whether the rollout workers receive a sync while they generate and write it in between two device batches
+        (``agent_loop.weight_staging``)."""
+        return False
+
+    def sync(self, version: int, activate: bool = True) -> None:
+        """Make ``version`` the rollout's weights. ``activate=False`` (only where :attr:`stages`): the workers stage
+        the set while they generate and write it in before the first request for ``version`` or newer."""
+        t0 = time.perf_counter()
+        moved = self._sync(int(version), activate)
+        self.sync_bytes += moved
+        logger.info(
+            "weight sync to version %d done (%s layout): %.1f MB per worker in %.3f s%s",
+            version,
+            self.name,
+            moved / 1e6,
+            time.perf_counter() - t0,
+            "" if activate else ", staged",
+        )
+
+    def _sync(self, version: int, activate: bool) -> int:
+        raise NotImplementedError
+
+    def take_sync_bytes(self) -> int:
+        n, self.sync_bytes = self.sync_bytes, 0
+        return n
+
+    async def restore(self, worker: Any) -> None:
+        """Give a restarted rollout worker the newest weights (it came back with the initial ones)."""
+
+
+class Hybrid(Layout):
+    name = "hybrid"
+    rollout_is_actor = True
+    sync_needs_idle_rollout = True
+
+    def start_rollout(self, pools: Any, actor_wg: Any) -> list[Any]:
+        self.actor_wg, self.workers = actor_wg, list(actor_wg.workers)
+        return self.workers
+
+    def _sync(self, version: int, activate: bool) -> int:
+        ray.get([w.set_rollout_version.remote(version) for w in self.workers])
+        return 0
+
+
+class Split(Layout):
+    name = "split"
+    colocate = ACTOR_ROLLOUT_COLOCATE
+
+    def __init__(self, cfg: DictConfig):
+        super().__init__(cfg)
+        self._weights: tuple[Any, int] | None = None  # (object ref of the newest weights, version)
+
+    def start_rollout(self, pools: Any, actor_wg: Any) -> list[Any]:
+        self.actor_wg = actor_wg
+        self.workers = rollout_replicas(self.cfg, pools.get_resource_pool("actor"), 1.0 / ACTOR_ROLLOUT_COLOCATE)
+        return self.workers
+
+    @property
+    def stages(self) -> bool:
+        return True
+
+    def _sync(self, version: int, activate: bool) -> int:
+        ref = self.actor_wg.workers[0].get_weights.remote()
+        self._weights = (ref, version)
+        ray.get([w.set_weights.remote(ref, version, activate) for w in self.workers])
+        return 0
+
+    async def restore(self, worker: Any) -> None:
+        if self._weights is not None:
+            await worker.set_weights.remote(*self._weights)
+
+
+class Disaggregated(Layout):
+    name = "disaggregated"
+
+    def __init__(self, cfg: DictConfig):
+        super().__init__(cfg)
+        self.pool_sync: PoolSync | None = None
+
+    def pool_spec(self) -> dict[str, list[int]]:
+        nodes = int(self.cfg.actor_rollout_ref.rollout.nnodes)
+        return {"rollout_pool": [rollout_pool_size(self.cfg) // nodes] * nodes}
+
+    def start_rollout(self, pools: Any, actor_wg: Any) -> list[Any]:
+        self.actor_wg = actor_wg
+        self.workers = rollout_replicas(self.cfg, pools.get_resource_pool("rollout"), 1.0)
+        self.pool_sync = PoolSync(self.cfg, actor_wg, self.workers, on_death=lambda w: self.on_death(w))
+        return self.workers
+
+    @property
+    def stages(self) -> bool:
+        return self.pool_sync is not None and self.pool_sync.stages
+
+    def _sync(self, version: int, activate: bool) -> int:
+        return self.pool_sync.sync(version, activate)
+
+    async def restore(self, worker: Any) -> None:
+        await self.pool_sync.restore(worker)
+
+
+def make_layout(cfg: DictConfig) -> Layout:
+    """The config's layout object (:func:`layout` names it)."""
+    return {"hybrid": Hybrid, "split": Split, "disaggregated": Disaggregated}[layout(cfg)](cfg)
+
+
+def rollout_replicas(cfg: DictConfig, pool: Any, device_share: float) -> list[Any]:
+    """One ``RolloutReplica`` per ``agent.num_workers``, round-robin over the pool's bundles, each taking
+    ``device_share`` of its bundle's device."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from omni_async.agent_loop.rollout_replica import RolloutReplica
+
+    m, r = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
+    modality = get_modality(m.modality)
+    bundles = [(pg, b) for pg in pool.get_placement_groups() for b in range(pg.bundle_count)]
+    rollout_server = None
+    if r.name == "vllm":  # text rollout through a vLLM server per replica (see models/vllm_text_policy)
+        rollout_server = {k: r[k] for k in ("server_python", "server_url", "gpu_memory_utilization", "server_args")}
+    replica_cls = ray.remote(RolloutReplica)
+    replicas = []
+    for i in range(r.agent.num_workers):
+        pg, index = bundles[i % len(bundles)]
+        replicas.append(
+            replica_cls.options(
+                num_cpus=1,
+                num_gpus=device_share,
+                max_restarts=ROLLOUT_MAX_RESTARTS,
+                max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=index
+                ),
+            ).remote(
+                m.modality,
+                OmegaConf.to_container(m, resolve=True),
+                vars(modality.sampling_config(cfg)),
+                r.agent.max_batch_size,
+                r.agent.max_wait_ms,
+                rollout_server,
+                cfg.actor_rollout_ref.actor.fsdp_config.model_dtype,
+                interrupts_at_sync(cfg),
+            )
+        )
+    return replicas
+
+
+# ---- the layouts' config checks (trainer.config.validate runs them) ----------------------------------------------
+def check_layout(cfg: DictConfig) -> None:
+    """What each layout can place, move and overlap."""
+    _check_layout(cfg)
+    _check_weight_sync(cfg)
+    rollout = cfg.actor_rollout_ref.rollout
+    if layout(cfg) != "disaggregated":
+        _check(
+            rollout.agent.num_workers <= cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes,
+            "actor_rollout_ref.rollout.agent.num_workers",
+            f"{rollout.agent.num_workers} rollout replicas do not fit "
+            f"{cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes} actor/rollout devices",
+            "lower it or raise trainer.n_gpus_per_node",
+        )
+
+
+def layout(cfg: DictConfig) -> str:
+    """``disaggregated`` (a rollout pool: ``actor_rollout_ref.rollout.nnodes`` > 0), else ``hybrid``
+    (``hybrid_engine=True``, the default) or ``split``."""
+    if int(cfg.actor_rollout_ref.rollout.nnodes) > 0:
+        return "disaggregated"
+    return "hybrid" if cfg.actor_rollout_ref.hybrid_engine else "split"
+
+
+def _check_layout(cfg: DictConfig) -> None:
+    """The hybrid layout (one process per device trains and generates) and the disaggregated one (a rollout pool)
+    have their own rules."""
+    arr = cfg.actor_rollout_ref
+    r = arr.rollout
+    _check(
+        r.nnodes >= 0,
+        "actor_rollout_ref.rollout.nnodes",
+        f"must be >= 0, got {r.nnodes}",
+        "0 (no rollout pool) or the rollout pool's node count",
+    )
+    if layout(cfg) == "disaggregated":
+        _check(
+            r.n_gpus_per_node is None or r.n_gpus_per_node >= 1,
+            "actor_rollout_ref.rollout.n_gpus_per_node",
+            f"a rollout pool needs devices, got {r.n_gpus_per_node}",
+            "e.g. 1",
+        )
+        devices = rollout_pool_size(cfg)
+        _check(
+            r.agent.num_workers == devices,
+            "actor_rollout_ref.rollout.agent.num_workers",
+            f"the disaggregated layout has one rollout worker per rollout device ({devices}), got "
+            f"{r.agent.num_workers}",
+            f"set it to {devices} (actor_rollout_ref.rollout.n_gpus_per_node x nnodes)",
+        )
+        return
+    if not arr.hybrid_engine:
+        return
+    devices = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    workers = arr.rollout.agent.num_workers
+    _check(
+        workers == devices,
+        "actor_rollout_ref.rollout.agent.num_workers",
+        f"the hybrid layout has one rollout worker per actor device ({devices}), got {workers}",
+        f"set it to {devices} (trainer.n_gpus_per_node x nnodes), or actor_rollout_ref.hybrid_engine=False for "
+        "rollout replicas separate from the actor",
+    )
+    _check(
+        arr.rollout.name == "transformers",
+        "actor_rollout_ref.hybrid_engine",
+        f"rollout.name={arr.rollout.name} generates in its own server process, not in the actor",
+        "set actor_rollout_ref.hybrid_engine=False",
+    )
+    if mode_of(cfg).overlaps_update and arr.model.lora_rank == 0:
+        _check(
+            False,
+            "actor_rollout_ref.hybrid_engine",
+            f"the {mode_of(cfg).name} mode runs updates while the rollout generates; with a full fine-tune "
+            "(lora_rank=0) in the hybrid layout the rollout would read weights the update is changing in place (wrong "
+            "pi_old), and only a LoRA adapter is cheap to snapshot on the device",
+            "set actor_rollout_ref.hybrid_engine=False (rollout replicas on their own copy), a rollout pool "
+            "(actor_rollout_ref.rollout.nnodes=1), or lora_rank > 0",
+        )
+
+
+def _check_weight_sync(cfg: DictConfig) -> None:
+    """``checkpoint_engine`` and the sync period: what each layout can move, and how often."""
+    arr, data = cfg.actor_rollout_ref, cfg.data
+    r, ce = arr.rollout, arr.rollout.checkpoint_engine
+    lay = layout(cfg)
+    _check(
+        ce.backend in ("naive", "nccl"),
+        "actor_rollout_ref.rollout.checkpoint_engine.backend",
+        f"{ce.backend!r} is not implemented here (verl's nixl / hccl / mooncake engines)",
+        "use nccl (a torch.distributed group: NCCL on CUDA, gloo on CPU) or naive",
+    )
+    _check(
+        ce.update_weights_bucket_megabytes >= 1,
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes",
+        "must be >= 1",
+        "verl's default is 2048",
+    )
+    if lay != "disaggregated":
+        _check(
+            ce.backend == "naive",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend",
+            f"nccl sends weights to a rollout pool; the {lay} layout has none (rollout.nnodes=0)",
+            "set actor_rollout_ref.rollout.nnodes=1 (and n_gpus_per_node), or backend=naive",
+        )
+    else:
+        _check(
+            ce.backend == "nccl" or arr.model.lora_rank > 0,
+            "actor_rollout_ref.rollout.checkpoint_engine.backend",
+            "naive ships weights through Ray's object store: fine for a LoRA adapter, not for a full fine-tune's "
+            "weights (lora_rank=0)",
+            "set actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+        )
+        _check(
+            ce.backend == "naive" or r.name == "transformers",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend",
+            f"nccl loads weights into in-process rollout workers; rollout.name={r.name} serves from its own "
+            "server (it takes LoRA adapters)",
+            "set actor_rollout_ref.rollout.checkpoint_engine.backend=naive",
+        )
+    k = cfg.async_training.trigger_parameter_sync_step
+    if k is None or cfg.async_reward.fully_async:  # fully async: any count of updates (trainer.mode.check_mode)
+        return
+    key = "async_training.trigger_parameter_sync_step"
+    mb, tbs = int(arr.actor.ppo_mini_batch_size), int(data.train_batch_size)
+    _check(
+        k >= 1 and (k * mb) % tbs == 0,
+        key,
+        f"{k} local updates of ppo_mini_batch_size={mb} prompts is not a whole number of steps of "
+        f"data.train_batch_size={tbs} prompts (weights move between steps)",
+        f"use a multiple of {tbs // mb} (= train_batch_size / ppo_mini_batch_size: every step), or null",
+    )
+    if k * mb // tbs > 1:
+        _check(
+            lay == "disaggregated",
+            key,
+            f"a sync period of {k * mb // tbs} steps needs a rollout pool that keeps "
+            f"older weights; in the {lay} layout the rollout reads the trained weights",
+            "set actor_rollout_ref.rollout.nnodes=1, or leave the key null (every step)",
+        )
+        _check(
+            bool(cfg.algorithm.rollout_correction.bypass_mode),
+            "algorithm.rollout_correction.bypass_mode",
+            f"{key}={k} trains on samples of older weights, so pi_old must be the rollout's log-probs",
+            "set algorithm.rollout_correction.bypass_mode=true",
+        )

@@ -8,9 +8,9 @@ logging in Ray's process setup hook (``cluster.setup_worker_process``), and the 
 :func:`setup_logging` again in their ``__init__`` (idempotent), so an actor started outside ``init_ray`` logs too.
 
 One handler, on the ``omni_async`` logger: time, level, logger name and process id (Ray forwards a worker's stderr to
-the driver prefixed with the actor's name). Records still propagate to the root logger, so a user's own handlers and
-pytest's ``caplog`` see them; the trainer's Hydra entry point leaves the root logger unconfigured
-(``hydra/job_logging: none`` in the config's defaults), so a record prints once.
+the driver prefixed with the actor's name). Records still propagate to the root logger, so a user's own handlers,
+Hydra's job log file and pytest's ``caplog`` see them; the root logger's console handlers (``import verl`` runs
+``logging.basicConfig``, Hydra configures one) skip them, so a record prints once (:func:`_quiet_root_console`).
 
 Per-sample events are DEBUG at most; events that can repeat at the sample rate (timeouts, retries) go through a
 :class:`Throttle`, so the log stays readable at thousands of samples per second.
@@ -62,32 +62,70 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+class _NotOurs(logging.Filter):
+    """Drops the package's records on a console handler of the root logger: our own handler printed them already."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == PACKAGE or record.name.startswith(PACKAGE + "."))
+
+
+_NOT_OURS = _NotOurs()
 _lock = threading.Lock()
+
+
+def _is_ours(handler: logging.Handler) -> bool:
+    return bool(getattr(handler, "_omni_async", False))
+
+
+def _handler(level: int = logging.NOTSET) -> logging.Handler:
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter(FORMAT))
+    handler.setLevel(level)
+    handler._omni_async = True  # type: ignore[attr-defined]  # marks ours, so a second call adds none
+    return handler
+
+
+def _quiet_root_console(root: logging.Logger) -> None:
+    """Keep the package's records off the root logger's console handlers, so each prints once (ours) while they still
+    propagate (pytest's ``caplog``, a user's file handler, Hydra's job log file see them).
+
+    A plain ``StreamHandler`` on the root (``logging.basicConfig``'s, which ``import verl`` installs, or Hydra's
+    console) gets a filter. An empty root gets a WARNING console handler in our format that prints everything else,
+    as Python's last-resort handler would: it also keeps a later ``logging.basicConfig`` (a module importing verl after
+    this) from adding a console handler that would print the package's records a second time."""
+    if not root.handlers:
+        quiet = _handler(logging.WARNING)
+        quiet.addFilter(_NOT_OURS)
+        root.addHandler(quiet)
+    for h in root.handlers:
+        if (type(h) is logging.StreamHandler or _is_ours(h)) and _NOT_OURS not in h.filters:
+            h.addFilter(_NOT_OURS)
 
 
 def setup_logging(level: str | None = None) -> logging.Logger:
     """Configure the ``omni_async`` logger hierarchy: ``level`` and one stderr handler; returns the package logger.
 
-    A second call adds no handler: with a ``level`` it sets that level, without one it changes nothing (an actor's
+    A second call adds no handler: with a ``level`` it sets that level, without one it keeps the level (an actor's
     ``__init__`` calling it after the process setup hook, or in the driver's process after ``init_ray`` set the
-    config's level). A first call without a level takes ``$OMNI_ASYNC_LOG_LEVEL``, else INFO."""
+    config's level) and only filters console handlers added to the root logger since (:func:`_quiet_root_console`;
+    the actors call it after their modules imported verl). A first call without a level takes
+    ``$OMNI_ASYNC_LOG_LEVEL``, else INFO."""
     logger = logging.getLogger(PACKAGE)
-    configured = any(getattr(h, "_omni_async", False) for h in logger.handlers)
-    if level is None and configured:
-        return logger
-    if level is None:
-        level = os.environ.get(LOG_LEVEL_ENV) or DEFAULT_LEVEL
-        key = LOG_LEVEL_ENV  # a bad value here came from the environment, so the error names the variable
-    else:
-        key = LOG_LEVEL_KEY
-    level = check_log_level(level, key)
     with _lock:
-        if not any(getattr(h, "_omni_async", False) for h in logger.handlers):
-            handler = _StderrHandler()
-            handler.setFormatter(logging.Formatter(FORMAT))
-            handler._omni_async = True  # type: ignore[attr-defined]  # marks ours, so a second call adds none
-            logger.addHandler(handler)
-        logger.setLevel(level)
+        configured = any(_is_ours(h) for h in logger.handlers)
+        if level is not None or not configured:
+            if level is None:
+                level, key = (
+                    os.environ.get(LOG_LEVEL_ENV) or DEFAULT_LEVEL,
+                    LOG_LEVEL_ENV,
+                )  # the error names the variable
+            else:
+                key = LOG_LEVEL_KEY
+            level = check_log_level(level, key)
+            if not configured:
+                logger.addHandler(_handler())
+            logger.setLevel(level)
+        _quiet_root_console(logging.getLogger())
     return logger
 
 

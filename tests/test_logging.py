@@ -75,6 +75,30 @@ def test_setup_logging_sets_the_level_and_adds_one_handler(fresh_logger, monkeyp
         setup_logging()
 
 
+def test_a_record_prints_once_beside_a_console_handler_on_the_root(fresh_logger, monkeypatch, capsys):
+    """``import verl`` runs ``logging.basicConfig`` (a console handler on the root): the package's records skip it
+    (ours printed them) and still propagate; other records still reach it."""
+    import io
+
+    root = logging.getLogger()
+    console = logging.StreamHandler(io.StringIO())  # what basicConfig adds
+    monkeypatch.setattr(root, "handlers", [console])
+    setup_logging("INFO")
+    logging.getLogger("omni_async.cluster").info("ours")
+    logging.getLogger("verl.something").warning("theirs")
+    assert console.stream.getvalue() == "theirs\n"
+    assert capsys.readouterr().err.count("ours") == 1
+
+    monkeypatch.setattr(root, "handlers", [])  # a Ray worker's process before it imports verl
+    setup_logging()
+    logging.basicConfig()  # verl's import: adds nothing now
+    assert len(root.handlers) == 1
+    logging.getLogger("omni_async.cluster").warning("ours again")
+    logging.getLogger("verl.something").warning("theirs again")
+    err = capsys.readouterr().err
+    assert err.count("ours again") == 1 and "WARNING verl.something pid=" in err
+
+
 def test_throttle_lets_one_report_per_window_through_and_counts_the_rest():
     now = [0.0]
     t = Throttle(30.0, clock=lambda: now[0])

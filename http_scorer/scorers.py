@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from omni_async.reward.scores import normalize_result
+
 Scorer = Callable[[list[np.ndarray], list[str], list[Any], dict[str, Any]], list[Any]]
 
 
@@ -95,15 +97,8 @@ def max_batch(scorer: Scorer) -> int | None:
 
 
 def normalize(results: list[Any], n: int, spec: str) -> list[tuple[float, dict[str, Any]]]:
+    """Each item's ``(score, details)``: a number, or a dict with ``"score"`` (``omni_async.reward.scores``, the
+    reward manager's rule too)."""
     if not isinstance(results, (list, tuple)) or len(results) != n:
         raise TypeError(f"scorer {spec} returned {type(results).__name__} for {n} items; return a list of {n}")
-    out = []
-    for r in results:
-        detail: dict[str, Any] = {}
-        if isinstance(r, dict):
-            detail = {k: v for k, v in r.items() if k != "score"}
-            r = r.get("score")
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not np.isfinite(r):
-            raise TypeError(f"scorer {spec} returned {r!r} as a score; return finite floats")
-        out.append((float(r), detail))
-    return out
+    return [normalize_result(spec, r, what="scorer") for r in results]

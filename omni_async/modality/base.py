@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from omni_async.sample import Sample
 
 
-class Modality(Protocol):
+class Modality(ABC):
+    """What every modality provides. :meth:`build_policy` is common to all: each gives its policy class
+    (:meth:`trainable_policy`) and, where it has one, an inference server's client (:meth:`serving_client`)."""
+
     name: str
     uses_window: bool  # generation takes an SDE window (diffusion) or not (text)
 
+    @abstractmethod
     def sampling_config(self, cfg: Any) -> Any:
         """The policy's sampling settings from the trainer config (a dataclass; shipped to workers as a dict)."""
 
+    @abstractmethod
     def validation_sampling(self, cfg: Any) -> dict[str, Any] | None:
         """The sampling settings validation overrides (``rollout.val_kwargs``), or ``None``: the training ones."""
 
+    @abstractmethod
     def prompt_lengths(self, model_path: str, prompts: list[str]) -> list[int]:
         """Each prompt's length in tokens, as ``data.max_prompt_length`` counts them."""
 
@@ -31,23 +38,39 @@ class Modality(Protocol):
         rollout_server: dict[str, Any] | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> Any:
-        """The trainable policy on ``device`` with frozen weights in ``dtype`` (or, for a rollout worker, a client
-        of an inference server)."""
+        """The trainable policy on ``device`` with frozen weights in ``dtype`` (``actor_rollout_ref.model``), or, for
+        a rollout worker with ``rollout_server`` (``rollout.name=vllm``), a client of an inference server."""
+        if rollout_server is not None:
+            return self.serving_client(model, sampling, rollout_server)
+        return self.trainable_policy(model["path"], sampling, **trainable_kwargs(model, device, dtype))
 
+    @abstractmethod
+    def trainable_policy(self, path: str, sampling: dict[str, Any], **trainable: Any) -> Any:
+        """This modality's policy on ``path`` (``trainable``: :func:`trainable_kwargs`)."""
+
+    @abstractmethod
+    def serving_client(self, model: dict[str, Any], sampling: dict[str, Any], server: dict[str, Any]) -> Any:
+        """A rollout-only client of an inference server (it samples and takes LoRA weights, it does not train)."""
+
+    @abstractmethod
     def batch_tensors(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         """The actor's tensors for scored samples, including verl's ``rm_scores``."""
 
+    @abstractmethod
     def log_probs(self, policy: Any, batch: Any) -> torch.Tensor:
         """Log-probs of the stored trajectories under the policy's current weights."""
 
+    @abstractmethod
     def loss_units(self, batch: Any) -> int:
         """What the loss averages over in ``batch``: kept samples (images) or kept response tokens (text)."""
 
+    @abstractmethod
     def backward(
         self, policy: Any, batch: Any, loss_mask: torch.Tensor, actor_cfg: Any, loss_scale: float = 1.0
     ) -> dict[str, list[float]]:
         """Accumulate ``loss_scale`` x the gradient of the batch's loss; return its metrics."""
 
+    @abstractmethod
     def save_samples(self, out_dir: Path, step: int, samples: list[Sample]) -> Path:
         """Something a person can look at: an image grid, or a JSONL of responses."""
 

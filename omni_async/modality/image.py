@@ -20,14 +20,14 @@ from PIL import Image, ImageDraw
 
 from omni_async.algos.loss import flow_grpo_loss
 from omni_async.algos.sde import kl_to_reference
-from omni_async.modality.base import REF_TIME_KEY, rm_score, score_labels, trainable_kwargs
+from omni_async.modality.base import REF_TIME_KEY, Modality, rm_score, score_labels
 from omni_async.models.device import device_clock
 from omni_async.sample import ImageResult, Sample, is_video
 
 GRID_COLUMNS, GRID_MAX_IMAGES, CAPTION_HEIGHT_PX = 4, 16, 14
 
 
-class ImageModality:
+class ImageModality(Modality):
     name = "image"
     uses_window = True
 
@@ -75,19 +75,13 @@ class ImageModality:
         tok = AutoTokenizer.from_pretrained(resolve_model_path(model_path), subfolder="tokenizer")
         return [len(ids) for ids in tok(list(prompts))["input_ids"]]
 
-    def build_policy(
-        self,
-        model: dict[str, Any],
-        sampling: dict[str, Any],
-        device: str = "cpu",
-        rollout_server: dict[str, Any] | None = None,
-        dtype: torch.dtype = torch.float32,
-    ):
-        if rollout_server is not None:
-            raise ValueError("actor_rollout_ref.rollout.name=vllm serves text models; diffusion rolls out in-process")
+    def trainable_policy(self, path: str, sampling: dict[str, Any], **trainable: Any):
         from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
 
-        return DiffusionPolicy(model["path"], SamplingConfig(**sampling), **trainable_kwargs(model, device, dtype))
+        return DiffusionPolicy(path, SamplingConfig(**sampling), **trainable)
+
+    def serving_client(self, model: dict[str, Any], sampling: dict[str, Any], server: dict[str, Any]):
+        raise ValueError("actor_rollout_ref.rollout.name=vllm serves text models; diffusion rolls out in-process")
 
     def batch_tensors(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         from omni_async.models.diffusion_policy import collate_conditioning

@@ -17,22 +17,13 @@ from typing import Any
 import torch
 
 from omni_async.algos.loss import grpo_token_loss
-from omni_async.modality.base import REF_TIME_KEY, rm_score, score_labels, trainable_kwargs
+from omni_async.modality.base import REF_TIME_KEY, Modality, rm_score, score_labels
 from omni_async.models.device import device_clock
+from omni_async.models.tokens import pad_rows
 from omni_async.sample import Sample, TextResult
 
 
-def _pad(rows: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(1, max(len(r) for r in rows))
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        sl = slice(width - len(r), width) if left else slice(0, len(r))
-        ids[i, sl], mask[i, sl] = torch.tensor(r, dtype=torch.long), 1
-    return ids, mask
-
-
-class TextModality:
+class TextModality(Modality):
     name = "text"
     uses_window = False
     pad_id = 0  # padding is masked everywhere; any id works
@@ -63,35 +54,29 @@ class TextModality:
         tok = AutoTokenizer.from_pretrained(resolve_model_path(model_path))
         return [len(chat_prompt_ids(tok, p)) for p in prompts]
 
-    def build_policy(
-        self,
-        model: dict[str, Any],
-        sampling: dict[str, Any],
-        device: str = "cpu",
-        rollout_server: dict[str, Any] | None = None,
-        dtype: torch.dtype = torch.float32,
-    ):
-        """The trainable policy; with ``rollout_server`` (``rollout.name=vllm``) a rollout-only client of a vLLM
-        server instead (it samples and takes LoRA weights, it does not train)."""
+    def trainable_policy(self, path: str, sampling: dict[str, Any], **trainable: Any):
         from omni_async.models.text_policy import TextPolicy, TextSamplingConfig
 
-        if rollout_server is not None:
-            from omni_async.models.vllm_text_policy import VLLMTextPolicy
+        return TextPolicy(path, TextSamplingConfig(**sampling), **trainable)
 
-            return VLLMTextPolicy(
-                model["path"],
-                TextSamplingConfig(**sampling),
-                server=rollout_server,
-                lora_rank=model["lora_rank"],
-                lora_alpha=model["lora_alpha"],
-                target_modules=list(model["target_modules"]),
-            )
-        return TextPolicy(model["path"], TextSamplingConfig(**sampling), **trainable_kwargs(model, device, dtype))
+    def serving_client(self, model: dict[str, Any], sampling: dict[str, Any], server: dict[str, Any]):
+        """A client of a vLLM server (``rollout.name=vllm``)."""
+        from omni_async.models.text_policy import TextSamplingConfig
+        from omni_async.models.vllm_text_policy import VLLMTextPolicy
+
+        return VLLMTextPolicy(
+            model["path"],
+            TextSamplingConfig(**sampling),
+            server=server,
+            lora_rank=model["lora_rank"],
+            lora_alpha=model["lora_alpha"],
+            target_modules=list(model["target_modules"]),
+        )
 
     def batch_tensors(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         results: list[TextResult] = [s.result for s in samples]
-        prompt_ids, prompt_mask = _pad([r.prompt_ids for r in results], self.pad_id, left=True)
-        response_ids, response_mask = _pad([r.response_ids for r in results], self.pad_id, left=False)
+        prompt_ids, prompt_mask = pad_rows([r.prompt_ids for r in results], self.pad_id, left=True)
+        response_ids, response_mask = pad_rows([r.response_ids for r in results], self.pad_id, left=False)
         old = torch.zeros(response_ids.shape)
         versions = torch.full(response_ids.shape, -1, dtype=torch.int64)
         for i, r in enumerate(results):

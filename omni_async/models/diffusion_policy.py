@@ -31,7 +31,7 @@ import torch
 from omni_async.algos.sde import SDEStep, sde_step_with_logprob
 from omni_async.models.experts import step_denoisers, trained_module
 from omni_async.models.loading import pipeline_load_kwargs
-from omni_async.models.lora import TrainableModule
+from omni_async.models.lora import PolicyOptions, TrainableModule
 from omni_async.models.offload import HostOffload
 from omni_async.models.tiny import resolve_model_path
 from omni_async.sample import ImageResult
@@ -143,11 +143,66 @@ def collate_conditioning(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch
     return out
 
 
-class _QwenImageAdapter:
-    """QwenImagePipeline: packed 2x2 latent tokens, text embeddings with a mask, timestep / 1000, true CFG."""
+class _Adapter:
+    """What the families share: the initial noise from the pipeline's own ``prepare_latents``, one transformer call
+    on ``(x, t)`` with the prompt embeddings (each family adds its own inputs, :meth:`inputs`), standard CFG."""
+
+    # Latent channels per transformer input channel: Qwen-Image packs 2x2 latent patches into one token.
+    packed = 1
 
     def __init__(self, pipe, cfg: SamplingConfig):
         self.pipe, self.cfg = pipe, cfg
+
+    def latent_frames(self) -> tuple[int, ...]:
+        """``prepare_latents``' frame count, for a video family; none for images."""
+        return ()
+
+    def init_latents(self, generators: list[torch.Generator]) -> torch.Tensor:
+        p = self.pipe
+        return p.prepare_latents(
+            len(generators),
+            p.transformer.config.in_channels // self.packed,
+            self.cfg.height,
+            self.cfg.width,
+            *self.latent_frames(),
+            torch.float32,
+            p.device,
+            generators,
+        )
+
+    def timestep(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def inputs(self, x: torch.Tensor, c: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The family's transformer inputs besides the latents, timestep and prompt embeddings."""
+        return {}
+
+    def forward(self, x, t, c, model):
+        return model(
+            hidden_states=x,
+            timestep=self.timestep(t).expand(x.shape[0]),
+            encoder_hidden_states=c["prompt_embeds"],
+            return_dict=False,
+            **self.inputs(x, c),
+        )[0]
+
+    def guide(self, pos, neg):
+        return neg + self.cfg.guidance_scale * (pos - neg)
+
+
+def _denormalize(vae, lat: torch.Tensor) -> torch.Tensor:
+    """Latents in the VAE's own scale (``latents_mean`` / ``latents_std`` per channel, Qwen-Image's and Wan's VAE),
+    computed in ``lat``'s dtype."""
+    zc = vae.config.z_dim
+    mean = torch.tensor(vae.config.latents_mean).view(1, zc, 1, 1, 1).to(lat)
+    std = torch.tensor(vae.config.latents_std).view(1, zc, 1, 1, 1).to(lat)
+    return lat * std + mean
+
+
+class _QwenImageAdapter(_Adapter):
+    """QwenImagePipeline: packed 2x2 latent tokens, text embeddings with a mask, timestep / 1000, true CFG."""
+
+    packed = 4
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         emb, mask = self.pipe.encode_prompt(prompt=prompts, device=self.pipe.device, **_seq_len(self.cfg))
@@ -158,30 +213,13 @@ class _QwenImageAdapter:
             )
         return cond
 
-    def init_latents(self, generators: list[torch.Generator]) -> torch.Tensor:
-        p = self.pipe
-        return p.prepare_latents(
-            len(generators),
-            p.transformer.config.in_channels // 4,
-            self.cfg.height,
-            self.cfg.width,
-            torch.float32,
-            p.device,
-            generators,
-        )
+    def timestep(self, t: torch.Tensor) -> torch.Tensor:
+        return t / 1000
 
-    def forward(self, x, t, c, model):
+    def inputs(self, x: torch.Tensor, c: dict[str, torch.Tensor]) -> dict[str, Any]:
         f = self.pipe.vae_scale_factor * 2
         shapes = [[(1, self.cfg.height // f, self.cfg.width // f)]] * x.shape[0]
-        return model(
-            hidden_states=x,
-            timestep=(t / 1000).expand(x.shape[0]),
-            guidance=None,
-            encoder_hidden_states=c["prompt_embeds"],
-            encoder_hidden_states_mask=c.get("prompt_embeds_mask"),
-            img_shapes=shapes,
-            return_dict=False,
-        )[0]
+        return {"guidance": None, "encoder_hidden_states_mask": c.get("prompt_embeds_mask"), "img_shapes": shapes}
 
     def guide(self, pos, neg):
         """Qwen-Image's norm-preserving true CFG (``QwenImagePipeline.__call__``), on fp32 predictions."""
@@ -191,17 +229,11 @@ class _QwenImageAdapter:
     def decode(self, x) -> torch.Tensor:
         p = self.pipe
         lat = p._unpack_latents(x, self.cfg.height, self.cfg.width, p.vae_scale_factor).to(p.vae.dtype)
-        zc = p.vae.config.z_dim
-        mean = torch.tensor(p.vae.config.latents_mean).view(1, zc, 1, 1, 1).to(lat)
-        std = torch.tensor(p.vae.config.latents_std).view(1, zc, 1, 1, 1).to(lat)
-        return p.vae.decode(lat * std + mean, return_dict=False)[0][:, :, 0]
+        return p.vae.decode(_denormalize(p.vae, lat), return_dict=False)[0][:, :, 0]
 
 
-class _SD3Adapter:
+class _SD3Adapter(_Adapter):
     """StableDiffusion3Pipeline: spatial latents, CLIP+T5 embeddings with pooled projections, standard CFG."""
-
-    def __init__(self, pipe, cfg: SamplingConfig):
-        self.pipe, self.cfg = pipe, cfg
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         do_cfg = self.cfg.guidance_scale > 1
@@ -219,29 +251,8 @@ class _SD3Adapter:
             cond["negative_prompt_embeds"], cond["negative_pooled_prompt_embeds"] = npe, nppe
         return cond
 
-    def init_latents(self, generators: list[torch.Generator]) -> torch.Tensor:
-        p = self.pipe
-        return p.prepare_latents(
-            len(generators),
-            p.transformer.config.in_channels,
-            self.cfg.height,
-            self.cfg.width,
-            torch.float32,
-            p.device,
-            generators,
-        )
-
-    def forward(self, x, t, c, model):
-        return model(
-            hidden_states=x,
-            timestep=t.expand(x.shape[0]),
-            encoder_hidden_states=c["prompt_embeds"],
-            pooled_projections=c["pooled_prompt_embeds"],
-            return_dict=False,
-        )[0]
-
-    def guide(self, pos, neg):
-        return neg + self.cfg.guidance_scale * (pos - neg)
+    def inputs(self, x: torch.Tensor, c: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return {"pooled_projections": c["pooled_prompt_embeds"]}
 
     def decode(self, x) -> torch.Tensor:
         vae = self.pipe.vae
@@ -249,11 +260,11 @@ class _SD3Adapter:
         return vae.decode(lat.to(vae.dtype), return_dict=False)[0]
 
 
-class _WanAdapter:
+class _WanAdapter(_Adapter):
     """WanPipeline (text-to-video): 5-D latents [B, C, T', H', W'], UMT5 embeddings, standard CFG."""
 
     def __init__(self, pipe, cfg: SamplingConfig):
-        self.pipe, self.cfg = pipe, cfg
+        super().__init__(pipe, cfg)
         k = pipe.vae_scale_factor_temporal
         if (cfg.num_frames - 1) % k:
             raise ValueError(
@@ -272,33 +283,12 @@ class _WanAdapter:
         )
         return {"prompt_embeds": emb, "negative_prompt_embeds": neg} if do_cfg else {"prompt_embeds": emb}
 
-    def init_latents(self, generators: list[torch.Generator]) -> torch.Tensor:
-        p = self.pipe
-        return p.prepare_latents(
-            len(generators),
-            p.transformer.config.in_channels,
-            self.cfg.height,
-            self.cfg.width,
-            self.cfg.num_frames,
-            torch.float32,
-            p.device,
-            generators,
-        )
-
-    def forward(self, x, t, c, model):
-        return model(
-            hidden_states=x, timestep=t.expand(x.shape[0]), encoder_hidden_states=c["prompt_embeds"], return_dict=False
-        )[0]
-
-    def guide(self, pos, neg):
-        return neg + self.cfg.guidance_scale * (pos - neg)
+    def latent_frames(self) -> tuple[int, ...]:
+        return (self.cfg.num_frames,)
 
     def decode(self, x) -> torch.Tensor:
         vae = self.pipe.vae
-        zc = vae.config.z_dim
-        mean = torch.tensor(vae.config.latents_mean).view(1, zc, 1, 1, 1).to(x)
-        std = torch.tensor(vae.config.latents_std).view(1, zc, 1, 1, 1).to(x)
-        return vae.decode((x * std + mean).to(vae.dtype), return_dict=False)[0]  # [B, 3, T, H, W]
+        return vae.decode(_denormalize(vae, x).to(vae.dtype), return_dict=False)[0]  # [B, 3, T, H, W]
 
 
 _ADAPTERS = {
@@ -342,27 +332,20 @@ class DiffusionPolicy(TrainableModule):
     """Load a pipeline, add LoRA to its transformer, sample with the SDE window, recompute log-probs."""
 
     def __init__(
-        self,
-        model_path: Any,
-        sampling: SamplingConfig,
-        *,
-        lora_rank: int = 8,
-        lora_alpha: int = 16,
-        target_modules: list[str] | None = None,
-        device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        gradient_checkpointing: bool = False,
-        trainable_dtype: torch.dtype | None = None,
+        self, model_path: Any, sampling: SamplingConfig, *, trainable_dtype: torch.dtype | None = None, **options: Any
     ):
         """``model_path``: a local directory, hub id or ``tiny:<name>``, or an already built pipeline whose weights
         are in ``dtype`` (``bench/gpu_step.py`` builds the real Qwen-Image architecture with random weights, which
-        no directory holds). ``dtype``: the frozen weights' dtype (``fsdp_config.model_dtype``), which the
-        transformer computes in. The trainable weights (LoRA, or the whole transformer for a full fine-tune) compute
-        in ``trainable_dtype`` (``None``: ``dtype``) and are stepped as fp32 masters (``models.lora``); latents, the
-        SDE step, log-probs and KL are fp32, and tensors are cast to ``dtype`` only at the transformer's input
-        (``step``). A directory loads straight onto ``device`` (``models.loading``)."""
+        no directory holds). ``options``: :class:`~omni_async.models.lora.PolicyOptions`; its ``dtype`` is the frozen
+        weights' dtype (``fsdp_config.model_dtype``), which the transformer computes in. The trainable weights (LoRA,
+        or the whole transformer for a full fine-tune) compute in ``trainable_dtype`` (``None``: ``dtype``) and are
+        stepped as fp32 masters (``models.lora``); latents, the SDE step, log-probs and KL are fp32, and tensors are
+        cast to ``dtype`` only at the transformer's input (``step``). A directory loads straight onto ``device``
+        (``models.loading``)."""
         from diffusers import DiffusionPipeline
 
+        opts = PolicyOptions(**options)
+        device, dtype = opts.device, opts.dtype
         if isinstance(model_path, DiffusionPipeline):
             self.pipe = model_path.to(device)
         else:
@@ -385,14 +368,14 @@ class DiffusionPolicy(TrainableModule):
         # The transformer, or Wan 2.2's two experts as one module (models.experts): LoRA / full fine-tune on both.
         self.init_trainable(
             trained_module(self.pipe),
-            lora_rank,
-            lora_alpha,
-            target_modules or ["to_q", "to_k", "to_v"],
+            opts.lora_rank,
+            opts.lora_alpha,
+            opts.target_modules or ["to_q", "to_k", "to_v"],
             dtype=trainable_dtype or dtype,
         )
         # The transformer's input dtype: the frozen weights', LoRA or full fine-tune (fp32 only as masters).
         self.compute_dtype = dtype
-        if gradient_checkpointing:  # recompute each block's activations in backward instead of keeping them
+        if opts.gradient_checkpointing:  # recompute each block's activations in backward instead of keeping them
             self.trainable.enable_gradient_checkpointing()
         self.configure_vae()
         self.frozen_offloaded = False  # param_offload: text encoder(s) and VAE on the CPU (offload_frozen)
@@ -512,36 +495,26 @@ class DiffusionPolicy(TrainableModule):
             sched = FlowMatchEulerDiscreteScheduler(shift=own.config.get("flow_shift") or 1.0)
         c = sched.config
         kwargs: dict[str, Any] = {}
-        if family == "StableDiffusion3Pipeline":
-            if c.get("use_dynamic_shifting", False):
-                from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+        sd3 = family == "StableDiffusion3Pipeline"
+        if c.get("use_dynamic_shifting", False):
+            # diffusers' SD3 and Qwen-Image pipelines share calculate_shift; they differ in the image's token count
+            # (SD3 patchifies by its transformer's patch size, Qwen-Image packs 2x2) and in max_shift's default.
+            from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
-                patch = p.transformer.config.patch_size
-                seq = (self.sampling.height // p.vae_scale_factor // patch) * (
-                    self.sampling.width // p.vae_scale_factor // patch
-                )
-                kwargs["mu"] = calculate_shift(
-                    seq,
-                    c.get("base_image_seq_len", 256),
-                    c.get("max_image_seq_len", 4096),
-                    c.get("base_shift", 0.5),
-                    c.get("max_shift", 1.16),
-                )
+            patch = p.transformer.config.patch_size if sd3 else 2
+            seq = (self.sampling.height // p.vae_scale_factor // patch) * (
+                self.sampling.width // p.vae_scale_factor // patch
+            )
+            kwargs["mu"] = calculate_shift(
+                seq,
+                c.get("base_image_seq_len", 256),
+                c.get("max_image_seq_len", 4096),
+                c.get("base_shift", 0.5),
+                c.get("max_shift", 1.16 if sd3 else 1.15),
+            )
+        if sd3:
             sched.set_timesteps(n, device=p.device, **kwargs)
         else:
-            if c.get("use_dynamic_shifting", False):
-                from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-
-                seq = (self.sampling.height // p.vae_scale_factor // 2) * (
-                    self.sampling.width // p.vae_scale_factor // 2
-                )
-                kwargs["mu"] = calculate_shift(
-                    seq,
-                    c.get("base_image_seq_len", 256),
-                    c.get("max_image_seq_len", 4096),
-                    c.get("base_shift", 0.5),
-                    c.get("max_shift", 1.15),
-                )
             sched.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), device=p.device, **kwargs)
         return sched.sigmas.float().clone(), sched.timesteps.float().clone()
 

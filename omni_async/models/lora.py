@@ -21,6 +21,7 @@ import contextlib
 import copy
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -97,6 +98,20 @@ class MasterWeights:
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """The keyword arguments every trainable policy's constructor takes (``modality.base.trainable_kwargs`` fills them
+    from ``actor_rollout_ref.model``): LoRA on the trained module (rank 0: a full fine-tune of it), and where and in
+    which dtype the frozen weights live."""
+
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    target_modules: list[str] | None = None  # None: the policy's own default
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32  # the frozen weights' (fsdp_config.model_dtype)
+    gradient_checkpointing: bool = False
 
 
 class TrainableModule:

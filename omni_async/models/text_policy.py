@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from omni_async.models.loading import causal_lm_load_kwargs
-from omni_async.models.lora import TrainableModule
+from omni_async.models.lora import PolicyOptions, TrainableModule
 from omni_async.models.tiny import resolve_model_path
+from omni_async.models.tokens import eos_ids, pad_rows
 from omni_async.sample import TextResult
 
 
@@ -60,35 +61,21 @@ def length_budget(seed: int, response_length: int, alpha: float | None) -> int:
 
 
 class TextPolicy(TrainableModule):
-    def __init__(
-        self,
-        model_path: str,
-        sampling: TextSamplingConfig,
-        *,
-        lora_rank: int = 8,
-        lora_alpha: int = 16,
-        target_modules: list[str] | None = None,
-        device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        gradient_checkpointing: bool = False,
-    ):
+    def __init__(self, model_path: str, sampling: TextSamplingConfig, **options: Any):
+        """``options``: :class:`~omni_async.models.lora.PolicyOptions` (LoRA, device, frozen weights' dtype)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        opts = PolicyOptions(**options)
         path = resolve_model_path(model_path)
         self.tok = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, **causal_lm_load_kwargs(device, dtype))
+        self.model = AutoModelForCausalLM.from_pretrained(path, **causal_lm_load_kwargs(opts.device, opts.dtype))
         self.model.requires_grad_(False)
         self.sampling = sampling
-        # generation_config.eos_token_id is an int or a list (Qwen2.5/Qwen3-Instruct: [<|im_end|>, <|endoftext|>]);
-        # a response stops at the first of any of them.
-        eos = self.model.generation_config.eos_token_id
-        if eos is None:
-            eos = self.tok.eos_token_id
-        self.eos_ids: list[int] = [int(e) for e in ([] if eos is None else [eos] if isinstance(eos, int) else eos)]
+        self.eos_ids = eos_ids(self.model.generation_config.eos_token_id, self.tok)
         self.eos_id = self.eos_ids[0] if self.eos_ids else None
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
-        self.init_trainable(self.model, lora_rank, lora_alpha, target_modules or ["q_proj", "v_proj"])
-        if gradient_checkpointing:
+        self.init_trainable(self.model, opts.lora_rank, opts.lora_alpha, opts.target_modules or ["q_proj", "v_proj"])
+        if opts.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     @property
@@ -98,15 +85,6 @@ class TextPolicy(TrainableModule):
     # ---- sampling -------------------------------------------------------------------------------------------
     def prompt_ids(self, prompt: str) -> list[int]:
         return chat_prompt_ids(self.tok, prompt)
-
-    def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, width - len(r) :] = torch.tensor(r)
-            mask[i, width - len(r) :] = 1
-        return ids.to(self.device), mask.to(self.device)
 
     def generate(
         self,
@@ -286,7 +264,7 @@ class _DecodeBatch:
             prev = r.response_ids if r is not None else []
             budget = length_budget(seed, p.sampling.response_length, p.sampling.response_length_pareto_alpha)
             rows.append(_Row(key, prompt_ids, list(prev), r, g, budget - len(prev)))
-        ids, mask = p._left_pad([r.prompt_ids + r.prev for r in rows])
+        ids, mask = (t.to(p.device) for t in pad_rows([r.prompt_ids + r.prev for r in rows], p.pad_id, left=True))
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = p.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
         nxt = self._sample(out.logits[:, -1], rows)

@@ -111,35 +111,63 @@ def _flow_scheduler(shift: float = 3.0):
     return FlowMatchEulerDiscreteScheduler(shift=shift)
 
 
+# The sizes the tiny models share, one place each: the T5-style text encoders (SD3's T5, Wan's UMT5), the video VAE
+# (Qwen-Image's and Wan's have the same architecture), the M-RoPE text stacks and vision towers of the Qwen VL models.
+_T5_ENCODER = dict(d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, relative_attention_num_buckets=8)
+_VISION_TOWER = dict(depth=1, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+
+
+def _video_vae(z_dim: int) -> dict:
+    """``AutoencoderKLQwenImage`` / ``AutoencoderKLWan`` arguments: one res block per level, unit latent stats."""
+    return dict(
+        base_dim=8,
+        z_dim=z_dim,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * z_dim,
+        latents_std=[1.0] * z_dim,
+    )
+
+
+def _text_stack(vocab_size: int, hidden: int, intermediate: int, heads: int, **config) -> dict:
+    """A transformers text config's sizes (the names CLIP, Qwen2 and the Qwen VL text models share): every tiny text
+    model has two layers."""
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        **config,
+    )
+
+
+def _mrope_text(vocab_size: int, hidden: int, max_positions: int, eos: int | None, pad: int | None) -> dict:
+    """A Qwen VL ``text_config``: two heads (one KV head), multimodal RoPE over ``head_dim = hidden / 2``, which
+    splits head_dim/2 frequencies across (t, h, w)."""
+    head_dim = hidden // 2
+    return _text_stack(
+        vocab_size,
+        hidden,
+        2 * hidden,
+        2,
+        num_key_value_heads=1,
+        max_position_embeddings=max_positions,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        rope_scaling={"type": "mrope", "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8]},
+    )
+
+
 def _tiny_qwen25_vl_text_encoder(vocab_size: int, hidden: int = 32):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    head_dim = hidden // 2
     cfg = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=vocab_size,
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=2048,
-            bos_token_id=None,
-            eos_token_id=vocab_size - 1,
-            pad_token_id=vocab_size - 1,
-            # Qwen2.5-VL's multimodal RoPE splits head_dim/2 frequencies across (t, h, w).
-            rope_scaling={"type": "mrope", "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8]},
-        ),
+        text_config=_mrope_text(vocab_size, hidden, 2048, eos=vocab_size - 1, pad=vocab_size - 1),
         vision_config=dict(
-            depth=1,
-            hidden_size=16,
-            intermediate_size=32,
-            num_heads=2,
-            out_hidden_size=hidden,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            fullatt_block_indexes=[0],
+            **_VISION_TOWER, hidden_size=16, intermediate_size=32, out_hidden_size=hidden, fullatt_block_indexes=[0]
         ),
     )
     return Qwen2_5_VLForConditionalGeneration(cfg)
@@ -152,15 +180,7 @@ def build_qwen_image(out: Path) -> None:
     z_dim, hidden = 16, 32
     pipe = QwenImagePipeline(
         scheduler=_flow_scheduler(),
-        vae=AutoencoderKLQwenImage(
-            base_dim=8,
-            z_dim=z_dim,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-            latents_mean=[0.0] * z_dim,
-            latents_std=[1.0] * z_dim,
-        ),
+        vae=AutoencoderKLQwenImage(**_video_vae(z_dim)),
         text_encoder=_tiny_qwen25_vl_text_encoder(len(tok), hidden),
         tokenizer=tok,
         transformer=QwenImageTransformer2DModel(
@@ -229,11 +249,7 @@ def build_sd3(out: Path) -> None:
     def clip():
         return CLIPTextModelWithProjection(
             CLIPTextConfig(
-                vocab_size=len(clip_tok),
-                hidden_size=32,
-                intermediate_size=37,
-                num_hidden_layers=2,
-                num_attention_heads=4,
+                **_text_stack(len(clip_tok), 32, 37, 4),
                 projection_dim=32,
                 max_position_embeddings=77,
                 bos_token_id=0,
@@ -242,18 +258,7 @@ def build_sd3(out: Path) -> None:
             )
         )
 
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(t5_tok),
-            d_model=32,
-            d_kv=8,
-            d_ff=37,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            decoder_start_token_id=0,
-        )
-    )
+    t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tok), **_T5_ENCODER, decoder_start_token_id=0))
     pipe = StableDiffusion3Pipeline(
         transformer=SD3Transformer2DModel(
             sample_size=8,
@@ -338,26 +343,8 @@ def build_wan(out: Path, experts: int = 1) -> None:
     two = {"transformer_2": transformer(), "boundary_ratio": 0.875} if experts == 2 else {}
     pipe = WanPipeline(
         tokenizer=tok,
-        text_encoder=UMT5EncoderModel(
-            UMT5Config(
-                vocab_size=len(tok),
-                d_model=32,
-                d_kv=8,
-                d_ff=37,
-                num_layers=2,
-                num_heads=4,
-                relative_attention_num_buckets=8,
-            )
-        ),
-        vae=AutoencoderKLWan(
-            base_dim=8,
-            z_dim=z_dim,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-            latents_mean=[0.0] * z_dim,
-            latents_std=[1.0] * z_dim,
-        ),
+        text_encoder=UMT5EncoderModel(UMT5Config(vocab_size=len(tok), **_T5_ENCODER)),
+        vae=AutoencoderKLWan(**_video_vae(z_dim)),
         scheduler=_flow_scheduler(),
         transformer=transformer(),
         **two,
@@ -374,31 +361,12 @@ def build_qwen2_vl(out: Path) -> None:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tok = build_qwen2_tokenizer()
-    hidden, head_dim = 32, 16
+    hidden = 32
     cfg = Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=len(tok),
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=4096,
-            rope_scaling={"type": "mrope", "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8]},
-            bos_token_id=None,
-            eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-            pad_token_id=tok.pad_token_id,
+        text_config=_mrope_text(
+            len(tok), hidden, 4096, eos=tok.convert_tokens_to_ids("<|im_end|>"), pad=tok.pad_token_id
         ),
-        vision_config=dict(
-            depth=1,
-            embed_dim=16,
-            hidden_size=hidden,
-            num_heads=2,
-            mlp_ratio=2,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-        ),
+        vision_config=dict(**_VISION_TOWER, embed_dim=16, hidden_size=hidden, mlp_ratio=2),
         image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
         video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
         vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
@@ -423,11 +391,7 @@ def build_qwen2(out: Path) -> None:
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     model = Qwen2ForCausalLM(
         Qwen2Config(
-            vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
+            **_text_stack(len(tok), 64, 128, 4),
             num_key_value_heads=2,
             max_position_embeddings=1024,
             tie_word_embeddings=True,

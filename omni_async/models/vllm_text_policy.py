@@ -43,6 +43,7 @@ import torch
 
 from omni_async.models.text_policy import TextSamplingConfig, chat_prompt_ids
 from omni_async.models.tiny import resolve_model_path
+from omni_async.models.tokens import eos_ids
 from omni_async.sample import TextResult
 
 # Plain temperature sampling: every field vLLM would otherwise fill from generation_config.json (top_k / top_p /
@@ -69,9 +70,7 @@ def generation_eos_ids(model_path: str, tokenizer) -> list[int]:
         eos = GenerationConfig.from_pretrained(model_path).eos_token_id
     except OSError:
         eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_path)).eos_token_id
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    return [int(e) for e in ([] if eos is None else [eos] if isinstance(eos, int) else eos)]
+    return eos_ids(eos, tokenizer)
 
 
 class VLLMTextPolicy:

@@ -3,10 +3,12 @@
 - **Images and video.** A reward function gets ``solution_image`` exactly as verl-omni's ``VisualRewardManager``
   hands it over: a uint8 ``torch.Tensor`` in [0, 255], shape ``(C, H, W)`` for an image, ``(N, C, H, W)`` for
   the frames of a video (``C`` = 3, RGB). The trainer's own pixels are numpy ``(H, W, 3)`` / ``(T, H, W, 3)``;
-  :func:`~omni_async.reward.pixels.to_solution_image` is the one conversion, at the call site. Text gets ``solution_str`` as in verl.
+  :func:`~omni_async.reward.pixels.to_solution_image` is the one conversion, at the call site. Text gets
+  ``solution_str`` as in verl.
 - **The project's scorers accept every form**: the tensor above, the numpy ``(H, W, 3)`` / ``(T, H, W, 3)``
-  array, a PIL image, or a list of frames. :func:`~omni_async.reward.pixels.to_pixels` is the single way back to numpy; a torch tensor is
-  always read as channels-first and a numpy array as channels-last (by type, never guessed from the shape).
+  array, a PIL image, or a list of frames. :func:`~omni_async.reward.pixels.to_pixels` is the single way back to
+  numpy; a torch tensor is always read as channels-first and a numpy array as channels-last (by type, never guessed
+  from the shape).
 - **No ``custom_reward_function.path``**: :func:`default_compute_score` dispatches on ``data_source`` as verl
   (text: ``verl.utils.reward_score.default_compute_score``) and verl-omni (images:
   ``default_compute_score_image``) do.

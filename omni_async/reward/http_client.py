@@ -22,7 +22,7 @@ import logging
 import random
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import httpx
@@ -98,6 +98,49 @@ def pooled_client(key: str, timeout_s: float, max_connections: int = 256) -> htt
             timeout=timeout_s, limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
         )
     return per_loop[key]
+
+
+@dataclass
+class Connection:
+    """How one client reaches its servers, from its reward kwargs (the HTTP scorer's and the OpenAI judge's share
+    them): the servers (least-loaded first), the timeout, the retry policy, a bearer token; with the client's
+    :class:`ClientStats` and the random stream of its retry jitter (``seed``)."""
+
+    urls: str | list[str]
+    timeout_s: float = 60.0
+    max_retries: int = 3
+    backoff_s: float = 0.2
+    max_retry_after_s: float = 30.0
+    token: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.urls = [u.rstrip("/") for u in ([self.urls] if isinstance(self.urls, str) else list(self.urls))]
+        self.timeout_s = float(self.timeout_s)
+        self.policy = RetryPolicy(
+            max_retries=int(self.max_retries),
+            backoff_s=float(self.backoff_s),
+            max_retry_after_s=float(self.max_retry_after_s),
+        )
+        self.headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        self.stats = ClientStats()
+        self.rng = random.Random(self.seed)
+
+    @classmethod
+    def split(cls, urls: str | list[str], options: dict[str, Any]) -> tuple[Connection, dict[str, Any]]:
+        """The connection made of ``options``' keys that name its fields, and the other keys (which the HTTP scorer
+        forwards to its server as metadata)."""
+        own = {f.name for f in fields(cls)} - {"urls"}
+        return cls(urls, **{k: v for k, v in options.items() if k in own}), {
+            k: v for k, v in options.items() if k not in own
+        }
+
+    async def post(self, pool: str, path: str, tally: RetryTally | None = None, **request: Any) -> httpx.Response:
+        """:func:`post_with_retries` on the ``pool`` key's pooled client of this event loop."""
+        client = pooled_client(pool, self.timeout_s)
+        return await post_with_retries(
+            client, self.urls, path, self.stats, self.policy, self.rng, tally, headers=self.headers, **request
+        )
 
 
 def least_loaded(urls: list[str], stats: ClientStats) -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from omni_async.reward.contract import check_reward_function
 from omni_async.reward.pixels import to_solution_image
+from omni_async.reward.scores import RewardFunctionError, normalize_result
 from omni_async.sample import RewardOutcome
 
 # verl's reward-function argument for the generated sample, per modality (see ``sample.*Result.reward_fields``).
@@ -44,32 +44,6 @@ ROUTER_MODEL_ARG = "model_name"
 # The argument through which a reward function receives the judge model, reward.reward_model.model_path: the one
 # key for it (the vLLM judge servers serve the same path), so reward kwargs may not name another model.
 JUDGE_MODEL_ARG = "judge_model_path"
-
-
-class RewardFunctionError(TypeError):
-    """A reward function returned something that is not a score."""
-
-
-def normalize_result(name: str, result: Any) -> tuple[float, dict[str, Any]]:
-    """Map a reward function's return value to ``(score, extra_info)``, or raise naming the function."""
-    extra: dict[str, Any] = {}
-    score: Any = result
-    if isinstance(result, dict):
-        if "score" not in result:
-            raise RewardFunctionError(
-                f"reward function {name} returned a dict without 'score': keys "
-                f"{sorted(result)[:8]}; return {{'score': float, ...}}"
-            )
-        score, extra = result["score"], {k: v for k, v in result.items() if k != "score"}
-    elif isinstance(result, tuple) and len(result) == 3:
-        score, text, explanation = result
-        extra = {"judge_text": text, "judge_explanation": explanation}
-    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(float(score)):
-        raise RewardFunctionError(
-            f"reward function {name} returned {type(result).__name__} {str(result)[:80]!r}; return a finite float, "
-            "a dict with 'score', or a (score, text, explanation) tuple"
-        )
-    return float(score), extra
 
 
 @dataclass(frozen=True)

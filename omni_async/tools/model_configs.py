@@ -12,6 +12,18 @@ QWEN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", 
 WAN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # self- and cross-attention (attn1, attn2) of every block
 
 # Source of every number: the public config.json of the named checkpoint (HF hub paths given in "source").
+
+# Qwen-Image's VAE is Wan 2.1's (the same architecture and sizes in both vae/config.json; read-only here).
+_WAN_VAE = {
+    "base_dim": 96,
+    "z_dim": 16,
+    "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+    "dropout": 0.0,
+}
+
 _QWEN_IMAGE = {
     "source": "Qwen/Qwen-Image: transformer/, text_encoder/, vae/ config.json, scheduler/scheduler_config.json",
     "transformer": (
@@ -65,19 +77,8 @@ _QWEN_IMAGE = {
             "tie_word_embeddings": False,
         },
     ),
-    "vae": (
-        "diffusers",
-        "AutoencoderKLQwenImage",
-        {  # latents_mean/std left at diffusers' defaults (no memory)
-            "base_dim": 96,
-            "z_dim": 16,
-            "dim_mult": [1, 2, 4, 4],
-            "num_res_blocks": 2,
-            "attn_scales": [],
-            "temperal_downsample": [False, True, True],
-            "dropout": 0.0,
-        },
-    ),
+    # latents_mean/std left at diffusers' defaults (no memory)
+    "vae": ("diffusers", "AutoencoderKLQwenImage", _WAN_VAE),
     "vae_dtype": BF16,
     # No memory of its own; bench/gpu_step.py samples with it (dynamic shift, as QwenImagePipeline).
     "scheduler": (
@@ -142,19 +143,7 @@ def _wan(heads: int, ffn: int, layers: int, name: str) -> dict:
                 "tie_word_embeddings": False,
             },
         ),
-        "vae": (
-            "diffusers",
-            "AutoencoderKLWan",
-            {
-                "base_dim": 96,
-                "z_dim": 16,
-                "dim_mult": [1, 2, 4, 4],
-                "num_res_blocks": 2,
-                "attn_scales": [],
-                "temperal_downsample": [False, True, True],
-                "dropout": 0.0,
-            },
-        ),
+        "vae": ("diffusers", "AutoencoderKLWan", _WAN_VAE),
         "vae_dtype": torch.float32,  # diffusers' Wan examples load the VAE in fp32
         "lora_targets": WAN_TARGETS,
         "text_tokens": 512,

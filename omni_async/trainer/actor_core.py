@@ -139,29 +139,12 @@ def train_minibatch(
 
 
 def update_minibatch(
-    modality: Modality,
-    policy: Any,
-    optimizer: torch.optim.Optimizer,
-    data: Any,
-    actor_cfg: Any,
-    *,
-    param_offload: bool = False,
-    optimizer_offload: bool = False,
+    modality: Modality, policy: Any, optimizer: torch.optim.Optimizer, data: Any, actor_cfg: Any, **offload: bool
 ) -> dict[str, float]:
-    """:func:`train_minibatch` on one process, its metrics summarised (means; ``timing_s/ref`` the total)."""
+    """:func:`train_minibatch` on one process (``offload``: its ``param_offload`` / ``optimizer_offload``), its
+    metrics summarised (means; ``timing_s/ref`` the total)."""
     return merge_rank_metrics(
-        [
-            train_minibatch(
-                modality,
-                policy,
-                optimizer,
-                data,
-                actor_cfg,
-                param_offload=param_offload,
-                optimizer_offload=optimizer_offload,
-            )
-        ],
-        time_keys=(REF_TIME_KEY,),
+        [train_minibatch(modality, policy, optimizer, data, actor_cfg, **offload)], time_keys=(REF_TIME_KEY,)
     )
 
 

@@ -11,20 +11,14 @@ from typing import Any
 
 
 def compute_score(
-    data_source: str,
-    solution_str: str,
-    ground_truth: Any,
-    extra_info: dict | None = None,
-    method: str = "strict",
-    format_score: float = 0.0,
-    score: float = 1.0,
-    **kwargs,
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs: Any
 ) -> float:
+    """verl's ``gsm8k.compute_score``; its options (``method``, ``format_score``, ``score``) may be reward kwargs, at
+    verl's defaults otherwise."""
     from verl.utils.reward_score import gsm8k
 
-    return float(
-        gsm8k.compute_score(solution_str, str(ground_truth), method=method, format_score=format_score, score=score)
-    )
+    options = {k: kwargs[k] for k in ("method", "format_score", "score") if k in kwargs}
+    return float(gsm8k.compute_score(solution_str, str(ground_truth), **options))
 
 
 def compute_score_digits(

@@ -32,7 +32,6 @@ import io
 import json
 import logging
 import pickle
-import random
 import time
 import weakref
 from typing import Any
@@ -41,15 +40,7 @@ from PIL import Image
 
 from omni_async.batching import MicroBatcher
 from omni_async.logs import Throttle
-from omni_async.reward.http_client import (
-    LOG_INTERVAL_S,
-    ClientStats,
-    RetryPolicy,
-    RetryTally,
-    RewardHTTPError,
-    pooled_client,
-    post_with_retries,
-)
+from omni_async.reward.http_client import LOG_INTERVAL_S, Connection, RetryTally, RewardHTTPError
 from omni_async.reward.pixels import to_pixels
 from omni_async.reward.safe_pickle import UnsafePickleError, safe_loads
 from omni_async.sample import is_video
@@ -85,39 +76,29 @@ class HttpScorer:
         protocol: str = "v1",
         max_batch: int = 16,
         max_wait_ms: float = 10.0,
-        timeout_s: float = 60.0,
-        max_retries: int = 3,
-        backoff_s: float = 0.2,
         image_format: str = "png",
         jpeg_quality: int = 95,
-        token: str | None = None,
-        seed: int = 0,
-        max_retry_after_s: float = 30.0,
-        **metadata: Any,
+        **options: Any,
     ):
+        """``options``: the :class:`~omni_async.reward.http_client.Connection` fields (``timeout_s``, ``max_retries``,
+        ``backoff_s``, ``max_retry_after_s``, ``token``, ``seed``); any other key goes to the server as metadata."""
         if protocol not in ("v1", "flow_grpo"):
             raise ValueError(f"http scorer protocol={protocol!r}: use v1 or flow_grpo")
         if image_format not in ("png", "jpeg"):
             raise ValueError(f"http scorer image_format={image_format!r}: use png (lossless, OCR-safe) or jpeg")
-        self.urls = [u.rstrip("/") for u in ([server_url] if isinstance(server_url, str) else list(server_url))]
+        self.http, self.metadata = Connection.split(server_url, options)
+        self.stats = self.http.stats
         self.protocol, self.max_batch, self.max_wait_ms = protocol, int(max_batch), float(max_wait_ms)
-        self.timeout_s, self.image_format, self.jpeg_quality = float(timeout_s), image_format, int(jpeg_quality)
-        self.policy = RetryPolicy(
-            max_retries=int(max_retries), backoff_s=float(backoff_s), max_retry_after_s=float(max_retry_after_s)
-        )
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.metadata = metadata
-        self.stats = ClientStats()
-        self.rng = random.Random(seed)
+        self.image_format, self.jpeg_quality = image_format, int(jpeg_quality)
         self._throttle = Throttle(LOG_INTERVAL_S)
         logger.info(
             "HTTP scorer: %s, protocol %s, batches of up to %d within %gms, timeout %gs, %d retries",
-            ", ".join(self.urls),
+            ", ".join(self.http.urls),
             protocol,
             int(max_batch),
             float(max_wait_ms),
-            self.timeout_s,
-            self.policy.max_retries,
+            self.http.timeout_s,
+            self.http.policy.max_retries,
         )
         self._queues: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> _LoopQueue
 
@@ -189,10 +170,7 @@ class HttpScorer:
         }
         if any(g is not None for g in gts):
             body["ground_truths"] = [g or "" for g in gts]
-        client = pooled_client("http-scorer", self.timeout_s)
-        response = await post_with_retries(
-            client, self.urls, "/v1/score", self.stats, self.policy, self.rng, tally, json=body, headers=self.headers
-        )
+        response = await self.http.post("http-scorer", "/v1/score", tally, json=body)
         try:
             out = response.json()
         except json.JSONDecodeError:
@@ -214,10 +192,7 @@ class HttpScorer:
                 "metadata": metadata,
             }
         )
-        client = pooled_client("http-scorer", self.timeout_s)
-        response = await post_with_retries(
-            client, self.urls, "/", self.stats, self.policy, self.rng, tally, content=body, headers=self.headers
-        )
+        response = await self.http.post("http-scorer", "/", tally, content=body)
         try:
             out = safe_loads(response.content)
         except UnsafePickleError as e:

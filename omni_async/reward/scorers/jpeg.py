@@ -7,6 +7,7 @@ learning tests. ``compute_score`` (compressibility) is ``-kB``, ``compute_score_
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,25 +39,27 @@ def jpeg_kb(image: Any, quality: int = 95) -> float:
     return float(np.mean(sizes))
 
 
-def compute_score(
-    data_source: str,
-    solution_image: Any,
-    ground_truth: Any = None,
-    extra_info: dict | None = None,
-    quality: int = 95,
-    **kwargs,
-) -> float:
-    """JPEG compressibility: higher for images that compress well (``-kB``)."""
-    return -jpeg_kb(solution_image, quality)
+def _kb_reward(name: str, sign: float, doc: str) -> Callable[..., float]:
+    """A reward function in verl's convention: ``sign`` x the JPEG size in kB (``quality``: the JPEG quality)."""
+
+    def reward(
+        data_source: str,
+        solution_image: Any,
+        ground_truth: Any = None,
+        extra_info: dict | None = None,
+        quality: int = 95,
+        **kwargs: Any,
+    ) -> float:
+        return sign * jpeg_kb(solution_image, quality)
+
+    reward.__name__ = reward.__qualname__ = name
+    reward.__doc__ = doc
+    return reward
 
 
-def compute_score_incompressibility(
-    data_source: str,
-    solution_image: Any,
-    ground_truth: Any = None,
-    extra_info: dict | None = None,
-    quality: int = 95,
-    **kwargs,
-) -> float:
-    """JPEG incompressibility: higher for detailed images (``+kB``)."""
-    return jpeg_kb(solution_image, quality)
+compute_score = _kb_reward(
+    "compute_score", -1.0, "JPEG compressibility: higher for images that compress well (``-kB``)."
+)
+compute_score_incompressibility = _kb_reward(
+    "compute_score_incompressibility", 1.0, "JPEG incompressibility: higher for detailed images (``+kB``)."
+)

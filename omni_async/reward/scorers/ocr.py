@@ -34,6 +34,7 @@ import functools
 import logging
 import os
 import re
+from dataclasses import dataclass, fields
 from typing import Any
 
 import Levenshtein
@@ -122,47 +123,55 @@ def engine_params(
     return params
 
 
+@dataclass(frozen=True)
+class OcrEngine:
+    """Which OCR engine reads the text, and how (see the module docstring): the reward kwargs of that name."""
+
+    backend: str = "rapidocr"
+    det_model_dir: str | None = None
+    rec_model_dir: str | None = None
+    det_limit_side_len: int = 256
+    use_cuda: bool | str = "auto"
+    intra_op_num_threads: int | None = None
+
+    @classmethod
+    def of(cls, kwargs: dict[str, Any]) -> OcrEngine:
+        """The engine the keys of ``kwargs`` that name its fields describe (a reward function's other kwargs are
+        not the engine's)."""
+        return cls(**{f.name: kwargs[f.name] for f in fields(cls) if f.name in kwargs})
+
+
 @functools.lru_cache(maxsize=4)
-def _engine(
-    backend: str,
-    det_model_dir: str | None,
-    rec_model_dir: str | None,
-    det_limit_side_len: int,
-    use_cuda: bool | str = "auto",
-    intra_op_num_threads: int | None = None,
-):
-    if backend == "rapidocr":
+def _engine(spec: OcrEngine):
+    """One engine per distinct spec in this process, loaded on first use."""
+    if spec.backend == "rapidocr":
         from rapidocr import RapidOCR
 
-        return RapidOCR(params=engine_params(ocr_device(use_cuda), det_limit_side_len, intra_op_num_threads))
-    if backend == "paddleocr":
+        device = ocr_device(spec.use_cuda)
+        return RapidOCR(params=engine_params(device, spec.det_limit_side_len, spec.intra_op_num_threads))
+    if spec.backend == "paddleocr":
         try:
             from paddleocr import PaddleOCR
         except ImportError as e:
             raise ImportError("backend=paddleocr needs the optional extra: pip install 'omni-async[paddle]'") from e
-        if not (det_model_dir and rec_model_dir):
+        if not (spec.det_model_dir and spec.rec_model_dir):
             raise ValueError(
                 "backend=paddleocr needs det_model_dir and rec_model_dir (local model dirs): "
                 "PaddleOCR's default constructor downloads models, which fails offline"
             )
-        return PaddleOCR(det_model_dir=det_model_dir, rec_model_dir=rec_model_dir, use_angle_cls=False, lang="en")
-    raise ValueError(f"unknown OCR backend {backend!r}; use rapidocr (default) or paddleocr")
+        return PaddleOCR(
+            det_model_dir=spec.det_model_dir, rec_model_dir=spec.rec_model_dir, use_angle_cls=False, lang="en"
+        )
+    raise ValueError(f"unknown OCR backend {spec.backend!r}; use rapidocr (default) or paddleocr")
 
 
-def read_text(
-    image: Any,
-    backend: str = "rapidocr",
-    det_model_dir: str | None = None,
-    rec_model_dir: str | None = None,
-    det_limit_side_len: int = 256,
-    use_cuda: bool | str = "auto",
-    intra_op_num_threads: int | None = None,
-) -> str:
-    engine = _engine(backend, det_model_dir, rec_model_dir, det_limit_side_len, use_cuda, intra_op_num_threads)
+def read_text(image: Any, engine: OcrEngine | None = None) -> str:
+    """The text in one image, as one string (``engine``: the default rapidocr one when not given)."""
+    spec = engine or OcrEngine()
     arr = np.asarray(as_pil(image))
-    if backend == "rapidocr":
-        return " ".join(engine(arr).txts or ())
-    result = engine.ocr(arr, cls=False) or []
+    if spec.backend == "rapidocr":
+        return " ".join(_engine(spec)(arr).txts or ())
+    result = _engine(spec).ocr(arr, cls=False) or []
     return " ".join(line[1][0] for page in result if page for line in page)
 
 
@@ -177,22 +186,16 @@ def compute_score(
     solution_image: Any,
     ground_truth: Any,
     extra_info: dict | None = None,
-    backend: str = "rapidocr",
     substring_shortcut: bool = True,
     frame_interval: int = 1,
-    det_model_dir: str | None = None,
-    rec_model_dir: str | None = None,
-    det_limit_side_len: int = 256,
-    use_cuda: bool | str = "auto",
-    intra_op_num_threads: int | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> dict:
-    """OCR score of one image (or the mean over a video's sampled frames), with the recognised text."""
+    """OCR score of one image (or the mean over a video's sampled frames), with the recognised text. The engine:
+    :class:`OcrEngine`'s fields among ``kwargs`` (``backend``, ``det_model_dir``, ``use_cuda``, ...)."""
+    engine = OcrEngine.of(kwargs)
     texts, scores = [], []
     for frame in sample_frames(solution_image, frame_interval):
-        text = read_text(
-            frame, backend, det_model_dir, rec_model_dir, det_limit_side_len, use_cuda, intra_op_num_threads
-        )
+        text = read_text(frame, engine)
         texts.append(text)
         scores.append(ocr_similarity(text, ground_truth, substring_shortcut))
     return {"score": float(np.mean(scores)), "ocr_text": " | ".join(texts)}

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import random
 import threading
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
-from omni_async.reward.http_client import ClientStats, RetryPolicy, RewardHTTPError, pooled_client, post_with_retries
+from omni_async.reward.http_client import Connection, RewardHTTPError
 from omni_async.reward.scorers.http import encode_image
 from omni_async.reward.scorers.jpeg import as_pil
 from omni_async.reward.scorers.ocr import ocr_similarity, sample_frames
@@ -96,22 +95,19 @@ class OpenAIJudge:
     def __init__(
         self,
         base_url: str | list[str],
+        *,
         model: str = "judge",
+        instruction: str = DEFAULT_INSTRUCTION,
         max_new_tokens: int = 32,
         temperature: float = 0.0,
-        timeout_s: float = 60.0,
-        max_retries: int = 3,
-        backoff_s: float = 0.2,
         api_key: str | None = None,
-        instruction: str = DEFAULT_INSTRUCTION,
-        seed: int = 0,
+        **connection: Any,
     ):
-        self.urls = [u.rstrip("/") for u in ([base_url] if isinstance(base_url, str) else list(base_url))]
+        """``connection``: the :class:`~omni_async.reward.http_client.Connection` fields (``timeout_s``,
+        ``max_retries``, ``backoff_s``, ``seed``, ...); ``api_key`` is its bearer token."""
+        self.http = Connection(base_url, token=api_key, **connection)
         self.model, self.max_new_tokens, self.temperature = model, int(max_new_tokens), float(temperature)
-        self.timeout_s, self.instruction = float(timeout_s), instruction
-        self.policy = RetryPolicy(max_retries=int(max_retries), backoff_s=float(backoff_s))
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.stats, self.rng = ClientStats(), random.Random(seed)
+        self.instruction = instruction
 
     async def transcribe(self, image: Image.Image) -> str:
         uri = "data:image/png;base64," + base64.b64encode(encode_image(image, "png")).decode()
@@ -129,17 +125,7 @@ class OpenAIJudge:
                 }
             ],
         }
-        client = pooled_client("openai-judge", self.timeout_s)
-        response = await post_with_retries(
-            client,
-            self.urls,
-            "/v1/chat/completions",
-            self.stats,
-            self.policy,
-            self.rng,
-            json=body,
-            headers=self.headers,
-        )
+        response = await self.http.post("openai-judge", "/v1/chat/completions", json=body)
         try:
             return str(response.json()["choices"][0]["message"]["content"] or "")
         except (ValueError, KeyError, IndexError, TypeError):

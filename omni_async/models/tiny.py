@@ -115,6 +115,7 @@ def _flow_scheduler(shift: float = 3.0):
 # (Qwen-Image's and Wan's have the same architecture), the M-RoPE text stacks and vision towers of the Qwen VL models.
 _T5_ENCODER = dict(d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, relative_attention_num_buckets=8)
 _VISION_TOWER = dict(depth=1, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+_DENOISER_BLOCKS = dict(num_layers=2, num_attention_heads=2)  # every tiny transformer: two blocks of two heads
 
 
 def _video_vae(z_dim: int) -> dict:
@@ -184,12 +185,11 @@ def build_qwen_image(out: Path) -> None:
         text_encoder=_tiny_qwen25_vl_text_encoder(len(tok), hidden),
         tokenizer=tok,
         transformer=QwenImageTransformer2DModel(
+            **_DENOISER_BLOCKS,
             patch_size=2,
             in_channels=4 * z_dim,
             out_channels=z_dim,
-            num_layers=2,
             attention_head_dim=16,
-            num_attention_heads=2,
             joint_attention_dim=hidden,
             axes_dims_rope=(4, 6, 6),
         ),
@@ -245,6 +245,7 @@ def build_sd3(out: Path) -> None:
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
+    latent_channels = 4  # the VAE's latents are the transformer's input and output
 
     def clip():
         return CLIPTextModelWithProjection(
@@ -261,23 +262,22 @@ def build_sd3(out: Path) -> None:
     t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tok), **_T5_ENCODER, decoder_start_token_id=0))
     pipe = StableDiffusion3Pipeline(
         transformer=SD3Transformer2DModel(
+            **_DENOISER_BLOCKS,
             sample_size=8,
             patch_size=2,
-            in_channels=4,
-            num_layers=2,
+            in_channels=latent_channels,
             attention_head_dim=8,
-            num_attention_heads=2,
             joint_attention_dim=32,
             caption_projection_dim=16,
             pooled_projection_dim=64,
-            out_channels=4,
+            out_channels=latent_channels,
             pos_embed_max_size=16,
         ),
         scheduler=_flow_scheduler(),
         vae=AutoencoderKL(
             in_channels=3,
             out_channels=3,
-            latent_channels=4,
+            latent_channels=latent_channels,
             block_out_channels=(8, 8, 8, 8),
             down_block_types=("DownEncoderBlock2D",) * 4,
             up_block_types=("UpDecoderBlock2D",) * 4,
@@ -326,15 +326,14 @@ def build_wan(out: Path, experts: int = 1) -> None:
 
     def transformer():
         return WanTransformer3DModel(
+            **_DENOISER_BLOCKS,
             patch_size=(1, 2, 2),
-            num_attention_heads=2,
             attention_head_dim=12,
             in_channels=z_dim,
             out_channels=z_dim,
             text_dim=32,
             freq_dim=32,
             ffn_dim=32,
-            num_layers=2,
             rope_max_seq_len=32,
         )
 

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from omni_async.agent_loop.rollout_worker import RolloutWorker
 from omni_async.agent_loop.weight_staging import WeightSlots
 from omni_async.agent_loop.weight_sync import WeightGroup, fits_one_bucket, meta_bytes, tensor_meta, write_buckets
 from omni_async.batching import MicroBatcher
@@ -148,20 +149,16 @@ class GenerationBatcher:
         if slots is not None:
             slots.on_change(self._pending.wake)  # a set was staged or applied: a drain waiting for weights looks again
 
-    async def submit(
-        self,
-        prompt: str,
-        seed: int,
-        window: tuple[int, int] | None,
-        *,
-        sampling: dict[str, Any] | None = None,
-        version: int | None = None,
-        resume: Result | None = None,
-    ) -> Generation:
+    async def submit(self, prompt: str, seed: int, window: tuple[int, int] | None, **options: Any) -> Generation:
+        """One request of the rollout contract (``agent_loop.rollout_worker.RolloutWorker.generate``: ``options`` are
+        its ``sampling``, ``version`` and ``resume``), answered when its batch is done."""
         fut = asyncio.get_running_loop().create_future()
         window = (int(window[0]), int(window[1])) if window is not None else None
+        sampling = options.get("sampling")
         settings = tuple(sorted(sampling.items())) if sampling else None
-        self._pending.put(_Request(prompt, int(seed), window, fut, settings, version, resume))
+        self._pending.put(
+            _Request(prompt, int(seed), window, fut, settings, options.get("version"), options.get("resume"))
+        )
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
         return await fut
@@ -274,7 +271,7 @@ def _answer(future: asyncio.Future, generation: Generation) -> None:
         future.set_result(generation)
 
 
-class RolloutReplica:
+class RolloutReplica(RolloutWorker):
     """An inference-only copy of the policy (split and disaggregated layouts); Ray restarts it if its process dies.
 
     A weight sync is staged when it can be (``agent_loop.weight_staging``): :meth:`set_weights` keeps the object
@@ -465,20 +462,3 @@ class RolloutReplica:
             time.perf_counter() - t0,
         )
         return got
-
-    async def generate(
-        self,
-        prompt: str,
-        seed: int,
-        window: tuple[int, int] | None,
-        *,
-        sampling: dict[str, Any] | None = None,
-        version: int | None = None,
-        resume: Result | None = None,
-    ) -> Generation:
-        """One sample (image + SDE-window latents and log-probs, or response tokens + log-probs); ``sampling``
-        overrides the policy's sampling settings for this request (validation: ``rollout.val_kwargs``); ``version``:
-        the weights version it is for (``GenerationBatcher``; None: the newest this worker has). With partial rollout
-        a text response may come back unfinished (``result.unfinished``: newer weights arrived); the caller continues
-        it with ``resume=result``: its tokens and their versions stay, new tokens follow on the newest weights."""
-        return await self.batcher.submit(prompt, seed, window, sampling=sampling, version=version, resume=resume)

@@ -39,7 +39,8 @@ from verl import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
-from omni_async.agent_loop.rollout_replica import DeviceThread, Generation, GenerationBatcher
+from omni_async.agent_loop.rollout_replica import DeviceThread, GenerationBatcher
+from omni_async.agent_loop.rollout_worker import RolloutWorker
 from omni_async.agent_loop.weight_sync import WeightGroup, fits_one_bucket, free_address, tensor_meta
 from omni_async.cluster import configure_worker
 from omni_async.modality import get_modality
@@ -53,7 +54,7 @@ logger = logging.getLogger(__name__)
 TRAINED_ROWS_KEPT = 1 << 16  # the (uid, index) rows this rank trained on, newest kept (ActorWorker.trained_rows)
 
 
-class ActorWorker(Worker):
+class ActorWorker(Worker, RolloutWorker):
     def __init__(self, config: dict[str, Any]):
         super().__init__()
         self.cfg = OmegaConf.create(config)
@@ -139,20 +140,6 @@ class ActorWorker(Worker):
             return self.policy.generate_stream(admit, emit, capacity=capacity)
         with self.policy.rollout_adapter():
             return self.policy.generate_stream(admit, emit, capacity=capacity)
-
-    async def generate(
-        self,
-        prompt: str,
-        seed: int,
-        window: tuple[int, int] | None,
-        *,
-        sampling: dict[str, Any] | None = None,
-        version: int | None = None,
-    ) -> Generation:
-        """One sample, the contract of ``RolloutReplica.generate``: the agent loop streams to either layout. Here the
-        weights are the trainer's own and a sync is a version bump the driver makes before it starts a collection,
-        so ``version`` never names weights this worker does not hold yet: it is not needed."""
-        return await self.batcher.submit(prompt, seed, window, sampling=sampling)
 
     async def set_rollout_version(self, version: int) -> int:
         """The hybrid layout's weight sync: later samples report ``version`` (and read a fresh adapter snapshot

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from omni_async.agent_loop.config_checks import check_rollout
 from omni_async.config_error import ConfigError
 from omni_async.config_error import check as _check
+from omni_async.logs import check_log_level
 from omni_async.reward.config_checks import check_reward
 from omni_async.reward.wiring import streaming_enabled
 from omni_async.trainer.config_schema import CONFIG_DIR, CONFIG_NAMES, compose_untyped, typed
@@ -140,6 +141,10 @@ def validate(cfg: DictConfig) -> DictConfig:
         "must be >= 1 (or null: trainer.total_epochs passes over the data)",
         "e.g. 4",
     )
+    try:
+        cfg.trainer.log_level = check_log_level(cfg.trainer.log_level)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     _check_verl_keys(cfg)
     _check(
         arr.nccl_timeout > 0,

@@ -94,7 +94,14 @@ def fingerprint(case: str, tmp: Path) -> dict:
         trainers.close()
 
 
-def assert_close(got: dict, want: dict, tol: float = 1e-6) -> None:
+# Text weights after 3 steps are not reproducible to 1e-6 by the same code: the rollout batches responses
+# continuously, which responses share a device batch depends on timing, and their log-probs (pi_old) move by up to
+# 2e-6 with it; AdamW turns that into lr-sized steps on weights with near-zero gradients. Two runs of 4c1aa46 gave
+# lm_head sums 1.7853231 and 1.7853300 (4e-6 apart); the samples, versions, rewards and advantages are exact.
+WEIGHT_TOL = {"text_stream": 2e-5, "text_split_one_step_off": 2e-5}
+
+
+def assert_close(got: dict, want: dict, tol: float = 1e-6, weight_tol: float = 1e-6) -> None:
     assert len(got["steps"]) == len(want["steps"])
     for k, (g, w) in enumerate(zip(got["steps"], want["steps"], strict=True)):
         assert [r[:4] for r in g] == [r[:4] for r in w], f"step {k}: samples / seeds / versions differ"
@@ -104,7 +111,7 @@ def assert_close(got: dict, want: dict, tol: float = 1e-6) -> None:
     assert sorted(got["weights"]) == sorted(want["weights"])
     for name, w in want["weights"].items():
         for a, b in zip(got["weights"][name], w, strict=True):
-            assert abs(a - b) <= tol * max(1.0, abs(b)), (name, a, b)
+            assert abs(a - b) <= weight_tol * max(1.0, abs(b)), (name, a, b)
 
 
 if __name__ == "__main__":
@@ -119,5 +126,6 @@ if __name__ == "__main__":
             (HERE / "parity" / f"{case}.json").write_text(json.dumps(fp))
             print("recorded", case, flush=True)
         else:
-            assert_close(fp, json.loads((HERE / "parity" / f"{case}.json").read_text()))
+            want = json.loads((HERE / "parity" / f"{case}.json").read_text())
+            assert_close(fp, want, weight_tol=WEIGHT_TOL.get(case, 1e-6))
             print("parity ok", case, flush=True)

@@ -222,6 +222,27 @@ def test_image_run_with_a_slow_trainer_and_a_killed_rollout_worker_stays_in_boun
 
 
 @pytest.mark.slow
+def test_colocate_async_on_the_hybrid_layout_trains_every_group_once_within_the_bound(trainers):
+    """verl v1's colocate_async: fully async on the devices that train (the hybrid layout; the rollout reads a LoRA
+    snapshot of the synced version while the actor trains). Staleness 1, one group per update: at most 2 groups per
+    window, lag <= 1; before each sync the trainer waits until the samples in flight are generated (the snapshot they
+    read is about to change), so every sample is made by one version."""
+    t = trainers(*QUIET, "trainer.v1.trainer_mode=colocate_async", "async_training.staleness_threshold=1")
+    assert t.layout.name == "hybrid" and (t.mode.cap, t.mode.bound, t.total_steps) == (2, 1, 8)
+    trained = record_trained_uids(t.ops)
+    rows = []
+    for step in range(t.total_steps):
+        metrics, samples = t.train_step(step)
+        rows.append(metrics)
+        assert len({s.uid for s in samples}) == 1 and len(samples) == 4  # one whole group per update
+        assert all(0 <= step - s.version <= 1 for s in samples)
+        assert "timing_s/wait_next_rollout" in metrics  # the sync waited for the rollout to be idle
+    assert max(r["training/off_policy/trajectory_staleness/max"] for r in rows) == 1  # it ran ahead, to the bound
+    assert sorted(trained) == sorted(f"{d}-{p}" for d in range(4) for p in range(2) for _ in range(4))
+    assert all(r["actor/grad_norm"] > 0 for r in rows)
+
+
+@pytest.mark.slow
 def test_resume_from_a_lock_step_checkpoint_of_earlier_releases_goes_on_with_the_next_draw(trainers):
     """Earlier releases wrote lock-step checkpoints with the step and the sampler state only (one draw per step, all of
     it trained). A fully async run resumed from one goes on with draw 1, the sampler as saved: the next prompts, and

@@ -99,3 +99,40 @@ def test_pipeline_updates_before_the_last_reward_and_uses_every_group_once(train
     assert sorted(used) == sorted({s.uid for s in samples}) and len(used) == 4
     assert all(len(mb) == 1 for mb in trained_uids)  # ppo_mini_batch_size=1 prompt
     assert metrics["actor/grad_norm"] > 0 and metrics["rollout/policy_version"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "trainer",
+    [["trainer.total_training_steps=2", "trainer.log_image_freq=1", "trainer.log_timeline_freq=1"]],
+    indirect=True,
+)
+def test_pictures_are_drawn_off_the_training_path(trainer, monkeypatch):
+    """The timeline and the sample grid are drawn by a background thread: the step loop hands them over and goes on
+    (each drawing here is slowed to 2 s and the second step starts before the first step's pictures exist); fit
+    returns once every picture is written."""
+    import threading
+    import time
+
+    from omni_async.trainer import loop
+
+    drawn: list[tuple[str, float]] = []
+    started: list[float] = []
+    real_timeline, real_step = loop.save_timeline, trainer.train_step
+
+    def slow_timeline(run_dir, record):
+        time.sleep(2.0)
+        drawn.append((threading.current_thread().name, time.time()))
+        return real_timeline(run_dir, record)
+
+    def timed_step(step):
+        started.append(time.time())
+        return real_step(step)
+
+    monkeypatch.setattr(loop, "save_timeline", slow_timeline)
+    trainer.train_step = timed_step
+    trainer.fit()
+    assert [name.startswith("pictures") for name, _ in drawn] == [True, True]
+    assert started[1] < drawn[0][1]  # step 2 did not wait for step 1's timeline
+    run = trainer.run_dir
+    assert sorted(p.name for p in (run / "timeline").glob("*.png")) == ["step_0001.png", "step_0002.png"]
+    assert len(list((run / "samples").glob("*.png"))) == 2

@@ -1,6 +1,7 @@
 """The parity guard of the one producer: for the same seed, today's step loop (every mode a setting of the rollouter)
 gives the samples, versions, rewards, advantages and weights that the step loop of the separate mode strategies gave
-(``parity/*.json``, recorded with commit 4c1aa46 by ``parity_cases.py record``), to 1e-6 in fp32, after 3 steps.
+(``parity/*.json``, recorded with commit 4c1aa46 by ``parity_cases.py record``), to 1e-6 in fp32, after 3 steps
+(text weights: to 2e-5, the old code's own run-to-run spread; see ``parity_cases.WEIGHT_TOL``).
 
 Four cases run here (on-policy streaming; one-step-off in the hybrid and disaggregated layouts; text one-step-off in
 the split layout); ``python tests/trainer/parity_cases.py check`` runs all nine (sync and stream in each layout too).
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from parity_cases import HERE, assert_close, fingerprint
+from parity_cases import HERE, WEIGHT_TOL, assert_close, fingerprint
 
 pytestmark = pytest.mark.slow  # training runs: not in the fast tier
 
@@ -21,4 +22,4 @@ pytestmark = pytest.mark.slow  # training runs: not in the fast tier
 )
 def test_the_producer_reproduces_the_recorded_modes(case, tmp_path):
     want = json.loads((HERE / "parity" / f"{case}.json").read_text())
-    assert_close(fingerprint(case, tmp_path), want)
+    assert_close(fingerprint(case, tmp_path), want, weight_tol=WEIGHT_TOL.get(case, 1e-6))

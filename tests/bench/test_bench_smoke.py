@@ -70,3 +70,44 @@ def check_layout(report: dict) -> None:
         assert 0 < mode["own_bound_s"] and sum(mode["rollout_batch_sizes"].values()) > 0
         assert mode["cpu_s_per_step"]["driver (agent loop, trainer loop)"] > 0
     assert set(report["hidden_fraction"]) == {"stream+one_step_off"}
+
+
+@pytest.mark.timeout(600)  # one Ray cluster, two stand-in rollout workers, four variants' reward workers
+def test_driver_cost_bench_smoke(tmp_path):
+    out = tmp_path / "driver_cost.json"
+    group = 4
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench/driver_cost.py"),
+        *("--workers", "2", "--in-flight", "16", "--group", str(group), "--groups-per-step", "2"),
+        *("--samples", "32", "--warmup", "16", "--profile-samples", "16", "--profile-top", "5"),
+        *("--gen-mean", "0.05", "--reward-latency", "0.005", "--reward-workers", "1"),
+        *("--out", str(out)),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["machine"]["cores"] >= 1 and report["machine"]["cpu"]
+    assert (
+        report["config"]["workers"] == 2 and report["config"]["in_flight"] == 16 and report["config"]["group"] == group
+    )
+    assert set(report["variants"]) == {"baseline", "serialization", "batched", "batched+gc"}
+    for name, v in report["variants"].items():
+        cpu = v["cpu_ms_per_sample"]
+        assert cpu["total"] > 0 and isinstance(v["goal_met"], bool), name
+        assert {"agent loop thread", "trainer thread: build_batch", "Ray's threads"} <= set(cpu["by_part"])
+        assert cpu["by_part"]["agent loop thread"] > 0 and cpu["by_part"]["trainer thread: build_batch"] > 0
+        assert v["samples_measured"] >= 32 and v["samples_per_s"] > 0 and v["wall_s"] > 0
+        assert v["box_cores_busy_by_role"]["driver"] > 0 and v["gc"]["cpu_ms_per_sample"] >= 0
+        assert 0 < v["live_samples_mean"] <= 16
+        profile = v["profile"]
+        assert profile["samples"] >= 16 and len(profile["loop_thread_top_own_time"]) == 5
+        assert abs(sum(profile["loop_thread_own_time_share_by_package"].values()) - 1.0) < 1e-6
+    assert report["variants"]["baseline"]["ray_calls_per_sample"] == {"generate": 1.0, "score": 1.0}
+    # Coalesced: a group's members in one generate call (at most 1 / group calls per sample, up to the window's edges).
+    for name in ("batched", "batched+gc"):
+        batched = report["variants"][name]["ray_calls_per_sample"]
+        assert 0 < batched["CoalescingRollout"] <= 2 / group and 0 < batched["CoalescingReward"] <= 1
+    assert report["variants"]["batched+gc"]["gc"]["threshold"][0] > report["variants"]["batched"]["gc"]["threshold"][0]
+    assert report["unit_cost_ms"]["Ray actor call made and awaited (driver, idle stand-ins)"] > 0
+    assert "driver CPU" in proc.stdout and "[batched]" in proc.stdout

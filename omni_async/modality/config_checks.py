@@ -1,5 +1,6 @@
-"""The rollout section's checks (``actor_rollout_ref.model.modality``, ``actor_rollout_ref.rollout.*``), run by
-``trainer.config.validate`` at start: each error names the key and the fix."""
+"""The model and rollout sections' checks (``actor_rollout_ref.model.modality``, ``actor_rollout_ref.rollout.*``):
+what each modality can generate with, run by ``trainer.config.validate`` at start; each error names the key and the
+fix."""
 
 from __future__ import annotations
 

@@ -11,10 +11,10 @@ import importlib.util
 
 from omegaconf import DictConfig, OmegaConf
 
-from omni_async.agent_loop.config_checks import check_rollout
 from omni_async.config_error import ConfigError
 from omni_async.config_error import check as _check
 from omni_async.logs import check_log_level
+from omni_async.modality.config_checks import check_rollout
 from omni_async.reward.config_checks import check_reward
 from omni_async.reward.wiring import streaming_enabled
 from omni_async.trainer.config_schema import CONFIG_DIR, CONFIG_NAMES, compose_untyped, typed

@@ -1,8 +1,17 @@
 """The driver's CPU cost per sample at scale (issue 40, item 4), measured by simulation.
 
-    .venv/bin/python bench/driver_cost.py [--workers 64] [--in-flight 4096] [--samples 4096] [--group 8]
-        [--gen-mean 4] [--gen-sigma 0.5] [--reward-latency 0.1] [--variants baseline,serialization,batched,batched+gc]
+    .venv/bin/python bench/driver_cost.py [--workers 64] [--in-flight 4096] [--samples 2048] [--group 8]
+        [--gen-mean 60] [--gen-sigma 0.5] [--reward-latency 0.1] [--variants baseline,serialization,batched,batched+gc]
         [--out bench/results/driver_cost.json]
+
+Two regimes. The default offers 4096 / 60 s = 68 samples/s: the batched variants keep up, the per-sample ones reach
+about half of it on a 2-core box. Costs per second weigh more per sample at such a rate (the rollouter's take polls
+every ``TAKE_POLL_S``; Ray tracks every pending call: ``in_flight_idle``). ``--gen-mean 4 --samples 4096 --warmup 4096
+--profile-samples 1024 --out bench/results/driver_cost_saturated.json`` offers 1024/s: the box saturates (the 64
+stand-ins alone keep ~0.7 of its 2 cores busy while idle, Ray's worker overhead) and samples queue for the reward
+workers, so the figures add what a backlog costs the driver (the dispatcher's asyncio.Condition / Semaphore scan their
+waiters: hundreds of ``Future.done`` calls per sample in the profile). The saturated JSON predates
+``in_flight_idle`` / ``marginal``.
 
 The producer is the fully async one (``make_producer``): the real agent loop (``AgentLoopManager``), rollouter
 (``Rollouter``, ``--in-flight / --group`` groups in flight), reward queue (``RewardDispatcher``) and reward-loop
@@ -24,9 +33,9 @@ Variants (one Ray cluster, the stand-ins shared, fresh reward workers and produc
 - ``batched+gc``: that, and the driver's garbage collector tuned: ``gc.freeze()`` once the producer is built (the
   start-up objects leave the full collections) and a young-generation threshold of ``GC_THRESHOLD0`` (Python: 700).
 
-After ``--warmup`` trained samples (the in-flight window filled and turned over once), the driver process's CPU
-time (``getrusage(RUSAGE_SELF)``: every thread of the driver, Ray's own included; worker processes excluded) is
-read over the next ``--samples`` trained samples and divided by them. By part, from each thread's CPU time
+After ``--warmup`` trained samples (by default half the in-flight window: trained and replaced), the driver
+process's CPU time (``getrusage(RUSAGE_SELF)``: every thread of the driver, Ray's own included; worker processes
+excluded) is read over the next ``--samples`` trained samples and divided by them. By part, from each thread's CPU time
 (``/proc/self/task``): the agent loop thread (scheduling, streaming, queueing: every Ray call the agent loop, the
 rollouter and the dispatcher make, and their asyncio tasks), the trainer thread (``build_batch`` timed on its own;
 the rest is taking groups), and Ray's threads by name (``worker.io``, the core worker's io service: sending tasks,
@@ -35,10 +44,15 @@ agent loop thread and the trainer thread: the top functions by own time, the loo
 partition) and the cumulative time of its key functions (overlapping). The profiler slows the loop about 2x, so
 the profile gives shares and where the time goes, the measured window the figures.
 
+Before its warm-up each variant holds ``IDLE_WINDOW_S``: the driver's CPU while the whole window is in flight and
+(with a long generation time) nothing has finished yet, ``in_flight_idle``: a cost per second, not per sample (Ray
+tracking the pending calls, pollers, timers). ``cpu_ms_per_sample.marginal`` is the total less that cost over the
+measured window: what each further sample costs, the figure that scales to thousands of samples a second.
+
 JSON (``--out``): ``machine`` (CPU model, cores, load average), ``config`` (every argument), and per variant:
-``cpu_ms_per_sample`` (total, by part, Ray's threads by name), ``goal_met`` (<= 1 ms), ``samples_per_s`` and
-``wall_s`` of the measured window, ``driver_cores_busy``, ``box_cores_busy_by_role`` (driver, stand-ins, reward
-workers, the run's other Ray processes, other jobs on the box: whether the box limits samples/s),
+``cpu_ms_per_sample`` (total, marginal, by part, Ray's threads by name), ``goal_met`` (total <= 1 ms),
+``samples_per_s`` and ``wall_s`` of the measured window, ``driver_cores_busy``, ``box_cores_busy_by_role`` (driver,
+stand-ins, reward workers, the run's other Ray processes, other jobs on the box: whether the box limits samples/s),
 ``live_samples_mean`` (started and not yet trained), ``ray_calls_per_sample``, ``gc`` (CPU in Python's cyclic
 collector, charged to whichever thread allocated when it ran; collections per generation), the loop's own timings
 (``SampleTimes.serialize_s`` / ``dispatch_s``, wall) and ``profile``. ``unit_cost_ms``: one sample's serialization
@@ -73,11 +87,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-GOAL_MS = 1.0
+GOAL_MS = 1.0  # issue 40: one driver feeds a cluster generating thousands of samples a second
 VARIANTS = ("baseline", "serialization", "batched", "batched+gc")  # make_producer's docstring
 # batched+gc: the driver's objects at start-up (modules, config, the cluster's handles) leave the collector's view
 # (gc.freeze) and a young-generation collection runs every GC_THRESHOLD0 allocations instead of Python's 700.
 GC_THRESHOLD0 = 20_000
+IDLE_WINDOW_S = (2.0, 10.0)  # after a producer starts: wait, then measure the driver with everything in flight
 DATAPROTO_ENV = "VERL_DATAPROTO_SERIALIZATION_METHOD"  # verl's switch to the numpy form of a pickled DataProto
 # The agent loop's functions whose cumulative CPU the profile reports: (label, file, function).
 KEY_FUNCTIONS = (
@@ -90,7 +105,7 @@ KEY_FUNCTIONS = (
     ("dispatcher: queue (enqueue)", "dispatcher.py", "enqueue"),
     ("dispatcher: one call (_dispatch)", "dispatcher.py", "_dispatch"),
     ("coalescing handles (flush)", "batched_calls.py", "_flush"),
-)  # issue 40: one driver feeds a cluster generating thousands of samples a second
+)
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # Packages the loop thread's profiled time is split by (first match on the function's file path).
 PROFILE_PACKAGES = (
@@ -104,7 +119,7 @@ PROFILE_PACKAGES = (
     ("verl / tensordict", "/tensordict/"),
     ("torch", "/torch/"),
     ("stand-in answer rebuild", "bench/stand_ins.py"),
-    ("trainer (step_ops, sampling)", "omni_async/"),
+    ("rest of omni_async (draws, sample, logs)", "omni_async/"),
 )
 
 
@@ -177,8 +192,9 @@ def ray_call_cost(handles: list[Any], calls: int = 2000, concurrent: int = 200) 
     a tiny reply), once the stand-ins are idle: what each per-sample call costs before anything is in it."""
     import ray
 
+    ray.get([w.drop.remote() for w in handles])  # the last variant's calls
     while any(s["in_flight"] for s in ray.get([w.stats.remote() for w in handles])):
-        time.sleep(0.5)  # the last variant's cancelled requests still finishing
+        time.sleep(0.2)
 
     async def burst() -> None:
         slots = asyncio.Semaphore(concurrent)
@@ -209,6 +225,10 @@ def start_ray(args: argparse.Namespace) -> None:
         "OPENBLAS_NUM_THREADS": threads,
         "TOKENIZERS_PARALLELISM": "false",
     }
+    # 64 workers and the driver saturate 2 cores, and the raylet answers the GCS's health checks late: with Ray's
+    # default (5 missed checks) one run had its node marked dead mid-run. Allow 3 minutes of missed checks.
+    os.environ.setdefault("RAY_health_check_failure_threshold", "60")
+    os.environ.setdefault("RAY_health_check_timeout_ms", "30000")
     ray.init(
         address="local",
         num_cpus=max(16, args.reward_workers + 4),  # logical: each reward worker asks for 1, the stand-ins for 0
@@ -363,6 +383,8 @@ def make_producer(
         )  # no logical CPU: they wait on timers, they compute nothing
         stand_ins = [cls.remote(template, gen_mean_s, gen_sigma, image_size, i) for i in range(workers)]
     ray.get([w.configure.remote(template) for w in stand_ins])
+    while any(s["in_flight"] for s in ray.get([w.stats.remote() for w in stand_ins])):
+        time.sleep(0.2)  # the dropped calls of the last variant unwinding
     coalescers: list[Any] = []
     if variant == "baseline":
         reward = RewardSide(cfg, None, None)  # the real wiring: reward-loop workers as CPU actors, their dispatcher
@@ -596,6 +618,17 @@ def measure(producer: Producer, args: argparse.Namespace) -> dict[str, Any]:
             tuple(gc_clock.runs),
         )
 
+    # The driver while everything is in flight and (almost) nothing finishes yet: what it spends per second on
+    # holding the in-flight window (Ray's pending calls, timers, polls), whatever the rate.
+    def answered() -> int:
+        return sum(s["answered"] for s in ray.get([w.stats.remote() for w in producer.rollout_workers]))
+
+    time.sleep(IDLE_WINDOW_S[0])
+    n0, c0, t0 = answered(), process_cpu(), time.perf_counter()
+    time.sleep(IDLE_WINDOW_S[1])
+    c1, t1 = process_cpu(), time.perf_counter()
+    idle = {"driver_cores": (c1 - c0) / (t1 - t0), "seconds": t1 - t0, "answers_meanwhile": answered() - n0}
+
     calls_before: dict[str, int] = {}
     while consumed < end:
         if consumed >= args.warmup and "start" not in marks:
@@ -642,9 +675,12 @@ def measure(producer: Producer, args: argparse.Namespace) -> dict[str, Any]:
     }
     total = (b.cpu - a.cpu) * ms
     by_part["threads that ended meanwhile, rounding"] = total - sum(by_part.values())
+    # Per sample beyond what holding the window costs per second (valid while few answers came in the idle window).
+    marginal = total - idle["driver_cores"] * wall * ms
     out: dict[str, Any] = {
         "cpu_ms_per_sample": {
             "total": total,
+            "marginal": marginal,
             "by_part": by_part,
             "ray_threads_by_name": {k: v * ms for k, v in sorted(ray_threads.items(), key=lambda kv: -kv[1]) if v},
         },
@@ -654,6 +690,7 @@ def measure(producer: Producer, args: argparse.Namespace) -> dict[str, Any]:
         "target_samples_per_s": args.in_flight / args.gen_mean,  # what the stand-ins could deliver: in flight / mean
         "wall_s": wall,
         "driver_cores_busy": (b.cpu - a.cpu) / wall,
+        "in_flight_idle": idle,
         "gc": {
             "cpu_ms_per_sample": (b.gc_s - a.gc_s) * ms,  # part of the threads' figures above
             "collections_per_1000_samples": [(y - x) * 1000 / n for x, y in zip(a.gc_runs, b.gc_runs, strict=True)],
@@ -746,7 +783,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def print_variant(name: str, r: dict[str, Any]) -> None:
     c = r["cpu_ms_per_sample"]
     verdict = "met" if r["goal_met"] else "NOT met"
-    print(f"\n[{name}] driver CPU {c['total']:.3f} ms/sample (goal {GOAL_MS:g} ms: {verdict})")
+    print(f"\n[{name}] driver CPU {c['total']:.3f} ms/sample (goal {GOAL_MS:g} ms: {verdict})", end="")
+    idle = r["in_flight_idle"]
+    print(f"; {c['marginal']:.3f} beyond the {idle['driver_cores']:.3f} cores of holding the window", end="")
+    print(f" ({idle['answers_meanwhile']} answers in its {idle['seconds']:.0f}s)")
     print(f"  {r['samples_measured']} samples in {r['wall_s']:.1f}s = {r['samples_per_s']:.0f} samples/s", end="")
     print(f" (stand-ins' limit {r['target_samples_per_s']:.0f}/s), {r['live_samples_mean']:.0f} live on average")
     print(f"  Ray calls per sample: {r['ray_calls_per_sample']}")
@@ -776,11 +816,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--in-flight", type=int, default=4096, help="samples in flight (rollouter: in-flight / group groups)"
     )
-    p.add_argument("--samples", type=int, default=4096, help="trained samples measured after the warm-up")
-    p.add_argument("--warmup", type=int, default=None, help="trained samples before measuring (default: --in-flight)")
-    p.add_argument("--profile-samples", type=int, default=1024, help="samples profiled after the measured ones")
+    p.add_argument("--samples", type=int, default=2048, help="trained samples measured after the warm-up")
+    p.add_argument(
+        "--warmup", type=int, default=None, help="trained samples before measuring (default: half the window)"
+    )
+    p.add_argument("--profile-samples", type=int, default=512, help="samples profiled after the measured ones")
     p.add_argument("--profile-top", type=int, default=30, help="functions listed from each profile")
-    p.add_argument("--gen-mean", type=float, default=4.0, help="mean generation time, s (lognormal)")
+    p.add_argument("--gen-mean", type=float, default=60.0, help="mean generation time, s (lognormal; module doc)")
     p.add_argument("--gen-sigma", type=float, default=0.5, help="sigma of the log of the generation time")
     p.add_argument("--reward-latency", type=float, default=0.1, help="reward function's latency, s")
     p.add_argument("--reward-workers", type=int, default=4, help="real reward-loop workers (Ray actors)")
@@ -795,8 +837,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(ROOT / "bench/results/driver_cost.json"))
     args = p.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
-    if args.warmup is None:
-        args.warmup = args.in_flight
+    if args.warmup is None:  # past the first answers' burst: half the window has been trained and replaced
+        args.warmup = args.in_flight // 2
     return args
 
 

@@ -109,8 +109,18 @@ class StandInRollout:
         self.worker_index = worker_index
         self.version = 0
         self.requests = 0
+        self.answered = 0
         self.in_flight = 0
         self.peak_in_flight = 0
+        self._waiting: set[asyncio.Task] = set()  # the calls generating now (configure drops them)
+
+    async def _generating(self, seconds: float) -> None:
+        task = asyncio.current_task()
+        self._waiting.add(task)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self._waiting.discard(task)
 
     def gen_time(self, seed: int) -> float:
         """The sample's generation time, a pure function of its seed."""
@@ -132,9 +142,10 @@ class StandInRollout:
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         t0 = time.time()
         try:
-            await asyncio.sleep(self.gen_time(seed))
+            await self._generating(self.gen_time(seed))
         finally:
             self.in_flight -= 1
+        self.answered += 1
         return self._answer(seed, window, t0, time.time())
 
     async def generate_many(self, requests: list[tuple[str, int, tuple[int, int] | None, dict]]) -> list[_Answer]:
@@ -145,9 +156,10 @@ class StandInRollout:
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         t0 = time.time()
         try:
-            await asyncio.sleep(self.gen_time(requests[0][1]))
+            await self._generating(self.gen_time(requests[0][1]))
         finally:
             self.in_flight -= len(requests)
+        self.answered += len(requests)
         t1 = time.time()
         return [self._answer(seed, window, t0, t1) for _prompt, seed, window, _kwargs in requests]
 
@@ -161,14 +173,22 @@ class StandInRollout:
             "worker_index": self.worker_index,
             "pid": os.getpid(),
             "requests": self.requests,
+            "answered": self.answered,
             "in_flight": self.in_flight,
             "peak_in_flight": self.peak_in_flight,
         }
 
-    def configure(self, template: bytes) -> None:
-        """Another answer format, counters from zero (the benchmark's variants share the workers)."""
+    async def drop(self) -> None:
+        """Cancel the calls generating now: a stopped producer's, which nobody awaits any more, so that their answers
+        do not reach the driver over the following minutes (the benchmark's variants share the workers)."""
+        for task in list(self._waiting):
+            task.cancel()
+
+    async def configure(self, template: bytes) -> None:
+        """The next variant: the last one's calls dropped, another answer format, counters from zero."""
+        await self.drop()
         self.template = template
-        self.requests = self.peak_in_flight = 0
+        self.requests = self.answered = self.peak_in_flight = 0
 
 
 async def stand_in_score(

@@ -94,7 +94,8 @@ def test_driver_cost_bench_smoke(tmp_path):
     assert set(report["variants"]) == {"baseline", "serialization", "batched", "batched+gc"}
     for name, v in report["variants"].items():
         cpu = v["cpu_ms_per_sample"]
-        assert cpu["total"] > 0 and isinstance(v["goal_met"], bool), name
+        assert cpu["total"] > 0 and cpu["marginal"] <= cpu["total"] and isinstance(v["goal_met"], bool), name
+        assert v["in_flight_idle"]["driver_cores"] >= 0 and v["in_flight_idle"]["seconds"] > 0
         assert {"agent loop thread", "trainer thread: build_batch", "Ray's threads"} <= set(cpu["by_part"])
         assert cpu["by_part"]["agent loop thread"] > 0 and cpu["by_part"]["trainer thread: build_batch"] > 0
         assert v["samples_measured"] >= 32 and v["samples_per_s"] > 0 and v["wall_s"] > 0

@@ -31,7 +31,7 @@ DP = [
     "trainer.log_image_freq=-1",
     "trainer.log_timeline_freq=-1",
     "reward.streaming=true",
-    "trainer.total_training_steps=6",
+    "trainer.total_training_steps=7",  # 6 trained, the 7th stopped by a dead rank
     # One sample per device batch: which samples share a batch depends on arrival times (load), and a batch of two
     # rounds differently from two of one; the resumes below compare rewards to 1e-5.
     "actor_rollout_ref.rollout.agent.max_batch_size=1",

@@ -210,6 +210,11 @@ class Rollouter:
     async def take(self, step: int, n: int, among: int | None = None) -> list[Group]:
         """``n`` scored groups for step ``step``, in start order. Lock-step: the first ``n`` to be scored among the
         ``among`` oldest started (the rest of the step's draw); fully async: the ``n`` with the oldest weights."""
+        if n > self.to_train:
+            raise RuntimeError(
+                f"step {step} asks for {n} groups but the producer was started for {self.to_train} more: a step past "
+                "trainer.total_training_steps (raise it)"
+            )
         while True:
             if self.error is not None:
                 raise self.error

@@ -153,13 +153,17 @@ class RLTrainer:
         self._t_metrics = time.perf_counter()
 
     def set_mode(self, mode: Mode) -> None:
-        """Go on in another mode (tests, benchmarks): the producer stops where it is and the next step starts one with
-        the new settings at its position, as a resume would (groups in flight are regenerated from their seeds)."""
-        if self.rollouter is not None:
-            self.resume_position = self.agent.on_loop(self.rollouter.position)
-            self.agent.call(self.rollouter.stop())
-            self.rollouter = None
+        """Go on in another mode with the same groups per step (tests, benchmarks): the producer takes the new
+        settings in place, keeping the groups it has started (a lock-step draw started under version v stays v's)."""
         self.mode = mode
+
+        def apply() -> None:
+            r = self.rollouter
+            r.settings, r.cap, r.bound = mode.producer, mode.cap, mode.bound
+            r._notify()
+
+        if self.rollouter is not None:
+            self.agent.on_loop(apply)
 
     def _take(self, step: int, n: int, among: int) -> list[Group]:
         try:
@@ -180,8 +184,11 @@ class RLTrainer:
         if quiet:
             with timer("wait_next_rollout"):
                 self.agent.call(self.rollouter.quiesce())
+        # Staged (written in before the first request for it) only while a draw generates beside it; with nothing in
+        # flight in lock-step the set is written at once, so the rollout holds the newest weights between steps.
+        activate = quiet or (self.mode.lock_step and not self.agent.on_loop(lambda: len(self.rollouter.live)))
         with timer("update_weights"):  # verl's name; timing_s/weight_sync is this project's first name for it
-            self.layout.sync(version, activate=quiet)
+            self.layout.sync(version, activate=activate)
         timer.timing["timing_s/weight_sync"] = timer.timing["timing_s/update_weights"]
         self.rollout_version = version
         self.agent.call(self.rollouter.on_sync(version))

@@ -20,7 +20,7 @@ ROW = PromptRow(prompt="p", data_source="x", ground_truth=None)
 
 
 def build_batch(cfg, modality_name: str, samples: list[Sample]):
-    return StepOps(cfg, get_modality(modality_name), None, None, None, None, []).build_batch(samples)
+    return StepOps(cfg, get_modality(modality_name), None, None).build_batch(samples)
 
 
 def text_samples(groups: list[list[float]]) -> list[Sample]:

@@ -17,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from ray.exceptions import RayTaskError
 
+from omni_async.agent_loop.draws import Draws
 from omni_async.cluster import init_ray, shutdown_ray
 from omni_async.modality import get_modality
 from omni_async.modality.base import model_dtype
@@ -74,14 +75,15 @@ def generate(policy, modality, prompts, seeds, windows):
 
 def make_batch(cfg, modality, policy):
     """One step's batch through StepOps.build_batch; sample 1 (group 0, rank 0's) failed."""
-    ops = StepOps(cfg, modality, None, None, None, None, [])
+    ops = StepOps(cfg, modality, None, None)
+    draws = Draws.from_config(cfg, None, modality.uses_window)
     samples = [
         Sample(
             index=p * N + k,
             uid=f"0-{p}",
             row=PromptRow(prompt, "x", ""),
             seed=100 + p * N + k,
-            window=ops.window(0, p * N + k),
+            window=draws.window(0, p * N + k),
         )
         for p, prompt in enumerate(PROMPTS)
         for k in range(N)

@@ -161,6 +161,7 @@ def test_image_lora_pools_sync_over_the_group_logprobs_match_and_a_killed_worker
         "reward.streaming=true",
         "actor_rollout_ref.actor.optim.lr=3e-2",
         "algorithm.rollout_correction.bypass_mode=false",
+        "trainer.total_training_steps=7",  # the producer makes groups for 7 steps (3 on-policy, then 4 in "all")
     )
     rollout, rank0 = t.placement.rollout_workers[0], t.placement.actor_wg.workers[0]
     # Different processes on different bundles of different pools; the rollout worker holds no trainable tensor.

@@ -21,7 +21,7 @@ def cfg(*overrides: str):
 
 
 def ops(*overrides: str) -> StepOps:
-    return StepOps(cfg(*overrides), None, None, None, None, None, [], hybrid=False)
+    return StepOps(cfg(*overrides), None, None, None)
 
 
 def batch(old: torch.Tensor, keep: list[bool]) -> DataProto:

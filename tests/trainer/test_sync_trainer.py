@@ -65,7 +65,9 @@ def run_trainer(run_dir: Path, data_dir: Path, *overrides: str) -> list[dict]:
 
 
 def deterministic(m: dict) -> dict:
-    return {k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/", "val-"))}
+    """The metrics a resumed run must reproduce: not times, throughput, validation, or the producer's counters and
+    idle shares (fully_async/*: counted since the process started)."""
+    return {k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/", "val-", "fully_async/"))}
 
 
 def val_reward(row: dict) -> float | None:

@@ -46,6 +46,7 @@ NULLABLE: dict[str, Any] = {
     "trainer.use_v1": bool,
     "trainer.v1.trainer_mode": str,
     "trainer.v1.separate_async.parameter_sync_step": int,
+    "trainer.v1.separate_async.num_warmup_batches": float,
     "actor_rollout_ref.rollout.n_gpus": int,
     "actor_rollout_ref.rollout.n_gpus_per_node": int,
     "actor_rollout_ref.rollout.response_length_pareto_alpha": float,
@@ -62,6 +63,15 @@ NULLABLE: dict[str, Any] = {
     "trainer.ray.address": str,
     "trainer.ray.num_cpus": int,
     "trainer.ray.gpu_worker_torch_threads": int,
+    "actor_rollout_ref.actor.use_kl_loss": bool,
+    "actor_rollout_ref.actor.optim.override_optimizer_config": dict[str, Any],
+    "actor_rollout_ref.rollout.seed": int,
+    "actor_rollout_ref.rollout.algo.sde_window_seed": int,
+    "reward.reward_model.rollout.max_model_len": int,
+    "reward.reward_model.rollout.max_num_seqs": int,
+    "trainer.default_local_dir": str,
+    "trainer.validation_data_dir": str,
+    "trainer.rollout_data_dir": str,
 }
 # Keys with a whole-number default whose values are real numbers (so 2.5 is accepted, "120s" is not).
 REAL: frozenset[str] = frozenset(

@@ -90,6 +90,7 @@ def run_recipe(tree: Path, path: str, shims: Path) -> list[str]:
         raise RuntimeError(f"{path}: the script never started the trainer")
     argv = argv_file.read_text().split("\0")[:-1]
     text = [a.replace(str(tree / ".model_path"), "/models/MiniMax-H3").replace(str(tree), "/verl-omni") for a in argv]
+    text = [re.sub(r"(20260101_000000)_\d+", r"\1_PID", a) for a in text]  # the nsys recipe's run id ends in $$
     return overrides_of(text)
 
 

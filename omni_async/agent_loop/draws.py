@@ -54,7 +54,9 @@ class Draws:
         if self.window_spec is None:
             return None
         steps, size, span, per_sample = self.window_spec
-        gen = torch.Generator().manual_seed(sample_seed(self.window_seed, draw, index if per_sample else 0, SEED_WINDOW))
+        gen = torch.Generator().manual_seed(
+            sample_seed(self.window_seed, draw, index if per_sample else 0, SEED_WINDOW)
+        )
         w = sde_window(steps, size, span, gen)
         return w.start, w.stop
 

@@ -206,7 +206,7 @@ def _resolve_warmup(cfg: DictConfig) -> None:
         "async_training.staleness_threshold",
         f"async_training.staleness_threshold={at.staleness_threshold} and {key}={warmup} (= staleness "
         f"{staleness:g} at a sync step of {at.trigger_parameter_sync_step or 1}) are one setting given twice",
-        f"give only one of them (canonical: async_training.staleness_threshold)",
+        "give only one of them (canonical: async_training.staleness_threshold)",
     )
     at.staleness_threshold = staleness
 

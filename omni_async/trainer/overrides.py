@@ -137,17 +137,34 @@ def rule_for(key: str) -> Rule | None:
     return None
 
 
+@functools.lru_cache(maxsize=65536)
+def _parse_one(line: str) -> Any:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_override(line)
+
+
+def parse(overrides: list[str]) -> list[Any]:
+    """Hydra's parse of override lines (each line parsed once per process: tests and the recipe checks compose the
+    same lines hundreds of times). Raises :class:`ConfigError` naming the line that does not parse."""
+    from hydra.errors import HydraException
+
+    out = []
+    for line in overrides:
+        try:
+            out.append(_parse_one(line))
+        except HydraException as err:
+            raise ConfigError(
+                f"{line}: {err}. Fix: write each override as key=value (Hydra's override grammar)"
+            ) from None
+    return out
+
+
 def check_overrides(overrides: list[str], config_name: str = "flowgrpo_trainer") -> list[str]:
     """The overrides Hydra should compose: ``overrides`` with upstream keys renamed, accepted ones dropped (logged
     where they have no effect), ``+`` on existing keys made ``++``. Raises :class:`OverrideError` listing every key
     that cannot be used, each with why and the fix."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except OverrideParseException as err:
-        raise ConfigError(f"{err}. Fix: write each override as key=value (Hydra's override grammar)") from None
+    parsed = parse(list(overrides))
     flat, _ = _defaults(config_name)
     given = {o.key_or_group: o.value() for o in parsed if not o.is_delete()}
     renamed_to: dict[str, tuple[str, Any]] = {}  # canonical -> (the upstream key, its value here)

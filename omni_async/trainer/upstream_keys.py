@@ -70,7 +70,7 @@ RULES: dict[str, Rule] = {
     # ---- this project's earlier spellings -------------------------------------------------------------------------
     **{
         f"{ARR}.rollout.{k}": Rule(
-            "renamed", f"this project's earlier spelling of verl-omni's key", canonical=f"{ARR}.rollout.pipeline.{k}"
+            "renamed", "this project's earlier spelling of verl-omni's key", canonical=f"{ARR}.rollout.pipeline.{k}"
         )
         for k in ("height", "width", "num_inference_steps", "num_frames")
     },
@@ -96,8 +96,7 @@ RULES: dict[str, Rule] = {
     ),
     f"{ARR}.model.architecture": Rule(
         "refused",
-        "the architecture follows from model.path's pipeline here; verl-omni's BAGEL and MiniMax-H3 are not "
-        "supported",
+        "the architecture follows from model.path's pipeline here; verl-omni's BAGEL and MiniMax-H3 are not supported",
         _MODEL_FAMILIES,
     ),
     f"{ARR}.model.config_path": Rule(
@@ -322,7 +321,9 @@ RULES: dict[str, Rule] = {
         convert=lambda v: -1 if v is None else v,
     ),
     "trainer.rollout_data_save_freq": Rule(
-        "renamed", "how often training samples are written (trainer.rollout_data_dir)", canonical="trainer.log_image_freq"
+        "renamed",
+        "how often training samples are written (trainer.rollout_data_dir)",
+        canonical="trainer.log_image_freq",
     ),
     "trainer.video_fps": Rule(
         "no_effect", "the frame rate of saved videos; video samples are saved here as their first frame in a PNG grid"

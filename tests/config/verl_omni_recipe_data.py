@@ -8,6 +8,7 @@ The recipes' overrides are in ``verl_omni_recipes/<trainer>.<model>.<script>.txt
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,7 @@ def source(recipe: str) -> str:
     return (RECIPE_DIR / f"{recipe}.txt").read_text().splitlines()[0].lstrip("# ")
 
 
+@functools.cache
 def key_of(override: str) -> str:
     return OverridesParser.create().parse_override(override).key_or_group
 
@@ -148,6 +150,10 @@ def outcome(overrides: list[str], config_name: str = "flowgrpo_trainer") -> Outc
             key = re.match(r"[\w./]+", str(err)).group(0)
             if key in result.keys():
                 return result  # refused again with the recipe's value dropped: the default is refused too
+            if key.startswith("reward.") and any(
+                k.startswith("reward.") for s, k, _ in result.refused if s == "validate"
+            ):
+                return result  # the reward side is refused already; what follows from dropping it is not the recipe's
             result.refused.append(("validate", key, str(err)))
             # a reward function's path goes with the rest of its section (name, weight, kwargs)
             section = key.rsplit(".", 1)[0] if key.endswith(".path") and key.startswith("reward.") else key

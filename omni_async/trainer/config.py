@@ -271,6 +271,18 @@ def _resolve_aliases(cfg: DictConfig) -> None:
     _fold(
         cfg, "async_training.trigger_parameter_sync_step", "trainer.v1.separate_async.parameter_sync_step", unset=None
     )
+    _fold(cfg, "reward.queue_size", "async_training.reward_queue_size", unset=64)
+    queue = cfg.async_training.enable_reward_queue
+    if queue is not None:
+        streaming = str(cfg.reward.streaming).lower()
+        _check(
+            streaming in ("auto", str(queue).lower()),
+            "reward.streaming",
+            f"reward.streaming={streaming} and async_training.enable_reward_queue={queue} are the same setting given "
+            "twice with different values",
+            "give only one of them (canonical: reward.streaming)",
+        )
+        cfg.reward.streaming = str(queue).lower()
     resolve_trainer_mode(cfg)
 
 

@@ -48,6 +48,8 @@ NULLABLE: dict[str, Any] = {
     "trainer.v1.trainer_mode": str,
     "trainer.v1.separate_async.parameter_sync_step": int,
     "trainer.v1.separate_async.num_warmup_batches": float,
+    "async_training.enable_reward_queue": bool,
+    "async_training.reward_queue_size": int,
     "actor_rollout_ref.rollout.n_gpus": int,
     "actor_rollout_ref.rollout.n_gpus_per_node": int,
     "actor_rollout_ref.rollout.response_length_pareto_alpha": float,

@@ -120,6 +120,7 @@ class RLTrainer:
         self.pictures = ThreadPoolExecutor(1, thread_name_prefix="pictures")  # never on the training path
         self.last_timeline: dict | None = None
         self._idle: list[tuple[float, float]] = []
+        self._dropped_before = (0.0, 0.0)  # the rollouter's dropped samples and their staleness sum at the last step
         self._t_metrics = time.perf_counter()
         self._last_save = time.monotonic()
         logger.info(
@@ -202,6 +203,15 @@ class RLTrainer:
         now = time.perf_counter()
         wall, self._t_metrics = now - self._t_metrics, now
         m = self.agent.on_loop(self.rollouter.metrics)
+        dropped, staleness = (
+            m["fully_async/count/dropped_stale_samples"],
+            m.pop("fully_async/count/dropped_staleness_sum"),
+        )
+        n, s = dropped - self._dropped_before[0], staleness - self._dropped_before[1]
+        self._dropped_before = (dropped, staleness)
+        m["training/off_policy/dropped_samples"] = n  # verl v1: this step's, as its replay buffer counts them
+        if n > 0:
+            m["training/off_policy/evicted_samples_staleness/mean"] = s / n
         trainer_idle = waited_s / step_s if step_s > 0 else 0.0
         rollout_idle = min(1.0, self.agent.take_idle_s() / wall) if wall > 0 else 0.0
         m["fully_async/trainer/idle_ratio"], m["fully_async/rollouter/idle_ratio"] = trainer_idle, rollout_idle

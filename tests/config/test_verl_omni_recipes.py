@@ -6,6 +6,7 @@ The recipes are ``verl_omni_recipes/*.txt`` (verl-omni a1139ba, ``scripts/extrac
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from types import SimpleNamespace
 
@@ -13,7 +14,9 @@ import pytest
 from verl_omni_recipe_data import OWNED_ELSEWHERE, key_of, outcome, recipes, source, stand_in
 
 from omni_async.agent_loop.draws import Draws
+from omni_async.reward.dispatcher import RewardDispatcher
 from omni_async.reward.vllm_server import server_command
+from omni_async.sample import RewardOutcome
 from omni_async.trainer.config import ConfigError, compose, validate
 from omni_async.trainer.dataset import first_rows
 from omni_async.trainer.loop import RLTrainer
@@ -317,3 +320,61 @@ def test_num_warmup_batches_is_the_backlog_fractional_included():
                 [*SEPARATE, "trainer.v1.separate_async.num_warmup_batches=1", "async_training.staleness_threshold=0.3"]
             )
         )
+
+
+# ---- verl-recipe's reward queue and verl v1's metric names ---------------------------------------------------------
+def test_reward_queue_keys_are_the_streaming_reward_queue():
+    cfg = validate(compose([*BASE, "async_training.enable_reward_queue=true", "async_training.reward_queue_size=16"]))
+    assert cfg.reward.streaming == "true" and cfg.reward.queue_size == 16
+    assert validate(compose([*BASE, "async_training.enable_reward_queue=false"])).reward.streaming == "false"
+    with pytest.raises(ConfigError, match=r"^reward\.streaming: reward\.streaming=false and .*enable_reward_queue"):
+        validate(compose([*BASE, "reward.streaming=false", "async_training.enable_reward_queue=true"]))
+    with pytest.raises(ConfigError, match=r"^reward\.queue_size: .*given twice"):
+        validate(compose([*BASE, "reward.queue_size=8", "async_training.reward_queue_size=16"]))
+
+
+class _Worker:
+    """A reward-loop worker stand-in: scores every sample 1.0 (the dispatcher's own queue and counters are real)."""
+
+    def __init__(self):
+        self.score = SimpleNamespace(remote=self._score)
+
+    @staticmethod
+    async def _score(chunk):
+        return RewardOutcome("ok", score=1.0)
+
+
+def test_reward_queue_metrics_carry_verl_recipes_names():
+    async def run():
+        d = RewardDispatcher([_Worker()], queue_size=4, max_inflight_per_worker=2, timeout_s=5)
+        for _ in range(3):
+            await d.score(object())
+        return d.metrics()
+
+    m = asyncio.run(run())
+    assert m["reward_queue/total_produced"] == m["reward_queue/total_consumed"] == 3
+    assert m["static/max_reward_queue_size"] == 4 and m["monitor/queue/reward_queue_size"] == 0
+    assert m["reward_queue/dropped_samples"] == 0
+
+
+def test_off_policy_drops_are_counted_per_step_with_their_staleness(monkeypatch):
+    counts = iter([(0, 0), (3, 6), (3, 6), (5, 13)])  # cumulative dropped samples, sum of their staleness
+
+    def rollouter_metrics():
+        dropped, staleness = next(counts)
+        return {
+            "fully_async/count/dropped_stale_samples": dropped,
+            "fully_async/count/dropped_staleness_sum": staleness,
+        }
+
+    trainer = SimpleNamespace(
+        _t_metrics=0.0,
+        _idle=[],
+        _dropped_before=(0.0, 0.0),
+        agent=SimpleNamespace(on_loop=lambda f: f(), take_idle_s=lambda: 0.0),
+        rollouter=SimpleNamespace(metrics=rollouter_metrics),
+    )
+    rows = [RLTrainer.producer_metrics(trainer, 1.0, 0.0) for _ in range(4)]
+    assert [r["training/off_policy/dropped_samples"] for r in rows] == [0, 3, 0, 2]
+    assert [r.get("training/off_policy/evicted_samples_staleness/mean") for r in rows] == [None, 2.0, None, 3.5]
+    assert all("fully_async/count/dropped_staleness_sum" not in r for r in rows)

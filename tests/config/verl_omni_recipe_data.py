@@ -121,6 +121,9 @@ def stand_in(overrides: list[str]) -> list[str]:
     return out
 
 
+_REWARD_FUNCTIONS = ("reward.custom_reward_function", "reward.reward_functions")
+
+
 @dataclass
 class Outcome:
     """What composing and validating a recipe here gives: every key refused (``(stage, key, message)``; stage
@@ -150,10 +153,8 @@ def outcome(overrides: list[str], config_name: str = "flowgrpo_trainer") -> Outc
             key = re.match(r"[\w./]+", str(err)).group(0)
             if key in result.keys():
                 return result  # refused again with the recipe's value dropped: the default is refused too
-            if key.startswith("reward.") and any(
-                k.startswith("reward.") for s, k, _ in result.refused if s == "validate"
-            ):
-                return result  # the reward side is refused already; what follows from dropping it is not the recipe's
+            if key.startswith(_REWARD_FUNCTIONS) and any(k.startswith(_REWARD_FUNCTIONS) for k in result.keys()):
+                return result  # a reward function is refused already; what follows from dropping it is not the recipe's
             result.refused.append(("validate", key, str(err)))
             # a reward function's path goes with the rest of its section (name, weight, kwargs)
             section = key.rsplit(".", 1)[0] if key.endswith(".path") and key.startswith("reward.") else key

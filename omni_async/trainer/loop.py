@@ -52,6 +52,7 @@ from omni_async.trainer.metrics import (
 )
 from omni_async.trainer.metrics_logger import MetricsLogger
 from omni_async.trainer.mode import Mode, mode_of
+from omni_async.trainer.model_paths import check_model_paths
 from omni_async.trainer.placement import make_pools, place
 from omni_async.trainer.step_ops import RewardFailureError, StepOps
 from omni_async.trainer.timeline import save_timeline, timeline_record
@@ -76,6 +77,7 @@ IDLE_WINDOW = 10
 class RLTrainer:
     def __init__(self, cfg: DictConfig):
         self.cfg = validate(cfg)
+        check_model_paths(cfg)  # before Ray starts: a typo costs a second, not a cluster start
         init_ray(cfg)
         self.mode = mode_of(self.cfg)
         self.modality = get_modality(cfg.actor_rollout_ref.model.modality)

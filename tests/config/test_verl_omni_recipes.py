@@ -21,6 +21,7 @@ from omni_async.trainer.config import ConfigError, compose, validate
 from omni_async.trainer.dataset import first_rows
 from omni_async.trainer.loop import RLTrainer
 from omni_async.trainer.main import checked_argv
+from omni_async.trainer.model_paths import path_problem
 from omni_async.trainer.overrides import OverrideError, check_overrides, known, rule_for
 
 BASE = ["data.train_files=x.jsonl"]
@@ -378,3 +379,23 @@ def test_off_policy_drops_are_counted_per_step_with_their_staleness(monkeypatch)
     assert [r["training/off_policy/dropped_samples"] for r in rows] == [0, 3, 0, 2]
     assert [r.get("training/off_policy/evicted_samples_staleness/mean") for r in rows] == [None, 2.0, None, 3.5]
     assert all("fully_async/count/dropped_staleness_sum" not in r for r in rows)
+
+
+# ---- model paths, at start before Ray --------------------------------------------------------------------------
+def test_a_model_path_that_does_not_resolve_is_refused_before_ray_starts(tmp_path, monkeypatch):
+    import omni_async.trainer.loop as loop
+
+    monkeypatch.setattr(loop, "init_ray", lambda cfg: pytest.fail("Ray started for a config that cannot run"))
+    for path, problem in [
+        ("/no/such/model", "not a local directory"),
+        ("tiny:no_such", "unknown tiny model"),
+        ("Qwen/No-Such-Model-Here", "not in this machine's Hugging Face cache, and the hub is off"),  # tests: offline
+    ]:
+        cfg = compose([*BASE, f"actor_rollout_ref.model.path={path}"])
+        with pytest.raises(ConfigError, match=rf"^actor_rollout_ref\.model\.path: '{path}' does not .*{problem}"):
+            RLTrainer(cfg)
+    judge = ["reward.reward_model.enable=True", f"reward.reward_model.model_path={tmp_path}/judge"]
+    with pytest.raises(ConfigError, match=r"^reward\.reward_model\.model_path: .*Fix: give a local model directory"):
+        RLTrainer(compose([*BASE, *judge]))
+    (tmp_path / "judge").mkdir()
+    assert path_problem(str(tmp_path / "judge")) is None and path_problem("tiny:sd3") is None

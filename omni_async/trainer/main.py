@@ -24,6 +24,11 @@ def main(cfg: DictConfig) -> None:
         shutdown_ray()
 
 
+# Hydra's flags that take the next argument as their value
+_VALUE_FLAGS = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--cfg", "-c", "--package", "-p")
+_VALUE_FLAGS += ("--experimental-rerun",)
+
+
 def checked_argv(argv: list[str]) -> list[str]:
     """``argv`` with its overrides checked before Hydra sees them (``overrides.check_overrides``: upstream keys
     renamed or accepted, unknown and refused keys raised together, naming each key and the fix, instead of Hydra's
@@ -33,7 +38,7 @@ def checked_argv(argv: list[str]) -> list[str]:
     flags, overrides, config_name = [], [], "flowgrpo_trainer"
     args = iter(argv[1:])
     for arg in args:
-        if arg in ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd"):  # flags with a value
+        if arg in _VALUE_FLAGS:
             value = next(args, "")
             config_name = value if arg in ("--config-name", "-cn") else config_name
             flags += [arg, value]

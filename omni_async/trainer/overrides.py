@@ -160,6 +160,14 @@ def parse(overrides: list[str]) -> list[Any]:
     return out
 
 
+def _accepts(rule: Rule, value: Any, get: Get) -> bool:
+    """``rule.accepts``, where a value of the wrong type (``lr_warmup_steps_ratio=abc``) is one it does not accept."""
+    try:
+        return bool(rule.accepts(value, get))
+    except (TypeError, ValueError):
+        return False
+
+
 def check_overrides(overrides: list[str], config_name: str = "flowgrpo_trainer") -> list[str]:
     """The overrides Hydra should compose: ``overrides`` with upstream keys renamed, accepted ones dropped (logged
     where they have no effect), ``+`` on existing keys made ``++``. Raises :class:`OverrideError` listing every key
@@ -213,7 +221,7 @@ def check_overrides(overrides: list[str], config_name: str = "flowgrpo_trainer")
             if canonical not in given:
                 kept.append(f"++{canonical}={render(new) if rule.convert else text}")
             continue
-        if rule.kind == "refused" or (rule.accepts is not None and not rule.accepts(value, get)):
+        if rule.kind == "refused" or (rule.accepts is not None and not _accepts(rule, value, get)):
             problems.append((key, f"{key}={text}: {rule.why}. Fix: {rule.fix}"))
             continue
         if rule.kind == "no_effect":

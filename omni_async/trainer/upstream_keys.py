@@ -307,8 +307,8 @@ RULES: dict[str, Rule] = {
     ),
     "reward.reward_manager.module.path": Rule(
         "same",
-        "verl-omni's reward managers (naive, VisualRewardManager, MultiVisualRewardManager) are this project's "
-        "RewardManager, chosen by reward.reward_manager.name",
+        "verl-omni's module of reward managers; reward.reward_manager.name picks this project's RewardManager by "
+        "verl-omni's names (naive, MultiVisualRewardManager)",
         "drop it (custom reward-manager modules are not loaded; a reward is a function: "
         "reward.custom_reward_function or reward.reward_functions)",
         _one_of("pkg://verl_omni.reward_loop.reward_manager"),

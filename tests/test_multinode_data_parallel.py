@@ -31,7 +31,7 @@ DP = [
     "trainer.log_image_freq=-1",
     "trainer.log_timeline_freq=-1",
     "reward.streaming=true",
-    "trainer.total_training_steps=7",  # 6 trained, the 7th stopped by a dead rank
+    "trainer.total_training_steps=8",  # 7 trained, the 8th stopped by a dead rank
     # One sample per device batch: which samples share a batch depends on arrival times (load), and a batch of two
     # rounds differently from two of one; the resumes below compare rewards to 1e-5.
     "actor_rollout_ref.rollout.agent.max_batch_size=1",
@@ -120,11 +120,13 @@ def test_two_node_data_parallel_trains_every_mode_checkpoints_once_and_resumes(t
         switch_mode(trainer, one_step_off_policy=False, streaming=False)  # sync: score after rollout, colocated
         metrics, samples = trainer.train_step(5)
         # (step 5's draw was started by the one-step-off look-ahead before the switch: it streamed its rewards)
-        assert all(s.outcome.ok for s in samples)
+        assert all(s.outcome.ok for s in samples) and not trainer.reward.colocated_used
+        metrics, samples = trainer.train_step(6)  # drawn after the switch: scored after rollout, colocated
+        assert trainer.reward.colocated_used and all(s.outcome.ok for s in samples)
         assert metrics["actor/grad_norm"] > 0
         ray.kill(workers[1], no_restart=True)  # a rank dies: the next update stops, naming the last checkpoint
         with pytest.raises(ActorRankDiedError, match="step_000002"):
-            trainer.train_step(6)
+            trainer.train_step(7)
         trainer.close()
         shutdown_ray()  # the run ends here; the resumes below start from the checkpoint of step 1
         trainer = None

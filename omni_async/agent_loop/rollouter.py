@@ -31,6 +31,7 @@ unfinished groups regenerated from their seeds. It is the one resume format.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import deque
@@ -41,7 +42,9 @@ from omni_async.sample import Sample
 
 logger = logging.getLogger(__name__)
 
-# How often a waiting trainer re-checks the queue without a wake-up (a member generated changes a group's version).
+# How often a trainer waiting under max_off_policy_strategy=wait re-checks the queue without a wake-up: a member's
+# version, known once its first part exists, moves a group's deadline without finishing anything. Every other take
+# depends only on groups finishing, which wake it.
 TAKE_POLL_S = 0.05
 
 
@@ -199,7 +202,7 @@ class Rollouter:
         while any(g.generated < len(g.samples) for g in self.live.values()):
             if self.error is not None:
                 raise self.error
-            await self._changed(TAKE_POLL_S)
+            await self._changed()  # every group fully generated wakes it (_run)
 
     async def on_sync(self, version: int) -> None:
         """The rollout workers hold ``version`` now: a new window starts with the groups left from the last."""
@@ -230,10 +233,10 @@ class Rollouter:
                 self.to_train -= n
                 self._notify()
                 return sorted(picked, key=lambda g: g.seq)
-            await self._changed(TAKE_POLL_S)
+            await self._changed(None if self.settings.lock_step or not self.settings.wait_for_stale else TAKE_POLL_S)
 
     def _pick_in_order(self, n: int, among: int) -> list[Group] | None:
-        oldest = sorted(self.live.values(), key=lambda g: g.seq)[:among]
+        oldest = itertools.islice(self.live.values(), among)  # live is in start order (a dict keeps insertion order)
         done = sorted((g for g in oldest if g.done), key=lambda g: g.t_done)
         return done[:n] if len(done) >= n else None
 

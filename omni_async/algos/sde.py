@@ -50,6 +50,8 @@ class SDEStep:
     mean: torch.Tensor  # mu, [B, ...]
     std: torch.Tensor  # s, the transition's std (x_next = mu + s * noise), broadcast to mean
     std_dev_t: torch.Tensor  # the references' std_dev_t (sde: s / sqrt(-dt); cps: s): the KL's scale
+    # sqrt(sigma - sigma_next) = sqrt(-dt), broadcast to mean: verl-omni's ``sqrt_dt`` (GRPO-Guard, Flow-DPPO scales)
+    sqrt_dt: torch.Tensor | None = None
 
 
 def _bcast(t: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
@@ -134,7 +136,8 @@ def sde_step_with_logprob(
         log_prob = _mean_dims(-((prev_sample.detach() - mean) ** 2))
     else:
         log_prob = gaussian_log_prob(prev_sample, mean, std)
-    return SDEStep(prev_sample.to(dtype), log_prob, mean, std, std_dev_t)
+    sqrt_dt = torch.sqrt(torch.clamp(-dt, min=0.0)).expand_as(mean)
+    return SDEStep(prev_sample.to(dtype), log_prob, mean, std, std_dev_t, sqrt_dt)
 
 
 def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std_dev_t: torch.Tensor | float) -> torch.Tensor:

@@ -109,7 +109,10 @@ class RewardDispatcher:
         self.max_resends = int(max_resends)
         self._places = asyncio.Semaphore(int(queue_size))
         self.capacity = int(queue_size)
-        self._freed = asyncio.Condition()
+        # Tasks waiting for a worker slot, first come first served. A slot freed is handed to the oldest waiter
+        # directly: O(1) per sample, where an asyncio.Condition scans its woken waiters on every notify (O(k^2) for
+        # k slots freed in one turn of the loop: a backlog's cost, bench/driver_cost.py).
+        self._slot_waiters: deque[asyncio.Future[int]] = deque()
         self.waiting = 0
         self.counters = {"total_produced": 0, "total_consumed": 0, "dropped": 0, "retried": 0, "max_size": 0}
 
@@ -137,11 +140,34 @@ class RewardDispatcher:
         return min(up, key=self.inflight.__getitem__) if up else None
 
     async def _take_worker(self) -> int:
-        async with self._freed:
-            while (w := self._least_loaded()) is None:
-                await self._freed.wait()
+        w = None if self._slot_waiters else self._least_loaded()  # no overtaking the tasks already waiting
+        if w is not None:
             self.inflight[w] += 1
             return w
+        slot = asyncio.get_running_loop().create_future()
+        self._slot_waiters.append(slot)
+        try:
+            return await slot
+        except asyncio.CancelledError:
+            if slot.done() and not slot.cancelled():  # handed a slot in the same turn it was cancelled: give it back
+                self._release(slot.result())
+            raise
+
+    def _hand_out(self) -> None:
+        """Give free worker slots to the oldest waiting tasks."""
+        while self._slot_waiters:
+            w = self._least_loaded()
+            if w is None:
+                return
+            slot = self._slot_waiters.popleft()
+            if slot.done():  # its task was cancelled meanwhile
+                continue
+            self.inflight[w] += 1
+            slot.set_result(w)
+
+    def _release(self, w: int) -> None:
+        self.inflight[w] -= 1
+        self._hand_out()
 
     async def _revive(self, w: int) -> None:
         """Keep a dead worker out of the rotation until Ray has restarted it and it answers again."""
@@ -157,14 +183,11 @@ class RewardDispatcher:
             )
             return  # restarts exhausted or no answer in time: it stays out of the rotation
         logger.info("reward worker %d restarted and answering again after %.1fs", w, time.perf_counter() - t0)
-        async with self._freed:
-            self.down[w] = False
-            self._freed.notify_all()
+        self.down[w] = False
+        self._hand_out()
 
     async def _give_back(self, w: int) -> None:
-        async with self._freed:
-            self.inflight[w] -= 1
-            self._freed.notify()
+        self._release(w)
 
     async def score(self, chunk: DataProto, times: SampleTimes | None = None) -> RewardOutcome:
         """Queue one sample, score it on a worker, return its typed outcome."""

@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 @hydra.main(config_path="../config", config_name="flowgrpo_trainer", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from omni_async.cluster import shutdown_ray
+    from omni_async.cluster import shutdown_ray, tune_driver_gc
     from omni_async.logs import setup_logging
     from omni_async.trainer.config_schema import typed
     from omni_async.trainer.loop import RLTrainer
@@ -18,7 +18,9 @@ def main(cfg: DictConfig) -> None:
     cfg = typed(cfg)
     setup_logging(cfg.trainer.log_level)  # before anything logs; init_ray hands the level to the Ray workers
     try:
-        run_dir = RLTrainer(cfg).fit()
+        trainer = RLTrainer(cfg)
+        tune_driver_gc()
+        run_dir = trainer.fit()
         print(f"run directory: {run_dir.resolve()}  (metrics.jsonl, samples/, tensorboard/, checkpoints/)")
     finally:
         shutdown_ray()

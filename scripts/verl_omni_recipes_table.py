@@ -18,11 +18,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests/config")]
 
 from verl_omni_recipe_data import OWNED_ELSEWHERE, key_of, outcome, recipes, source, stand_in  # noqa: E402
 
-from omni_async.trainer.overrides import known, rule_for  # noqa: E402
+from omni_async.trainer.overrides import known, rule_for, rule_key  # noqa: E402
 
 OUT = ROOT / "docs/verl_omni_recipes.md"
 KIND = {
-    "same": "means the same here",
+    "same": "accepted where it means what this project does, other values refused",
     "renamed": "renamed",
     "no_effect": "accepted, no effect here (logged)",
     "refused": "refused",
@@ -66,6 +66,8 @@ def key_table(all_recipes: dict[str, list[str]]) -> tuple[list[str], list[str], 
             key = key_of(o)
             if key.startswith("reward.reward_functions."):  # one entry per reward function, not per argument
                 key = ".".join(key.split(".")[:3]) + ".*"
+            elif not known(key, "flowgrpo_trainer") and (rule_key(key) or "").endswith(".*"):
+                key = rule_key(key)  # one row per rule covering a whole section (profilers, engine kwargs)
             uses[key].add(name)
     ours = sorted(k for k in uses if known(k.removesuffix(".*"), "flowgrpo_trainer"))
     owned = sorted(k for k in uses if k in OWNED_ELSEWHERE)

@@ -125,16 +125,24 @@ def _unknown(key: str, config_name: str) -> str:
     )
 
 
-def rule_for(key: str) -> Rule | None:
+def rule_key(key: str) -> str | None:
+    """The entry of ``upstream_keys.RULES`` that covers ``key``: the key itself, or the nearest ``<prefix>.*``."""
     from omni_async.trainer.upstream_keys import RULES
 
     if key in RULES:
-        return RULES[key]
+        return key
     parts = key.split(".")
     for i in range(len(parts) - 1, 0, -1):
-        if (rule := RULES.get(".".join(parts[:i]) + ".*")) is not None:
-            return rule
+        if (pattern := ".".join(parts[:i]) + ".*") in RULES:
+            return pattern
     return None
+
+
+def rule_for(key: str) -> Rule | None:
+    from omni_async.trainer.upstream_keys import RULES
+
+    pattern = rule_key(key)
+    return RULES[pattern] if pattern is not None else None
 
 
 @functools.lru_cache(maxsize=65536)

@@ -178,10 +178,16 @@ def schema() -> type:
     return _dataclass("", [OmegaConf.to_container(compose_untyped([], name), resolve=False) for name in CONFIG_NAMES])
 
 
+@functools.cache
+def _template() -> DictConfig:
+    """The schema as a structured config, built once (0.1 s): ``OmegaConf.merge`` copies it, never changes it."""
+    return OmegaConf.structured(schema())
+
+
 def typed(cfg: DictConfig) -> DictConfig:
     """``cfg`` checked against the schema; a wrong type raises ``ConfigError`` naming key, value and type."""
     try:
-        return OmegaConf.merge(OmegaConf.structured(schema()), cfg)
+        return OmegaConf.merge(_template(), cfg)
     except ValidationError as err:
         key, value = err.full_key, getattr(err, "value", None)
         expected = _expected(key)

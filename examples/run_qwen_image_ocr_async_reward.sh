@@ -135,9 +135,9 @@ fi
   actor_rollout_ref.actor.optim.lr="$LR" \
   actor_rollout_ref.rollout.n="$GROUP" \
   actor_rollout_ref.rollout.algo.noise_level="$NOISE_LEVEL" \
-  actor_rollout_ref.rollout.height="$HEIGHT" \
-  actor_rollout_ref.rollout.width="$WIDTH" \
-  actor_rollout_ref.rollout.num_inference_steps="$NUM_STEPS" \
+  actor_rollout_ref.rollout.pipeline.height="$HEIGHT" \
+  actor_rollout_ref.rollout.pipeline.width="$WIDTH" \
+  actor_rollout_ref.rollout.pipeline.num_inference_steps="$NUM_STEPS" \
   actor_rollout_ref.rollout.agent.num_workers="$ACTOR_RANKS" \
   trainer.n_gpus_per_node="$NUM_GPUS_ACTOR_ROLLOUT" \
   trainer.nnodes="$NNODES" \

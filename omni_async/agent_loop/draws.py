@@ -1,8 +1,9 @@
 """Draws: the prompts the producer takes from the dataset, ``data.train_batch_size`` at a time, made into samples.
 
 Draw ``d`` is the ``d``-th batch of the prompt sampler. Each prompt becomes one GRPO group of ``rollout.n``
-samples with uid ``"{d}-{p}"``; sample ``i`` of the draw is seeded by (trainer seed, ``d``, ``i``) and, for a
-modality with an SDE window, gets its window from (trainer seed, ``d``, ``i`` or 0). So a sample is a pure function
+samples with uid ``"{d}-{p}"``; sample ``i`` of the draw is seeded by (rollout seed, ``d``, ``i``) and, for a
+modality with an SDE window, gets its window from (window seed, ``d``, ``i`` or 0); the rollout seed is
+``rollout.seed`` (null: ``trainer.seed``), the window seed ``rollout.algo.sde_window_seed`` (null: the rollout seed). So a sample is a pure function
 of (seed, draw, index, weights version): whichever worker makes it, whenever, in whatever mode, and again after a
 resume or a worker's death.
 """
@@ -24,11 +25,13 @@ class Draws:
         seed: int,
         n: int,
         window: tuple[int, int, tuple[int, int], bool] | None,
+        window_seed: int | None = None,
     ):
         """``sampler``: a ``trainer.dataset.PromptSampler`` (``next_batch``, ``state_dict``, ``load_state_dict``).
         ``window``: (num_inference_steps, sde_window_size, sde_window_range, per_sample) for a modality with an SDE
         window, else ``None``."""
         self.sampler, self.seed, self.n, self.window_spec = sampler, int(seed), int(n), window
+        self.window_seed = self.seed if window_seed is None else int(window_seed)
 
     @classmethod
     def from_config(cls, cfg, sampler, uses_window: bool) -> Draws:
@@ -36,12 +39,13 @@ class Draws:
         window = None
         if uses_window:
             window = (
-                int(r.num_inference_steps),
+                int(r.pipeline.num_inference_steps),
                 int(r.algo.sde_window_size),
                 tuple(r.algo.sde_window_range),
                 bool(r.algo.sde_window_per_sample),
             )
-        return cls(sampler, seed=int(cfg.trainer.seed), n=int(r.n), window=window)
+        seed = int(cfg.trainer.seed if r.seed is None else r.seed)
+        return cls(sampler, seed=seed, n=int(r.n), window=window, window_seed=r.algo.sde_window_seed)
 
     def window(self, draw: int, index: int) -> tuple[int, int] | None:
         """The SDE window of sample ``index`` of draw ``draw``. With ``rollout.algo.sde_window_per_sample`` (default)
@@ -50,7 +54,9 @@ class Draws:
         if self.window_spec is None:
             return None
         steps, size, span, per_sample = self.window_spec
-        gen = torch.Generator().manual_seed(sample_seed(self.seed, draw, index if per_sample else 0, SEED_WINDOW))
+        gen = torch.Generator().manual_seed(
+            sample_seed(self.window_seed, draw, index if per_sample else 0, SEED_WINDOW)
+        )
         w = sde_window(steps, size, span, gen)
         return w.start, w.stop
 

@@ -118,6 +118,7 @@ class Rollouter:
         self.started = 0
         self.paused = False  # quiesce: no group starts until the next sync
         self.dropped_groups = self.dropped_samples = 0
+        self.dropped_staleness = 0  # sum over dropped samples of (step - version): verl v1's staleness mean
         self.error: BaseException | None = None
         self._waiters: list[asyncio.Future] = []
         self._producer: asyncio.Task | None = None
@@ -245,6 +246,7 @@ class Rollouter:
             self._finish(g)
             self.dropped_groups += 1
             self.dropped_samples += len(g.samples)
+            self.dropped_staleness += (step - g.version()) * len(g.samples)
             self.window -= 1  # its replacement may start in this window
         if stale:
             logger.info(
@@ -308,6 +310,7 @@ class Rollouter:
         queued = sum(g.done for g in self.live.values())
         return {
             "fully_async/count/dropped_stale_samples": float(self.dropped_samples),
+            "fully_async/count/dropped_staleness_sum": float(self.dropped_staleness),
             "fully_async/count/dropped_stale_groups": float(self.dropped_groups),
             "fully_async/count/started_groups": float(self.started),
             "fully_async/message_queue/size": float(queued),

@@ -69,7 +69,7 @@ def check_rollout(cfg: DictConfig) -> None:
         "use flow_grpo (the references' form) or gaussian",
     )
     _check(algo.noise_level >= 0, "actor_rollout_ref.rollout.algo.noise_level", "must be >= 0", "e.g. 0.7")
-    steps = rollout.num_inference_steps
+    steps = rollout.pipeline.num_inference_steps
     lo, hi = (int(v) for v in algo.sde_window_range)
     _check(
         1 <= algo.sde_window_size <= steps,
@@ -94,9 +94,9 @@ def check_rollout(cfg: DictConfig) -> None:
     )
     _check(rollout.agent.num_workers >= 1, "actor_rollout_ref.rollout.agent.num_workers", "must be >= 1", "set it to 1")
     _check(
-        rollout.height % 16 == 0 and rollout.width % 16 == 0,
-        "actor_rollout_ref.rollout.height/width",
-        f"{rollout.height}x{rollout.width} is not a multiple of 16 (VAE factor 8 x patch 2)",
+        rollout.pipeline.height % 16 == 0 and rollout.pipeline.width % 16 == 0,
+        "actor_rollout_ref.rollout.pipeline.height/width",
+        f"{rollout.pipeline.height}x{rollout.pipeline.width} is not a multiple of 16 (VAE factor 8 x patch 2)",
         "use e.g. 64x64 on CPU, 512x512 or 1024x1024 on GPUs",
     )
     _check_long_tail(cfg)

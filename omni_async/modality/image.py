@@ -36,15 +36,15 @@ class ImageModality(Modality):
 
         r = cfg.actor_rollout_ref.rollout
         return SamplingConfig(
-            height=r.height,
-            width=r.width,
-            num_inference_steps=r.num_inference_steps,
+            height=r.pipeline.height,
+            width=r.pipeline.width,
+            num_inference_steps=r.pipeline.num_inference_steps,
             noise_level=r.algo.noise_level,
             sde_type=r.algo.sde_type,
             cps_log_prob=r.algo.cps_log_prob,
             true_cfg_scale=float(r.pipeline.true_cfg_scale),
             guidance_scale=float(r.pipeline.guidance_scale),
-            num_frames=int(r.num_frames),
+            num_frames=int(r.pipeline.num_frames),
             max_sequence_length=r.pipeline.max_sequence_length,
             vae_slicing=bool(r.pipeline.vae_slicing),
             vae_tiling=r.pipeline.vae_tiling,

@@ -268,7 +268,7 @@ class _WanAdapter(_Adapter):
         k = pipe.vae_scale_factor_temporal
         if (cfg.num_frames - 1) % k:
             raise ValueError(
-                f"actor_rollout_ref.rollout.num_frames={cfg.num_frames} does not fit Wan's temporal "
+                f"actor_rollout_ref.rollout.pipeline.num_frames={cfg.num_frames} does not fit Wan's temporal "
                 f"compression {k}; use {k}*n+1 frames, e.g. {k + 1} or {4 * k + 1}"
             )
 

@@ -122,7 +122,7 @@ def _load_module(path: str, key: str):
             if missing and (module_name == missing or module_name.startswith(missing + ".")):
                 raise RewardConfigError(
                     f"{where}: no module {module_name!r} importable by {sys.executable} (module {missing!r} not "
-                    f"found); install the package, add its directory to PYTHONPATH, or give a file path"
+                    f"found). Fix: install the package, add its directory to PYTHONPATH, or give a file path"
                 ) from None
             raise RewardConfigError(
                 f"{where}: module {module_name!r} exists but importing it failed: {e} "
@@ -135,7 +135,7 @@ def _load_module(path: str, key: str):
         what = "is a directory, not a .py file" if os.path.isdir(file_path) else "file not found"
         raise RewardConfigError(
             f"{where}: {what} (resolved to {os.path.abspath(file_path)!r}; relative paths are from the working "
-            f"directory {os.getcwd()!r}); give the path of a .py file or pkg://dotted.module.name"
+            f"directory {os.getcwd()!r}). Fix: give the path of a .py file or pkg://dotted.module.name"
         )
     from verl.utils.import_utils import load_module
 

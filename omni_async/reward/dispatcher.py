@@ -108,6 +108,7 @@ class RewardDispatcher:
         self.deadline_s = float(timeout_s) + TRANSPORT_GRACE_S
         self.max_resends = int(max_resends)
         self._places = asyncio.Semaphore(int(queue_size))
+        self.capacity = int(queue_size)
         # Tasks waiting for a worker slot, first come first served. A slot freed is handed to the oldest waiter
         # directly: O(1) per sample, where an asyncio.Condition scans its woken waiters on every notify (O(k^2) for
         # k slots freed in one turn of the loop: a backlog's cost, bench/driver_cost.py).
@@ -119,11 +120,13 @@ class RewardDispatcher:
     def metrics(self) -> dict[str, float]:
         c = self.counters
         return {
-            "reward_queue/size": float(self.waiting),
+            # verl-recipe's reward-queue names (seed 002's recipe), except max_size: this step's peak (project-only)
+            "monitor/queue/reward_queue_size": float(self.waiting),
+            "static/max_reward_queue_size": float(self.capacity),
             "reward_queue/max_size": float(c["max_size"]),
             "reward_queue/total_produced": float(c["total_produced"]),
             "reward_queue/total_consumed": float(c["total_consumed"]),
-            "reward_queue/dropped": float(c["dropped"]),
+            "reward_queue/dropped_samples": float(c["dropped"]),
             "reward/retried": float(c["retried"]),
         }
 

@@ -52,6 +52,8 @@ def server_command(rollout_cfg: dict[str, Any], model_path: str, port: int) -> l
         "--port",
         str(port),
         *(["--enforce-eager"] if rollout_cfg.get("enforce_eager") else []),  # no CUDA graphs
+        *(["--max-model-len", str(rollout_cfg["max_model_len"])] if rollout_cfg.get("max_model_len") else []),
+        *(["--max-num-seqs", str(rollout_cfg["max_num_seqs"])] if rollout_cfg.get("max_num_seqs") else []),
         *normalize_server_args(rollout_cfg.get("server_args") or [], "reward.reward_model.rollout.server_args"),
     ]
 

@@ -110,7 +110,11 @@ class ActorWorker(Worker, RolloutWorker):
                 dpm.shard_module(self.policy.trainable, self.dp, dtype)
                 self.policy.rebind_trainable_parameters()  # the sharded parameters, for the optimizer and the clip
             self.optimizer = torch.optim.AdamW(
-                self.policy.trainable_parameters(), lr=a.optim.lr, weight_decay=a.optim.weight_decay
+                self.policy.trainable_parameters(),
+                lr=a.optim.lr,
+                weight_decay=a.optim.weight_decay,
+                betas=tuple(a.optim.betas),
+                **(a.optim.override_optimizer_config or {}),
             )
             if self.dp.sharded:
                 dpm.full_params(self.policy.trainable)  # generation runs on the gathered (bf16) weights

@@ -20,6 +20,7 @@ from omni_async.reward.wiring import streaming_enabled
 from omni_async.trainer.config_schema import CONFIG_DIR, CONFIG_NAMES, compose_untyped, typed
 from omni_async.trainer.layout import check_layout, layout
 from omni_async.trainer.mode import check_mode, interrupts_at_sync, mode_of, resolve_trainer_mode
+from omni_async.trainer.overrides import check_overrides
 
 __all__ = [
     "CONFIG_DIR",
@@ -38,8 +39,10 @@ __all__ = [
 
 def compose(overrides: list[str] | None = None, config_name: str = "flowgrpo_trainer") -> DictConfig:
     """Compose a config the way ``python -m omni_async.trainer.main`` does (for tests, benchmarks, notebooks): the
-    YAML defaults, the overrides, then the type check (``config_schema.typed``)."""
-    return typed(compose_untyped(overrides, config_name))
+    overrides checked key by key (``overrides.check_overrides``: verl / verl-omni keys renamed, accepted or refused,
+    unknown keys refused naming the nearest ones), the YAML defaults with the overrides, then the type check
+    (``config_schema.typed``)."""
+    return typed(compose_untyped(check_overrides(list(overrides or []), config_name), config_name))
 
 
 def total_training_steps(cfg: DictConfig, train_rows: int) -> int:
@@ -103,6 +106,9 @@ def validate(cfg: DictConfig) -> DictConfig:
         "choose a divisor of data.train_batch_size (mini-batches are counted in prompts)",
     )
     _check(actor.ppo_epochs >= 1, "actor_rollout_ref.actor.ppo_epochs", "must be >= 1", "set it to 1")
+    if actor.use_kl_loss is False:
+        actor.kl_loss_coef = 0.0  # verl's meaning: the switch turns the KL term off whatever the coefficient
+    _check_optimizer(actor.optim)
     _check(
         not (actor.kl_loss_coef > 0 and arr.model.lora_rank == 0),
         "actor_rollout_ref.actor.kl_loss_coef",
@@ -116,10 +122,10 @@ def validate(cfg: DictConfig) -> DictConfig:
 
     _check(cfg.algorithm.adv_std_eps >= 0, "algorithm.adv_std_eps", "must be >= 0", "flow_grpo uses 1e-4")
     _check(
-        cfg.algorithm.adv_estimator == "grpo",
+        cfg.algorithm.adv_estimator in ("grpo", "flow_grpo"),
         "algorithm.adv_estimator",
-        f"{cfg.algorithm.adv_estimator!r} is not supported by FlowGRPO",
-        "use grpo",
+        f"{cfg.algorithm.adv_estimator!r} is not supported here (group advantages only)",
+        "use grpo (verl's name) or flow_grpo (verl-omni's name for the same group advantage)",
     )
     _check_rollout_correction(cfg)
     check_mode(cfg)
@@ -161,6 +167,29 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_layout(cfg)
     _check_mini_batch_feeds_ranks(cfg)
     return cfg
+
+
+def _check_optimizer(optim: DictConfig) -> None:
+    """``actor.optim.{betas, override_optimizer_config}``: AdamW's own arguments (verl's keys)."""
+    import inspect
+
+    import torch
+
+    _check(
+        len(optim.betas) == 2 and all(0 <= b < 1 for b in optim.betas),
+        "actor_rollout_ref.actor.optim.betas",
+        f"AdamW takes two coefficients in [0, 1), got {list(optim.betas)}",
+        "e.g. [0.9,0.999] (AdamW's default)",
+    )
+    extra = dict(optim.override_optimizer_config or {})
+    allowed = set(inspect.signature(torch.optim.AdamW).parameters) - {"params", "lr", "weight_decay", "betas"}
+    unknown = sorted(set(extra) - allowed)
+    _check(
+        not unknown,
+        "actor_rollout_ref.actor.optim.override_optimizer_config",
+        f"{unknown} are not arguments of torch.optim.AdamW (lr, weight_decay and betas have keys of their own)",
+        f"use some of: {', '.join(sorted(allowed))}",
+    )
 
 
 def _check_rollout_correction(cfg: DictConfig) -> None:
@@ -242,6 +271,18 @@ def _resolve_aliases(cfg: DictConfig) -> None:
     _fold(
         cfg, "async_training.trigger_parameter_sync_step", "trainer.v1.separate_async.parameter_sync_step", unset=None
     )
+    _fold(cfg, "reward.queue_size", "async_training.reward_queue_size", unset=64)
+    queue = cfg.async_training.enable_reward_queue
+    if queue is not None:
+        streaming = str(cfg.reward.streaming).lower()
+        _check(
+            streaming in ("auto", str(queue).lower()),
+            "reward.streaming",
+            f"reward.streaming={streaming} and async_training.enable_reward_queue={queue} are the same setting given "
+            "twice with different values",
+            "give only one of them (canonical: reward.streaming)",
+        )
+        cfg.reward.streaming = str(queue).lower()
     resolve_trainer_mode(cfg)
 
 
@@ -342,9 +383,9 @@ def _check_validation(cfg: DictConfig) -> None:
     rollout = cfg.actor_rollout_ref.rollout
     v = rollout.val_kwargs
     _check(v.n >= 1, "actor_rollout_ref.rollout.val_kwargs.n", f"must be >= 1, got {v.n}", "e.g. 1")
-    steps = v.pipeline.num_inference_steps or rollout.num_inference_steps
+    steps = v.pipeline.num_inference_steps or rollout.pipeline.num_inference_steps
     _check(steps >= 1, "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps", "must be >= 1", "e.g. 50")
-    h, w = v.pipeline.height or rollout.height, v.pipeline.width or rollout.width
+    h, w = v.pipeline.height or rollout.pipeline.height, v.pipeline.width or rollout.pipeline.width
     _check(
         h % 16 == 0 and w % 16 == 0,
         "actor_rollout_ref.rollout.val_kwargs.pipeline.height/width",

@@ -80,6 +80,14 @@ def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
     yield from enumerate(pq.read_table(path).to_pylist(), start=1)
 
 
+def first_rows(rows: list[PromptRow], max_samples: int, otherwise: int | None = None) -> list[PromptRow]:
+    """verl's ``data.{train,val}_max_samples``: the first ``max_samples`` rows (-1: all of them, or the first
+    ``otherwise`` where given: validation's earlier cap, ``data.val_batch_size``)."""
+    if max_samples >= 0:
+        return rows[:max_samples]
+    return rows if otherwise is None else rows[:otherwise]
+
+
 def load_prompts(files: str | Sequence[str]) -> list[PromptRow]:
     """Read every row of the given ``.jsonl`` / ``.parquet`` files, validating each."""
     paths = [files] if isinstance(files, str) else list(files)

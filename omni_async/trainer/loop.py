@@ -40,7 +40,7 @@ from omni_async.modality import get_modality
 from omni_async.reward.wiring import RewardSide
 from omni_async.sample import Sample
 from omni_async.trainer.config import total_training_steps, validate
-from omni_async.trainer.dataset import PromptSampler, check_prompt_lengths, load_prompts
+from omni_async.trainer.dataset import PromptSampler, check_prompt_lengths, first_rows, load_prompts
 from omni_async.trainer.layout import make_layout
 from omni_async.trainer.metrics import (
     advantage_metrics,
@@ -52,6 +52,7 @@ from omni_async.trainer.metrics import (
 )
 from omni_async.trainer.metrics_logger import MetricsLogger
 from omni_async.trainer.mode import Mode, mode_of
+from omni_async.trainer.model_paths import check_model_paths
 from omni_async.trainer.placement import make_pools, place
 from omni_async.trainer.step_ops import RewardFailureError, StepOps
 from omni_async.trainer.timeline import save_timeline, timeline_record
@@ -76,12 +77,17 @@ IDLE_WINDOW = 10
 class RLTrainer:
     def __init__(self, cfg: DictConfig):
         self.cfg = validate(cfg)
+        check_model_paths(cfg)  # before Ray starts: a typo costs a second, not a cluster start
         init_ray(cfg)
         self.mode = mode_of(self.cfg)
         self.modality = get_modality(cfg.actor_rollout_ref.model.modality)
         self.run_dir = Path(cfg.trainer.run_dir)
-        train_rows = load_prompts(cfg.data.train_files)
-        self.val_rows = load_prompts(cfg.data.val_files)[: cfg.data.val_batch_size] if cfg.data.val_files else []
+        train_rows = first_rows(load_prompts(cfg.data.train_files), cfg.data.train_max_samples)
+        self.val_rows = (
+            first_rows(load_prompts(cfg.data.val_files), cfg.data.val_max_samples, cfg.data.val_batch_size)
+            if cfg.data.val_files
+            else []
+        )
         check_prompt_lengths(
             train_rows + self.val_rows,
             cfg.data.max_prompt_length,
@@ -117,6 +123,7 @@ class RLTrainer:
         self.pictures = ThreadPoolExecutor(1, thread_name_prefix="pictures")  # never on the training path
         self.last_timeline: dict | None = None
         self._idle: list[tuple[float, float]] = []
+        self._dropped_before = (0.0, 0.0)  # the rollouter's dropped samples and their staleness sum at the last step
         self._t_metrics = time.perf_counter()
         self._last_save = time.monotonic()
         logger.info(
@@ -199,6 +206,15 @@ class RLTrainer:
         now = time.perf_counter()
         wall, self._t_metrics = now - self._t_metrics, now
         m = self.agent.on_loop(self.rollouter.metrics)
+        dropped, staleness = (
+            m["fully_async/count/dropped_stale_samples"],
+            m.pop("fully_async/count/dropped_staleness_sum"),
+        )
+        n, s = dropped - self._dropped_before[0], staleness - self._dropped_before[1]
+        self._dropped_before = (dropped, staleness)
+        m["training/off_policy/dropped_samples"] = n  # verl v1: this step's, as its replay buffer counts them
+        if n > 0:
+            m["training/off_policy/evicted_samples_staleness/mean"] = s / n
         trainer_idle = waited_s / step_s if step_s > 0 else 0.0
         rollout_idle = min(1.0, self.agent.take_idle_s() / wall) if wall > 0 else 0.0
         m["fully_async/trainer/idle_ratio"], m["fully_async/rollouter/idle_ratio"] = trainer_idle, rollout_idle
@@ -286,7 +302,9 @@ class RLTrainer:
             self.ops.score_colocated(samples, Timer())
         if self.cfg.trainer.log_val_generations > 0:
             self.modality.save_samples(
-                self.run_dir / "validation", step, samples[: int(self.cfg.trainer.log_val_generations)]
+                self._out_dir("validation_data_dir", "validation"),
+                step,
+                samples[: int(self.cfg.trainer.log_val_generations)],
             )
         return validation_metrics(samples)
 
@@ -300,18 +318,23 @@ class RLTrainer:
             sample_seed(self.cfg.trainer.seed, VALIDATION_WINDOW_STEP, 0, SEED_VALIDATION)
         )
         w = sde_window(
-            sampling.get("num_inference_steps", r.num_inference_steps),
+            sampling.get("num_inference_steps", r.pipeline.num_inference_steps),
             r.algo.sde_window_size,
             tuple(r.algo.sde_window_range),
             gen,
         )
         return w.start, w.stop
 
+    def _out_dir(self, key: str, default: str) -> Path:
+        """``trainer.<key>`` (verl's directory keys) when set, else ``{run_dir}/<default>``."""
+        given = self.cfg.trainer[key]
+        return Path(given) if given is not None else self.run_dir / default
+
     def _ckpt_dir(self, step: int) -> Path:
-        return self.run_dir / "checkpoints" / f"step_{step:06d}"
+        return self._out_dir("default_local_dir", "checkpoints") / f"step_{step:06d}"
 
     def _checkpoints(self) -> list[Path]:
-        return sorted(p.parent for p in (self.run_dir / "checkpoints").glob("step_*/trainer.json"))
+        return sorted(p.parent for p in self._out_dir("default_local_dir", "checkpoints").glob("step_*/trainer.json"))
 
     def save_checkpoint(self, step: int) -> None:
         """The actor's weights and optimizer, and the producer's position: the oldest draw with a group not yet
@@ -383,7 +406,9 @@ class RLTrainer:
                 if t.log_timeline_freq > 0 and done % t.log_timeline_freq == 0:
                     self.pictures.submit(save_timeline, self.run_dir, self.last_timeline)
                 if t.log_image_freq > 0 and done % t.log_image_freq == 0:
-                    self.pictures.submit(self.modality.save_samples, self.run_dir / "samples", done, samples)
+                    self.pictures.submit(
+                        self.modality.save_samples, self._out_dir("rollout_data_dir", "samples"), done, samples
+                    )
                 if self._checkpoint_due(done):
                     self.save_checkpoint(done)
         finally:

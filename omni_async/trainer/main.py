@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
@@ -24,5 +26,38 @@ def main(cfg: DictConfig) -> None:
         shutdown_ray()
 
 
+# Hydra's flags that take the next argument as their value
+_VALUE_FLAGS = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--cfg", "-c", "--package", "-p")
+_VALUE_FLAGS += ("--experimental-rerun",)
+
+
+def checked_argv(argv: list[str]) -> list[str]:
+    """``argv`` with its overrides checked before Hydra sees them (``overrides.check_overrides``: upstream keys
+    renamed or accepted, unknown and refused keys raised together, naming each key and the fix, instead of Hydra's
+    ``Could not override``). Hydra's own flags and ``hydra.*`` overrides pass unchanged."""
+    from omni_async.trainer.overrides import check_overrides
+
+    flags, overrides, config_name = [], [], "flowgrpo_trainer"
+    args = iter(argv[1:])
+    for arg in args:
+        if arg in _VALUE_FLAGS:
+            value = next(args, "")
+            config_name = value if arg in ("--config-name", "-cn") else config_name
+            flags += [arg, value]
+        elif arg.startswith("-"):
+            if arg.startswith("--config-name="):
+                config_name = arg.split("=", 1)[1]
+            flags.append(arg)
+        else:
+            overrides.append(arg)
+    return [argv[0], *flags, *check_overrides(overrides, config_name)]
+
+
 if __name__ == "__main__":
+    from omni_async.config_error import ConfigError
+
+    try:
+        sys.argv = checked_argv(sys.argv)
+    except ConfigError as err:
+        sys.exit(f"config error: {err}")
     main()

@@ -126,6 +126,13 @@ def resolve_trainer_mode(cfg: DictConfig) -> None:
     devices that train (the hybrid or split layout). A project key that asks for another mode is refused."""
     t, a = cfg.trainer, cfg.async_reward
     mode = t.v1.trainer_mode
+    sa = t.v1.separate_async
+    _check(
+        mode in ("separate_async", "colocate_async") or (sa.num_warmup_batches is None and not sa.sync_compatible),
+        "trainer.v1.separate_async.num_warmup_batches",
+        f"the separate_async backlog settings are read only with trainer.v1.trainer_mode=separate_async ({mode} given)",
+        "set trainer.v1.trainer_mode=separate_async, or drop num_warmup_batches / sync_compatible",
+    )
     if mode is None:
         return
     _check(
@@ -164,6 +171,7 @@ def resolve_trainer_mode(cfg: DictConfig) -> None:
         "(actor_rollout_ref.rollout.nnodes > 0)",
         "use trainer.v1.trainer_mode=separate_async with a rollout pool, or drop the pool",
     )
+    _resolve_warmup(cfg)
     _check(
         not a.one_step_off_policy,
         "trainer.v1.trainer_mode",
@@ -173,6 +181,34 @@ def resolve_trainer_mode(cfg: DictConfig) -> None:
         "drop async_reward.one_step_off_policy=true (or trainer.v1.trainer_mode)",
     )
     a.fully_async = True
+
+
+def _resolve_warmup(cfg: DictConfig) -> None:
+    """verl v1's ``separate_async.{num_warmup_batches, sync_compatible}``: the rollout pool's backlog of train batches
+    ahead of the trainer. Each sync window trains ``parameter_sync_step`` batches and the pool may start that many
+    plus the backlog, which is this project's ``staleness_threshold`` of ``backlog / parameter_sync_step``."""
+    sa, at = cfg.trainer.v1.separate_async, cfg.async_training
+    warmup = sa.num_warmup_batches
+    key = "trainer.v1.separate_async.num_warmup_batches"
+    _check(
+        not sa.sync_compatible or not warmup,
+        "trainer.v1.separate_async.sync_compatible",
+        f"pausing the rollout pool while the actor trains, with a backlog of {warmup} batches to generate, is not "
+        "implemented",
+        f"set {key}=0 (the pool then has nothing to generate while the actor trains), or sync_compatible=false",
+    )
+    if warmup is None:
+        return
+    _check(warmup >= 0, key, f"must be >= 0, got {warmup}", "e.g. 1 (0: on-policy)")
+    staleness = float(warmup) / int(at.trigger_parameter_sync_step or 1)
+    _check(
+        at.staleness_threshold in (0.1, staleness),  # 0.1: verl's default, i.e. not given
+        "async_training.staleness_threshold",
+        f"async_training.staleness_threshold={at.staleness_threshold} and {key}={warmup} (= staleness "
+        f"{staleness:g} at a sync step of {at.trigger_parameter_sync_step or 1}) are one setting given twice",
+        "give only one of them (canonical: async_training.staleness_threshold)",
+    )
+    at.staleness_threshold = staleness
 
 
 def check_mode(cfg: DictConfig) -> None:

@@ -75,7 +75,7 @@ def test_gpu_recipe_composes_and_validates(gpus, nodes, tmp_path):
     assert arr["rollout"]["agent"]["num_workers"] == ranks  # hybrid: one rollout worker per actor device
     assert cfg["reward"]["reward_model"]["enable_resource_pool"] is True
     assert cfg["reward"]["reward_model"]["n_gpus_per_node"] == 1
-    assert (arr["rollout"]["height"], arr["rollout"]["width"]) == (512, 512)
+    assert (arr["rollout"]["pipeline"]["height"], arr["rollout"]["pipeline"]["width"]) == (512, 512)
     assert arr["model"]["lora_rank"] == 64
     # Every actor rank trains whole groups in every mini-batch: no rank pads (ppo_mini_batch_size counts prompts).
     mini, batch = arr["actor"]["ppo_mini_batch_size"], cfg["data"]["train_batch_size"]

@@ -1,0 +1,331 @@
+"""verl / verl-omni keys that are not keys of this project's config, and what each means here.
+
+Read from verl-omni's own config (``verl_omni/trainer/config/*.yaml``, ``algorithm.py``; a1139ba) for the keys its
+diffusion recipes use (``tests/config/verl_omni_recipes/``). Keys that mean the same here and are keys of this
+project's config (``rollout.pipeline.height``, ``rollout.seed``, ``data.val_max_samples``, ...) are not listed: they
+are in ``omni_async/config/flowgrpo_trainer.yaml``. A key ending in ``.*`` covers every key under it.
+:mod:`omni_async.trainer.overrides` applies the rules; ``docs/verl_omni_recipes.md`` is generated from them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni_async.trainer.overrides import Get, Rule
+
+ARR = "actor_rollout_ref"
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "float": "float32", "half": "float16"}
+
+
+def _dtype(name: Any) -> Any:
+    return _DTYPES.get(str(name).lower(), str(name).lower()) if name is not None else None
+
+
+def _one_of(*values: Any):
+    return lambda v, get: v in values
+
+
+def _identity_template(v: Any, get: Get) -> bool:
+    """A chat template that gives the user's message back unchanged (the SD3 recipes' one): the prompt reaches the
+    pipeline as written, which is what this project does."""
+    if v is None:
+        return True
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        text = "a sign that says HELLO"
+        out = ImmutableSandboxedEnvironment().from_string(str(v)).render(messages=[{"role": "user", "content": text}])
+    except Exception:  # noqa: BLE001 - any template that does not render is not the identity
+        return False
+    return out == text
+
+
+def _pipeline_tokenizers(v: Any, get: Get) -> bool:
+    """verl-omni's per-encoder tokenizer map, when it names the pipeline's own tokenizer folders (what diffusers loads
+    from model.path here)."""
+    if v is None:
+        return True
+    return isinstance(v, dict) and all(
+        isinstance(t, dict) and t.get("path") in ("tokenizer", "tokenizer_2", "tokenizer_3") for t in v.values()
+    )
+
+
+def _sd3_embed_length(v: Any, get: Get) -> bool:
+    """SD3's prompt encoding is 77 CLIP tokens + pipeline.max_sequence_length T5 tokens (verl-omni's recipes: 333)."""
+    seq = get(f"{ARR}.rollout.pipeline.max_sequence_length")
+    return v is None or (seq is not None and int(v) == 77 + int(seq))
+
+
+def _same_as(key: str, convert=lambda x: x):
+    return lambda v, get: get(key) is None or convert(v) == convert(get(key))
+
+
+_NO_VIDEO_AUDIO = (
+    "audio-video pipelines (LTX-2, MiniMax-H3) are not part of this project: its video model is Wan 2.1 / 2.2, "
+    "frames set by rollout.pipeline.num_frames"
+)
+_MODEL_FAMILIES = "use a Qwen-Image, SD3 / SD3.5 or Wan 2.1 / 2.2 diffusers checkpoint (or a tiny: model)"
+
+RULES: dict[str, Rule] = {
+    # ---- this project's earlier spellings -------------------------------------------------------------------------
+    **{
+        f"{ARR}.rollout.{k}": Rule(
+            "renamed", "this project's earlier spelling of verl-omni's key", canonical=f"{ARR}.rollout.pipeline.{k}"
+        )
+        for k in ("height", "width", "num_inference_steps", "num_frames")
+    },
+    # ---- data ---------------------------------------------------------------------------------------------------------
+    "data.truncation": Rule(
+        "same",
+        "a prompt longer than data.max_prompt_length is an error at start here, verl's truncation=error",
+        "set data.truncation=error, or shorten the prompts (left / right / middle truncation is not implemented)",
+        _one_of("error"),
+    ),
+    "data.trust_remote_code": Rule(
+        "same",
+        "no remote code is run here: prompts are read as jsonl / parquet rows",
+        "drop it (or set it to False)",
+        _one_of(False),
+    ),
+    # ---- model ----------------------------------------------------------------------------------------------------
+    f"{ARR}.model.trust_remote_code": Rule(
+        "same",
+        "models load through the diffusers / transformers classes this project ships; remote code is never run",
+        f"drop it; {_MODEL_FAMILIES} (BAGEL, which needs remote code, is not supported)",
+        _one_of(False),
+    ),
+    f"{ARR}.model.architecture": Rule(
+        "refused",
+        "the architecture follows from model.path's pipeline here; verl-omni's BAGEL and MiniMax-H3 are not supported",
+        _MODEL_FAMILIES,
+    ),
+    f"{ARR}.model.config_path": Rule(
+        "same",
+        "the transformer's config is read from model.path's transformer/ folder",
+        "drop it, and point model.path at the diffusers checkpoint",
+        _one_of(None),
+    ),
+    f"{ARR}.model.tokenizer_path": Rule(
+        "same",
+        "the pipeline's tokenizers load from model.path (its tokenizer*/ folders)",
+        "drop it, and point model.path at a checkpoint holding its tokenizers",
+        _one_of(None),
+    ),
+    f"{ARR}.model.extra_tokenizers": Rule(
+        "same",
+        "the diffusers pipeline loads its own tokenizers (tokenizer, tokenizer_2, tokenizer_3) from model.path; "
+        "the T5 length is rollout.pipeline.max_sequence_length",
+        "drop it (tokenizers from other folders are not supported)",
+        _pipeline_tokenizers,
+    ),
+    f"{ARR}.model.custom_chat_template": Rule(
+        "same",
+        "prompts reach the diffusers pipeline as written, which is what a template returning the user's message does",
+        "drop it (a template that changes the prompt is not applied here; rewrite the prompts in the data instead)",
+        _identity_template,
+    ),
+    f"{ARR}.model.lora_dtype": Rule(
+        "same",
+        "LoRA weights (and their AdamW state) are float32 here",
+        "drop it, or set it to float32",
+        lambda v, get: v is None or _dtype(v) == "float32",
+    ),
+    f"{ARR}.model.attn_backend": Rule(
+        "no_effect",
+        "diffusers' attention backend of verl-omni's training engine; the transformer here runs torch SDPA, the "
+        "same attention",
+    ),
+    f"{ARR}.model.fsdp_layer_prefixes": Rule(
+        "no_effect",
+        "the layers verl-omni gathers one by one for a layered LoRA summon; a LoRA weight sync here moves only the "
+        "adapter",
+    ),
+    # ---- actor engine -------------------------------------------------------------------------------------------------
+    f"{ARR}.actor.strategy": Rule(
+        "same",
+        "training runs on this project's engine whatever the name: LoRA gradients all-reduced over the actor ranks, "
+        "a full fine-tune sharded with FSDP2 (fully_shard); VeOmni's engine is not used (the same update, its "
+        "veomni_config.* settings have no effect)",
+        "use fsdp2 (megatron is not supported)",
+        _one_of("fsdp", "fsdp2", "veomni"),
+    ),
+    "diffusion/model_engine": Rule(
+        "no_effect",
+        "verl-omni's choice of training engine config (dp_diffusion / veomni_diffusion); the engine here is this "
+        "project's (actor.strategy)",
+        "drop it",
+        _one_of("dp_diffusion", "veomni_diffusion"),
+    ),
+    f"{ARR}.actor.veomni_config.*": Rule(
+        "no_effect", "a setting of the VeOmni engine, which is not used here (actor.fsdp_config.* holds the offloads)"
+    ),
+    f"{ARR}.ref.veomni_config.*": Rule("no_effect", "a setting of the VeOmni engine, which is not used here"),
+    f"{ARR}.actor.fsdp_config.fsdp_size": Rule(
+        "no_effect",
+        "FSDP's sharding-group size; a full fine-tune here shards over all actor ranks, LoRA is replicated",
+    ),
+    f"{ARR}.actor.fsdp_config.reshard_after_forward": Rule(
+        "no_effect",
+        "an FSDP memory / speed trade-off; full fine-tunes here reshard after forward (FSDP2's default), which "
+        "gives the same gradients",
+    ),
+    f"{ARR}.actor.fsdp_config.wrap_policy.*": Rule(
+        "no_effect",
+        "FSDP's wrap policy; a full fine-tune here shards each transformer block of the diffusers model",
+    ),
+    f"{ARR}.actor.fsdp_config.offload_policy": Rule(
+        "same",
+        "FSDP2's CPU offload policy is not used here",
+        "set actor_rollout_ref.actor.fsdp_config.param_offload / optimizer_offload, which this project implements",
+        _one_of(False),
+    ),
+    f"{ARR}.actor.fsdp_config.ulysses_sequence_parallel_size": Rule(
+        "same",
+        "Ulysses sequence parallelism is not implemented: each actor rank holds whole samples",
+        "set it to 1 and scale with trainer.n_gpus_per_node (data-parallel actor ranks)",
+        _one_of(1),
+    ),
+    f"{ARR}.actor.optim.lr_warmup_steps_ratio": Rule(
+        "same",
+        "the learning rate is constant here (verl's ratio 0.0)",
+        "set it to 0.0 (learning-rate warm-up is not implemented)",
+        lambda v, get: float(v) == 0.0,
+    ),
+    f"{ARR}.actor.optim.clip_grad": Rule(
+        "renamed", "verl-omni's spelling of the gradient-norm clip", canonical=f"{ARR}.actor.grad_clip"
+    ),
+    # ---- rollout engine -------------------------------------------------------------------------------------------
+    f"{ARR}.rollout.mode": Rule(
+        "same",
+        "rollout here is always asynchronous (an asyncio agent loop), verl-omni's only mode",
+        "set it to async",
+        _one_of("async"),
+    ),
+    f"{ARR}.rollout.engine_kwargs.*": Rule(
+        "no_effect",
+        "a vLLM-Omni engine argument; rollout here runs diffusers (request batching: rollout.agent.max_batch_size)",
+    ),
+    f"{ARR}.rollout.step_execution": Rule(
+        "no_effect", "vLLM-Omni's step-level scheduling; rollout here batches whole requests (rollout.agent.*)"
+    ),
+    f"{ARR}.rollout.rollout_attn_backend": Rule(
+        "no_effect", "vLLM-Omni's attention backend; rollout here runs diffusers' transformer on torch SDPA"
+    ),
+    f"{ARR}.rollout.data_parallel_size": Rule(
+        "same",
+        "each rollout worker is one replica on one device",
+        "set it to 1 and scale with actor_rollout_ref.rollout.agent.num_workers",
+        _one_of(1),
+    ),
+    f"{ARR}.rollout.max_num_seqs": Rule(
+        "renamed",
+        "the most requests one rollout worker generates in one batch",
+        canonical=f"{ARR}.rollout.agent.max_batch_size",
+    ),
+    f"{ARR}.rollout.dtype": Rule(
+        "same",
+        "the rollout generates with the weights it trains, in actor.fsdp_config.model_dtype",
+        f"drop it, or set {ARR}.actor.fsdp_config.model_dtype to the same dtype",
+        _same_as(f"{ARR}.actor.fsdp_config.model_dtype", _dtype),
+    ),
+    f"{ARR}.rollout.prompt_length": Rule(
+        "same",
+        "verl-omni's copy of data.max_prompt_length",
+        "drop it, or give data.max_prompt_length the same value",
+        _same_as("data.max_prompt_length"),
+    ),
+    f"{ARR}.rollout.max_prompt_embed_length": Rule(
+        "same",
+        "prompt encodings keep the pipeline's own length here: SD3's is 77 CLIP + rollout.pipeline."
+        "max_sequence_length T5 tokens (verl-omni's 333 for 256)",
+        "drop it, or set it to 77 + rollout.pipeline.max_sequence_length (padding to another length is not "
+        "implemented)",
+        _sd3_embed_length,
+    ),
+    f"{ARR}.rollout.algo.sde_contiguous": Rule(
+        "same",
+        "the SDE steps here are one consecutive window of sde_window_size steps",
+        "set it to True (scattered SDE steps are not implemented)",
+        _one_of(True),
+    ),
+    f"{ARR}.rollout.agent.default_agent_loop": Rule(
+        "same",
+        "one agent loop per modality here (verl-omni's diffusion_single_turn_agent)",
+        f"drop it; {_NO_VIDEO_AUDIO}",
+        _one_of("diffusion_single_turn_agent"),
+    ),
+    f"{ARR}.rollout.pipeline.output_type": Rule(
+        "same",
+        "the pipeline returns decoded images / frames (verl-omni's pt), which the reward functions score",
+        "drop it, or set it to pt (rewards on latents, e.g. verl-omni's DRM recipe, are not implemented)",
+        _one_of("pt"),
+    ),
+    f"{ARR}.rollout.val_kwargs.pipeline.output_type": Rule(
+        "same",
+        "validation samples are decoded images / frames (pt)",
+        "drop it, or set it to pt (latent outputs are not implemented)",
+        _one_of("pt"),
+    ),
+    f"{ARR}.rollout.val_kwargs.pipeline.num_frames": Rule(
+        "same",
+        "validation generates rollout.pipeline.num_frames frames, as training",
+        "drop it, or give it rollout.pipeline.num_frames' value",
+        _same_as(f"{ARR}.rollout.pipeline.num_frames"),
+    ),
+    **{
+        f"{ARR}.rollout.{val}pipeline.{k}": Rule("refused", _NO_VIDEO_AUDIO, "drop it")
+        for val in ("", "val_kwargs.")
+        for k in ("frame_rate", "video_flow_shift", "aspect_ratio")
+    },
+    # ---- profilers ------------------------------------------------------------------------------------------------
+    **{
+        f"{ARR}.{role}.profiler.enable": Rule(
+            "same",
+            "profiling hooks are not part of this project",
+            "drop it; per-step timelines are trainer.log_timeline_freq, or run nsys / py-spy around the command",
+            _one_of(False),
+        )
+        for role in ("actor", "ref", "rollout")
+    },
+    **{
+        f"{ARR}.{role}.profiler.*": Rule("no_effect", "a profiler setting, and profiling is off (profiler.enable)")
+        for role in ("actor", "ref", "rollout")
+    },
+    "global_profiler.tool": Rule(
+        "same",
+        "profiling hooks are not part of this project",
+        "drop it; per-step timelines are trainer.log_timeline_freq, or run nsys / py-spy around the command",
+        _one_of(None),
+    ),
+    "global_profiler.*": Rule("no_effect", "a profiler setting, and profiling is off (global_profiler.tool)"),
+    # ---- reward -----------------------------------------------------------------------------------------------------
+    "reward.aggregation": Rule(
+        "same",
+        "reward.reward_functions combine as a weighted sum of their scores here (verl-omni's weighted_sum)",
+        "set it to weighted_sum (other aggregations are not implemented)",
+        _one_of("weighted_sum"),
+    ),
+    "reward.reward_manager.module.path": Rule(
+        "same",
+        "verl-omni's module of reward managers; reward.reward_manager.name picks this project's RewardManager by "
+        "verl-omni's names (naive, MultiVisualRewardManager)",
+        "drop it (custom reward-manager modules are not loaded; a reward is a function: "
+        "reward.custom_reward_function or reward.reward_functions)",
+        _one_of("pkg://verl_omni.reward_loop.reward_manager"),
+    ),
+    # ---- trainer --------------------------------------------------------------------------------------------------
+    "trainer.max_actor_ckpt_to_keep": Rule(
+        "renamed",
+        "verl's spelling (null: keep all)",
+        canonical="trainer.max_ckpt_to_keep",
+        convert=lambda v: -1 if v is None else v,
+    ),
+    "trainer.rollout_data_save_freq": Rule(
+        "renamed",
+        "how often training samples are written (trainer.rollout_data_dir)",
+        canonical="trainer.log_image_freq",
+    ),
+    "trainer.video_fps": Rule(
+        "no_effect", "the frame rate of saved videos; video samples are saved here as their first frame in a PNG grid"
+    ),
+}

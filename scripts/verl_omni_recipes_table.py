@@ -1,0 +1,133 @@
+"""Write ``docs/verl_omni_recipes.md``: what each of verl-omni's diffusion recipes gives here, and what each key they
+use means here. Everything in it is computed: the recipes' overrides (``tests/config/verl_omni_recipes/``), composed
+and validated as ``tests/config/test_verl_omni_recipes.py`` does, and the rules of
+``omni_async/trainer/upstream_keys.py``.
+
+    python scripts/verl_omni_recipes_table.py
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests/config")]
+
+from verl_omni_recipe_data import OWNED_ELSEWHERE, key_of, outcome, recipes, source, stand_in  # noqa: E402
+
+from omni_async.trainer.overrides import known, rule_for, rule_key  # noqa: E402
+
+OUT = ROOT / "docs/verl_omni_recipes.md"
+KIND = {
+    "same": "accepted where it means what this project does, other values refused",
+    "renamed": "renamed",
+    "no_effect": "accepted, no effect here (logged)",
+    "refused": "refused",
+}
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _refused(result, owned: bool) -> str:
+    if result.error:
+        return f"**unexpected error**: {_cell(result.error)}"
+    keys = sorted(result.keys() - (OWNED_ELSEWHERE if not owned else set()))
+    if not keys:
+        return "composes and validates"
+    return "refused: " + ", ".join(f"`{k}`" for k in keys)
+
+
+def recipe_table(all_recipes: dict[str, list[str]]) -> list[str]:
+    lines = [
+        "| recipe (verl-omni) | overrides | unchanged | with tiny stand-ins, keys owned by issue 38 left out |",
+        "|---|---|---|---|",
+    ]
+    for name, overrides in all_recipes.items():
+        path = source(name).split(":", 1)[1]
+        raw = outcome(overrides)
+        owned = sorted(k for k in raw.keys() if k in OWNED_ELSEWHERE)
+        unchanged = _refused(raw, owned=False)
+        if owned:
+            unchanged += f"; issue 38's keys: {len(owned)}"
+        si = outcome([o for o in stand_in(overrides) if key_of(o) not in OWNED_ELSEWHERE])
+        lines.append(f"| `{path}` | {len(overrides)} | {unchanged} | {_refused(si, owned=True)} |")
+    return lines
+
+
+def key_table(all_recipes: dict[str, list[str]]) -> tuple[list[str], list[str], list[str]]:
+    uses: dict[str, set[str]] = defaultdict(set)
+    for name, overrides in all_recipes.items():
+        for o in overrides:
+            key = key_of(o)
+            if key.startswith("reward.reward_functions."):  # one entry per reward function, not per argument
+                key = ".".join(key.split(".")[:3]) + ".*"
+            elif not known(key, "flowgrpo_trainer") and (rule_key(key) or "").endswith(".*"):
+                key = rule_key(key)  # one row per rule covering a whole section (profilers, engine kwargs)
+            uses[key].add(name)
+    ours = sorted(k for k in uses if known(k.removesuffix(".*"), "flowgrpo_trainer"))
+    owned = sorted(k for k in uses if k in OWNED_ELSEWHERE)
+    rows = [
+        "| key | recipes | here | meaning here / why | what to use instead (values refused) |",
+        "|---|---|---|---|---|",
+    ]
+    for key in sorted(uses):
+        if key in ours or key in owned:
+            continue
+        rule = rule_for(key)
+        if rule is None:
+            rows.append(f"| `{key}` | {len(uses[key])} | **unknown** | | |")
+            continue
+        here = KIND[rule.kind] + (f" to `{rule.canonical}`" if rule.kind == "renamed" else "")
+        rows.append(f"| `{key}` | {len(uses[key])} | {here} | {_cell(rule.why)} | {_cell(rule.fix)} |")
+    return ours, owned, rows
+
+
+def main() -> None:
+    logging.disable(logging.WARNING)  # the no-effect lines of 29 recipes
+    all_recipes = recipes()
+    commit = source(next(iter(all_recipes))).split("@", 1)[1].split(":", 1)[0]
+    ours, owned, rows = key_table(all_recipes)
+    text = [
+        "# verl-omni's diffusion recipes here",
+        "",
+        "<!-- written by scripts/verl_omni_recipes_table.py; do not edit by hand -->",
+        "",
+        f"verl-omni's {len(all_recipes)} diffusion recipes at `{commit[:7]}` "
+        "(`examples/{flowgrpo,grpoguard,flowdppo,mixgrpo,diffusionnft}_trainer/**/*.sh`, without the NPU copies; "
+        f"{sum(map(len, all_recipes.values()))} overrides, extracted by `scripts/extract_verl_omni_recipes.py` with "
+        "their shell variables at their defaults into `tests/config/verl_omni_recipes/`), composed and validated "
+        "here as a whole (`tests/config/test_verl_omni_recipes.py`). A refused key is refused with a `ConfigError` "
+        "naming the key, why and what to use instead, never with Hydra's `Could not override`; every key refused "
+        "at once is named together. *Unchanged*: the recipe as verl-omni ships it (its model paths, `vllm_omni` "
+        "engine and reward files do not exist here, so those are refused too). *With tiny stand-ins*: models, "
+        "engines, reward models and reward functions' files swapped as `tests/config/verl_omni_recipe_data.py` "
+        "`STAND_INS` documents; keys owned by issue 38 (the DiffusionNFT / loss keys) are left out until it lands.",
+        "",
+        *recipe_table(all_recipes),
+        "",
+        "## The keys",
+        "",
+        f"{len(ours)} keys the recipes use are keys of this project's config with verl / verl-omni's meaning "
+        "(`omni_async/config/flowgrpo_trainer.yaml`; values this project does not implement are refused naming the "
+        "key): " + ", ".join(f"`{k}`" for k in ours) + ".",
+        "",
+        f"{len(owned)} keys belong to issue 38 (DiffusionNFT, GRPO-Guard, Flow-DPPO, MixGRPO loss and algorithm "
+        "keys), unknown here until it lands: " + ", ".join(f"`{k}`" for k in owned) + ".",
+        "",
+        "The other keys, by what they mean here (`omni_async/trainer/upstream_keys.py`; a key ending in `.*` there "
+        "covers every key under it):",
+        "",
+        *rows,
+        "",
+    ]
+    OUT.write_text("\n".join(text))
+    print(f"wrote {OUT.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""verl-omni's diffusion recipes here: every key they use composes, or is refused with a ConfigError naming the key
+and the fix (never Hydra's ``Could not override``); whole recipes compose and validate with their models, engines and
+reward files swapped for tiny ones, or are refused naming what is missing. Compose only: no training, a few seconds.
+
+The recipes are ``verl_omni_recipes/*.txt`` (verl-omni a1139ba, ``scripts/extract_verl_omni_recipes.py``)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from verl_omni_recipe_data import OWNED_ELSEWHERE, key_of, outcome, recipes, source, stand_in
+
+from omni_async.trainer.config import ConfigError, compose, validate
+from omni_async.trainer.main import checked_argv
+from omni_async.trainer.overrides import OverrideError, check_overrides, known, rule_for
+
+BASE = ["data.train_files=x.jsonl"]
+RECIPES = recipes()
+UPSTREAM_COMMIT = "a1139bafffb5b9711f0a6b6edff8ecaa60bfff30"
+
+# What each recipe is refused with here once its models, engines and reward files are swapped for tiny stand-ins
+# (verl_omni_recipe_data.STAND_INS) and the keys owned elsewhere are left out: the keys named, each with a fix.
+# An empty set: the recipe composes and validates.
+_AUDIO_VIDEO = {
+    "actor_rollout_ref.rollout.agent.default_agent_loop",
+    "actor_rollout_ref.rollout.pipeline.frame_rate",
+    "actor_rollout_ref.rollout.val_kwargs.pipeline.frame_rate",
+    "reward.reward_functions.clap.path",
+}
+_BAGEL = {
+    "actor_rollout_ref.model.architecture",
+    "actor_rollout_ref.model.tokenizer_path",
+    "actor_rollout_ref.model.trust_remote_code",
+    "data.trust_remote_code",
+}
+_PICKSCORE = {"reward.custom_reward_function.path"}  # no PickScore reward here
+_64_RANKS = {"actor_rollout_ref.actor.ppo_mini_batch_size"}  # 16 groups per mini-batch cannot feed 64 ranks
+EXPECTED_REFUSED: dict[str, set[str]] = {
+    "diffusionnft_trainer.minimax_h3.run_minimax_h3_t2va_lora": _AUDIO_VIDEO
+    | {
+        "actor_rollout_ref.model.architecture",
+        "actor_rollout_ref.model.config_path",
+        "actor_rollout_ref.rollout.pipeline.aspect_ratio",
+        "actor_rollout_ref.rollout.pipeline.video_flow_shift",
+    },
+    "diffusionnft_trainer.qwen_image.run_qwen_image_ocr_lora": {"actor_rollout_ref.model.algorithm"},  # issue 38
+    "flowdppo_trainer.qwen_image.run_qwen_image_ocr_lora": set(),  # model.algorithm is left at flow_grpo (38)
+    "flowgrpo_trainer.bagel.run_bagel_ocr_lora": _BAGEL,
+    "flowgrpo_trainer.bagel.run_bagel_pickscore": _BAGEL | _PICKSCORE,
+    "flowgrpo_trainer.bagel.run_bagel_pickscore_lora": _BAGEL | _PICKSCORE,
+    "flowgrpo_trainer.ltx2.run_ltx2_3_t2av_lora": _AUDIO_VIDEO | {"actor_rollout_ref.rollout.algo.sde_contiguous"},
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr": set(),
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_fsdp2_64cards": _64_RANKS,
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_fsdp2_benchmark": set(),
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_fsdp2_benchmark_nsys": {
+        "global_profiler.tool",
+        "actor_rollout_ref.actor.profiler.enable",
+    },
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_h200_mfu_optimized": {
+        "reward.reward_model.rollout.free_cache_engine"
+    },
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora": set(),
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_async_reward": set(),
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_fsdp2_fa3": set(),
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_multi_node": {
+        "actor_rollout_ref.actor.fsdp_config.offload_policy"
+    },
+    # bypass-mode rollout correction (rejection sampling on the training ratio) is not implemented
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_rollout_corr": {
+        "algorithm.rollout_correction.rollout_is",
+        "algorithm.rollout_correction.rollout_rs",
+    },
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_sp2": {
+        "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"
+    },
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_multi_reward": set(),
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_reward_server": set(),
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_veomni": set(),
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_veomni_64cards": _64_RANKS,
+    "flowgrpo_trainer.qwen_image_edit.run_qwen_image_edit_lora": _PICKSCORE,
+    "flowgrpo_trainer.sd35.run_sd35_medium_drm_lora": {
+        "actor_rollout_ref.rollout.dtype",
+        "actor_rollout_ref.rollout.pipeline.output_type",
+        "actor_rollout_ref.rollout.val_kwargs.pipeline.output_type",
+        "reward.reward_functions.drm.path",
+    },
+    "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora": set(),
+    "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora_v1": set(),
+    "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora_v1_separate_async": set(),
+    "grpoguard_trainer.qwen_image.run_qwen_image_ocr_lora": set(),  # the loss mode is issue 38's
+    "mixgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_mixgrpo": {"actor_rollout_ref.model.algorithm"},  # issue 38
+}
+
+
+def test_the_recipes_are_verl_omnis_29_non_npu_diffusion_scripts_at_one_commit():
+    assert len(RECIPES) == 29 and set(EXPECTED_REFUSED) == set(RECIPES)
+    for name in RECIPES:
+        assert source(name).startswith(f"verl-project/verl-omni@{UPSTREAM_COMMIT}:examples/")
+        assert "npu" not in name
+    assert sum(len(o) for o in RECIPES.values()) > 1800
+
+
+def _first_use() -> dict[str, str]:
+    first: dict[str, str] = {}
+    for overrides in RECIPES.values():
+        for o in overrides:
+            first.setdefault(key_of(o), o)
+    return first
+
+
+def test_every_recipe_key_is_a_key_here_or_has_a_rule_except_those_owned_elsewhere():
+    """The config test the issue asks for: the recipes' keys (verl-omni a1139ba), each known or ruled."""
+    keys = _first_use()
+    unruled = {k for k in keys if not known(k, "flowgrpo_trainer") and rule_for(k) is None}
+    assert unruled == OWNED_ELSEWHERE & set(keys)
+
+
+def test_every_upstream_key_alone_is_accepted_or_names_the_key_and_a_fix():
+    """Each recipe key that is not this project's, with the recipe's first value, through the override check (the
+    whole-recipe tests below compose every override)."""
+    for key, override in _first_use().items():
+        if known(key, "flowgrpo_trainer"):
+            continue
+        try:
+            check_overrides([override])
+        except OverrideError as err:
+            assert [k for k, _ in err.problems] == [key], str(err)
+            assert str(err).startswith(key) and "Fix:" in str(err), str(err)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_whole_recipe_unchanged_gives_only_config_errors_naming_keys_and_fixes(name):
+    result = outcome(RECIPES[name])
+    assert result.error is None
+    for _, key, message in result.refused:
+        assert key in message and "Fix:" in message, message
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_whole_recipe_with_tiny_stand_ins_composes_and_validates_or_names_what_is_missing(name):
+    overrides = [o for o in stand_in(RECIPES[name]) if key_of(o) not in OWNED_ELSEWHERE]
+    result = outcome(overrides)
+    assert result.error is None
+    assert result.keys() == EXPECTED_REFUSED[name], [m for *_, m in result.refused]
+
+
+def test_multi_reward_spelling_of_verl_omni_is_this_projects_weighted_rewards():
+    recipe = stand_in(RECIPES["flowgrpo_trainer.qwen_image.run_qwen_image_ocr_multi_reward"])
+    cfg = validate(compose([o for o in recipe if key_of(o) not in OWNED_ELSEWHERE]))
+    functions = cfg.reward.reward_functions
+    assert set(functions) == {"ocr", "jpeg"} and functions.ocr.weight == functions.jpeg.weight == 0.5
+    assert cfg.reward.reward_manager.name == "MultiVisualRewardManager"
+
+
+# ---- the override check ------------------------------------------------------------------------------------------
+def test_unknown_key_is_refused_naming_the_nearest_keys():
+    with pytest.raises(OverrideError) as err:
+        compose([*BASE, "actor_rollout_ref.rollout.noise_level=0.5", "trainer.total_trainng_steps=3"])
+    problems = dict(err.value.problems)
+    assert "actor_rollout_ref.rollout.algo.noise_level" in problems["actor_rollout_ref.rollout.noise_level"]
+    assert "trainer.total_training_steps" in problems["trainer.total_trainng_steps"]
+    assert "Could not override" not in str(err.value) and str(err.value).startswith("2 overrides")
+
+
+def test_this_projects_earlier_spelling_is_renamed_and_two_spellings_must_agree():
+    cfg = compose([*BASE, "actor_rollout_ref.rollout.height=32", "actor_rollout_ref.rollout.num_inference_steps=6"])
+    assert cfg.actor_rollout_ref.rollout.pipeline.height == 32
+    assert cfg.actor_rollout_ref.rollout.pipeline.num_inference_steps == 6
+    assert "height" not in cfg.actor_rollout_ref.rollout
+    same = ["actor_rollout_ref.rollout.width=48", "actor_rollout_ref.rollout.pipeline.width=48"]
+    assert compose([*BASE, *same]).actor_rollout_ref.rollout.pipeline.width == 48
+    with pytest.raises(ConfigError, match=r"rollout\.pipeline\.width=48 and actor_rollout_ref\.rollout\.width=32"):
+        compose([*BASE, "actor_rollout_ref.rollout.pipeline.width=48", "actor_rollout_ref.rollout.width=32"])
+    assert compose([*BASE, "trainer.max_actor_ckpt_to_keep=null"]).trainer.max_ckpt_to_keep == -1
+    assert compose([*BASE, "actor_rollout_ref.actor.optim.clip_grad=0.5"]).actor_rollout_ref.actor.grad_clip == 0.5
+
+
+def test_no_effect_key_is_logged_once_and_refused_values_name_the_fix(caplog):
+    with caplog.at_level(logging.WARNING, logger="omni_async.trainer.overrides"):
+        compose([*BASE, "+actor_rollout_ref.rollout.engine_kwargs.vllm_omni.max_num_seqs=8"])
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "has no effect here" in lines[0] and "vLLM-Omni" in lines[0]
+    validate(compose([*BASE, "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.rollout.mode=async"]))
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.actor\.strategy=megatron: .*Fix: use fsdp2"):
+        compose([*BASE, "actor_rollout_ref.actor.strategy=megatron"])
+    with pytest.raises(ConfigError, match=r"model_dtype to the same dtype"):
+        compose([*BASE, "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16", "actor_rollout_ref.rollout.dtype=fp32"])
+    compose([*BASE, "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16", "actor_rollout_ref.rollout.dtype=bfloat16"])
+
+
+def test_add_prefix_on_a_key_this_project_has_sets_it():
+    assert compose([*BASE, "+trainer.rollout_data_dir=/tmp/r"]).trainer.rollout_data_dir == "/tmp/r"
+
+
+def test_a_wrong_type_still_names_key_value_and_type():
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.seed='x': expected a whole number"):
+        compose([*BASE, "actor_rollout_ref.rollout.seed=x"])
+
+
+def test_the_entry_point_checks_overrides_before_hydra():
+    argv = ["main.py", "--config-name", "grpo_text_trainer", "hydra.run.dir=/tmp/h", "actor_rollout_ref.rollout.seed=3"]
+    assert checked_argv(argv) == argv
+    assert checked_argv(["m", "actor_rollout_ref.rollout.height=32"]) == [
+        "m",
+        "++actor_rollout_ref.rollout.pipeline.height=32",
+    ]
+    with pytest.raises(OverrideError, match="nearest keys"):
+        checked_argv(["m", "trainer.sead=1"])
+
+
+def test_a_ruled_key_with_a_value_of_the_wrong_type_is_refused_naming_it():
+    with pytest.raises(
+        ConfigError, match=r"^actor_rollout_ref\.actor\.optim\.lr_warmup_steps_ratio=abc: .*Fix: set it"
+    ):
+        compose([*BASE, "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=abc"])
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.max_prompt_embed_length=x: .*77 \+"):
+        compose([*BASE, "actor_rollout_ref.rollout.max_prompt_embed_length=x"])

@@ -9,7 +9,7 @@ Every finished sample calls ``await dispatcher.score(chunk)``:
    ``reward.max_inflight_per_worker`` calls in flight;
 3. the call has a deadline (``reward.timeout_s`` + a transport grace); past it the outcome is ``timeout``;
 4. if the worker dies, Ray restarts it (``max_restarts``) and the sample is re-sent (``reward/retried``), up to
-   ``reward.max_resends`` times, after which it is given up as ``failed`` (``reward_queue/dropped``). A sample
+   ``reward.max_resends`` times, after which it is given up as ``failed`` (``reward_queue/dropped_samples``). A sample
    gets exactly one outcome.
 
 It runs on the agent loop's event loop; Ray object refs are awaited, so thousands of in-flight samples cost

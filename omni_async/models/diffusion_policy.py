@@ -51,6 +51,7 @@ class SamplingConfig:
     max_sequence_length: int | None = None  # text-encoder tokens kept for prompt encoding; None = pipeline default
     vae_slicing: bool = True  # decode a batch one sample at a time (the same pixels, 1/B of the peak)
     vae_tiling: bool | None = None  # decode in overlapping spatial tiles; None = on for video (see vae_tiling)
+    clean_latents: bool = False  # return each sample's final latents (DiffusionNFT's x0) with its image
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Rollout:
     log_probs: torch.Tensor  # [B, W]
     conditioning: dict[str, torch.Tensor]  # the prompt encodings it was denoised with (COND_KEYS), batch-first
     window_starts: list[int]  # each sample's first SDE step (its window_latents[:, 0] is x before it)
+    final_latents: torch.Tensor | None = None  # [B, ...] the denoised latents before decoding (clean_latents)
 
 
 # The prompt encodings a denoising step takes, under the names of the diffusers pipelines' own arguments. They are
@@ -646,6 +648,7 @@ class DiffusionPolicy(TrainableModule):
             log_probs=log_probs if size else torch.empty(n, 0),
             conditioning={k: v for k, v in cond.items() if v is not None},
             window_starts=[w.start for w in windows],
+            final_latents=x.float() if self.sampling.clean_latents else None,
         )
 
     def with_sampling(self, **overrides: Any) -> DiffusionPolicy:
@@ -683,6 +686,7 @@ class DiffusionPolicy(TrainableModule):
                 log_probs=out.log_probs[i].cpu().clone(),
                 conditioning=conds[i],
                 window_start=out.window_starts[i],
+                latents_clean=None if out.final_latents is None else out.final_latents[i].cpu().clone(),
             )
             for i in range(len(prompts))
         ]

@@ -62,6 +62,10 @@ NULLABLE: dict[str, Any] = {
     "trainer.ray.address": str,
     "trainer.ray.num_cpus": int,
     "trainer.ray.gpu_worker_torch_threads": int,
+    "actor_rollout_ref.actor.clip_ratio": float,
+    "actor_rollout_ref.rollout.calculate_log_probs": bool,
+    "algorithm.adv_clip_max": float,
+    "algorithm.old_policy_decay": float,
 }
 # Keys with a whole-number default whose values are real numbers (so 2.5 is accepted, "120s" is not).
 REAL: frozenset[str] = frozenset(

@@ -200,3 +200,33 @@ def test_old_policy_follows_the_schedule_every_interval(trainers):
 def test_small_trainer_base_is_the_flow_grpo_default():
     cfg = valid(*SMALL_IMAGE_TRAINER)
     assert cfg.actor_rollout_ref.actor.diffusion_loss.loss_mode == "flow_grpo"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["reward.streaming=false"], ["actor_rollout_ref.hybrid_engine=false"]])
+def test_full_finetune_old_copy_samples_and_ships(trainers, layout, tmp_path):
+    """A full fine-tune's old policy is a copy of the transformer's weights: the hybrid rollout swaps it in to
+    generate, the split layout ships it to the replicas. At decay 1 every sample is the base model's while the live
+    transformer moved."""
+    full = ["actor_rollout_ref.model.lora_rank=0", "actor_rollout_ref.actor.optim.lr=1e-3"]
+    trainer = trainers(*RUN, *full, *layout, "algorithm.old_policy_decay=1.0")
+    samples = [s for step in range(2) for s in trainer.train_step(step)[1] if s.version >= 1]
+    assert samples
+    got = torch.stack([s.result.latents_clean for s in samples])
+    assert (got - drawn_full(samples)).abs().max() < 1e-4
+    trainer.placement.actor_wg.save_checkpoint(str(tmp_path / "ckpt"))
+    state = torch.load(tmp_path / "ckpt" / "actor.pt", weights_only=True)
+    assert (got - drawn_full(samples, state["weights"])).abs().max() > 1e-2
+
+
+def drawn_full(samples, weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """What tiny SD3's transformer with ``weights`` (None: as loaded) draws for these samples, in process."""
+    from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
+
+    policy = DiffusionPolicy(
+        "tiny:sd3", SamplingConfig(height=32, width=32, num_inference_steps=4, clean_latents=True), lora_rank=0
+    )
+    if weights is not None:
+        policy.load_weights_state_dict(weights)
+    out = policy.generate([s.row.prompt for s in samples], [s.seed for s in samples])
+    return torch.stack([r.latents_clean for r in out])

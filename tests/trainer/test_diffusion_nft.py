@@ -230,3 +230,84 @@ def drawn_full(samples, weights: dict[str, torch.Tensor] | None = None) -> torch
         policy.load_weights_state_dict(weights)
     out = policy.generate([s.row.prompt for s in samples], [s.seed for s in samples])
     return torch.stack([r.latents_clean for r in out])
+
+
+@pytest.mark.slow
+def test_two_ranks_train_and_refresh_as_one_process(tmp_path):
+    """LoRA DiffusionNFT on two actor ranks (gloo) equals one process on the whole batch: the same gradient norm
+    (each sample's x_t from its own seed, whichever rank), the same old policy after a refresh on every rank (what a
+    sync ships), and a checkpoint that restores it."""
+    import ray
+    from omegaconf import OmegaConf
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+    from omni_async.cluster import init_ray, shutdown_ray
+    from omni_async.modality.base import model_dtype
+    from omni_async.sample import PromptRow, RewardOutcome, Sample
+    from omni_async.trainer.actor_core import update_minibatch
+    from omni_async.trainer.actor_worker import ActorWorker
+    from omni_async.trainer.step_ops import StepOps
+
+    cfg = compose(
+        [
+            *[o for o in SMALL_IMAGE_TRAINER if "batch_size=" not in o and "rollout.n=" not in o],
+            *RUN,
+            "actor_rollout_ref.rollout.n=3",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "algorithm.timestep_fraction=0.5",
+        ]
+    )
+    modality = modality_of(cfg)
+    m, a = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor
+    torch.manual_seed(int(cfg.trainer.seed))
+    policy = modality.build_policy(
+        OmegaConf.to_container(m, resolve=True),
+        vars(modality.sampling_config(cfg)),
+        "cpu",
+        dtype=model_dtype(None, "cpu"),
+    )
+    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=a.optim.lr, weight_decay=a.optim.weight_decay)
+    policy.init_old_policy()
+    prompts = ["a red sign", "say 12", "a blue door"]
+    samples = [
+        Sample(p * 3 + k, f"0-{p}", PromptRow(q, "x", ""), 100 + p * 3 + k)
+        for p, q in enumerate(prompts)
+        for k in range(3)
+    ]
+    for i, (s, r) in enumerate(
+        zip(samples, policy.generate([s.row.prompt for s in samples], [s.seed for s in samples]), strict=True)
+    ):
+        s.result, s.outcome = r, RewardOutcome("ok", float((i * 7) % 5))
+    batch = StepOps(cfg, modality, None, None).build_batch(samples)
+    assert batch.batch["train_steps"].shape == (9, 2) and "old_log_probs" not in batch.batch.keys()
+
+    shutdown_ray()
+    init_ray(num_gpus=2, num_cpus=16)
+    pool = RayResourcePool([2], use_gpu=True, max_colocate_count=1, name_prefix="dp_nft")
+    wg = RayWorkerGroup(
+        pool, RayClassWithInitArgs(ray.remote(ActorWorker), config=OmegaConf.to_container(cfg, resolve=True)),
+        name_prefix="dp_nft",
+    )  # fmt: skip
+    try:
+        wg.init_model()
+        for _ in range(2):
+            expected = update_minibatch(modality, policy, optimizer, batch, a)
+            got = wg.update_minibatch(batch)
+            assert got["actor/grad_norm"] == pytest.approx(expected["actor/grad_norm"], rel=1e-4)
+        moved = wg.refresh_old_policy(0.5)
+        assert moved[0] == moved[1] == pytest.approx(policy.refresh_old(0.5), rel=1e-4)
+        shipped = ray.get([w.get_weights.remote() for w in wg.workers])  # the rollout's weights: the old ones
+        want = policy.old_weights_views()
+        for k in want:
+            assert torch.equal(shipped[0][k], shipped[1][k])
+            assert torch.allclose(shipped[0][k], want[k], atol=1e-6)
+        wg.save_checkpoint(str(tmp_path))
+        wg.refresh_old_policy(0.0)  # the old policy moves on ...
+        wg.load_checkpoint(str(tmp_path))  # ... and the checkpoint brings it back
+        again = ray.get(wg.workers[1].get_weights.remote())
+        assert all(torch.equal(again[k], shipped[0][k]) for k in want)
+    finally:
+        for w in wg.workers:
+            ray.kill(w)
+        ray.util.remove_placement_group(pool.get_placement_groups()[0])
+        shutdown_ray()

@@ -203,7 +203,7 @@ class ImageModality(Modality):
         one); ``docs/diffusion_nft.md`` gives the argument and the bound on the difference."""
         dl = actor_cfg.diffusion_loss
         dev = policy.device
-        cond = policy.conditioning_from(batch.batch)
+        cond = policy.conditioning_from(batch.batch, batched=True)
         x0 = batch.batch["latents_clean"].to(dev, torch.float32)
         steps = batch.batch["train_steps"].long()
         reward_prob = batch.batch["reward_prob"].reshape(-1).to(dev)
@@ -216,15 +216,16 @@ class ImageModality(Modality):
             i = steps[:, j]
             sigma = policy.sigmas[i.to(policy.sigmas.device)].to(dev)
             xt = forward_noised(x0, sigma, noise[:, j])
+            # One transformer call for the micro-batch, each sample at its own step (no log-prob to keep bitwise).
             with torch.no_grad(), policy.old_policy():
-                v_old = policy.velocity(cond, xt, i)
+                v_old = policy.velocity(cond, xt, i, per_sample=False)
             v_ref = None
             if dl.ref_kl_coef > 0:
                 t0 = device_clock(dev)
                 with torch.no_grad(), policy.reference():
-                    v_ref = policy.velocity(cond, xt, i)
+                    v_ref = policy.velocity(cond, xt, i, per_sample=False)
                 ref_s += device_clock(dev) - t0
-            v_theta = policy.velocity(cond, xt, i)
+            v_theta = policy.velocity(cond, xt, i, per_sample=False)
             loss, m = nft_loss(
                 v_theta,
                 v_old,

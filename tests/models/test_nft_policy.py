@@ -19,10 +19,10 @@ DL = {"mix_beta": 0.3, "adv_clip_max": 5.0, "adaptive_weight_min": 1e-5, "ref_kl
 ACTOR = OmegaConf.create({"diffusion_loss": DL, "kl_loss_coef": 0.0, "ppo_micro_batch_size_per_gpu": None})
 
 
-def make(lora_rank: int = 4, name: str = "sd3") -> DiffusionPolicy:
+def make(lora_rank: int = 4, name: str = "sd3", **sampling) -> DiffusionPolicy:
     torch.manual_seed(0)
     frames = 5 if name.startswith("wan") else 1
-    cfg = SamplingConfig(num_inference_steps=4, height=32, width=32, num_frames=frames, clean_latents=True)
+    cfg = SamplingConfig(num_inference_steps=4, height=32, width=32, num_frames=frames, clean_latents=True, **sampling)
     return DiffusionPolicy(f"tiny:{name}", cfg, lora_rank=lora_rank, lora_alpha=8, target_modules=["to_q", "to_v"])
 
 
@@ -116,7 +116,7 @@ def test_nft_update_is_the_reference_formula_with_the_trainers_current_old(no_ne
     # The reference: the same x_t (the sample's own noise), velocities of the live / current old / adapter-off model.
     for m in policy.trainable_parameters():
         m.grad = None
-    cond = policy.conditioning_from(batch.batch)
+    cond = policy.conditioning_from(batch.batch, batched=True)
     x0 = batch.batch["latents_clean"]
     noise = forward_noise(batch.batch["noise_seed"], x0, 2)
     losses = []
@@ -126,11 +126,11 @@ def test_nft_update_is_the_reference_formula_with_the_trainers_current_old(no_ne
         xt = (1 - sigma.view(-1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1) * noise[:, j]
         assert torch.allclose(xt, forward_noised(x0, sigma, noise[:, j]))
         with torch.no_grad(), policy.old_policy():
-            v_old = policy.velocity(cond, xt, i)
+            v_old = policy.velocity(cond, xt, i, per_sample=False)
         with torch.no_grad(), policy.reference():
-            v_ref = policy.velocity(cond, xt, i)
+            v_ref = policy.velocity(cond, xt, i, per_sample=False)
         loss, _ = nft_loss(
-            policy.velocity(cond, xt, i), v_old, x0, xt, sigma, batch.batch["reward_prob"].reshape(-1),
+            policy.velocity(cond, xt, i, per_sample=False), v_old, x0, xt, sigma, batch.batch["reward_prob"].reshape(-1),
             batch.batch["loss_mask"], v_ref=v_ref, **{k: v for k, v in DL.items() if k != "clip_ratio"},
         )  # fmt: skip
         (loss / 2).backward()
@@ -172,3 +172,23 @@ def test_masked_sample_and_micro_batches_give_the_same_gradient(name, no_network
         grads.append([m.grad.clone() for m in policy.trainable_parameters()])
     assert sum(float(g.abs().sum()) for g in grads[0]) > 0
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(*grads, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("name", "sampling"),
+    [("sd3", {"guidance_scale": 3.0}), ("qwen_image", {"true_cfg_scale": 4.0}), ("wan22", {})],
+)
+def test_one_call_with_per_sample_steps_equals_one_call_per_sample(name, sampling, no_network):
+    """The NFT update's batched transformer call (each sample at its own step) gives each sample's own velocity:
+    with CFG (SD3, Qwen-Image's text padded to one length with a mask) and across Wan 2.2's experts (tiny:wan22's
+    steps 0-1 run the high-noise expert, 2-3 the low-noise one: one call per expert)."""
+    policy = make(name=name, **sampling)
+    cond = policy.encode(PROMPTS)
+    x = policy.adapter.init_latents([torch.Generator().manual_seed(s) for s in SEEDS])
+    steps = torch.tensor([0, 3, 1])
+    with torch.no_grad():
+        batched = policy.velocity(policy.prepare(cond, batched=True), x, steps, per_sample=False)
+        one_by_one = policy.velocity(cond, x, steps)
+    assert (batched - one_by_one).abs().max() < 1e-4 * max(1.0, float(one_by_one.abs().max()))
+    if name == "wan22":
+        assert len({id(policy.denoisers[k]) for k in steps.tolist()}) == 2

@@ -255,6 +255,8 @@ def test_two_ranks_train_and_refresh_as_one_process(tmp_path):
             "actor_rollout_ref.rollout.n=3",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
             "algorithm.timestep_fraction=0.5",
+            "actor_rollout_ref.actor.optim.lr=1e-3",  # Adam turns rounding-level gradient differences into lr-sized
+            # steps on near-zero entries: a small lr keeps the two paths' weights comparable at 1e-6
         ]
     )
     modality = modality_of(cfg)
@@ -300,7 +302,7 @@ def test_two_ranks_train_and_refresh_as_one_process(tmp_path):
         want = policy.old_weights_views()
         for k in want:
             assert torch.equal(shipped[0][k], shipped[1][k])
-            assert torch.allclose(shipped[0][k], want[k], atol=1e-6)
+            assert torch.allclose(shipped[0][k], want[k], atol=1e-6), float((shipped[0][k] - want[k]).abs().max())
         wg.save_checkpoint(str(tmp_path))
         wg.refresh_old_policy(0.0)  # the old policy moves on ...
         wg.load_checkpoint(str(tmp_path))  # ... and the checkpoint brings it back

@@ -151,7 +151,10 @@ def main(argv=None) -> dict:
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-5)
     modality = ImageModality()
     actor_cfg = SimpleNamespace(
-        clip_ratio=1e-4, kl_loss_coef=0.0, grad_clip=1.0, ppo_micro_batch_size_per_gpu=args.micro_batch
+        diffusion_loss=SimpleNamespace(clip_ratio=1e-4),
+        kl_loss_coef=0.0,
+        grad_clip=1.0,
+        ppo_micro_batch_size_per_gpu=args.micro_batch,
     )
     start = max(0, min(2, args.steps - args.window))
     window = range(start, start + args.window)

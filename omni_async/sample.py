@@ -40,7 +40,8 @@ def is_video(pixels: np.ndarray | torch.Tensor) -> bool:
 
 @dataclass
 class ImageResult:
-    """A generated image or video and the SDE-window trajectory the loss needs."""
+    """A generated image or video and what its loss needs: the SDE-window trajectory (FlowGRPO), or the clean final
+    latents (DiffusionNFT: no window, no log-probs)."""
 
     pixels: np.ndarray  # uint8 [H, W, 3] or video [T, H, W, 3]
     window_latents: torch.Tensor  # [W + 1, ...]: x before the window's first step, then after each step
@@ -50,6 +51,9 @@ class ImageResult:
     # data only: they never enter a reward chunk (reward_fields).
     conditioning: dict[str, torch.Tensor] = field(default_factory=dict)
     window_start: int = 0  # the denoising step the window starts at (window_latents[0] is x before that step)
+    # The clean final latents [...] (DiffusionNFT's x0: the loss noises them again on the forward process); None for
+    # the SDE-window losses, whose payload is the window instead.
+    latents_clean: torch.Tensor | None = None
 
     unfinished = False  # an image is one device batch: never interrupted
 

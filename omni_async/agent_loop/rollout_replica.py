@@ -45,6 +45,7 @@ from omni_async.sample import Result
 logger = logging.getLogger(__name__)
 
 SEED_SAMPLE, SEED_WINDOW, SEED_VALIDATION = 0, 1, 2  # independent random streams
+SEED_NFT_STEPS, SEED_NFT_NOISE = 3, 4  # DiffusionNFT: a sample's training steps and forward noise (its own seed's)
 
 
 def sample_seed(base_seed: int, step: int, index: int, stream: int = SEED_SAMPLE) -> int:

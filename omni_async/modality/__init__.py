@@ -12,12 +12,23 @@ from omni_async.modality.base import REF_TIME_KEY, Modality
 from omni_async.modality.image import ImageModality
 from omni_async.modality.text import TextModality
 
-__all__ = ["REF_TIME_KEY", "Modality", "get_modality"]
+__all__ = ["REF_TIME_KEY", "Modality", "get_modality", "modality_of"]
 
 MODALITIES: dict[str, type] = {"image": ImageModality, "text": TextModality}
 
 
-def get_modality(name: str) -> Modality:
+def get_modality(name: str, loss_mode: str | None = None) -> Modality:
+    """The modality ``name``; an image modality trains with ``loss_mode`` (``None``: FlowGRPO)."""
     if name not in MODALITIES:
         raise ValueError(f"actor_rollout_ref.model.modality={name!r}: use image (diffusion) or text (causal LM)")
+    if name == "image" and loss_mode is not None:
+        return ImageModality(loss_mode)
     return MODALITIES[name]()
+
+
+def modality_of(cfg) -> Modality:
+    """The config's modality (``actor_rollout_ref.model.modality``) with its loss mode
+    (``actor_rollout_ref.actor.diffusion_loss.loss_mode`` for images)."""
+    arr = cfg.actor_rollout_ref
+    image = arr.model.modality == "image"
+    return get_modality(arr.model.modality, arr.actor.diffusion_loss.loss_mode if image else None)

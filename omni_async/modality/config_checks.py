@@ -119,3 +119,203 @@ def _check_long_tail(cfg: DictConfig) -> None:
         f"must be > 0, got {alpha}",
         "e.g. 1.2 (or null: no budget)",
     )
+
+
+# verl-omni's values of the keys that choose the diffusion training path, per data path (algos.loss_modes).
+_NFT_VALUES = {
+    "actor_rollout_ref.model.model_type": "diffusion_nft_model",
+    "actor_rollout_ref.model.policy_state_adapters": ["default", "old"],
+    "actor_rollout_ref.rollout.rollout_adapter": "old",
+    "algorithm.trainer_type": "direct_preference",
+}
+_WINDOW_VALUES = {
+    "actor_rollout_ref.model.model_type": "diffusion_model",
+    "actor_rollout_ref.model.policy_state_adapters": ["default"],
+    "actor_rollout_ref.rollout.rollout_adapter": "default",
+    "algorithm.trainer_type": "policy_gradient",
+}
+
+
+def check_loss(cfg: DictConfig) -> None:
+    """The diffusion loss (``actor_rollout_ref.actor.diffusion_loss.*``, verl-omni's ``DiffusionLossConfig``), the
+    algorithm and the keys verl-omni pairs with it (``model.model_type``, ``policy_state_adapters``,
+    ``rollout.rollout_adapter``, ``rollout.calculate_log_probs``, ``algorithm.trainer_type`` / ``sample_source``),
+    and DiffusionNFT's ``algorithm.*`` (``algos.diffusion_nft``). Text keeps verl's ``actor.clip_ratio`` and
+    ``algorithm.adv_clip_max``."""
+    from omegaconf import OmegaConf
+
+    from omni_async.algos.diffusion_nft import ADV_MODES, DECAY_SCHEDULES
+    from omni_async.algos.loss_modes import LOSS_MODES, PLANNED_ALGORITHMS, PLANNED_ISSUE
+
+    arr, algo = cfg.actor_rollout_ref, cfg.algorithm
+    actor, dl = arr.actor, arr.actor.diffusion_loss
+    if arr.model.modality == "text":
+        _check(
+            actor.clip_ratio is not None,
+            "actor_rollout_ref.actor.clip_ratio",
+            "text GRPO's PPO clip (verl's key) is not set",
+            "set actor_rollout_ref.actor.clip_ratio=0.2 (--config-name grpo_text_trainer sets it)",
+        )
+        _check(
+            arr.model.model_type == "language_model",
+            "actor_rollout_ref.model.model_type",
+            f"{arr.model.model_type!r} is a diffusion engine; a causal LM trains as language_model",
+            "set actor_rollout_ref.model.model_type=language_model",
+        )
+        return
+    _check(
+        actor.clip_ratio is None,
+        "actor_rollout_ref.actor.clip_ratio",
+        "diffusion losses read their clip from verl-omni's diffusion_loss section",
+        f"set actor_rollout_ref.actor.diffusion_loss.clip_ratio={actor.clip_ratio} instead",
+    )
+    _check(
+        algo.adv_clip_max is None,
+        "algorithm.adv_clip_max",
+        "diffusion losses clip advantages with verl-omni's diffusion_loss.adv_clip_max (text GRPO reads this key)",
+        f"set actor_rollout_ref.actor.diffusion_loss.adv_clip_max={algo.adv_clip_max} instead",
+    )
+    name, algorithm = dl.loss_mode, arr.model.algorithm
+    built = [m for m, v in LOSS_MODES.items() if v.built]
+    algorithms = sorted({LOSS_MODES[m].algorithm for m in built})
+    _check(  # first: loss_mode follows the algorithm when not given
+        algorithm not in PLANNED_ALGORITHMS,
+        "actor_rollout_ref.model.algorithm",
+        f"{algorithm} is not built yet ({PLANNED_ISSUE} brings it)",
+        f"use one of {', '.join(algorithms)}",
+    )
+    _check(
+        algorithm in algorithms,
+        "actor_rollout_ref.model.algorithm",
+        f"{algorithm!r} is not a diffusion algorithm of this project",
+        f"use one of {', '.join(algorithms)} (text GRPO: --config-name grpo_text_trainer)",
+    )
+    _check(
+        name in LOSS_MODES,
+        "actor_rollout_ref.actor.diffusion_loss.loss_mode",
+        f"unknown loss mode {name!r} (verl-omni's modes: {', '.join(LOSS_MODES)})",
+        f"use one of {', '.join(built)}",
+    )
+    mode = LOSS_MODES[name]
+    _check(
+        mode.built,
+        "actor_rollout_ref.actor.diffusion_loss.loss_mode",
+        f"{name} is not built yet ({PLANNED_ISSUE} brings it)",
+        f"use one of {', '.join(built)}",
+    )
+    _check(
+        mode.algorithm == algorithm,
+        "actor_rollout_ref.actor.diffusion_loss.loss_mode",
+        f"{name} runs under actor_rollout_ref.model.algorithm={mode.algorithm}, not {algorithm}",
+        f"set actor_rollout_ref.model.algorithm={mode.algorithm} (loss_mode follows it when not given)",
+    )
+    nft = name == "diffusion_nft"
+    for key, want in (_NFT_VALUES if nft else _WINDOW_VALUES).items():
+        value = OmegaConf.select(cfg, key)
+        value = list(value) if OmegaConf.is_list(value) else value
+        _check(
+            value == want,
+            key,
+            f"{value!r} does not fit loss_mode={name} (verl-omni pairs it with {want!r})",
+            f"set {key}={want!r}".replace("'", '"') if isinstance(want, list) else f"set {key}={want}",
+        )
+    _check(
+        algo.sample_source == "online",
+        "algorithm.sample_source",
+        f"{algo.sample_source!r}: offline preference data is not part of this project (every sample is generated)",
+        "set algorithm.sample_source=online",
+    )
+    logp = arr.rollout.calculate_log_probs
+    _check(
+        logp is None or bool(logp) != nft,
+        "actor_rollout_ref.rollout.calculate_log_probs",
+        "DiffusionNFT's rollout returns no log-probs (ODE sampling, final latents only)"
+        if nft
+        else "FlowGRPO's rollout always returns the SDE window's log-probs (the SDE step's by-product)",
+        f"set it to {str(not nft).lower()}, or null (what the loss needs)",
+    )
+    positive = {"clip_ratio": dl.clip_ratio, "adv_clip_max": dl.adv_clip_max, "mix_beta": dl.mix_beta}
+    positive |= {"adaptive_weight_min": dl.adaptive_weight_min, "dpo_beta": dl.dpo_beta}
+    for key, value in positive.items():
+        _check(value > 0, f"actor_rollout_ref.actor.diffusion_loss.{key}", f"must be > 0, got {value}", "see README")
+    for key, value in {"ref_kl_coef": dl.ref_kl_coef, "kl_mask_threshold": dl.kl_mask_threshold}.items():
+        _check(value >= 0, f"actor_rollout_ref.actor.diffusion_loss.{key}", f"must be >= 0, got {value}", "e.g. 0")
+    _check(
+        isinstance(dl.add_kl_coefficient, bool),
+        "actor_rollout_ref.actor.diffusion_loss.add_kl_coefficient",
+        "must be true or false",
+        "verl-omni's default is true",
+    )
+    _check(
+        0 < algo.timestep_fraction <= 1,
+        "algorithm.timestep_fraction",
+        f"must be in (0, 1], got {algo.timestep_fraction}",
+        "1.0 trains every rollout step (verl-omni's recipe)",
+    )
+    _check(
+        algo.old_policy_decay_schedule in DECAY_SCHEDULES,
+        "algorithm.old_policy_decay_schedule",
+        f"unknown schedule {algo.old_policy_decay_schedule!r}",
+        f"use one of {', '.join(DECAY_SCHEDULES)}",
+    )
+    _check(
+        algo.old_policy_decay is None or 0 <= algo.old_policy_decay <= 1,
+        "algorithm.old_policy_decay",
+        f"must be in [0, 1], got {algo.old_policy_decay}",
+        "e.g. 0.9, or null (the schedule's)",
+    )
+    _check(
+        algo.old_policy_update_interval >= 1,
+        "algorithm.old_policy_update_interval",
+        f"must be >= 1, got {algo.old_policy_update_interval}",
+        "e.g. 1 (after every step) or 2 (verl-omni's recipe)",
+    )
+    _check(
+        algo.adv_mode in ADV_MODES,
+        "algorithm.adv_mode",
+        f"unknown mode {algo.adv_mode!r}",
+        f"use one of {', '.join(ADV_MODES)}",
+    )
+    if nft:
+        _check_nft(cfg)
+
+
+def _check_nft(cfg: DictConfig) -> None:
+    """What DiffusionNFT cannot take: the keys of the log-prob losses, and a sharded full fine-tune's old copy."""
+    arr, algo = cfg.actor_rollout_ref, cfg.algorithm
+    rc = algo.rollout_correction
+    for key in ("rollout_is", "rollout_rs"):
+        _check(
+            rc[key] is None,
+            f"algorithm.rollout_correction.{key}",
+            "corrects between recomputed and rollout log-probs; DiffusionNFT's rollout has none (its lagging old "
+            "policy is part of the loss)",
+            f"drop algorithm.rollout_correction.{key}",
+        )
+    _check(
+        arr.actor.kl_loss_coef == 0,
+        "actor_rollout_ref.actor.kl_loss_coef",
+        "is FlowGRPO's KL on the SDE step's mean; DiffusionNFT regularises toward the reference in prediction space",
+        f"set actor_rollout_ref.actor.diffusion_loss.ref_kl_coef={arr.actor.kl_loss_coef} and kl_loss_coef=0",
+    )
+    _check(
+        not (arr.actor.diffusion_loss.ref_kl_coef > 0 and arr.model.lora_rank == 0),
+        "actor_rollout_ref.actor.diffusion_loss.ref_kl_coef",
+        "needs a reference policy, the model with its LoRA adapter off; a full fine-tune keeps no frozen copy",
+        "set it to 0, or train LoRA (actor_rollout_ref.model.lora_rank=8)",
+    )
+    _check(
+        not algo.drop_zero_adv_samples,
+        "algorithm.drop_zero_adv_samples",
+        "is flow_grpo's filter of zero-gradient samples; a DiffusionNFT sample with advantage 0 has r = 1/2 and "
+        "still trains (both implicit branches)",
+        "set algorithm.drop_zero_adv_samples=false",
+    )
+    ranks = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
+    _check(
+        not (arr.model.lora_rank == 0 and ranks > 1),
+        "actor_rollout_ref.model.lora_rank",
+        f"a full fine-tune on {ranks} actor ranks is sharded (FSDP2); DiffusionNFT's old copy of sharded weights is "
+        "not implemented",
+        "train LoRA (lora_rank > 0; verl-omni's recipe uses 64), or one actor rank",
+    )

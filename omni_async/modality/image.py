@@ -1,11 +1,17 @@
-"""Images and video: a diffusion policy trained with FlowGRPO over the stored SDE window.
+"""Images and video: a diffusion policy trained with FlowGRPO over the stored SDE window, or with DiffusionNFT on
+the forward process (``actor_rollout_ref.actor.diffusion_loss.loss_mode``, ``algos.loss_modes``).
 
-Batch tensors per sample: ``window_latents`` [W+1, ...] (x before the window, then after each SDE step),
+FlowGRPO's batch tensors per sample: ``window_latents`` [W+1, ...] (x before the window, then after each SDE step),
 ``window_start`` (the denoising step the sample's window starts at: windows differ per sample),
 ``old_log_probs`` [W] (the rollout's, pi_old in bypass mode), ``rm_scores`` [1] (verl's outcome-reward form) and
 the prompt encodings made at rollout (``prompt_embeds`` [S, D], ..., see ``models.diffusion_policy.COND_KEYS``),
 so the update and the log-prob recompute never run the text encoder.
 The loss runs window step by window step with gradients accumulated, so one step's graph is alive at a time.
+
+DiffusionNFT's: ``latents_clean`` (x0, the rollout's final latents), ``rm_scores``, the prompt encodings, and what
+``StepOps.build_batch`` adds: ``reward_prob`` [1] (the optimality probability), ``train_steps`` [T] (the denoising
+steps the sample trains on) and ``noise_seed`` (its forward-process noise). No window, no log-probs. The loss runs
+training step by training step, each with gradients accumulated (``_nft_backward``).
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from omni_async.algos.diffusion_nft import forward_noised, nft_loss
 from omni_async.algos.loss import flow_grpo_loss
+from omni_async.algos.loss_modes import uses_final_latents
 from omni_async.algos.sde import kl_to_reference
 from omni_async.modality.base import REF_TIME_KEY, Modality, rm_score, score_labels
 from omni_async.models.device import device_clock
@@ -29,7 +37,13 @@ GRID_COLUMNS, GRID_MAX_IMAGES, CAPTION_HEIGHT_PX = 4, 16, 14
 
 class ImageModality(Modality):
     name = "image"
-    uses_window = True
+
+    def __init__(self, loss_mode: str = "flow_grpo"):
+        """``loss_mode``: ``actor_rollout_ref.actor.diffusion_loss.loss_mode`` (``algos.loss_modes``)."""
+        self.loss_mode = loss_mode
+        self.final_latents = uses_final_latents(loss_mode)
+        # DiffusionNFT samples with any solver: ODE here, so no SDE window is drawn for its samples.
+        self.uses_window = not self.final_latents
 
     def sampling_config(self, cfg: Any):
         from omni_async.models.diffusion_policy import SamplingConfig
@@ -48,6 +62,7 @@ class ImageModality(Modality):
             max_sequence_length=r.pipeline.max_sequence_length,
             vae_slicing=bool(r.pipeline.vae_slicing),
             vae_tiling=r.pipeline.vae_tiling,
+            clean_latents=self.final_latents,
         )
 
     def validation_sampling(self, cfg: Any) -> dict[str, Any]:
@@ -87,6 +102,12 @@ class ImageModality(Modality):
         from omni_async.models.diffusion_policy import collate_conditioning
 
         results: list[ImageResult] = [s.result for s in samples]
+        if self.final_latents:  # the SDE-window tensors are empty for these samples; x0 instead
+            return {
+                "latents_clean": torch.stack([r.latents_clean for r in results]),
+                "rm_scores": torch.tensor([[rm_score(s)] for s in samples]),
+                **collate_conditioning([r.conditioning for r in results]),
+            }
         return {
             "window_latents": torch.stack([r.window_latents for r in results]),
             "window_start": torch.tensor([r.window_start for r in results], dtype=torch.long),
@@ -123,6 +144,15 @@ class ImageModality(Modality):
     def backward(
         self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any, loss_scale: float = 1.0
     ) -> dict[str, list[float]]:
+        """The loss mode's gradient (the one dispatch point of the image losses, ``algos.loss_modes``)."""
+        if self.loss_mode == "diffusion_nft":
+            return self._nft_backward(policy, batch, loss_mask, actor_cfg, loss_scale)
+        return self._window_backward(policy, batch, loss_mask, actor_cfg, loss_scale)
+
+    def _window_backward(
+        self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any, loss_scale: float
+    ) -> dict[str, list[float]]:
+        """FlowGRPO: the clipped policy loss per SDE-window step."""
         start = self.window_starts(batch)
         cond = policy.conditioning_from(batch.batch)
         latents, old_lp, adv = (
@@ -151,7 +181,7 @@ class ImageModality(Modality):
                 old_lp[:, j],
                 adv,
                 mask_j,
-                clip_ratio=actor_cfg.clip_ratio,
+                clip_ratio=actor_cfg.diffusion_loss.clip_ratio,
                 kl=kl,
                 kl_coef=actor_cfg.kl_loss_coef,
                 is_weights=None if is_w is None else is_w[:, j],
@@ -159,16 +189,85 @@ class ImageModality(Modality):
             (loss * loss_scale / n_steps).backward()  # the window's steps are averaged
             for k, v in m.items():
                 step_metrics[k].append(v)
-        keys = list(step_metrics)
-        values = torch.stack([torch.stack(step_metrics[k]) for k in keys]).tolist() if keys else []
-        metrics: dict[str, list[float]] = dict(zip(keys, values, strict=True))
-        metrics[REF_TIME_KEY] = [ref_s]
-        return metrics
+        return _read_metrics(step_metrics, ref_s)
+
+    def _nft_backward(
+        self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any, loss_scale: float
+    ) -> dict[str, list[float]]:
+        """DiffusionNFT (``algos.diffusion_nft``): for each of the sample's training steps ``train_steps[:, j]``, x0
+        noised to that step's sigma with the sample's own noise (``noise_seed``: the same in any micro-batch), the
+        live prediction v_theta, the old policy's v_old and (``ref_kl_coef`` > 0) the adapter-off v_ref at the same
+        x_t; the loss's gradient accumulated step by step (one step's graph alive at a time) and averaged over them.
+
+        v_old is the trainer's *current* old policy, whichever old version drew the sample (fully async: an older
+        one); ``docs/diffusion_nft.md`` gives the argument and the bound on the difference."""
+        dl = actor_cfg.diffusion_loss
+        dev = policy.device
+        cond = policy.conditioning_from(batch.batch, batched=True)
+        x0 = batch.batch["latents_clean"].to(dev, torch.float32)
+        steps = batch.batch["train_steps"].long()
+        reward_prob = batch.batch["reward_prob"].reshape(-1).to(dev)
+        loss_mask = loss_mask.to(dev)
+        noise = forward_noise(batch.batch["noise_seed"], x0, steps.shape[1])
+        n_steps = steps.shape[1]
+        step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
+        ref_s = 0.0
+        for j in range(n_steps):
+            i = steps[:, j]
+            sigma = policy.sigmas[i.to(policy.sigmas.device)].to(dev)
+            xt = forward_noised(x0, sigma, noise[:, j])
+            # One transformer call for the micro-batch, each sample at its own step (no log-prob to keep bitwise).
+            with torch.no_grad(), policy.old_policy():
+                v_old = policy.velocity(cond, xt, i, per_sample=False)
+            v_ref = None
+            if dl.ref_kl_coef > 0:
+                t0 = device_clock(dev)
+                with torch.no_grad(), policy.reference():
+                    v_ref = policy.velocity(cond, xt, i, per_sample=False)
+                ref_s += device_clock(dev) - t0
+            v_theta = policy.velocity(cond, xt, i, per_sample=False)
+            loss, m = nft_loss(
+                v_theta,
+                v_old,
+                x0,
+                xt,
+                sigma,
+                reward_prob,
+                loss_mask,
+                mix_beta=dl.mix_beta,
+                adv_clip_max=dl.adv_clip_max,
+                adaptive_weight_min=dl.adaptive_weight_min,
+                v_ref=v_ref,
+                ref_kl_coef=dl.ref_kl_coef,
+            )
+            (loss * loss_scale / n_steps).backward()  # the training steps are averaged, as verl-omni's accumulation
+            for k, v in m.items():
+                step_metrics[k].append(v)
+        return _read_metrics(step_metrics, ref_s)
 
     def save_samples(self, out_dir: Path, step: int, samples: list[Sample]) -> Path:
         """A PNG grid of the images (a video's first frame), each captioned with its reward."""
         frames = [s.result.pixels[0] if is_video(s.result.pixels) else s.result.pixels for s in samples]
         return save_sample_grid(Path(out_dir) / f"step_{step:04d}.png", frames, score_labels(samples))
+
+
+def _read_metrics(step_metrics: dict[str, list[torch.Tensor]], ref_s: float) -> dict[str, list[float]]:
+    """The per-step metric tensors read in one device sync, plus the reference forwards' seconds."""
+    keys = list(step_metrics)
+    values = torch.stack([torch.stack(step_metrics[k]) for k in keys]).tolist() if keys else []
+    metrics: dict[str, list[float]] = dict(zip(keys, values, strict=True))
+    metrics[REF_TIME_KEY] = [ref_s]
+    return metrics
+
+
+def forward_noise(seeds: torch.Tensor, like: torch.Tensor, steps: int) -> torch.Tensor:
+    """DiffusionNFT's forward-process noise ``[B, steps, ...]``: sample ``b``'s from its own CPU generator seeded
+    with ``seeds[b]``, in step order, so a sample's x_t do not depend on its micro-batch or rank."""
+    out = []
+    for seed in seeds.tolist():
+        g = torch.Generator().manual_seed(int(seed))
+        out.append(torch.stack([torch.randn(like.shape[1:], generator=g) for _ in range(steps)]))
+    return torch.stack(out).to(like.device, like.dtype)
 
 
 def save_sample_grid(path: str | Path, images: list[np.ndarray], captions: list[str]) -> Path:

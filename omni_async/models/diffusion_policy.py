@@ -51,6 +51,7 @@ class SamplingConfig:
     max_sequence_length: int | None = None  # text-encoder tokens kept for prompt encoding; None = pipeline default
     vae_slicing: bool = True  # decode a batch one sample at a time (the same pixels, 1/B of the peak)
     vae_tiling: bool | None = None  # decode in overlapping spatial tiles; None = on for video (see vae_tiling)
+    clean_latents: bool = False  # return each sample's final latents (DiffusionNFT's x0) with its image
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Rollout:
     log_probs: torch.Tensor  # [B, W]
     conditioning: dict[str, torch.Tensor]  # the prompt encodings it was denoised with (COND_KEYS), batch-first
     window_starts: list[int]  # each sample's first SDE step (its window_latents[:, 0] is x before it)
+    final_latents: torch.Tensor | None = None  # [B, ...] the denoised latents before decoding (clean_latents)
 
 
 # The prompt encodings a denoising step takes, under the names of the diffusers pipelines' own arguments. They are
@@ -402,18 +404,19 @@ class DiffusionPolicy(TrainableModule):
         vae.enable_slicing() if cfg.vae_slicing else vae.disable_slicing()
         vae.enable_tiling() if tiling else vae.disable_tiling()
 
-    def conditioning_from(self, tensors) -> StepConditioning:
+    def conditioning_from(self, tensors, batched: bool = False) -> StepConditioning:
         """The prompt encodings a batch carries (``ImageModality.batch_tensors`` from each sample's
         ``ImageResult.conditioning``), prepared for :meth:`step` on the policy's device: the update and the log-prob
         recompute take these instead of running the text encoder again. The batch's padding (the mini-batch's
-        longest prompt) is trimmed on the host before anything moves."""
+        longest prompt) is trimmed on the host before anything moves. ``batched``: also the whole batch's rows, for
+        one transformer call (``velocity(..., per_sample=False)``)."""
         keys = tensors.keys()
         if "prompt_embeds" not in keys:
             raise KeyError(
                 "the batch carries no prompt_embeds: image batches are built by "
                 "ImageModality.batch_tensors from ImageResult.conditioning (made at rollout)"
             )
-        return self.prepare({k: tensors[k] for k in COND_KEYS if k in keys})
+        return self.prepare({k: tensors[k] for k in COND_KEYS if k in keys}, batched=batched)
 
     def prepare(self, cond: dict[str, torch.Tensor] | StepConditioning, batched: bool = False) -> StepConditioning:
         """Prompt encodings (a batch, as ``encode`` or :func:`collate_conditioning` gives them) as the transformer
@@ -527,11 +530,38 @@ class DiffusionPolicy(TrainableModule):
         """One transformer call at step ``i`` on ``rows`` for latents ``x`` [B, ...] (rows = B, or 2B under CFG: the
         positive branches, then the negative ones), with that step's transformer (Wan 2.2: its expert); the
         prediction in fp32, the branches combined in fp32."""
+        return self._guided_call(x, self.timesteps[i], rows, self.denoisers[i])
+
+    def _guided_call(self, x: torch.Tensor, t: torch.Tensor, rows: dict[str, torch.Tensor], model) -> torch.Tensor:
+        """:meth:`_guided` at timestep ``t``: one for the batch, or ``[B]``, one per sample."""
         k = len(rows["prompt_embeds"]) // len(x)
-        pred = self.adapter.forward(
-            x.repeat(k, *[1] * (x.ndim - 1)), self.timesteps[i], rows, self.denoisers[i]
-        ).float()
+        if t.ndim:  # per-sample timesteps: the CFG branches' rows repeat the samples
+            t = t.repeat(k)
+        pred = self.adapter.forward(x.repeat(k, *[1] * (x.ndim - 1)), t, rows, model).float()
         return self.adapter.guide(pred[: len(x)], pred[len(x) :]) if k > 1 else pred
+
+    def _guided_steps(self, x: torch.Tensor, steps: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The batch in one transformer call with each sample at its own step ``steps[b]`` (diffusers' transformers
+        take a ``[B]`` timestep), one call per transformer when the steps fall to different Wan 2.2 experts; ``rows``
+        the batch's (:func:`batch_rows`). For DiffusionNFT's forward-process steps, which score no log-prob, so the
+        bit-for-bit per-sample shapes of the SDE window (module docstring) are not needed."""
+        idx = steps.tolist()
+        t = self.timesteps[steps.to(self.timesteps.device)]
+        groups: dict[int, tuple[Any, list[int]]] = {}
+        for r, k in enumerate(idx):
+            groups.setdefault(id(self.denoisers[k]), (self.denoisers[k], []))[1].append(r)
+        if len(groups) == 1:
+            return self._guided_call(x, t, rows, self.denoisers[idx[0]])
+        n, out = len(x), None
+        cfg_rows = len(rows["prompt_embeds"]) // n
+        for model, members in groups.values():
+            sel = [m + n * b for b in range(cfg_rows) for m in members]  # the members' rows in each CFG branch
+            sub = {key: v[sel] for key, v in rows.items()}
+            pred = self._guided_call(x[members], t[members], sub, model)
+            if out is None:
+                out = pred.new_empty((n, *pred.shape[1:]))
+            out[members] = pred
+        return out
 
     def velocity(
         self,
@@ -544,13 +574,14 @@ class DiffusionPolicy(TrainableModule):
         """The (CFG-guided) velocity at step ``i``, fp32: one transformer call per sample on its own rows (module
         docstring), or with ``per_sample=False`` one call for the batch (needs ``prepare(..., batched=True)``).
         ``i``: one step for the batch, or a ``[B]`` tensor of per-sample steps (samples whose SDE windows start at
-        different steps; per sample only). The gradient flows through both CFG branches, as in flow_grpo and
-        verl-omni."""
+        different steps; batched, DiffusionNFT's forward-process steps: one call with per-sample timesteps,
+        :meth:`_guided_steps`). The gradient flows through both CFG branches, as in flow_grpo and verl-omni.
+        ``batched`` on :meth:`conditioning_from` / :meth:`prepare` makes the batched rows."""
         cond = self.prepare(cond)
         xs = x.to(self.compute_dtype)
         if not per_sample:
             if torch.is_tensor(i):
-                raise ValueError("a batched transformer call runs one denoising step; per-sample steps need per_sample")
+                return self._guided_steps(xs, i, cond.batched)
             return self._guided(xs, i, cond.batched)
         steps = i.tolist() if torch.is_tensor(i) else [int(i)] * len(xs)  # one host read per call
         return torch.cat(
@@ -646,6 +677,7 @@ class DiffusionPolicy(TrainableModule):
             log_probs=log_probs if size else torch.empty(n, 0),
             conditioning={k: v for k, v in cond.items() if v is not None},
             window_starts=[w.start for w in windows],
+            final_latents=x.float() if self.sampling.clean_latents else None,
         )
 
     def with_sampling(self, **overrides: Any) -> DiffusionPolicy:
@@ -683,6 +715,7 @@ class DiffusionPolicy(TrainableModule):
                 log_probs=out.log_probs[i].cpu().clone(),
                 conditioning=conds[i],
                 window_start=out.window_starts[i],
+                latents_clean=None if out.final_latents is None else out.final_latents[i].cpu().clone(),
             )
             for i in range(len(prompts))
         ]

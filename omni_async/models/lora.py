@@ -26,9 +26,15 @@ from functools import partial
 
 import torch
 
+from omni_async.algos.diffusion_nft import ema_update_
+
 # The adapter the rollout reads in the hybrid layout when an update may run while it generates (one-step
-# off-policy, the mini-batch pipeline): a frozen copy of the live ("default") adapter at the last published version.
+# off-policy, the mini-batch pipeline): a frozen copy of the adapter the rollout samples with (the live "default"
+# one; DiffusionNFT's "old" one) at the last published version.
 LIVE_ADAPTER, ROLLOUT_ADAPTER = "default", "rollout"
+# DiffusionNFT's lagging policy (verl-omni's policy_state_adapters=["default","old"]): the rollout samples with it and
+# the loss's v_old is its prediction; refreshed from the live weights by an EMA (algos.diffusion_nft).
+OLD_ADAPTER = "old"
 
 
 def dominant_dtype(module: torch.nn.Module) -> torch.dtype:
@@ -150,6 +156,7 @@ class TrainableModule:
                 if f".{LIVE_ADAPTER}." in name:
                     p.data = p.data.to(self.work_dtype)  # peft makes the adapter fp32; compute in the base dtype
         self._masters: MasterWeights | None = None
+        self._old: OldPolicy | None = None
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         """What the optimizer steps and the gradient clip / all-reduce reads: fp32 masters (made on first call)."""
@@ -176,9 +183,10 @@ class TrainableModule:
         with self._masters.installed(refresh) if self._masters is not None else contextlib.nullcontext():
             yield
 
-    def snapshot_for_rollout(self) -> None:
-        """Copy the live LoRA adapter into the rollout adapter (created on first use): a device-local copy of the
-        adapter, the hybrid layout's weight sync when updates overlap generation."""
+    def snapshot_for_rollout(self, source: str = LIVE_ADAPTER) -> None:
+        """Copy the ``source`` LoRA adapter (the live one, or DiffusionNFT's ``old``) into the rollout adapter
+        (created on first use): a device-local copy, the hybrid layout's weight sync when updates overlap
+        generation."""
         if not self.lora:
             raise RuntimeError(
                 "a rollout snapshot needs LoRA (actor_rollout_ref.model.lora_rank > 0); a full "
@@ -193,9 +201,9 @@ class TrainableModule:
             for name, p in module.named_parameters():
                 if f".{ROLLOUT_ADAPTER}." in name:
                     p.data = p.data.to(self.work_dtype)
-        # The live adapter's working copy: exactly the weights the live adapter computes with.
+        # The source adapter's working copy: exactly the weights it computes with.
         set_peft_model_state_dict(
-            module, get_peft_model_state_dict(module, adapter_name=LIVE_ADAPTER), adapter_name=ROLLOUT_ADAPTER
+            module, get_peft_model_state_dict(module, adapter_name=source), adapter_name=ROLLOUT_ADAPTER
         )
 
     @contextlib.contextmanager
@@ -206,6 +214,100 @@ class TrainableModule:
             yield
         finally:
             self.trainable.set_adapter(LIVE_ADAPTER)
+
+    # ---- DiffusionNFT's old policy ----------------------------------------------------------------------------
+    @property
+    def has_old_policy(self) -> bool:
+        return self._old is not None
+
+    def init_old_policy(self) -> None:
+        """Make the ``old`` policy a copy of the live weights (call after the optimizer exists: it copies the fp32
+        masters). LoRA: a second peft adapter, ``old``, on the same base (verl-omni's ``policy_state_adapters``);
+        full fine-tune: a copy of the transformer's trainable weights, swapped in for the old policy's forwards.
+        Either way fp32 masters of ``old`` take the EMA (:meth:`refresh_old`) and round into the working copy, so a
+        ``1 - decay`` of 0.001 is not lost to bf16's resolution."""
+        masters = self.trainable_parameters()
+        if self.lora:
+            module = self.trainable
+            if OLD_ADAPTER not in module.peft_config:
+                module.add_adapter(copy.deepcopy(module.peft_config[LIVE_ADAPTER]), adapter_name=OLD_ADAPTER)
+                module.set_adapter(LIVE_ADAPTER)  # add_adapter activates the new one
+            params = dict(module.named_parameters())
+            working = [params[_old_name(n)] for n in self._trainable_names]
+            for p in working:
+                p.requires_grad_(False)
+                p.data = p.data.to(self.work_dtype)
+        else:
+            params = dict(self.trainable.named_parameters())
+            working = [params[n].detach().clone() for n in self._trainable_names]
+        self._old = OldPolicy(working, [m.detach().float().clone() for m in masters])
+        self._old.write()
+
+    def refresh_old(self, decay: float) -> float:
+        """``old <- decay * old + (1 - decay) * theta`` on the fp32 masters, rounded into the working copy; returns
+        the L2 distance the old masters moved (``(1 - decay) x`` their gap to the live masters before)."""
+        old = self._require_old()
+        before = [m.clone() for m in old.master]
+        ema_update_(old.master, [m.detach() for m in self.trainable_parameters()], decay)
+        old.write()
+        return float(sum(((a - b) ** 2).sum() for a, b in zip(old.master, before, strict=True)) ** 0.5)
+
+    @contextlib.contextmanager
+    def old_policy(self) -> Iterator[None]:
+        """Forwards inside the block run the ``old`` policy (no gradient reaches the old weights: they never require
+        one). LoRA: the ``old`` adapter is active; full fine-tune: the old working copy is swapped into the module's
+        parameters (pointer swaps, no copy) and swapped back after."""
+        old = self._require_old()
+        if self.lora:
+            self.trainable.set_adapter(OLD_ADAPTER)
+            try:
+                yield
+            finally:
+                self.trainable.set_adapter(LIVE_ADAPTER)
+            return
+        params = dict(self.trainable.named_parameters())
+        live = [params[n] for n in self._trainable_names]
+        saved = [p.data for p in live]
+        try:
+            for p, o in zip(live, old.working, strict=True):
+                p.data = o
+            yield
+        finally:
+            for p, d in zip(live, saved, strict=True):
+                p.data = d
+
+    def old_weights_views(self) -> dict[str, torch.Tensor]:
+        """The ``old`` policy's working weights under :meth:`weights_views`' keys (no copy): what a rollout worker
+        loads as its weights when the rollout samples with ``old`` (``rollout.rollout_adapter=old``)."""
+        old = self._require_old()
+        if self.lora:
+            from peft.utils import get_peft_model_state_dict
+
+            return {
+                k: v.detach() for k, v in get_peft_model_state_dict(self.trainable, adapter_name=OLD_ADAPTER).items()
+            }
+        views = {k: v.detach() for k, v in self.trainable.state_dict().items()}
+        views.update(zip(self._trainable_names, old.working, strict=True))
+        return views
+
+    def old_state_dict(self) -> dict[str, torch.Tensor]:
+        """The old policy's fp32 masters under the live trainable parameters' names (a checkpoint's part)."""
+        return {n: m.clone() for n, m in zip(self._trainable_names, self._require_old().master, strict=True)}
+
+    def load_old_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        old = self._require_old()
+        with torch.no_grad():
+            for n, m in zip(self._trainable_names, old.master, strict=True):
+                m.copy_(state[n])
+        old.write()
+
+    def _require_old(self) -> OldPolicy:
+        if self._old is None:
+            raise RuntimeError(
+                "this policy has no old policy: DiffusionNFT's (actor_rollout_ref.model.policy_state_adapters="
+                '["default","old"]) is made by init_old_policy'
+            )
+        return self._old
 
     def weights_state_dict(self) -> dict[str, torch.Tensor]:
         """The trainable weights only (LoRA adapter, or the full module), masters where they exist: what a weight
@@ -260,3 +362,22 @@ class TrainableModule:
             yield
         finally:
             self.trainable.enable_adapters()
+
+
+def _old_name(live_name: str) -> str:
+    """The ``old`` adapter's parameter beside a live LoRA parameter (peft names them ``...lora_A.<adapter>.weight``)."""
+    return live_name.replace(f".{LIVE_ADAPTER}.", f".{OLD_ADAPTER}.")
+
+
+@dataclass
+class OldPolicy:
+    """DiffusionNFT's old policy: the tensors its forwards compute with (``working``: the ``old`` adapter's parameters,
+    or a full fine-tune's copy, in the compute dtype) and their fp32 masters, which the EMA updates."""
+
+    working: list[torch.Tensor]
+    master: list[torch.Tensor]
+
+    def write(self) -> None:
+        with torch.no_grad():
+            for w, m in zip(self.working, self.master, strict=True):
+                w.copy_(m)

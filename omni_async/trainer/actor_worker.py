@@ -27,6 +27,7 @@ it broadcast to a rollout pool (INFO; the other ranks at DEBUG, so a line per ev
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -43,8 +44,9 @@ from omni_async.agent_loop.rollout_replica import DeviceThread, GenerationBatche
 from omni_async.agent_loop.rollout_worker import RolloutWorker
 from omni_async.agent_loop.weight_sync import WeightGroup, fits_one_bucket, free_address, tensor_meta
 from omni_async.cluster import configure_worker
-from omni_async.modality import get_modality
+from omni_async.modality import modality_of
 from omni_async.modality.base import model_dtype
+from omni_async.models.lora import LIVE_ADAPTER, OLD_ADAPTER
 from omni_async.trainer import data_parallel as dpm
 from omni_async.trainer.actor_core import begin_step, compute_log_prob, train_minibatch
 from omni_async.trainer.mode import mode_of
@@ -59,7 +61,7 @@ class ActorWorker(Worker, RolloutWorker):
         super().__init__()
         self.cfg = OmegaConf.create(config)
         self.device = configure_worker()
-        self.modality = get_modality(self.cfg.actor_rollout_ref.model.modality)
+        self.modality = modality_of(self.cfg)
         self._device_thread = DeviceThread("actor-device")
         self.rollout_version = 0
         self.weights_shipped = 0  # get_weights calls: the split layout's transfers (stays 0 in the hybrid one)
@@ -118,6 +120,10 @@ class ActorWorker(Worker, RolloutWorker):
             )
             if self.dp.sharded:
                 dpm.full_params(self.policy.trainable)  # generation runs on the gathered (bf16) weights
+        # DiffusionNFT: the old policy (rollout.rollout_adapter=old) samples and gives the loss its v_old.
+        self.rollout_old = r.rollout_adapter == OLD_ADAPTER
+        if self.rollout_old:
+            self.policy.init_old_policy()
         overlap = mode_of(cfg).overlaps_update
         hybrid = cfg.actor_rollout_ref.hybrid_engine and int(r.nnodes) == 0  # not with a rollout pool
         self.snapshot = bool(hybrid and overlap)
@@ -133,16 +139,21 @@ class ActorWorker(Worker, RolloutWorker):
         )
 
     # ---- rollout (hybrid layout) --------------------------------------------------------------------------------
+    def _rollout_weights(self):
+        """The weights generation reads: the snapshot taken at the last sync when updates overlap generation, else
+        the old policy (DiffusionNFT) or the live weights."""
+        if self.snapshot:
+            return self.policy.rollout_adapter()
+        if self.rollout_old:
+            return self.policy.old_policy()
+        return contextlib.nullcontext()
+
     def _generate(self, *args, **kwargs):
-        if not self.snapshot:
-            return self.policy.generate(*args, **kwargs)
-        with self.policy.rollout_adapter():
+        with self._rollout_weights():
             return self.policy.generate(*args, **kwargs)
 
     def _stream(self, admit, emit, capacity: int) -> None:
-        if not self.snapshot:
-            return self.policy.generate_stream(admit, emit, capacity=capacity)
-        with self.policy.rollout_adapter():
+        with self._rollout_weights():
             return self.policy.generate_stream(admit, emit, capacity=capacity)
 
     async def set_rollout_version(self, version: int) -> int:
@@ -151,7 +162,7 @@ class ActorWorker(Worker, RolloutWorker):
 
         def publish() -> int:
             if self.snapshot:
-                self.policy.snapshot_for_rollout()
+                self.policy.snapshot_for_rollout(OLD_ADAPTER if self.rollout_old else LIVE_ADAPTER)
             begin_step(self.policy, self.cfg.actor_rollout_ref.actor.fsdp_config.param_offload)
             self.rollout_version = int(version)
             return self.rollout_version
@@ -182,15 +193,27 @@ class ActorWorker(Worker, RolloutWorker):
         return await self._on_device(self._weights)
 
     def _weights(self) -> dict[str, torch.Tensor]:
+        """What a rollout replica loads: the trainable weights, or (DiffusionNFT) the old policy's."""
         if self.dp.sharded:  # the gathered full weights, read without a collective (rank 0 alone is asked)
             return dpm.local_state_dict(self.policy.trainable)
+        if self.rollout_old:
+            return {k: v.clone() for k, v in self.policy.old_weights_views().items()}
         return self.policy.weights_state_dict()
 
     def _weight_views(self) -> dict[str, torch.Tensor]:
-        """The trainable weights read in place (no copy); FSDP2: the gathered full parameters."""
+        """The rollout's weights (:meth:`_weights`) read in place (no copy); FSDP2: the gathered full parameters."""
         if self.dp.sharded:
             return dpm.local_state_dict(self.policy.trainable, clone=False)
+        if self.rollout_old:
+            return self.policy.old_weights_views()
         return self.policy.weights_views()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    async def refresh_old_policy(self, decay: float) -> float:
+        """DiffusionNFT's old-policy refresh, ``old <- decay * old + (1 - decay) * theta`` (every rank the same, from
+        the same live weights); returns the distance the old weights moved. Runs on the device thread, so between
+        two generation batches and never inside an update."""
+        return await self._on_device(self.policy.refresh_old, float(decay))
 
     # ---- weight sync to a rollout pool (disaggregated layout; called on rank 0 only) ----------------------------
     async def weights_meta(self) -> list[tuple[str, tuple[int, ...], str]]:

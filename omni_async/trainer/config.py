@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from omni_async.config_error import ConfigError
 from omni_async.config_error import check as _check
 from omni_async.logs import check_log_level
-from omni_async.modality.config_checks import check_rollout
+from omni_async.modality.config_checks import check_loss, check_rollout
 from omni_async.reward.config_checks import check_reward
 from omni_async.reward.wiring import streaming_enabled
 from omni_async.trainer.config_schema import CONFIG_DIR, CONFIG_NAMES, compose_untyped, typed
@@ -118,6 +118,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     )
 
     check_rollout(cfg)
+    check_loss(cfg)
     check_reward(cfg)
 
     _check(cfg.algorithm.adv_std_eps >= 0, "algorithm.adv_std_eps", "must be >= 0", "flow_grpo uses 1e-4")
@@ -291,13 +292,13 @@ def _check_verl_keys(cfg: DictConfig) -> None:
     naming the key and what this project uses instead (no key is accepted and then ignored)."""
     arr, data, t = cfg.actor_rollout_ref, cfg.data, cfg.trainer
     rollout, actor, judge = arr.rollout, arr.actor, cfg.reward.reward_model.rollout
-    algorithm = {"image": "flow_grpo", "text": "grpo"}[arr.model.modality]
-    _check(
-        arr.model.algorithm == algorithm,
-        "actor_rollout_ref.model.algorithm",
-        f"{arr.model.algorithm!r} is not implemented for model.modality={arr.model.modality}",
-        f"use {algorithm} (verl-omni's other diffusion algorithms are not part of this project)",
-    )
+    if arr.model.modality == "text":  # images: check_loss (flow_grpo, diffusion_nft)
+        _check(
+            arr.model.algorithm == "grpo",
+            "actor_rollout_ref.model.algorithm",
+            f"{arr.model.algorithm!r} is not implemented for model.modality=text",
+            "use grpo",
+        )
     _check(
         data.max_prompt_length is None or data.max_prompt_length >= 1,
         "data.max_prompt_length",

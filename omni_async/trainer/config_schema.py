@@ -75,6 +75,10 @@ NULLABLE: dict[str, Any] = {
     "trainer.default_local_dir": str,
     "trainer.validation_data_dir": str,
     "trainer.rollout_data_dir": str,
+    "actor_rollout_ref.actor.clip_ratio": float,
+    "actor_rollout_ref.rollout.calculate_log_probs": bool,
+    "algorithm.adv_clip_max": float,
+    "algorithm.old_policy_decay": float,
 }
 # Keys with a whole-number default whose values are real numbers (so 2.5 is accepted, "120s" is not).
 REAL: frozenset[str] = frozenset(

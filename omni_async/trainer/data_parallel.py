@@ -463,7 +463,10 @@ def save_actor(path: str | Path, policy: Any, optimizer: torch.optim.Optimizer, 
         full_params(policy.trainable)
     elif dp.rank == 0:
         path.mkdir(parents=True, exist_ok=True)
-        torch.save({"weights": policy.weights_state_dict(), "optimizer": optimizer.state_dict()}, path / LORA_CKPT)
+        state = {"weights": policy.weights_state_dict(), "optimizer": optimizer.state_dict()}
+        if getattr(policy, "has_old_policy", False):  # DiffusionNFT: the old policy resumes where it was
+            state["old_weights"] = policy.old_state_dict()
+        torch.save(state, path / LORA_CKPT)
     dp.barrier()
 
 
@@ -496,3 +499,8 @@ def load_actor(path: str | Path, policy: Any, optimizer: torch.optim.Optimizer, 
     state = torch.load(path / LORA_CKPT, weights_only=True, map_location=dp.device)
     policy.load_weights_state_dict(state["weights"])
     optimizer.load_state_dict(state["optimizer"])
+    if getattr(policy, "has_old_policy", False):
+        if "old_weights" in state:
+            policy.load_old_state_dict(state["old_weights"])
+        else:  # a checkpoint written without an old policy (verl-omni's rule at start: old = the live weights)
+            policy.refresh_old(0.0)

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from omni_async.cluster import rollout_pool_size
 from omni_async.config_error import check as _check
-from omni_async.modality import get_modality
+from omni_async.modality import modality_of
 from omni_async.trainer.mode import interrupts_at_sync, mode_of
 from omni_async.trainer.pool_sync import PoolSync
 
@@ -179,7 +179,7 @@ def rollout_replicas(cfg: DictConfig, pool: Any, device_share: float) -> list[An
     from omni_async.agent_loop.rollout_replica import RolloutReplica
 
     m, r = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
-    modality = get_modality(m.modality)
+    modality = modality_of(cfg)
     bundles = [(pg, b) for pg in pool.get_placement_groups() for b in range(pg.bundle_count)]
     rollout_server = None
     if r.name == "vllm":  # text rollout through a vLLM server per replica (see models/vllm_text_policy)

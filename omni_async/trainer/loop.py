@@ -36,7 +36,7 @@ from omni_async.agent_loop.rollout_replica import SEED_VALIDATION, sample_seed
 from omni_async.agent_loop.rollouter import Group, Rollouter
 from omni_async.algos.sde import sde_window
 from omni_async.cluster import init_ray, reward_pool_size
-from omni_async.modality import get_modality
+from omni_async.modality import modality_of
 from omni_async.reward.wiring import RewardSide
 from omni_async.sample import Sample
 from omni_async.trainer.config import total_training_steps, validate
@@ -80,7 +80,7 @@ class RLTrainer:
         check_model_paths(cfg)  # before Ray starts: a typo costs a second, not a cluster start
         init_ray(cfg)
         self.mode = mode_of(self.cfg)
-        self.modality = get_modality(cfg.actor_rollout_ref.model.modality)
+        self.modality = modality_of(self.cfg)
         self.run_dir = Path(cfg.trainer.run_dir)
         train_rows = first_rows(load_prompts(cfg.data.train_files), cfg.data.train_max_samples)
         self.val_rows = (
@@ -251,6 +251,7 @@ class RLTrainer:
             groups, samples, loss_mask, actor_metrics = update(
                 self.ops, self.mode, self._take, step, timer, int(self.cfg.actor_rollout_ref.rollout.n)
             )
+            actor_metrics.update(self.ops.refresh_old_policy(step + 1))  # DiffusionNFT's old policy, before the sync
             self.after_update(step, timer)
         timing = dict(timer.timing)
         timing.setdefault("timing_s/reward", 0.0)

@@ -19,8 +19,11 @@ from omegaconf import DictConfig
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from verl import DataProto
 
+from omni_async.agent_loop.rollout_replica import SEED_NFT_NOISE, SEED_NFT_STEPS, sample_seed
 from omni_async.algos.advantages import group_advantages
+from omni_async.algos.diffusion_nft import old_policy_decay, optimality_probability, refreshes_after, train_steps
 from omni_async.modality import REF_TIME_KEY, Modality
+from omni_async.models.lora import OLD_ADAPTER
 from omni_async.reward.wiring import RewardSide
 from omni_async.sample import Sample
 from omni_async.trainer.timer import Timer
@@ -88,6 +91,10 @@ class StepOps:
         (failed samples and groups left with < 2 out; with ``algorithm.drop_zero_adv_samples`` zero-advantage ones
         too)."""
         algo = self.cfg.algorithm
+        image = self.cfg.actor_rollout_ref.model.modality == "image"
+        # images: verl-omni's diffusion_loss.adv_clip_max (flow_grpo and DiffusionNFT); text: algorithm.adv_clip_max
+        clip = self.cfg.actor_rollout_ref.actor.diffusion_loss.adv_clip_max if image else algo.adv_clip_max
+        nft = image and self.modality.loss_mode == "diffusion_nft"
         batch = DataProto.from_dict(
             tensors=self.modality.batch_tensors(samples),
             non_tensors={
@@ -104,8 +111,11 @@ class StepOps:
             std_unbiased=algo.adv_std_unbiased,
             norm_by_std=algo.norm_adv_by_std_in_grpo,
             global_std=algo.global_std,
-            adv_clip_max=algo.adv_clip_max,
+            # DiffusionNFT clips inside the map to the optimality probability (nft_batch)
+            adv_clip_max=None if nft else clip,
         )
+        if nft:
+            self.nft_batch(batch, adv, samples, clip)
         if algo.drop_zero_adv_samples:  # flow_grpo filters them out of the batch: the loss mean runs over the rest
             loss_mask = loss_mask & (adv != 0)
         batch.batch["advantages"], batch.batch["loss_mask"] = adv, loss_mask
@@ -113,9 +123,38 @@ class StepOps:
             s.advantage = a if kept else None
         return batch
 
+    def nft_batch(self, batch: DataProto, adv: torch.Tensor, samples: list[Sample], adv_clip_max: float) -> None:
+        """DiffusionNFT's tensors (verl-omni's ``DiffusionNFTLoss.prepare_actor_batch``): ``reward_prob`` from the
+        group advantages (``algos.diffusion_nft.optimality_probability``), the denoising steps each sample trains on
+        (``train_steps``: ``algorithm.timestep_fraction`` of the rollout's steps) and its forward-noise seed, both
+        from the sample's own seed, so a sample trains the same whichever batch, rank or resume it lands in."""
+        algo = self.cfg.algorithm
+        batch.batch["reward_prob"] = optimality_probability(
+            adv, adv_clip_max=adv_clip_max, adv_mode=algo.adv_mode
+        ).unsqueeze(-1)
+        steps = int(self.cfg.actor_rollout_ref.rollout.pipeline.num_inference_steps)
+        gens = [torch.Generator().manual_seed(sample_seed(s.seed, 0, 0, SEED_NFT_STEPS)) for s in samples]
+        batch.batch["train_steps"] = torch.stack([train_steps(steps, algo.timestep_fraction, g) for g in gens])
+        batch.batch["noise_seed"] = torch.tensor([sample_seed(s.seed, 0, 0, SEED_NFT_NOISE) for s in samples])
+
+    def refresh_old_policy(self, step: int) -> dict[str, float]:
+        """DiffusionNFT, after training step ``step`` (1-based): every ``algorithm.old_policy_update_interval`` steps
+        the old policy moves toward the trained one by ``1 - decay`` (verl-omni's ``_update_old_policy``), before the
+        weight sync, which ships the old weights to the rollout. Metrics: verl-omni's ``old_policy/*``."""
+        algo = self.cfg.algorithm
+        if self.cfg.actor_rollout_ref.rollout.rollout_adapter != OLD_ADAPTER:
+            return {}
+        if not refreshes_after(step, algo.old_policy_update_interval):
+            return {"old_policy/updated": 0.0}
+        decay = old_policy_decay(step, algo.old_policy_decay_schedule, algo.old_policy_decay)
+        moved = self._actor_call("refresh_old_policy", decay)
+        return {"old_policy/updated": 1.0, "old_policy/decay": decay, "old_policy/moved_l2": float(moved[0])}
+
     def recompute_old_log_probs(self, batch: DataProto, timer: Timer) -> None:
         """pi_old: the rollout's log-probs (bypass mode) or recomputed under the current weights (verl's decoupled
         mode), then verl's rollout correction between the two when configured (:meth:`rollout_correction`)."""
+        if "old_log_probs" not in batch.batch.keys():  # a final-latent loss (DiffusionNFT): no log-probs at all
+            return
         with timer("old_log_prob"):
             if not self.cfg.algorithm.rollout_correction.bypass_mode:
                 rollout_log_probs = batch.batch["old_log_probs"]

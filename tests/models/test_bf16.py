@@ -55,7 +55,7 @@ def test_bf16_policy_samples_recomputes_log_probs_and_trains(name, no_network):
 
     before = [p.detach().clone() for p in lora]
     optimizer = torch.optim.AdamW(lora, lr=1e-2)
-    actor_cfg = OmegaConf.create({"clip_ratio": 0.2, "kl_loss_coef": 0.01})
+    actor_cfg = OmegaConf.create({"diffusion_loss": {"clip_ratio": 0.2}, "kl_loss_coef": 0.01})
     for _ in range(2):
         optimizer.zero_grad()
         metrics = modality.backward(policy, batch, torch.ones(4, dtype=torch.bool), actor_cfg)
@@ -120,7 +120,9 @@ def test_bf16_rollout_log_prob_is_the_updates_first_forward_in_any_batching(name
     monkeypatch.setattr(policy, "step", recording_step)
     for micro in (1, 2):
         seen.clear()
-        actor_cfg = OmegaConf.create({"clip_ratio": 1e-4, "kl_loss_coef": 0.0, "ppo_micro_batch_size_per_gpu": micro})
+        actor_cfg = OmegaConf.create(
+            {"diffusion_loss": {"clip_ratio": 1e-4}, "kl_loss_coef": 0.0, "ppo_micro_batch_size_per_gpu": micro}
+        )
         metrics = accumulate_gradients(modality, policy, batch, actor_cfg)
         policy.transformer.zero_grad(set_to_none=True)
         w = len(window)
@@ -178,7 +180,12 @@ def test_bf16_lora_computes_in_bf16_with_fp32_masters_and_updates_as_the_fp32_lo
         {"window_start": 1},
     )
     actor_cfg = OmegaConf.create(
-        {"clip_ratio": 0.2, "kl_loss_coef": 0.0, "grad_clip": 1.0e9, "ppo_micro_batch_size_per_gpu": 2}
+        {
+            "diffusion_loss": {"clip_ratio": 0.2},
+            "kl_loss_coef": 0.0,
+            "grad_clip": 1.0e9,
+            "ppo_micro_batch_size_per_gpu": 2,
+        }
     )
     lr, deltas, grads, norms = 1e-3, [], [], []
     for policy in (new, old):

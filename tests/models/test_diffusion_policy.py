@@ -211,7 +211,10 @@ def test_no_host_read_per_denoising_step_nor_before_the_updates_last_backward():
         counts.append(len(reads.log))
     assert counts[0] == counts[1], counts
 
-    modality, actor_cfg = ImageModality(), OmegaConf.create({"clip_ratio": 0.2, "kl_loss_coef": 0.01})
+    modality, actor_cfg = (
+        ImageModality(),
+        OmegaConf.create({"diffusion_loss": {"clip_ratio": 0.2}, "kl_loss_coef": 0.01}),
+    )
     logs = []
     for window in (range(1, 2), range(0, 3)):
         results = policy.generate(prompts, seeds, window)

@@ -87,7 +87,10 @@ def test_update_path_uses_the_carried_encodings_and_never_the_text_encoder(polic
     # Same weights: the recompute under the mini-batch's padding equals the rollout's under its own.
     assert (again - rollout).abs().max() < 1e-5, (again - rollout).abs().max()
     metrics = modality.backward(
-        policy, batch, torch.ones(4, dtype=torch.bool), OmegaConf.create({"clip_ratio": 0.2, "kl_loss_coef": 0.01})
+        policy,
+        batch,
+        torch.ones(4, dtype=torch.bool),
+        OmegaConf.create({"diffusion_loss": {"clip_ratio": 0.2}, "kl_loss_coef": 0.01}),
     )
     assert metrics["actor/ratio_mean"] == pytest.approx([1.0, 1.0], abs=1e-5)
     assert all(p.grad is not None for p in policy.trainable_parameters())
@@ -129,7 +132,12 @@ def test_param_and_optimizer_offload_move_at_the_right_times_and_change_nothing(
         {"window_start": 1},
     )
     cfg = OmegaConf.create(
-        {"clip_ratio": 0.2, "kl_loss_coef": 0.0, "grad_clip": 1.0, "ppo_micro_batch_size_per_gpu": None}
+        {
+            "diffusion_loss": {"clip_ratio": 0.2},
+            "kl_loss_coef": 0.0,
+            "grad_clip": 1.0,
+            "ppo_micro_batch_size_per_gpu": None,
+        }
     )
     start = policy.weights_state_dict()
 
@@ -189,7 +197,12 @@ def test_param_offload_makes_one_round_trip_per_step_through_reused_host_buffers
         {"window_start": 1},
     )
     cfg = OmegaConf.create(
-        {"clip_ratio": 0.2, "kl_loss_coef": 0.0, "grad_clip": 1.0, "ppo_micro_batch_size_per_gpu": None}
+        {
+            "diffusion_loss": {"clip_ratio": 0.2},
+            "kl_loss_coef": 0.0,
+            "grad_clip": 1.0,
+            "ppo_micro_batch_size_per_gpu": None,
+        }
     )
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=0.0)  # lr 0: the shared policy stays as it is
     policy.offload_frozen(False)

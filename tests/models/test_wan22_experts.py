@@ -119,6 +119,10 @@ def test_reference_and_weight_sync_cover_both_experts(no_network):
             assert not torch.allclose(policy.velocity(cond, x, i), base, atol=1e-4)
 
 
-class _ActorCfg:
+class _DiffusionLoss:
     clip_ratio = 0.2
+
+
+class _ActorCfg:
+    diffusion_loss = _DiffusionLoss
     kl_loss_coef = 0.0

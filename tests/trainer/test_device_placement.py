@@ -74,7 +74,13 @@ def test_generate_update_recompute_with_the_model_on_another_device(name):
         valid = tensors["response_mask"].bool() if not image else torch.ones_like(old, dtype=torch.bool)
         assert (old - tensors["old_log_probs"])[valid].abs().max() < 1e-4  # the rollout's log-probs, recomputed
 
-        cfg = SimpleNamespace(clip_ratio=0.2, kl_loss_coef=0.01, grad_clip=1.0, ppo_micro_batch_size_per_gpu=2)
+        cfg = SimpleNamespace(
+            clip_ratio=0.2,  # text (verl's key); images read diffusion_loss.clip_ratio
+            diffusion_loss=SimpleNamespace(clip_ratio=0.2),
+            kl_loss_coef=0.01,
+            grad_clip=1.0,
+            ppo_micro_batch_size_per_gpu=2,
+        )
         optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=0.05)
         synced = device.synchronized
         metrics = train_minibatch(modality, policy, optimizer, batch, cfg, param_offload=image, optimizer_offload=True)

@@ -72,7 +72,14 @@ def test_micro_batched_update_equals_the_full_update(case):
         # SGD: the parameter change is the accumulated gradient itself. (Adam divides by sqrt(v), which turns the
         # ~1e-9 rounding of near-zero gradient entries into ~1e-6 parameter noise whatever the micro-batching.)
         optimizer = torch.optim.SGD(params, lr=0.05)
-        cfg = OmegaConf.create({"clip_ratio": 0.2, "kl_loss_coef": 0.0, "ppo_micro_batch_size_per_gpu": micro})
+        cfg = OmegaConf.create(  # text reads clip_ratio (verl's key), images diffusion_loss.clip_ratio
+            {
+                "clip_ratio": 0.2,
+                "diffusion_loss": {"clip_ratio": 0.2},
+                "kl_loss_coef": 0.0,
+                "ppo_micro_batch_size_per_gpu": micro,
+            }
+        )
         for _ in range(2):
             optimizer.zero_grad(set_to_none=True)
             accumulate_gradients(modality, policy, batch, cfg)

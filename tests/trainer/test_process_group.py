@@ -24,7 +24,12 @@ import torch
 pytestmark = pytest.mark.slow  # two spawned ranks, ~1 min: not in the fast tier (pytest -m 'not slow')
 TIMEOUT_S = 120.0  # the group's collective timeout (actor_rollout_ref.nccl_timeout): a fail-fast must beat it
 LR = 1e-3
-ACTOR_CFG = {"clip_ratio": 0.2, "kl_loss_coef": 0.0, "grad_clip": 1.0e9, "ppo_micro_batch_size_per_gpu": 2}
+ACTOR_CFG = {
+    "diffusion_loss": {"clip_ratio": 0.2},
+    "kl_loss_coef": 0.0,
+    "grad_clip": 1.0e9,
+    "ppo_micro_batch_size_per_gpu": 2,
+}
 META_BLOCKS = 4  # of Qwen-Image's 60 transformer blocks (all 60: the same checks, 15x the init time)
 PROMPTS, SEEDS = ["a red sign", "a red sign", "a blue door", "a blue door"], [1, 2, 3, 4]  # 2 groups of 2
 

@@ -21,46 +21,9 @@ from omni_async.trainer.overrides import OverrideError
 
 RECIPE_DIR = Path(__file__).resolve().parent / "verl_omni_recipes"
 
-# MERGE NOTE (delete this set when branches issue38-nft and issue38-losses are merged): keys whose meaning those
-# branches build (the actor.diffusion_loss block, DiffusionNFT's algorithm keys, the model's policy-state adapters,
-# the rollout adapter, calculate_log_probs, MixGRPO's sample_strategy). Until then they are unknown keys here and the
-# tests leave them out; with the set empty (frozenset()) the tests expect them to compose, and
-# test_verl_omni_recipes.EXPECTED_REFUSED's issue-38 entries (model.algorithm) then show what is still refused.
-OWNED_ELSEWHERE = frozenset(
-    {
-        *(
-            f"actor_rollout_ref.actor.diffusion_loss.{k}"
-            for k in (
-                "clip_ratio",
-                "adv_clip_max",
-                "ref_kl_coef",
-                "kl_mask_threshold",
-                "add_kl_coefficient",
-                "loss_mode",
-                "mix_beta",
-                "adaptive_weight_min",
-                "dpo_beta",
-            )
-        ),
-        *(
-            f"algorithm.{k}"
-            for k in (
-                "trainer_type",
-                "sample_source",
-                "timestep_fraction",
-                "old_policy_decay_schedule",
-                "old_policy_decay",
-                "old_policy_update_interval",
-                "adv_mode",
-            )
-        ),
-        "actor_rollout_ref.model.model_type",
-        "actor_rollout_ref.model.policy_state_adapters",
-        "actor_rollout_ref.rollout.rollout_adapter",
-        "actor_rollout_ref.rollout.calculate_log_probs",
-        "actor_rollout_ref.rollout.algo.sample_strategy",
-    }
-)
+# Keys whose meaning is not built yet (MixGRPO's window schedule is in algos/mix_grpo.py, not yet wired into the
+# draws): the tests leave them out until it is; with the set empty the tests expect them to compose.
+OWNED_ELSEWHERE = frozenset({"actor_rollout_ref.rollout.algo.sample_strategy"})
 
 # What a recipe's run on this CPU box swaps, key -> {verl-omni's value: (the value here, why)}; None matches any
 # value. Only models, engines, reward models and reward functions' files: every other value is the recipe's.

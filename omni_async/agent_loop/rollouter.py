@@ -76,6 +76,7 @@ class Group:
     done: bool = False
     generated: int = 0  # members whose image / response exists
     t_done: float = field(default=float("nan"))
+    _version: int | None = field(default=None, repr=False)
 
     @property
     def uid(self) -> str:
@@ -84,9 +85,15 @@ class Group:
     def version(self) -> int | None:
         """Its oldest member's weights version (``None`` before the first member's first tokens exist); members made
         later have the same or newer weights, so this is the group's version from its first member on. A response
-        still being continued (partial rollout) counts with the version of its first part."""
+        still being continued (partial rollout) counts with the version of its first part. Kept once every member
+        is generated (it cannot change then): the trainer's take asks for it on every wake."""
+        if self._version is not None:
+            return self._version
         versions = [s.version for s in self.samples if s.version is not None]
-        return min(versions) if versions else None
+        v = min(versions) if versions else None
+        if self.generated == len(self.samples):
+            self._version = v
+        return v
 
 
 class Rollouter:

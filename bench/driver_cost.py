@@ -24,9 +24,7 @@ advantages) and opens the next sync window, as fully async training does minus t
 
 Variants (one Ray cluster, the stand-ins shared, fresh reward workers and producer each):
 
-- ``baseline``: the code as it is: one ``generate_group`` Ray call per GRPO group (the product's call for
-  diffusion, ``AgentLoopManager(whole_groups=True)``; before 2026-11-26 one ``generate`` per sample) and one ``score``
-  call per sample, a result's tensors pickled
+- ``baseline``: the code as it is: two Ray calls per sample (``generate``, ``score``), a result's tensors pickled
   by torch (a ``torch.save`` per tensor), the reward chunk a ``DataProto`` pickled by ``torch.save``.
 - ``serialization``: the same calls, the tensors in Ray's zero-copy form (``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS``)
   and the chunk in verl's numpy form (``VERL_DATAPROTO_SERIALIZATION_METHOD=numpy``).
@@ -425,9 +423,7 @@ def make_producer(
             timeout_s=float(cfg.reward.timeout_s),
             max_resends=int(cfg.reward.max_resends),
         )
-    # The product asks for a diffusion group in one call (whole_groups); the batched variants' coalescing handles
-    # group the per-sample calls themselves.
-    agent = AgentLoopManager(rollout_handles, dispatcher_factory, in_flight, post_process, whole_groups=not batched)
+    agent = AgentLoopManager(rollout_handles, dispatcher_factory, in_flight, post_process)
     rows = [PromptRow(f"a photo of item {i}", "bench", f"item {i}") for i in range(max(1024, groups_per_step))]
     sampler = PromptSampler(rows, groups_per_step, shuffle=True, seed=seed)
     modality = get_modality("image")

@@ -148,16 +148,6 @@ class StandInRollout:
         self.answered += 1
         return self._answer(seed, window, t0, time.time())
 
-    async def generate_group(
-        self,
-        requests: list[tuple[str, int, tuple[int, int] | None]],
-        *,
-        sampling: dict[str, Any] | None = None,
-        version: int | None = None,
-    ) -> list[_Answer]:
-        """``RolloutWorker.generate_group``'s signature (the product's call for a diffusion group)."""
-        return await self.generate_many([(p, seed, window, {}) for p, seed, window in requests])
-
     async def generate_many(self, requests: list[tuple[str, int, tuple[int, int] | None, dict]]) -> list[_Answer]:
         """Several requests in one call (``bench.batched_calls``), answered together as one device batch is: after the
         generation time of the first one's seed."""

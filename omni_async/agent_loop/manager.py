@@ -59,7 +59,6 @@ class AgentLoopManager:
         post_process: bool = False,
         restore_worker: Callable[[Any], Awaitable[None]] | None = None,
         restartable: bool = True,
-        whole_groups: bool = False,
     ):
         """``dispatcher_factory()`` builds the :class:`RewardDispatcher` on the loop (``None``: generate only).
 
@@ -73,7 +72,6 @@ class AgentLoopManager:
         self.down = [False] * len(self.workers)
         self.restore_worker, self.restartable = restore_worker, restartable
         self.post_process = post_process
-        self.whole_groups = whole_groups
         self.regenerated = 0  # per step; reset by reset_step_counters
         self.resumed = 0  # continuations of interrupted responses (partial rollout), per step
         self.loop = asyncio.new_event_loop()
@@ -83,10 +81,6 @@ class AgentLoopManager:
         if dispatcher_factory is not None:
             self.dispatcher = self.on_loop(dispatcher_factory)
         self._generating = self.on_loop(lambda: asyncio.Semaphore(max_generating)) if max_generating else None
-        self._max_generating = max_generating or 0
-        # A whole group takes its generation slots under this lock: two groups each holding part of what they need
-        # would wait for each other forever.
-        self._taking_slots = self.on_loop(asyncio.Lock)
         self._revived: asyncio.Condition = self.on_loop(asyncio.Condition)
         # Rollout idle time: while no generation request is out at any worker (fully async's rollouter idle ratio).
         self._requests_out = 0
@@ -151,10 +145,7 @@ class AgentLoopManager:
         are for (a lock-step draw's: the rollout worker generates them with it although a newer set may arrive
         meanwhile; ``RolloutReplica.generate``); None: the newest weights a worker has. ``on_generated()`` is called
         as each sample's image / response exists."""
-        if self.whole_groups:
-            await self._group(samples, on_generated, sampling, version)
-        else:
-            await asyncio.gather(*(self._sample(s, on_generated, sampling, version) for s in samples))
+        await asyncio.gather(*(self._sample(s, on_generated, sampling, version) for s in samples))
         if self.dispatcher is not None and self.post_process:
             outcomes = await self.dispatcher.post_process_group([m.outcome for m in samples])
             for m, o in zip(samples, outcomes, strict=True):
@@ -196,67 +187,6 @@ class AgentLoopManager:
             if self._generating is not None:
                 self._generating.release()
         s.outcome = await scoring
-
-    async def _group(
-        self, samples: list[Sample], on_generated: Callable[[], None] | None, sampling: dict | None, version: int | None
-    ) -> None:
-        """:meth:`_sample` for a whole group in one generation call (``whole_groups``)."""
-        held = 0
-        try:
-            if self._generating is not None:
-                async with self._taking_slots:
-                    for _ in range(min(len(samples), self._max_generating)):
-                        await self._generating.acquire()
-                        held += 1
-            gens = await self._generate_whole(samples, sampling, version)
-            for s, gen in zip(samples, gens, strict=True):
-                s.result, s.version = gen.result, gen.version
-                s.times.gen_start, s.times.gen_end = gen.gen_start, gen.gen_end
-                if on_generated is not None:
-                    on_generated()
-            if self.dispatcher is None:
-                return
-            scoring = []
-            for s in samples:
-                t0 = time.perf_counter()
-                chunk = sample_to_proto(s.reward_input())
-                s.times.serialize_s = time.perf_counter() - t0
-                scoring.append(await self.dispatcher.enqueue(chunk, s.times))
-                if held:  # each sample's generation slot is held until it is in the reward queue
-                    self._generating.release()
-                    held -= 1
-        finally:
-            for _ in range(held):
-                self._generating.release()
-        for s, outcome in zip(samples, await asyncio.gather(*scoring), strict=True):
-            s.outcome = outcome
-
-    async def _generate_whole(
-        self, samples: list[Sample], sampling: dict | None, version: int | None
-    ) -> list[Generation]:
-        """One ``generate_group`` call for ``samples``; a worker that dies with it in flight: the whole group is asked
-        for again on a live worker (same seeds and weights version: the same samples)."""
-        kwargs: dict[str, Any] = {"sampling": sampling} if sampling else {}
-        if version is not None:
-            kwargs["version"] = version
-        requests = [(s.row.prompt, s.seed, s.window) for s in samples]
-        w = samples[0].index % len(self.workers)
-        for _ in samples:
-            self._request_out(+1)
-        try:
-            while True:
-                w = await self._live_worker(w)
-                now = time.time()
-                for s in samples:
-                    s.times.requested = now
-                try:
-                    return await self.workers[w].generate_group.remote(requests, **kwargs)
-                except (RayActorError, ActorUnavailableError):
-                    self.regenerated += len(samples)
-                    self._worker_lost(w)
-        finally:
-            for _ in samples:
-                self._request_out(-1)
 
     # ---- rollout workers, and what happens when one dies ------------------------------------------------------
     async def _live_worker(self, preferred: int) -> int:
@@ -309,7 +239,15 @@ class AgentLoopManager:
                 # The worker died with this request in flight: generate it again elsewhere (same seed, same
                 # weights version -> the same sample) while Ray restarts the dead one.
                 self.regenerated += 1
-                self._worker_lost(w)
+                if not self.down[w]:
+                    logger.info(
+                        "rollout worker %d died with requests in flight; they are generated again on a live worker%s",
+                        w,
+                        " while Ray restarts it" if self.restartable else " (it is not restarted: an actor rank)",
+                    )
+                    self.down[w] = True if self.restartable else "lost"
+                    if self.restartable:
+                        asyncio.ensure_future(self._revive(w))
                 continue
             if first is None:
                 first = gen
@@ -319,20 +257,6 @@ class AgentLoopManager:
             if not gen.result.unfinished:
                 return first
             self.resumed += 1
-
-    def _worker_lost(self, w: int) -> None:
-        """Worker ``w`` died with requests in flight (they are asked for again elsewhere): out of the rotation, and
-        revived by Ray's restart unless it is an actor rank."""
-        if self.down[w]:
-            return
-        logger.info(
-            "rollout worker %d died with requests in flight; they are generated again on a live worker%s",
-            w,
-            " while Ray restarts it" if self.restartable else " (it is not restarted: an actor rank)",
-        )
-        self.down[w] = True if self.restartable else "lost"
-        if self.restartable:
-            asyncio.ensure_future(self._revive(w))
 
     def worker_died(self, handle: Any) -> None:
         """Any thread: ``handle``'s process died outside a generation request (e.g. during a weight sync). It is taken

@@ -8,7 +8,6 @@ the request to their ``GenerationBatcher``; the rest of the contract is theirs.
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -36,23 +35,6 @@ class RolloutWorker(Protocol):
         (``result.unfinished``: newer weights arrived); the caller continues it with ``resume=result``: its tokens and
         their versions stay, new tokens follow on the newest weights."""
         return await self.batcher.submit(prompt, seed, window, sampling=sampling, version=version, resume=resume)
-
-    async def generate_group(
-        self,
-        requests: list[tuple[str, int, tuple[int, int] | None]],
-        *,
-        sampling: dict[str, Any] | None = None,
-        version: int | None = None,
-    ) -> list[Generation]:
-        """A whole GRPO group in one call: ``(prompt, seed, window)`` per member, answered together once every member
-        exists (the batcher puts concurrent requests in one device batch, so a diffusion group's members finish
-        together anyway). Each member is the sample :meth:`generate` would make: one Ray round trip per group instead
-        of one per sample is the driver's saving (``bench/driver_cost.py``)."""
-        return list(
-            await asyncio.gather(
-                *(self.generate(p, seed, window, sampling=sampling, version=version) for p, seed, window in requests)
-            )
-        )
 
     def stats(self) -> dict[str, Any]:
         """Counters (``batch_sizes``, ``version``, ...); also the agent loop's liveness probe after a restart (an

@@ -113,7 +113,6 @@ class RLTrainer:
             self.reward.post_process,
             restore_worker=self.layout.restore,
             restartable=not self.layout.rollout_is_actor,
-            whole_groups=self.modality.uses_window,  # diffusion: a group's members share a device batch
         )
         self.layout.on_death = self.agent.worker_died
         self.ops = StepOps(cfg, self.modality, self.reward, self.placement.actor_wg, self.latest_checkpoint)

@@ -151,7 +151,9 @@ class ActorWorker(Worker, RolloutWorker):
     def _stops_text(self) -> bool:
         """Lent to generation (disaggregated layout), a text batch stops after its current token when the rank is
         reclaimed; an image batch (one device batch of denoising steps) finishes."""
-        return self.cfg.actor_rollout_ref.model.modality == "text" and int(self.cfg.actor_rollout_ref.rollout.nnodes) > 0
+        return (
+            self.cfg.actor_rollout_ref.model.modality == "text" and int(self.cfg.actor_rollout_ref.rollout.nnodes) > 0
+        )
 
     async def generate(self, prompt, seed, window, *, sampling=None, version=None, resume=None):
         """The rollout contract (``RolloutWorker.generate``); a rank going back to training (``reclaim``) answers

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from omni_async.agent_loop.draws import Draws
@@ -267,7 +266,9 @@ class RLTrainer:
         }
         layout_metrics = self.layout.step_metrics(self.agent)
         # Time a lent trainer device generated is work, not waiting (verl v1: switch_wait is not idle).
-        waited = timing.get("timing_s/collect_wait", 0.0) - layout_metrics.get("separate_async/switch/lent_busy_seconds", 0.0)
+        waited = timing.get("timing_s/collect_wait", 0.0) - layout_metrics.get(
+            "separate_async/switch/lent_busy_seconds", 0.0
+        )
         metrics.update(layout_metrics)
         metrics.update(self.producer_metrics(timing["timing_s/step"], max(0.0, waited)))
         if self.cfg.actor_rollout_ref.model.modality == "text":

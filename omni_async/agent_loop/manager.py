@@ -141,6 +141,7 @@ class AgentLoopManager:
         self._lent_busy_s = 0.0
         self.lent_samples = 0  # per step: samples a lent trainer device made (reset by step_metrics)
         self.requeued = 0  # per step: requests a trainer device gave back unstarted when it went back to training
+        self.lent_continued = 0  # per step: text responses a lent device stopped (continued on a rollout worker)
 
     def call(self, coro):
         """Run a coroutine on the agent loop and wait for its result."""
@@ -165,8 +166,9 @@ class AgentLoopManager:
                 "rollout/workers_down": float(sum(bool(d) for d in self.down)),
                 "separate_async/switch/lent_samples": float(self.lent_samples),
                 "separate_async/switch/requeued": float(self.requeued),
+                "separate_async/switch/continued": float(self.lent_continued),
             }
-            self.regenerated = self.resumed = self.lent_samples = self.requeued = 0
+            self.regenerated = self.resumed = self.lent_samples = self.requeued = self.lent_continued = 0
             if self.dispatcher is not None:
                 m.update(self.dispatcher.metrics())
                 self.dispatcher.reset_step_counters()
@@ -374,13 +376,17 @@ class AgentLoopManager:
                 self.requeued += 1
                 continue
             s.lent = lent is not None
-            if s.lent and not gen.result.unfinished:
-                self.lent_samples += 1
+            if s.lent:
+                self.lent_samples += not gen.result.unfinished
+                self.lent_continued += bool(gen.result.unfinished)
             if first is None:
                 first = gen
                 s.version = gen.version  # the oldest weights in it, known before the rest generates
             else:
-                first = Generation(gen.result, first.version, first.gen_start, gen.gen_end)
+                # A part made on a lent trainer rank may be newer than the rollout worker's continuation (syncs every
+                # K > 1 updates): the sample's version is its oldest part's either way.
+                s.version = min(first.version, gen.version)
+                first = Generation(gen.result, s.version, first.gen_start, gen.gen_end)
             if not gen.result.unfinished:
                 return first
             self.resumed += 1

@@ -221,3 +221,67 @@ def test_a_trainer_rank_killed_while_generating_is_regenerated_elsewhere_and_sto
     assert t.agent.regenerated >= 1
     assert t.agent.on_loop(lambda: t.agent.lent) == []
     assert np.isfinite(t.agent.take_lent_busy_s())
+
+
+def slow_tokens(handle, seconds: float) -> None:
+    """Each token of ``handle``'s text generation takes ``seconds`` longer (asked with the stop check)."""
+
+    def slow(self):
+        real = self.policy.generate_stream
+
+        def generate_stream(admit, emit, *, capacity, should_stop=None):
+            def stop() -> bool:
+                time.sleep(seconds)
+                return bool(should_stop and should_stop())
+
+            return real(admit, emit, capacity=capacity, should_stop=stop)
+
+        self.policy.generate_stream = generate_stream
+
+    ray.get(handle.__ray_call__.remote(slow))
+
+
+@pytest.mark.slow
+def test_text_responses_on_a_trainer_rank_at_the_switch_back_are_continued_on_the_rollout_pool(tmp_path):
+    """Text, fully async with partial rollout (verl's default), a full fine-tune synced over the group: the lent
+    trainer rank is slower per token than the rollout worker, so when a step's group is ready its responses are in
+    flight there; they stop after their current token and are continued on the rollout worker with their tokens.
+    Every response is trained once, finished, within the lag bound."""
+    made = Trainers(
+        write_prompts(tmp_path / "train.jsonl", 8),
+        tmp_path,
+        base=[
+            "data.train_batch_size=2",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+            "actor_rollout_ref.rollout.response_length=24",
+            "actor_rollout_ref.rollout.agent.max_batch_size=2",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+            "reward.custom_reward_function.name=compute_score_digits",
+            "trainer.logger=[jsonl]",
+            "trainer.resume_mode=disable",
+            "data.shuffle=false",
+        ],
+        config_name="grpo_text_trainer",
+    )
+    try:
+        t = made(
+            *SEPARATE_ASYNC, *QUIET, SWITCH, "async_training.staleness_threshold=1", "trainer.total_training_steps=2"
+        )
+        slow_tokens(t.placement.rollout_workers[0], 0.03)
+        slow_tokens(t.placement.actor_wg.workers[0], 0.12)
+        trained = record_trained_uids(t.ops)
+        rows, all_samples = [], []
+        for step in range(t.total_steps):
+            metrics, samples = t.train_step(step)
+            rows.append(metrics)
+            all_samples += samples
+            assert all(step - s.version <= t.mode.bound for s in samples)
+            assert all(not s.result.unfinished for s in samples)
+    finally:
+        made.close()
+    assert sorted(trained) == sorted(s.uid for s in all_samples) and len(all_samples) == t.total_steps * 4
+    assert len({(s.uid, s.index) for s in all_samples}) == len(all_samples)
+    assert sum(r["separate_async/switch/count"] for r in rows) >= 1
+    moved = sum(r["separate_async/switch/continued"] + r["separate_async/switch/requeued"] for r in rows)
+    assert moved >= 1  # responses on the trainer rank at a switch back went on elsewhere

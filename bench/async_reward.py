@@ -425,6 +425,8 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
         "samples": sum(s["samples"] for s in steps),
         "trainer_busy_s": trainer_busy,
         "rollout_busy_s": rollout_busy,
+        "lent_busy_s": lent_busy,
+        "switch": SWITCH_ON in overrides,
         "latency_mean_s": statistics.fmean(s["parts"]["latency_mean_s"] for s in steps),
         "samples_per_s": sum(s["samples"] for s in steps) / wall,
         # trainer: update + weight sync + the generation it did while lent (trainer_lent, also inside trainer)
@@ -439,7 +441,7 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
         # pool's busy time (its device batches) and the trainer's (update + sync), so mean step / own bound is how
         # far the schedule is from keeping the busier pool busy, whatever the contention made each side cost.
         "own_bound_s": max(rollout_busy, trainer_busy) / max(n_steps, 1),
-        "rollout_idle": rollout_idle(all_samples, spans, (window[0], window[1]), n_steps),
+        "rollout_idle": rollout_idle([s for s in all_samples if not s.lent], spans, (window[0], window[1]), n_steps),
         "cpu_s_per_step": {k: v / max(n_steps, 1) for k, v in sorted(cpu_s.items(), key=lambda kv: -kv[1])},
         "rollout_batch_sizes": {
             str(k): sum(b.count(k) for b in batch_sizes) for k in sorted({x for b in batch_sizes for x in b})
@@ -507,7 +509,8 @@ def fully_async_bound(
     - latency-bound: samples in flight / (judge latency + generation + update), with the generation and update
       time of one step's samples (for the lock-step modes ``timing_s/gen`` and ``timing_s/update_actor``; for
       fully async the pools' busy time per step's worth of samples);
-    - device-bound: samples / max(rollout busy s, trainer busy s) when the two pools are separate (disaggregated),
+    - device-bound: samples / max(rollout busy s, trainer busy s) when the two pools are separate (disaggregated;
+      with the switch on, samples / max(update s, (generation s + update s) / 2): generation may run on both),
       samples / (rollout busy s + trainer busy s) / devices when both jobs share the devices (hybrid: generation
       and update take turns on each device);
     - judge-bound: the calls served at once / mean judge latency, where that is the smaller of the judge's
@@ -518,7 +521,11 @@ def fully_async_bound(
     gen = r["rollout_busy_s"] / n * step_samples
     upd = r["trainer_busy_s"] / n * step_samples
     latency = in_flight_samples / (r["latency_mean_s"] + gen + upd)
-    if r["layout"] == "disaggregated":
+    if r["layout"] == "disaggregated" and r.get("switch"):
+        # the trainer device also generates: the update stays on it, generation spreads over both devices
+        update = r["trainer_busy_s"] - r["lent_busy_s"]
+        device = n / max(update, (r["rollout_busy_s"] + r["trainer_busy_s"]) / 2)
+    elif r["layout"] == "disaggregated":
         device = n / max(r["rollout_busy_s"], r["trainer_busy_s"])
     else:  # hybrid: each of the 2 devices generates and updates in turn, its half of the samples
         device = n / (r["rollout_busy_s"] / 2 + r["trainer_busy_s"])
@@ -590,8 +597,10 @@ def compare_fully_async(args, staleness: list[float]) -> None:
             )
     load["after"] = os.getloadavg()
     base = results["hybrid one-step-off"]["samples_per_s"]
-    for r in results.values():
+    for name, r in results.items():
         r["x_one_step_off"] = r["samples_per_s"] / base
+        if name.endswith(" switch") and name.removesuffix(" switch") in results:  # issue 39: on over off
+            r["x_switch_off"] = r["samples_per_s"] / results[name.removesuffix(" switch")]["samples_per_s"]
     report = {
         "rows": results,
         "config": {

@@ -20,6 +20,7 @@ from omni_async.agent_loop.rollout_replica import GenerationBatcher
 from omni_async.trainer.config import ConfigError, compose, validate
 from omni_async.trainer.hybrid_switch import SwitchConfig, SwitchPolicy
 from omni_async.trainer.step_ops import ActorRankDiedError
+from omni_async.trainer.timeline import draw_timeline
 
 POOL = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
 SEPARATE_ASYNC = [*POOL, "trainer.use_v1=true", "trainer.v1.trainer_mode=separate_async"]
@@ -159,6 +160,11 @@ def test_trainer_rank_generates_the_same_samples_and_every_group_trains_once_acr
             slow_generation(rank0, 2.6)
         metrics, samples = t.train_step(step)
         rows.append(metrics)
+        if step == 0:  # the timeline of a switch: the trainer's switch phases and the samples its device made
+            record = t.last_timeline
+            assert {"switch_to_rollout", "switch_wait", "switch_to_trainer"} <= {p["phase"] for p in record["trainer"]}
+            assert any(s["lent"] for s in record["samples"])
+            assert draw_timeline(record, trainers.run_root / "switch.png").exists()
         all_samples += samples
         assert step - min(s.version for s in samples) <= t.mode.bound  # the staleness bound holds
         for key in ("switch_wait", "switch_to_rollout", "switch_to_trainer"):

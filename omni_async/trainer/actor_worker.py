@@ -68,7 +68,8 @@ class ActorWorker(Worker, RolloutWorker):
         # Disaggregated layout with trainer.v1.separate_async.hybrid_rollout.enable_switch: this rank serves
         # generation requests only between lend() and reclaim() (the hybrid layout's ranks always do).
         self.withdrawing = False
-        self.lent_s = 0.0  # seconds lent
+        self.lent_s = 0.0  # seconds lent, in all
+        self._lent_at = 0.0
 
     async def _on_device(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._device_thread, fn, *args)
@@ -188,7 +189,7 @@ class ActorWorker(Worker, RolloutWorker):
         withdrawn = self.batcher.withdraw()
         t0 = time.perf_counter()
         await self._on_device(lambda: None)  # after the batch on the device now
-        self.lent_s += time.perf_counter() - getattr(self, "_lent_at", t0)
+        self.lent_s += time.perf_counter() - self._lent_at
         return {"withdrawn": float(withdrawn), "drain_s": time.perf_counter() - t0}
 
     async def set_rollout_version(self, version: int) -> int:
@@ -213,6 +214,7 @@ class ActorWorker(Worker, RolloutWorker):
             "weights_broadcast": self.weights_broadcast,
             "rank": self.dp.rank,
             "world_size": self.dp.world,
+            "lent_s": self.lent_s,
         }
 
     async def trained_rows(self) -> list[tuple[str, int]]:

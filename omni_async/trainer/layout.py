@@ -166,7 +166,6 @@ class Disaggregated(Layout):
         self.switch: SwitchPolicy | None = None
         self._decided = -1  # the last step whose switch was decided
         self._metrics: dict[str, float] = {}
-        self._lent_s = 0.0
 
     def pool_spec(self) -> dict[str, list[int]]:
         nodes = int(self.cfg.actor_rollout_ref.rollout.nnodes)
@@ -231,7 +230,6 @@ class Disaggregated(Layout):
                 agent.on_loop(agent.stop_lending)
                 back = ray.get([w.reclaim.remote() for w in ranks])  # a dead rank raises: ActorRankDiedError
             t3 = time.perf_counter()
-        self._lent_s += t3 - t0
         self.switch.record_costs(t1 - t0, t3 - t2)
         self._metrics.update(
             {

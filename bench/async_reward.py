@@ -70,6 +70,11 @@ device) and judge-bound = calls served at once (judge capacity or the reward loo
 concurrency; ``--modality text --long-tail-alpha 1.2 --lora-rank 8`` the long tail (LoRA: hybrid one-step-off
 snapshots a LoRA adapter only).
 
+``--hybrid-switch both`` runs each fully async row twice in the same run, with the trainer device lending a hand to
+generation when a step waits for groups (``trainer.v1.separate_async.hybrid_rollout.enable_switch``, rows ``...
+switch``) and without; the trainer's busy fraction then counts the generation it did while lent
+(``busy_fraction.trainer_lent``, also in ``trainer``), the rollout's only the rollout worker's batches.
+
 ``step1`` per mode: ``actor/ratio_mean`` and ``actor/pg_clipfrac_lower`` of the first training step (warm-up
 included), as the trainer logs them (means over the step's mini-batches). Its first mini-batch scores the rollout's
 samples before any optimizer step with the rollout's log-probs as pi_old (bypass mode), so with one mini-batch per
@@ -100,6 +105,8 @@ from omni_async.trainer.mode import MODE_OVERRIDES  # noqa: E402
 TAIL_STEPS = 1
 # The cores this benchmark may use (--pin-cores spreads the run's processes over them).
 CORES = sorted(os.sched_getaffinity(0))
+# --hybrid-switch: the trainer device lends a hand to generation when a step waits for groups (issue 39).
+SWITCH_ON = "trainer.v1.separate_async.hybrid_rollout.enable_switch=true"
 # Reported for the first training step of every mode (module docstring).
 STEP1_KEYS = ("actor/ratio_mean", "actor/pg_clipfrac_lower")
 
@@ -383,18 +390,32 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
         "fully_async/count/dropped_stale_samples",
         "fully_async/static/max_required_samples",
         "timing_s/old_log_prob",
+        "timing_s/switch_wait",
+        "timing_s/switch_to_rollout",
+        "timing_s/switch_to_trainer",
+        "separate_async/switch/lent_busy_seconds",
+        "separate_async/switch/drain_seconds",
     ]
     step_s = [s["metrics"]["timing_s/step"] for s in steps]
     wall = max(window[1] - window[0], 1e-9)
-    gen = [(s.times.gen_start, s.times.gen_end) for s in all_samples]
-    clipped = [(max(a, window[0]), min(b, window[1])) for a, b in gen if b > window[0] and a < window[1]]
-    rollout_busy = union_length(clipped)
+
+    def busy(spans: list[tuple[float, float]]) -> float:
+        return union_length(
+            [(max(a, window[0]), min(b, window[1])) for a, b in spans if b > window[0] and a < window[1]]
+        )
+
+    # Samples a lent trainer device made (hybrid_rollout.enable_switch) are the trainer pool's generation work.
+    rollout_busy = busy([(s.times.gen_start, s.times.gen_end) for s in all_samples if not s.lent])
+    lent_busy = busy([(s.times.gen_start, s.times.gen_end) for s in all_samples if s.lent])
     n_steps = len(steps)
     cpu_s = cpu_by_role(cpu[0], cpu[1], roles) if len(cpu) == 2 else {}
-    trainer_busy = sum(
-        s["metrics"].get(k, 0.0)
-        for s in steps
-        for k in ("timing_s/old_log_prob", "timing_s/update_actor", "timing_s/update_weights")
+    trainer_busy = (
+        sum(
+            s["metrics"].get(k, 0.0)
+            for s in steps
+            for k in ("timing_s/old_log_prob", "timing_s/update_actor", "timing_s/update_weights")
+        )
+        + lent_busy
     )
     return {
         "layout": args.layout,
@@ -404,14 +425,23 @@ def run_mode(name: str, overrides: list[str], args, data: Path, out_dir: Path) -
         "samples": sum(s["samples"] for s in steps),
         "trainer_busy_s": trainer_busy,
         "rollout_busy_s": rollout_busy,
+        "lent_busy_s": lent_busy,
+        "switch": SWITCH_ON in overrides,
         "latency_mean_s": statistics.fmean(s["parts"]["latency_mean_s"] for s in steps),
         "samples_per_s": sum(s["samples"] for s in steps) / wall,
-        "busy_fraction": {"rollout": rollout_busy / wall, "trainer": trainer_busy / wall},
+        # trainer: update + weight sync + the generation it did while lent (trainer_lent, also inside trainer)
+        "busy_fraction": {
+            "rollout": rollout_busy / wall,
+            "trainer": trainer_busy / wall,
+            "trainer_lent": lent_busy / wall,
+        },
+        "lent_samples": sum(s["metrics"].get("separate_async/switch/lent_samples", 0.0) for s in steps),
+        "switches": sum(s["metrics"].get("separate_async/switch/count", 0.0) for s in steps),
         # Issue 29's bound max(generation, update + weight sync) from this mode's own run, per step: the rollout
         # pool's busy time (its device batches) and the trainer's (update + sync), so mean step / own bound is how
         # far the schedule is from keeping the busier pool busy, whatever the contention made each side cost.
         "own_bound_s": max(rollout_busy, trainer_busy) / max(n_steps, 1),
-        "rollout_idle": rollout_idle(all_samples, spans, (window[0], window[1]), n_steps),
+        "rollout_idle": rollout_idle([s for s in all_samples if not s.lent], spans, (window[0], window[1]), n_steps),
         "cpu_s_per_step": {k: v / max(n_steps, 1) for k, v in sorted(cpu_s.items(), key=lambda kv: -kv[1])},
         "rollout_batch_sizes": {
             str(k): sum(b.count(k) for b in batch_sizes) for k in sorted({x for b in batch_sizes for x in b})
@@ -479,7 +509,8 @@ def fully_async_bound(
     - latency-bound: samples in flight / (judge latency + generation + update), with the generation and update
       time of one step's samples (for the lock-step modes ``timing_s/gen`` and ``timing_s/update_actor``; for
       fully async the pools' busy time per step's worth of samples);
-    - device-bound: samples / max(rollout busy s, trainer busy s) when the two pools are separate (disaggregated),
+    - device-bound: samples / max(rollout busy s, trainer busy s) when the two pools are separate (disaggregated;
+      with the switch on, samples / max(update s, (generation s + update s) / 2): generation may run on both),
       samples / (rollout busy s + trainer busy s) / devices when both jobs share the devices (hybrid: generation
       and update take turns on each device);
     - judge-bound: the calls served at once / mean judge latency, where that is the smaller of the judge's
@@ -490,7 +521,11 @@ def fully_async_bound(
     gen = r["rollout_busy_s"] / n * step_samples
     upd = r["trainer_busy_s"] / n * step_samples
     latency = in_flight_samples / (r["latency_mean_s"] + gen + upd)
-    if r["layout"] == "disaggregated":
+    if r["layout"] == "disaggregated" and r.get("switch"):
+        # the trainer device also generates: the update stays on it, generation spreads over both devices
+        update = r["trainer_busy_s"] - r["lent_busy_s"]
+        device = n / max(update, (r["rollout_busy_s"] + r["trainer_busy_s"]) / 2)
+    elif r["layout"] == "disaggregated":
         device = n / max(r["rollout_busy_s"], r["trainer_busy_s"])
     else:  # hybrid: each of the 2 devices generates and updates in turn, its half of the samples
         device = n / (r["rollout_busy_s"] / 2 + r["trainer_busy_s"])
@@ -531,11 +566,11 @@ def compare_fully_async(args, staleness: list[float]) -> None:
         text = (
             [f"async_training.partial_rollout={str(args.partial_rollout).lower()}"] if args.modality == "text" else []
         )
-        rows[f"fully_async s={st:g}"] = (
-            disagg_s,
-            [*fully_async_overrides(st), *text, f"async_training.require_batches={per_update}"],
-            cap * args.group,
-        )
+        fully = [*fully_async_overrides(st), *text, f"async_training.require_batches={per_update}"]
+        if args.hybrid_switch in ("off", "both"):
+            rows[f"fully_async s={st:g}"] = (disagg_s, fully, cap * args.group)
+        if args.hybrid_switch in ("on", "both"):  # the trainer device lends a hand to generation (issue 39)
+            rows[f"fully_async s={st:g} switch"] = (disagg_s, [*fully, SWITCH_ON], cap * args.group)
     load = {"before": os.getloadavg()}
     t0 = time.time()
     results = {}
@@ -562,8 +597,10 @@ def compare_fully_async(args, staleness: list[float]) -> None:
             )
     load["after"] = os.getloadavg()
     base = results["hybrid one-step-off"]["samples_per_s"]
-    for r in results.values():
+    for name, r in results.items():
         r["x_one_step_off"] = r["samples_per_s"] / base
+        if name.endswith(" switch") and name.removesuffix(" switch") in results:  # issue 39: on over off
+            r["x_switch_off"] = r["samples_per_s"] / results[name.removesuffix(" switch")]["samples_per_s"]
     report = {
         "rows": results,
         "config": {
@@ -577,7 +614,7 @@ def compare_fully_async(args, staleness: list[float]) -> None:
     args.out.write_text(json.dumps(report, indent=1))
     print(
         f"\n{'row':24s} {'samples/s':>9s} {'x 1-off':>7s} {'bound/s':>8s} {'lat.b':>6s} {'dev.b':>6s} {'judge':>6s} "
-        f"{'rollout':>7s} {'trainer':>7s} {'lag max':>7s}"
+        f"{'rollout':>7s} {'trainer':>7s} {'lent':>5s} {'lag max':>7s}"
     )
     for name, r in results.items():
         print(
@@ -585,6 +622,7 @@ def compare_fully_async(args, staleness: list[float]) -> None:
             f"{r['latency_bound']:6.2f} {r['device_bound']:6.2f} {r['judge_bound'] or float('inf'):6.2f} "
             f"{r['busy_fraction']['rollout']:7.2f} "
             f"{r['busy_fraction']['trainer']:7.2f} "
+            f"{r['busy_fraction']['trainer_lent']:5.2f} "
             f"{r['timing'].get('training/off_policy/trajectory_staleness/max', 0.0):7.1f}"
         )
     print(f"\nwritten: {args.out}")
@@ -650,6 +688,13 @@ def main() -> None:
         choices=["true", "false"],
         default="true",
         help="text, fully async rows: async_training.partial_rollout (verl's default true)",
+    )
+    p.add_argument(
+        "--hybrid-switch",
+        choices=["off", "on", "both"],
+        default="off",
+        help="--fully-async-staleness rows: trainer.v1.separate_async.hybrid_rollout.enable_switch (both: each row "
+        "twice, switch off and on, in one run)",
     )
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/async_reward.json")
     args = p.parse_args()

@@ -157,6 +157,7 @@ class Sample:
     outcome: RewardOutcome | None = None
     advantage: float | None = None  # its GRPO advantage once its batch is built; None while / if out of the loss
     times: SampleTimes = field(default_factory=SampleTimes)
+    lent: bool = False  # made (its last part) on a trainer device lent to generation (hybrid_rollout.enable_switch)
 
     @property
     def version_span(self) -> tuple[int, int]:

@@ -28,7 +28,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -48,6 +48,49 @@ WORKER_RESTART_TIMEOUT_S = 300.0
 
 class RolloutWorkersLostError(RuntimeError):
     """Every rollout worker is dead and none came back."""
+
+
+class _Gate:
+    """The samples between "asked for" and "queued for reward": a semaphore whose capacity can change (trainer
+    devices lent to generation add their share while they serve), counting the samples waiting for a place."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.used = int(capacity), 0
+        self._waiters: deque[asyncio.Future] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return sum(not f.done() for f in self._waiters)
+
+    async def acquire(self) -> None:
+        if self.used < self.capacity and not self._waiters:
+            self.used += 1
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # granted, then cancelled: give the place back
+            elif fut in self._waiters:
+                self._waiters.remove(fut)
+            raise
+
+    def release(self) -> None:
+        self.used -= 1
+        self._wake()
+
+    def resize(self, capacity: int) -> None:
+        self.capacity = int(capacity)
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self.used < self.capacity:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                self.used += 1
+                fut.set_result(None)
 
 
 class AgentLoopManager:
@@ -80,12 +123,25 @@ class AgentLoopManager:
         self.dispatcher: RewardDispatcher | None = None
         if dispatcher_factory is not None:
             self.dispatcher = self.on_loop(dispatcher_factory)
-        self._generating = self.on_loop(lambda: asyncio.Semaphore(max_generating)) if max_generating else None
+        self._generating = _Gate(max_generating) if max_generating else None
+        self._base_capacity = int(max_generating or 0)
+        self._per_worker = int(max_generating or 0) // max(1, len(self.workers))
         self._revived: asyncio.Condition = self.on_loop(asyncio.Condition)
         # Rollout idle time: while no generation request is out at any worker (fully async's rollouter idle ratio).
         self._requests_out = 0
         self._idle_since: float | None = time.perf_counter()
         self._idle_s = 0.0
+        self._out = [0] * len(self.workers)  # requests out at each rollout worker
+        # Trainer devices lent to generation (the disaggregated layout's switch, trainer.layout.Disaggregated): new
+        # requests go to them too while they are here; their busy time (a request out at one) counts as rollout work.
+        self.lent: list[Any] = []
+        self._lent_out: dict[int, int] = {}  # id(handle) -> requests out
+        self._lent_requests = 0
+        self._lent_busy_since: float | None = None
+        self._lent_busy_s = 0.0
+        self.lent_samples = 0  # per step: samples a lent trainer device made (reset by step_metrics)
+        self.requeued = 0  # per step: requests a trainer device gave back unstarted when it went back to training
+        self.lent_continued = 0  # per step: text responses a lent device stopped (continued on a rollout worker)
 
     def call(self, coro):
         """Run a coroutine on the agent loop and wait for its result."""
@@ -108,8 +164,11 @@ class AgentLoopManager:
                 "rollout/regenerated": float(self.regenerated),
                 "rollout/resumed": float(self.resumed),
                 "rollout/workers_down": float(sum(bool(d) for d in self.down)),
+                "separate_async/switch/lent_samples": float(self.lent_samples),
+                "separate_async/switch/requeued": float(self.requeued),
+                "separate_async/switch/continued": float(self.lent_continued),
             }
-            self.regenerated = self.resumed = 0
+            self.regenerated = self.resumed = self.lent_samples = self.requeued = self.lent_continued = 0
             if self.dispatcher is not None:
                 m.update(self.dispatcher.metrics())
                 self.dispatcher.reset_step_counters()
@@ -129,6 +188,59 @@ class AgentLoopManager:
             return idle
 
         return self.on_loop(read)
+
+    def take_lent_busy_s(self) -> float:
+        """Seconds since the last call during which a request was out at a lent trainer device."""
+
+        def read() -> float:
+            now = time.perf_counter()
+            busy = self._lent_busy_s + (now - self._lent_busy_since if self._lent_busy_since is not None else 0.0)
+            self._lent_busy_s = 0.0
+            if self._lent_busy_since is not None:
+                self._lent_busy_since = now
+            return busy
+
+        return self.on_loop(read)
+
+    # ---- trainer devices lent to generation -------------------------------------------------------------------
+    def lend(self, handles: list[Any]) -> None:
+        """On the loop: ``handles`` (rollout-contract workers: trainer ranks) take new requests beside the rollout
+        workers, each with a rollout worker's share of the samples in flight, until :meth:`stop_lending`."""
+        self.lent = list(handles)
+        for h in self.lent:
+            self._lent_out.setdefault(id(h), 0)
+        if self._generating is not None:
+            self._generating.resize(self._base_capacity + self._per_worker * len(self.lent))
+
+    def stop_lending(self) -> None:
+        """On the loop: no new request goes to a lent device. The ones out there come back answered, unfinished (a
+        text response interrupted: continued on a rollout worker) or withdrawn (asked again of a rollout worker)."""
+        self.lent = []
+        if self._generating is not None:
+            self._generating.resize(self._base_capacity)
+
+    def waiting_for_device(self) -> int:
+        """On the loop: samples asked for that no device has started: waiting for a place among the samples in
+        flight, or queued at a rollout worker behind the batch it can run (the work a lent device could take)."""
+        waiting = self._generating.waiting if self._generating is not None else 0
+        return waiting + sum(max(0, n - self._per_worker // 2) for n in self._out)
+
+    def _pick_lent(self, w: int) -> Any | None:
+        """A lent device with fewer requests out than rollout worker ``w`` (the least loaded), else None."""
+        if not self.lent:
+            return None
+        h = min(self.lent, key=lambda h: self._lent_out.get(id(h), 0))
+        return h if self._lent_out.get(id(h), 0) < self._out[w] else None
+
+    def _lent_request(self, h: Any, change: int) -> None:
+        now = time.perf_counter()
+        self._lent_out[id(h)] = self._lent_out.get(id(h), 0) + change
+        if self._lent_requests == 0 and change > 0:
+            self._lent_busy_since = now
+        self._lent_requests += change
+        if self._lent_requests == 0 and self._lent_busy_since is not None:
+            self._lent_busy_s += now - self._lent_busy_since
+            self._lent_busy_since = None
 
     async def run_group(
         self,
@@ -208,11 +320,7 @@ class AgentLoopManager:
         kwargs = {"sampling": sampling} if sampling else {}  # training requests use the policy's own settings
         if version is not None:
             kwargs["version"] = version
-        self._request_out(+1)
-        try:
-            return await self._generate_on_a_worker(s, kwargs)
-        finally:
-            self._request_out(-1)
+        return await self._generate_on_a_worker(s, kwargs)
 
     def _request_out(self, change: int) -> None:
         now = time.perf_counter()
@@ -230,16 +338,25 @@ class AgentLoopManager:
         first: Generation | None = None
         while True:
             w = await self._live_worker(w)
+            lent = self._pick_lent(w)
             resume = {"resume": first.result} if first is not None else {}
+            if first is None:
+                s.times.requested = time.time()
+            if lent is not None:
+                self._lent_request(lent, +1)
+            else:
+                self._out[w] += 1
+                self._request_out(+1)
             try:
-                if first is None:
-                    s.times.requested = time.time()
-                gen = await self.workers[w].generate.remote(s.row.prompt, s.seed, s.window, **kwargs, **resume)
+                worker = lent if lent is not None else self.workers[w]
+                gen = await worker.generate.remote(s.row.prompt, s.seed, s.window, **kwargs, **resume)
             except (RayActorError, ActorUnavailableError):
                 # The worker died with this request in flight: generate it again elsewhere (same seed, same
                 # weights version -> the same sample) while Ray restarts the dead one.
                 self.regenerated += 1
-                if not self.down[w]:
+                if lent is not None:
+                    self._lent_died(lent)
+                elif not self.down[w]:
                     logger.info(
                         "rollout worker %d died with requests in flight; they are generated again on a live worker%s",
                         w,
@@ -249,14 +366,39 @@ class AgentLoopManager:
                     if self.restartable:
                         asyncio.ensure_future(self._revive(w))
                 continue
+            finally:
+                if lent is not None:
+                    self._lent_request(lent, -1)
+                else:
+                    self._out[w] -= 1
+                    self._request_out(-1)
+            if gen.result is None:  # withdrawn unstarted by a trainer device going back to training: ask again
+                self.requeued += 1
+                continue
+            s.lent = lent is not None
+            if s.lent:
+                self.lent_samples += not gen.result.unfinished
+                self.lent_continued += bool(gen.result.unfinished)
             if first is None:
                 first = gen
                 s.version = gen.version  # the oldest weights in it, known before the rest generates
             else:
-                first = Generation(gen.result, first.version, first.gen_start, gen.gen_end)
+                # A part made on a lent trainer rank may be newer than the rollout worker's continuation (syncs every
+                # K > 1 updates): the sample's version is its oldest part's either way.
+                s.version = min(first.version, gen.version)
+                first = Generation(gen.result, s.version, first.gen_start, gen.gen_end)
             if not gen.result.unfinished:
                 return first
             self.resumed += 1
+
+    def _lent_died(self, handle: Any) -> None:
+        """A lent trainer rank died with requests in flight: they are generated again on the rollout workers; the
+        trainer finds the rank dead at its next call (``ActorRankDiedError``, resume from the last checkpoint)."""
+        if any(h is handle for h in self.lent):
+            logger.warning("a trainer rank lent to generation died; its requests are generated again elsewhere")
+            self.lent = [h for h in self.lent if h is not handle]
+            if self._generating is not None:
+                self._generating.resize(self._base_capacity + self._per_worker * len(self.lent))
 
     def worker_died(self, handle: Any) -> None:
         """Any thread: ``handle``'s process died outside a generation request (e.g. during a weight sync). It is taken

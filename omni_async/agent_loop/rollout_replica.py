@@ -84,9 +84,10 @@ class DeviceThread(ThreadPoolExecutor):
 
 @dataclass
 class Generation:
-    """A rollout worker's answer to one request."""
+    """A rollout worker's answer to one request (``result`` None: withdrawn before it started, ask another worker;
+    :meth:`GenerationBatcher.withdraw`)."""
 
-    result: Result
+    result: Result | None
     version: int  # weights version that generated it
     gen_start: float  # wall clock: its batch started on the device
     gen_end: float
@@ -163,6 +164,14 @@ class GenerationBatcher:
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
         return await fut
+
+    def withdraw(self) -> int:
+        """Answer every request not yet on the device as withdrawn (a :class:`Generation` without a result: its
+        caller asks another worker); the batch on the device goes on. Returns how many."""
+        taken = self._pending.take_now(lambda pending: list(pending))
+        for r in taken:
+            _answer(r.future, Generation(None, -1, 0.0, 0.0))
+        return len(taken)
 
     def _needs_staged(self, r: _Request) -> bool:
         """Whether ``r`` runs on the staged set rather than the active weights."""

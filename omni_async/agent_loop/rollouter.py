@@ -211,6 +211,27 @@ class Rollouter:
                 raise self.error
             await self._changed()  # every group fully generated wakes it (_run)
 
+    def sampleable(self, step: int) -> int:
+        """Scored groups step ``step`` could take now (within the lag bound): verl's sampleable count."""
+        return sum(g.done and step - g.version() <= self.bound for g in self.live.values())
+
+    def _starved(self) -> bool:
+        """Nothing in flight and nothing more may start before the next sync: no group will finish meanwhile."""
+        stuck = self.paused or self.window >= self.cap or self._wanted() <= 0
+        return stuck and all(g.done for g in self.live.values())
+
+    async def wait_sampleable(self, step: int, k: int) -> int:
+        """Wait until step ``step`` could take ``k`` groups (or none can finish before the next sync); the count."""
+        while True:
+            if self.error is not None:
+                raise self.error
+            if not self.settings.wait_for_stale:
+                self._drop_stale(step)  # a dropped group's replacement may start (the window gets its place back)
+            n = self.sampleable(step)
+            if n >= k or self._starved():
+                return n
+            await self._changed()
+
     async def on_sync(self, version: int) -> None:
         """The rollout workers hold ``version`` now: a new window starts with the groups left from the last."""
         self.rollout_version = int(version)

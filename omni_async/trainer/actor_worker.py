@@ -40,7 +40,7 @@ from verl import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
-from omni_async.agent_loop.rollout_replica import DeviceThread, GenerationBatcher
+from omni_async.agent_loop.rollout_replica import DeviceThread, Generation, GenerationBatcher
 from omni_async.agent_loop.rollout_worker import RolloutWorker
 from omni_async.agent_loop.weight_sync import WeightGroup, fits_one_bucket, free_address, tensor_meta
 from omni_async.cluster import configure_worker
@@ -49,7 +49,7 @@ from omni_async.modality.base import model_dtype
 from omni_async.models.lora import LIVE_ADAPTER, OLD_ADAPTER
 from omni_async.trainer import data_parallel as dpm
 from omni_async.trainer.actor_core import begin_step, compute_log_prob, train_minibatch
-from omni_async.trainer.mode import mode_of
+from omni_async.trainer.mode import interrupts_at_sync, mode_of
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,11 @@ class ActorWorker(Worker, RolloutWorker):
         self.weights_shipped = 0  # get_weights calls: the split layout's transfers (stays 0 in the hybrid one)
         self.weights_broadcast = 0  # send_weights calls: transfers over the cross-pool group (disaggregated, nccl)
         self.trained: deque[tuple[str, int]] = deque(maxlen=TRAINED_ROWS_KEPT)
+        # Disaggregated layout with trainer.v1.separate_async.hybrid_rollout.enable_switch: this rank serves
+        # generation requests only between lend() and reclaim() (the hybrid layout's ranks always do).
+        self.withdrawing = False
+        self.lent_s = 0.0  # seconds lent, in all
+        self._lent_at = 0.0
 
     async def _on_device(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._device_thread, fn, *args)
@@ -138,7 +143,7 @@ class ActorWorker(Worker, RolloutWorker):
             stream=self._stream if hasattr(self.policy, "generate_stream") else None,
         )
 
-    # ---- rollout (hybrid layout) --------------------------------------------------------------------------------
+    # ---- rollout (hybrid layout; lent to generation in the disaggregated one) ----------------------------------
     def _rollout_weights(self):
         """The weights generation reads: the snapshot taken at the last sync when updates overlap generation, else
         the old policy (DiffusionNFT) or the live weights."""
@@ -149,12 +154,58 @@ class ActorWorker(Worker, RolloutWorker):
         return contextlib.nullcontext()
 
     def _generate(self, *args, **kwargs):
+        if self._stops_text():
+            kwargs["should_stop"] = lambda: self.withdrawing
         with self._rollout_weights():
             return self.policy.generate(*args, **kwargs)
 
     def _stream(self, admit, emit, capacity: int) -> None:
+        stop = {"should_stop": lambda: self.withdrawing} if self._stops_text() else {}
         with self._rollout_weights():
-            return self.policy.generate_stream(admit, emit, capacity=capacity)
+            return self.policy.generate_stream(admit, emit, capacity=capacity, **stop)
+
+    def _stops_text(self) -> bool:
+        """Lent to generation (disaggregated layout), a text batch stops after its current token when the rank is
+        reclaimed; an image batch (one device batch of denoising steps) finishes."""
+        return (
+            self.cfg.actor_rollout_ref.model.modality == "text" and int(self.cfg.actor_rollout_ref.rollout.nnodes) > 0
+        )
+
+    async def generate(self, prompt, seed, window, *, sampling=None, version=None, resume=None):
+        """The rollout contract (``RolloutWorker.generate``); a rank going back to training (``reclaim``) answers
+        withdrawn at once, and a text response it interrupted comes back unfinished (continued elsewhere with its
+        tokens, partial rollout) or, without partial rollout, withdrawn (generated again from its seed elsewhere)."""
+        if self.withdrawing:
+            return Generation(None, -1, 0.0, 0.0)
+        gen = await self.batcher.submit(prompt, seed, window, sampling=sampling, version=version, resume=resume)
+        if gen.result is not None and gen.result.unfinished and not interrupts_at_sync(self.cfg):
+            return Generation(None, -1, 0.0, 0.0)
+        return gen
+
+    async def lend(self, version: int) -> int:
+        """Disaggregated layout, the trainer idle: serve generation requests with the weights trained so far,
+        reported as ``version`` (the trained adapter / weights, read-only until :meth:`reclaim`: no update runs
+        while the trainer waits for groups)."""
+
+        def publish() -> int:
+            begin_step(self.policy, self.cfg.actor_rollout_ref.actor.fsdp_config.param_offload)
+            self.rollout_version = int(version)
+            return self.rollout_version
+
+        self.withdrawing = False
+        self._lent_at = time.perf_counter()
+        return await self._on_device(publish)
+
+    async def reclaim(self) -> dict[str, float]:
+        """Back to training: requests not yet on the device are answered withdrawn (the agent loop asks a rollout
+        worker), a text batch stops after its current token, an image batch on the device finishes (at most one
+        device batch: ``rollout.agent.max_batch_size`` samples). Returns once the device is free."""
+        self.withdrawing = True
+        withdrawn = self.batcher.withdraw()
+        t0 = time.perf_counter()
+        await self._on_device(lambda: None)  # after the batch on the device now
+        self.lent_s += time.perf_counter() - self._lent_at
+        return {"withdrawn": float(withdrawn), "drain_s": time.perf_counter() - t0}
 
     async def set_rollout_version(self, version: int) -> int:
         """The hybrid layout's weight sync: later samples report ``version`` (and read a fresh adapter snapshot
@@ -178,6 +229,7 @@ class ActorWorker(Worker, RolloutWorker):
             "weights_broadcast": self.weights_broadcast,
             "rank": self.dp.rank,
             "world_size": self.dp.world,
+            "lent_s": self.lent_s,
         }
 
     async def trained_rows(self) -> list[tuple[str, int]]:

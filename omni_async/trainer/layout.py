@@ -30,8 +30,10 @@ from omegaconf import DictConfig, OmegaConf
 from omni_async.cluster import rollout_pool_size
 from omni_async.config_error import check as _check
 from omni_async.modality import modality_of
+from omni_async.trainer.hybrid_switch import SwitchConfig, SwitchPolicy, check_switch
 from omni_async.trainer.mode import interrupts_at_sync, mode_of
 from omni_async.trainer.pool_sync import PoolSync
+from omni_async.trainer.timer import Timer
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,15 @@ class Layout:
     async def restore(self, worker: Any) -> None:
         """Give a restarted rollout worker the newest weights (it came back with the initial ones)."""
 
+    def collect(self, agent: Any, rollouter: Any, step: int, n: int, among: int, timer: Timer) -> list[Any]:
+        """Step ``step``'s next ``n`` groups from the producer (``Rollouter.take``, on the agent loop). The
+        disaggregated layout may lend its trainer devices to generation meanwhile (``hybrid_rollout``)."""
+        return agent.call(rollouter.take(step, n, among))
+
+    def step_metrics(self, agent: Any) -> dict[str, float]:
+        """The layout's own metrics of the step (the switch's), read once per step."""
+        return {}
+
 
 class Hybrid(Layout):
     name = "hybrid"
@@ -139,11 +150,22 @@ class Split(Layout):
 
 
 class Disaggregated(Layout):
+    """With ``trainer.v1.separate_async.hybrid_rollout.enable_switch`` (fully async) the trainer ranks lend a hand
+    to generation when a step starts with too few groups to train (``trainer.hybrid_switch`` decides): they take
+    generation requests beside the rollout workers, with the weights trained so far (reported as that version), until
+    the step can take ``threshold`` groups; then requests not started on them go back to the rollout workers, a text
+    batch stops after its token (continued or regenerated elsewhere), an image batch on a device finishes (the
+    update waits at most one device batch), and the step trains. A rank that dies while lent: its requests are
+    generated again on the rollout pool and the step stops with ``ActorRankDiedError`` (as any dead rank)."""
+
     name = "disaggregated"
 
     def __init__(self, cfg: DictConfig):
         super().__init__(cfg)
         self.pool_sync: PoolSync | None = None
+        self.switch: SwitchPolicy | None = None
+        self._decided = -1  # the last step whose switch was decided
+        self._metrics: dict[str, float] = {}
 
     def pool_spec(self) -> dict[str, list[int]]:
         nodes = int(self.cfg.actor_rollout_ref.rollout.nnodes)
@@ -153,6 +175,12 @@ class Disaggregated(Layout):
         self.actor_wg = actor_wg
         self.workers = rollout_replicas(self.cfg, pools.get_resource_pool("rollout"), 1.0)
         self.pool_sync = PoolSync(self.cfg, actor_wg, self.workers, on_death=lambda w: self.on_death(w))
+        config = SwitchConfig.from_config(self.cfg)
+        if config.enable_switch:
+            mode = mode_of(self.cfg)
+            chunk = mode.mini_batch if mode.pipelined else mode.groups_per_step
+            trainer_devices = len(actor_wg.workers)
+            self.switch = SwitchPolicy(config, mode.groups_per_step, chunk, trainer_devices, len(self.workers))
         return self.workers
 
     @property
@@ -164,6 +192,62 @@ class Disaggregated(Layout):
 
     async def restore(self, worker: Any) -> None:
         await self.pool_sync.restore(worker)
+
+    # ---- the switch: trainer devices lend a hand to generation ---------------------------------------------------
+    def collect(self, agent: Any, rollouter: Any, step: int, n: int, among: int, timer: Timer) -> list[Any]:
+        if self.switch is None:
+            return super().collect(agent, rollouter, step, n, among, timer)
+        if step != self._decided:  # verl switches at step boundaries: once per step, before its first take
+            self._decided = step
+            self._lend_if_worth_it(agent, rollouter, step, timer)
+        short = max(0, n - agent.on_loop(lambda: rollouter.sampleable(step)))
+        t0 = time.perf_counter()
+        groups = super().collect(agent, rollouter, step, n, among, timer)
+        self.switch.record_take(time.perf_counter() - t0, short)
+        return groups
+
+    def _lend_if_worth_it(self, agent: Any, rollouter: Any, step: int, timer: Timer) -> None:
+        sampleable, waiting = agent.on_loop(lambda: (rollouter.sampleable(step), agent.waiting_for_device()))
+        decision = self.switch.decide(sampleable, waiting)
+        self._metrics.update(decision.metrics)
+        for key in ("switch_to_rollout", "switch_wait", "switch_to_trainer"):  # verl reports 0 on steps without
+            timer.timing.setdefault(f"timing_s/{key}", 0.0)
+        if not decision.lend:
+            return
+        ranks = list(self.actor_wg.workers)
+        t0 = time.perf_counter()
+        with timer("switch_to_rollout"):
+            ray.get([w.lend.remote(step) for w in ranks])  # the weights trained so far: version `step`
+            agent.on_loop(lambda: agent.lend(ranks))
+        t1 = time.perf_counter()
+        logger.info("step %d: trainer ranks lent to generation until %d groups can train", step, decision.threshold)
+        try:
+            with timer("switch_wait"):
+                got = agent.call(rollouter.wait_sampleable(step, decision.threshold))
+        finally:
+            t2 = time.perf_counter()
+            with timer("switch_to_trainer"):
+                agent.on_loop(agent.stop_lending)
+                back = ray.get([w.reclaim.remote() for w in ranks])  # a dead rank raises: ActorRankDiedError
+            t3 = time.perf_counter()
+        self.switch.record_costs(t1 - t0, t3 - t2)
+        self._metrics.update(
+            {
+                "separate_async/switch/count": self._metrics.get("separate_async/switch/count", 0.0) + 1.0,
+                "separate_async/switch/lent_seconds": t3 - t0,
+                "separate_async/switch/sampleable_at_switch_back": float(got),
+                "separate_async/switch/withdrawn": sum(b["withdrawn"] for b in back),
+                "separate_async/switch/drain_seconds": max(b["drain_s"] for b in back),
+            }
+        )
+
+    def step_metrics(self, agent: Any) -> dict[str, float]:
+        if self.switch is None:
+            return {}
+        m, self._metrics = self._metrics, {}
+        m.setdefault("separate_async/switch/count", 0.0)
+        m["separate_async/switch/lent_busy_seconds"] = agent.take_lent_busy_s()
+        return m
 
 
 def make_layout(cfg: DictConfig) -> Layout:
@@ -216,6 +300,7 @@ def check_layout(cfg: DictConfig) -> None:
     """What each layout can place, move and overlap."""
     _check_layout(cfg)
     _check_weight_sync(cfg)
+    check_switch(cfg, layout(cfg))
     rollout = cfg.actor_rollout_ref.rollout
     if layout(cfg) != "disaggregated":
         _check(

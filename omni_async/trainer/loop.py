@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from omni_async.agent_loop.draws import Draws
 from omni_async.agent_loop.manager import AgentLoopManager, RolloutWorkersLostError
@@ -172,13 +173,16 @@ class RLTrainer:
         if self.rollouter is not None:
             self.agent.on_loop(apply)
 
-    def _take(self, step: int, n: int, among: int) -> list[Group]:
+    def _take(self, step: int, n: int, among: int, timer: Timer) -> list[Group]:
+        """The step's next groups, through the layout (which may lend the trainer devices to generation meanwhile)."""
         try:
-            return self.agent.call(self.rollouter.take(step, n, among))
+            return self.layout.collect(self.agent, self.rollouter, step, n, among, timer)
         except RolloutWorkersLostError as e:
             if self.layout.rollout_is_actor:  # the rollout workers are the actor ranks
                 raise self.ops._rank_died("rollout", e) from e
             raise
+        except (RayActorError, ActorUnavailableError) as e:  # a trainer rank lent to generation died
+            raise self.ops._rank_died("generation on a lent trainer device", e) from e
 
     def after_update(self, step: int, timer: Timer) -> None:
         """Every sync period, the new weights to the rollout and a new production window. Staged beside generation
@@ -217,6 +221,9 @@ class RLTrainer:
         trainer_idle = waited_s / step_s if step_s > 0 else 0.0
         rollout_idle = min(1.0, self.agent.take_idle_s() / wall) if wall > 0 else 0.0
         m["fully_async/trainer/idle_ratio"], m["fully_async/rollouter/idle_ratio"] = trainer_idle, rollout_idle
+        # Each pool's busy share of the step (the trainer's counts the time its devices generated while lent).
+        m["perf/busy_fraction/trainer_pool"] = 1.0 - trainer_idle
+        m["perf/busy_fraction/rollout_pool"] = 1.0 - rollout_idle
         self._idle = [*self._idle[-(IDLE_WINDOW - 1) :], (trainer_idle, rollout_idle)]
         if len(self._idle) == IDLE_WINDOW:
             trainer_mean = sum(t for t, _ in self._idle) / IDLE_WINDOW
@@ -248,7 +255,12 @@ class RLTrainer:
             if self.rollouter is None:
                 self._start_producer(step)
             groups, samples, loss_mask, actor_metrics = update(
-                self.ops, self.mode, self._take, step, timer, int(self.cfg.actor_rollout_ref.rollout.n)
+                self.ops,
+                self.mode,
+                lambda step, n, among: self._take(step, n, among, timer),
+                step,
+                timer,
+                int(self.cfg.actor_rollout_ref.rollout.n),
             )
             actor_metrics.update(self.ops.refresh_old_policy(step + 1))  # DiffusionNFT's old policy, before the sync
             self.after_update(step, timer)
@@ -268,8 +280,14 @@ class RLTrainer:
             **off_policy_metrics(samples, step, partial=not self.mode.lock_step),
             "weight_sync/bytes": float(self.layout.take_sync_bytes()),
             **self.ops.take_corr_metrics(),
-            **self.producer_metrics(timing["timing_s/step"], timing.get("timing_s/collect_wait", 0.0)),
         }
+        layout_metrics = self.layout.step_metrics(self.agent)
+        # Time a lent trainer device generated is work, not waiting (verl v1: switch_wait is not idle).
+        waited = timing.get("timing_s/collect_wait", 0.0) - layout_metrics.get(
+            "separate_async/switch/lent_busy_seconds", 0.0
+        )
+        metrics.update(layout_metrics)
+        metrics.update(self.producer_metrics(timing["timing_s/step"], max(0.0, waited)))
         if self.cfg.actor_rollout_ref.model.modality == "text":
             metrics.update(response_length_metrics(samples, int(self.cfg.actor_rollout_ref.rollout.response_length)))
         t0 = min(s.times.requested for s in samples)

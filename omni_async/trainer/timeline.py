@@ -1,8 +1,10 @@
 """Per-step timelines: what overlapped with what.
 
 Every logged step writes ``{run_dir}/timeline/step_XXXX.json`` (per-sample timestamps and the trainer's phase
-spans, wall clock) and draws ``step_XXXX.png`` from it: one lane per sample (waiting for the device, generate, queued,
-scoring) and the trainer's phases beneath. ``python -m omni_async.tools.timeline RUN_DIR --step K`` re-draws a saved step.
+spans, wall clock) and draws ``step_XXXX.png`` from it: one lane per sample (waiting for the device, generate — in red
+when a trainer device lent to generation made it —, queued, scoring) and the trainer's phases beneath (with
+``hybrid_rollout.enable_switch``: ``switch_to_rollout``, ``switch_wait`` while the trainer devices generate,
+``switch_to_trainer``). ``python -m omni_async.tools.timeline RUN_DIR --step K`` re-draws a saved step.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def timeline_record(step: int, t0: float, samples, timer) -> dict[str, Any]:
     return {
         "step": step,
         "t0": t0,
-        "samples": [{"index": s.index, "uid": s.uid, **s.times.as_dict()} for s in samples],
+        "samples": [{"index": s.index, "uid": s.uid, "lent": s.lent, **s.times.as_dict()} for s in samples],
         "trainer": [{"phase": name, "start": a, "end": b} for name, a, b in timer.spans if name != "step"],
     }
 
@@ -51,10 +53,16 @@ def draw_timeline(record: dict[str, Any], out: Path) -> Path:
     phases = sorted({p["phase"] for p in record["trainer"]})
     rows = len(samples) + len(phases)
     fig, ax = plt.subplots(figsize=(10, 0.25 * rows + 1.5))
+    labelled: set[str] = set()
     for y, s in enumerate(samples):
         for label, a, b, color in SAMPLE_PHASES:
             if a in s and b in s:
-                ax.barh(y, s[b] - s[a], left=s[a] - t0, color=color, height=0.8, label=label if y == 0 else None)
+                if label == "generate" and s.get("lent"):  # made on a trainer device lent to generation
+                    label, color = "generate (trainer device)", "tab:red"
+                ax.barh(
+                    y, s[b] - s[a], left=s[a] - t0, color=color, height=0.8, label=None if label in labelled else label
+                )
+                labelled.add(label)
         if "scored" in s and "sent" not in s:  # sync mode: the colocated reward scores after the batch
             ax.plot([s["scored"] - t0], [y], "k|")
     for k, phase in enumerate(phases):

@@ -6,6 +6,10 @@ modality with an SDE window, gets its window from (window seed, ``d``, ``i`` or 
 ``rollout.seed`` (null: ``trainer.seed``), the window seed ``rollout.algo.sde_window_seed`` (null: the rollout seed). So a sample is a pure function
 of (seed, draw, index, weights version): whichever worker makes it, whenever, in whatever mode, and again after a
 resume or a worker's death.
+
+MixGRPO (``actor_rollout_ref.model.algorithm=mix_grpo``): every sample of draw ``d`` shares the window of training
+step ``g = d + 1`` under ``rollout.algo.sample_strategy`` (``algos.mix_grpo.mix_grpo_window``, verl-omni's schedule;
+``docs/losses.md``), whatever mode trains it and whenever.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from omni_async.agent_loop.rollout_replica import SEED_WINDOW, sample_seed
+from omni_async.algos.mix_grpo import mix_grpo_window
 from omni_async.algos.sde import sde_window
 from omni_async.sample import Sample
 
@@ -26,12 +31,15 @@ class Draws:
         n: int,
         window: tuple[int, int, tuple[int, int], bool] | None,
         window_seed: int | None = None,
+        mix: tuple[str, int] | None = None,
     ):
         """``sampler``: a ``trainer.dataset.PromptSampler`` (``next_batch``, ``state_dict``, ``load_state_dict``).
         ``window``: (num_inference_steps, sde_window_size, sde_window_range, per_sample) for a modality with an SDE
-        window, else ``None``."""
+        window, else ``None``. ``mix``: MixGRPO's (sample_strategy, iters_per_group), or ``None`` (per_sample is then
+        not read: a draw's samples share its step's window)."""
         self.sampler, self.seed, self.n, self.window_spec = sampler, int(seed), int(n), window
         self.window_seed = self.seed if window_seed is None else int(window_seed)
+        self.mix = mix
 
     @classmethod
     def from_config(cls, cfg, sampler, uses_window: bool) -> Draws:
@@ -45,15 +53,31 @@ class Draws:
                 bool(r.algo.sde_window_per_sample),
             )
         seed = int(cfg.trainer.seed if r.seed is None else r.seed)
-        return cls(sampler, seed=seed, n=int(r.n), window=window, window_seed=r.algo.sde_window_seed)
+        mix = None
+        if uses_window and cfg.actor_rollout_ref.model.algorithm == "mix_grpo":
+            mix = (str(r.algo.sample_strategy), int(r.algo.iters_per_group))
+        return cls(sampler, seed=seed, n=int(r.n), window=window, window_seed=r.algo.sde_window_seed, mix=mix)
 
     def window(self, draw: int, index: int) -> tuple[int, int] | None:
         """The SDE window of sample ``index`` of draw ``draw``. With ``rollout.algo.sde_window_per_sample`` (default)
         each sample draws its own, as verl-omni's SD3 / Qwen-Image request batches draw one per row; false: one per
-        draw, shared by all its samples (sample 0's)."""
+        draw, shared by all its samples (sample 0's). MixGRPO: training step ``draw + 1``'s window, for every index
+        (``sde_window_seed`` null: the rollout seed, this project's meaning of the key)."""
         if self.window_spec is None:
             return None
         steps, size, span, per_sample = self.window_spec
+        if self.mix is not None:
+            strategy, iters = self.mix
+            w = mix_grpo_window(
+                draw + 1,
+                num_inference_steps=steps,
+                window_size=size,
+                window_range=span,
+                sample_strategy=strategy,
+                sde_window_seed=self.window_seed,
+                iters_per_group=iters,
+            )
+            return w.start, w.stop
         gen = torch.Generator().manual_seed(
             sample_seed(self.window_seed, draw, index if per_sample else 0, SEED_WINDOW)
         )

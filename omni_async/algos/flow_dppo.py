@@ -22,8 +22,8 @@ the kept samples (``mask``); ``w_i``: verl's decoupled-mode rollout-correction w
 A sample with ``sigma = 0`` (noise level 0) has ``D = 0``, never inf.
 
 Inputs per window step: ``log_prob`` / ``old_log_prob`` [B] (``SDEStep.log_prob``, stored ``old_log_probs[:, j]``);
-``mean`` [B, ...] (``SDEStep.mean``, current weights); ``old_mean`` [B, ...] (the step's mean under pi_old: not
-returned by the rollout today, see ``docs/losses.md``); ``std_dev_t``, ``sqrt_dt`` (``SDEStep.std_dev_t``,
+``mean`` [B, ...] (``SDEStep.mean``, current weights); ``old_mean`` [B, ...] (the step's mean under pi_old: the
+batch's ``old_means[:, j]``, see ``docs/losses.md``); ``std_dev_t``, ``sqrt_dt`` (``SDEStep.std_dev_t``,
 ``SDEStep.sqrt_dt``; [B] or broadcast to the latent), only read with ``add_kl_coefficient``.
 """
 

@@ -31,8 +31,8 @@ Inputs the caller needs per window step (all on one device):
 
 - ``log_prob`` / ``old_log_prob`` [B]: ``SDEStep.log_prob`` now, the stored ``old_log_probs[:, j]``;
 - ``mean`` [B, ...]: ``SDEStep.mean`` under the current weights (with gradient);
-- ``old_mean`` [B, ...]: the same step's mean under pi_old. The rollout does not return it today: see
-  ``docs/losses.md`` (the rollout must store its window means, or the old-log-prob recompute must return them);
+- ``old_mean`` [B, ...]: the same step's mean under pi_old, the batch's ``old_means[:, j]`` (stored by the rollout in
+  bypass mode, returned by the old-log-prob recompute otherwise: ``docs/losses.md``);
 - ``std_dev_t``, ``sqrt_dt``: ``SDEStep.std_dev_t`` and ``SDEStep.sqrt_dt`` ([B] or broadcast to the latent).
 """
 

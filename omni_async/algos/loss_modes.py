@@ -9,6 +9,10 @@ the config check refuses a mode that is listed here but not built yet, naming th
 - ``final_latents``: the rollout stores only the clean final latents (DiffusionNFT, AWM, online DPO); the loss
   noises them again on the forward process.
 
+A window loss with ``old_means`` (GRPO-Guard, Flow-DPPO) also reads each window step's Gaussian mean under pi_old:
+in bypass mode the rollout stores it beside the step's log-prob (``ImageResult.window_means``, batch key
+``old_means``); with ``algorithm.rollout_correction.bypass_mode=false`` the log-prob recompute returns it too.
+
 To add a loss: its pure math in ``algos/``, an entry here with ``built=True``, and its branch in
 ``modality.image.ImageModality.backward`` (window losses: the per-step loss call; final-latent losses: beside
 ``_nft_backward``).
@@ -25,6 +29,7 @@ class LossMode:
     data_path: str  # sde_window | final_latents
     algorithm: str  # the actor_rollout_ref.model.algorithm it runs under (verl-omni's pairing)
     built: bool = True
+    old_means: bool = False  # the loss reads pi_old's window-step means (batch key ``old_means``)
 
 
 SDE_WINDOW, FINAL_LATENTS = "sde_window", "final_latents"
@@ -35,9 +40,9 @@ LOSS_MODES: dict[str, LossMode] = {
     for m in (
         LossMode("flow_grpo", SDE_WINDOW, "flow_grpo"),
         LossMode("diffusion_nft", FINAL_LATENTS, "diffusion_nft"),
-        # verl-omni's other modes, brought by issue 38 (refused until built).
-        LossMode("grpo_guard", SDE_WINDOW, "flow_grpo", built=False),
-        LossMode("flow_dppo", SDE_WINDOW, "flow_grpo", built=False),
+        # verl-omni's other modes (issue 38; refused until built).
+        LossMode("grpo_guard", SDE_WINDOW, "flow_grpo", old_means=True),
+        LossMode("flow_dppo", SDE_WINDOW, "flow_grpo", old_means=True),
         LossMode("dance_grpo", SDE_WINDOW, "dance_grpo", built=False),
         LossMode("dpo", FINAL_LATENTS, "dpo", built=False),
         LossMode("awm", FINAL_LATENTS, "awm", built=False),
@@ -46,7 +51,18 @@ LOSS_MODES: dict[str, LossMode] = {
 
 
 # verl-omni's other diffusion algorithms (actor_rollout_ref.model.algorithm), refused until built.
-PLANNED_ALGORITHMS = ("mix_grpo", "dance_grpo", "dpo", "awm")
+PLANNED_ALGORITHMS = ("dance_grpo", "dpo", "awm")
+
+# Algorithms that change only the rollout's sampling, -> the algorithm whose losses they train with. MixGRPO places
+# one SDE window per training step by a schedule (``algos.mix_grpo``, ``agent_loop.draws.Draws.window``); verl-omni's
+# recipe pins ``diffusion_loss.loss_mode=flow_grpo``.
+SAMPLING_ALGORITHMS = {"mix_grpo": "flow_grpo"}
+
+
+def loss_algorithm(algorithm: str) -> str:
+    """The algorithm whose loss modes ``actor_rollout_ref.model.algorithm=algorithm`` trains with (itself, or the
+    base algorithm of a sampling-only one such as ``mix_grpo``)."""
+    return SAMPLING_ALGORITHMS.get(algorithm, algorithm)
 
 
 def loss_mode(name: str) -> LossMode:
@@ -54,6 +70,11 @@ def loss_mode(name: str) -> LossMode:
     if name not in LOSS_MODES:
         raise ValueError(f"unknown diffusion loss_mode {name!r}; known: {', '.join(LOSS_MODES)}")
     return LOSS_MODES[name]
+
+
+def needs_old_means(name: str) -> bool:
+    """Whether loss mode ``name`` reads pi_old's window-step means (``old_means``: GRPO-Guard, Flow-DPPO)."""
+    return loss_mode(name).old_means
 
 
 def uses_final_latents(name: str) -> bool:

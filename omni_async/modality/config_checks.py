@@ -145,7 +145,13 @@ def check_loss(cfg: DictConfig) -> None:
     from omegaconf import OmegaConf
 
     from omni_async.algos.diffusion_nft import ADV_MODES, DECAY_SCHEDULES
-    from omni_async.algos.loss_modes import LOSS_MODES, PLANNED_ALGORITHMS, PLANNED_ISSUE
+    from omni_async.algos.loss_modes import (
+        LOSS_MODES,
+        PLANNED_ALGORITHMS,
+        PLANNED_ISSUE,
+        SAMPLING_ALGORITHMS,
+        loss_algorithm,
+    )
 
     arr, algo = cfg.actor_rollout_ref, cfg.algorithm
     actor, dl = arr.actor, arr.actor.diffusion_loss
@@ -177,7 +183,7 @@ def check_loss(cfg: DictConfig) -> None:
     )
     name, algorithm = dl.loss_mode, arr.model.algorithm
     built = [m for m, v in LOSS_MODES.items() if v.built]
-    algorithms = sorted({LOSS_MODES[m].algorithm for m in built})
+    algorithms = sorted({LOSS_MODES[m].algorithm for m in built} | set(SAMPLING_ALGORITHMS))
     _check(  # first: loss_mode follows the algorithm when not given
         algorithm not in PLANNED_ALGORITHMS,
         "actor_rollout_ref.model.algorithm",
@@ -189,6 +195,24 @@ def check_loss(cfg: DictConfig) -> None:
         "actor_rollout_ref.model.algorithm",
         f"{algorithm!r} is not a diffusion algorithm of this project",
         f"use one of {', '.join(algorithms)} (text GRPO: --config-name grpo_text_trainer)",
+    )
+    base = loss_algorithm(algorithm)
+    if algorithm == "mix_grpo":
+        from omni_async.algos.mix_grpo import SAMPLE_STRATEGIES
+
+        ra = arr.rollout.algo
+        _check(
+            ra.sample_strategy in SAMPLE_STRATEGIES,
+            "actor_rollout_ref.rollout.algo.sample_strategy",
+            f"unknown MixGRPO window schedule {ra.sample_strategy!r}",
+            f"use one of {', '.join(SAMPLE_STRATEGIES)}",
+        )
+        _check(ra.iters_per_group >= 1, "actor_rollout_ref.rollout.algo.iters_per_group", "must be >= 1", "e.g. 1")
+    _check(  # loss_mode followed a sampling-only algorithm (verl-omni's interpolation): it has no loss of its own
+        name not in SAMPLING_ALGORITHMS,
+        "actor_rollout_ref.actor.diffusion_loss.loss_mode",
+        f"{name} changes where the SDE window sits, not the loss (verl-omni's recipe pins the loss)",
+        f"set actor_rollout_ref.actor.diffusion_loss.loss_mode={SAMPLING_ALGORITHMS.get(name, base)}",
     )
     _check(
         name in LOSS_MODES,
@@ -204,10 +228,17 @@ def check_loss(cfg: DictConfig) -> None:
         f"use one of {', '.join(built)}",
     )
     _check(
-        mode.algorithm == algorithm,
+        mode.algorithm == base,
         "actor_rollout_ref.actor.diffusion_loss.loss_mode",
         f"{name} runs under actor_rollout_ref.model.algorithm={mode.algorithm}, not {algorithm}",
         f"set actor_rollout_ref.model.algorithm={mode.algorithm} (loss_mode follows it when not given)",
+    )
+    _check(  # GRPO-Guard's ratio scale and Flow-DPPO's KL read std_dev_t * sqrt_dt as the step's std
+        not (mode.old_means and arr.rollout.algo.sde_type == "cps"),
+        "actor_rollout_ref.rollout.algo.sde_type",
+        f"cps does not fit loss_mode={name}: its scale std_dev_t * sqrt_dt is the transition's std (and the "
+        "log-prob its Gaussian density) only under sde (verl-omni's recipe sets sde)",
+        "set actor_rollout_ref.rollout.algo.sde_type=sde",
     )
     nft = name == "diffusion_nft"
     for key, want in (_NFT_VALUES if nft else _WINDOW_VALUES).items():

@@ -7,6 +7,9 @@ FlowGRPO's batch tensors per sample: ``window_latents`` [W+1, ...] (x before the
 the prompt encodings made at rollout (``prompt_embeds`` [S, D], ..., see ``models.diffusion_policy.COND_KEYS``),
 so the update and the log-prob recompute never run the text encoder.
 The loss runs window step by window step with gradients accumulated, so one step's graph is alive at a time.
+GRPO-Guard and Flow-DPPO (``algos.grpo_guard``, ``algos.flow_dppo``) take the same tensors plus ``old_means``
+[W, ...] (fp32), each window step's Gaussian mean under pi_old: the rollout's (``ImageResult.window_means``) in bypass
+mode, the recompute's (:meth:`ImageModality.log_probs`) with ``bypass_mode=false``; only these losses carry it.
 
 DiffusionNFT's: ``latents_clean`` (x0, the rollout's final latents), ``rm_scores``, the prompt encodings, and what
 ``StepOps.build_batch`` adds: ``reward_prob`` [1] (the optimality probability), ``train_steps`` [T] (the denoising
@@ -25,8 +28,10 @@ import torch
 from PIL import Image, ImageDraw
 
 from omni_async.algos.diffusion_nft import forward_noised, nft_loss
+from omni_async.algos.flow_dppo import flow_dppo_loss
+from omni_async.algos.grpo_guard import grpo_guard_loss
 from omni_async.algos.loss import flow_grpo_loss
-from omni_async.algos.loss_modes import uses_final_latents
+from omni_async.algos.loss_modes import needs_old_means, uses_final_latents
 from omni_async.algos.sde import kl_to_reference
 from omni_async.modality.base import REF_TIME_KEY, Modality, rm_score, score_labels
 from omni_async.models.device import device_clock
@@ -42,6 +47,7 @@ class ImageModality(Modality):
         """``loss_mode``: ``actor_rollout_ref.actor.diffusion_loss.loss_mode`` (``algos.loss_modes``)."""
         self.loss_mode = loss_mode
         self.final_latents = uses_final_latents(loss_mode)
+        self.old_means = needs_old_means(loss_mode)  # GRPO-Guard, Flow-DPPO: pi_old's window-step means
         # DiffusionNFT samples with any solver: ODE here, so no SDE window is drawn for its samples.
         self.uses_window = not self.final_latents
 
@@ -63,6 +69,7 @@ class ImageModality(Modality):
             vae_slicing=bool(r.pipeline.vae_slicing),
             vae_tiling=r.pipeline.vae_tiling,
             clean_latents=self.final_latents,
+            window_means=self.old_means,
         )
 
     def validation_sampling(self, cfg: Any) -> dict[str, Any]:
@@ -108,13 +115,21 @@ class ImageModality(Modality):
                 "rm_scores": torch.tensor([[rm_score(s)] for s in samples]),
                 **collate_conditioning([r.conditioning for r in results]),
             }
-        return {
+        out = {
             "window_latents": torch.stack([r.window_latents for r in results]),
             "window_start": torch.tensor([r.window_start for r in results], dtype=torch.long),
             "old_log_probs": torch.stack([r.log_probs for r in results]),
             "rm_scores": torch.tensor([[rm_score(s)] for s in samples]),
             **collate_conditioning([r.conditioning for r in results]),
         }
+        if self.old_means:
+            if any(r.window_means is None for r in results):
+                raise ValueError(
+                    f"loss_mode={self.loss_mode} needs each window step's mean under pi_old, and a sample came "
+                    "without it (its rollout ran with SamplingConfig.window_means=False)"
+                )
+            out["old_means"] = torch.stack([r.window_means for r in results])
+        return out
 
     @staticmethod
     def window_starts(batch) -> torch.Tensor | int:
@@ -132,11 +147,18 @@ class ImageModality(Modality):
         for j in range(latents.shape[1] - 1):
             yield j, policy.step(cond, latents[:, j], start + j, prev_sample=latents[:, j + 1])
 
-    def log_probs(self, policy, batch) -> torch.Tensor:
+    def log_probs(self, policy, batch) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The stored window's log-probs [B, W] under the current weights (pi_old when not bypassed); for a loss
+        that reads pi_old's means (GRPO-Guard, Flow-DPPO) ``{"old_log_probs": [B, W], "old_means": [B, W, ...]}``,
+        the means of the same forward passes (verl-omni's old-log-prob recompute returns them alike)."""
         cond = policy.conditioning_from(batch.batch)
         start = self.window_starts(batch)
         latents = batch.batch["window_latents"].to(policy.device)
-        return torch.stack([out.log_prob for _, out in self._window_steps(policy, cond, latents, start)], 1).cpu()
+        steps = [out for _, out in self._window_steps(policy, cond, latents, start)]
+        log_probs = torch.stack([out.log_prob for out in steps], 1).cpu()
+        if not self.old_means:
+            return log_probs
+        return {"old_log_probs": log_probs, "old_means": torch.stack([o.mean.float() for o in steps], 1).cpu()}
 
     def loss_units(self, batch) -> int:
         return int(batch.batch["loss_mask"].bool().sum())
@@ -152,7 +174,9 @@ class ImageModality(Modality):
     def _window_backward(
         self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any, loss_scale: float
     ) -> dict[str, list[float]]:
-        """FlowGRPO: the clipped policy loss per SDE-window step."""
+        """The policy loss per SDE-window step: FlowGRPO's clipped ratio, GRPO-Guard's regulated ratio or Flow-DPPO's
+        divergence mask (the latter two on the step's mean against pi_old's, ``old_means``)."""
+        dl = actor_cfg.diffusion_loss
         start = self.window_starts(batch)
         cond = policy.conditioning_from(batch.batch)
         latents, old_lp, adv = (
@@ -164,6 +188,7 @@ class ImageModality(Modality):
             batch.batch[k].to(policy.device) if k in batch.batch.keys() else None
             for k in ("rollout_is_weights", "rollout_rs_mask")
         )
+        old_means = batch.batch["old_means"].to(policy.device) if self.old_means else None
         n_steps = latents.shape[1] - 1
         step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)  # read after the last backward, in one sync
         ref_s = 0.0
@@ -176,16 +201,21 @@ class ImageModality(Modality):
                 ref_s += device_clock(policy.device) - t0
                 kl = kl_to_reference(out.mean, ref.mean, out.std_dev_t)
             mask_j = loss_mask if rs is None else loss_mask.bool() & rs[:, j].bool()
-            loss, m = flow_grpo_loss(
-                out.log_prob,
-                old_lp[:, j],
-                adv,
-                mask_j,
-                clip_ratio=actor_cfg.diffusion_loss.clip_ratio,
-                kl=kl,
-                kl_coef=actor_cfg.kl_loss_coef,
-                is_weights=None if is_w is None else is_w[:, j],
-            )
+            common = {"kl": kl, "kl_coef": actor_cfg.kl_loss_coef, "is_weights": None if is_w is None else is_w[:, j]}
+            if self.loss_mode == "grpo_guard":
+                # advantages were clipped to diffusion_loss.adv_clip_max when the batch was built (StepOps)
+                loss, m = grpo_guard_loss(
+                    out.log_prob, old_lp[:, j], adv, mask_j, mean=out.mean, old_mean=old_means[:, j],
+                    std_dev_t=out.std_dev_t, sqrt_dt=out.sqrt_dt, clip_ratio=dl.clip_ratio, **common,
+                )  # fmt: skip
+            elif self.loss_mode == "flow_dppo":
+                loss, m = flow_dppo_loss(
+                    out.log_prob, old_lp[:, j], adv, mask_j, mean=out.mean, old_mean=old_means[:, j],
+                    std_dev_t=out.std_dev_t, sqrt_dt=out.sqrt_dt, kl_mask_threshold=dl.kl_mask_threshold,
+                    add_kl_coefficient=dl.add_kl_coefficient, **common,
+                )  # fmt: skip
+            else:
+                loss, m = flow_grpo_loss(out.log_prob, old_lp[:, j], adv, mask_j, clip_ratio=dl.clip_ratio, **common)
             (loss * loss_scale / n_steps).backward()  # the window's steps are averaged
             for k, v in m.items():
                 step_metrics[k].append(v)

@@ -52,6 +52,7 @@ class SamplingConfig:
     vae_slicing: bool = True  # decode a batch one sample at a time (the same pixels, 1/B of the peak)
     vae_tiling: bool | None = None  # decode in overlapping spatial tiles; None = on for video (see vae_tiling)
     clean_latents: bool = False  # return each sample's final latents (DiffusionNFT's x0) with its image
+    window_means: bool = False  # return each SDE-window step's Gaussian mean (pi_old's, GRPO-Guard / Flow-DPPO)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Rollout:
     conditioning: dict[str, torch.Tensor]  # the prompt encodings it was denoised with (COND_KEYS), batch-first
     window_starts: list[int]  # each sample's first SDE step (its window_latents[:, 0] is x before it)
     final_latents: torch.Tensor | None = None  # [B, ...] the denoised latents before decoding (clean_latents)
+    window_means: torch.Tensor | None = None  # [B, W, ...] fp32: each window step's mean (SamplingConfig.window_means)
 
 
 # The prompt encodings a denoising step takes, under the names of the diffusers pipelines' own arguments. They are
@@ -648,6 +650,10 @@ class DiffusionPolicy(TrainableModule):
         noise = window_noise(gens, x, size)
         stored = x.new_zeros((n, size + 1, *x.shape[1:])) if size else None
         log_probs = torch.zeros(n, size, device=x.device)
+        # fp32 as the step computes it: the losses read mu_theta - mu_old, which a bf16 copy would swamp.
+        means = (
+            x.new_zeros((n, size, *x.shape[1:]), dtype=torch.float32) if size and self.sampling.window_means else None
+        )
         for i in range(self.sampling.num_inference_steps):
             sde = [r for r, w in enumerate(windows) if i in w]
             ode = [r for r in range(n) if i not in windows[r]]
@@ -662,11 +668,13 @@ class DiffusionPolicy(TrainableModule):
                 x_next[ode] = self.step(
                     ode_cond(ode), x[ode], i, noise=torch.zeros_like(x[ode]), noise_level=0.0, per_sample=False
                 ).prev_sample
-            for r, j, lp in zip(sde, offsets, out.log_prob, strict=True):
+            for k, (r, j, lp) in enumerate(zip(sde, offsets, out.log_prob, strict=True)):
                 if j == 0:
                     stored[r, 0] = x[r]
                 stored[r, j + 1] = x_next[r]
                 log_probs[r, j] = lp
+                if means is not None:
+                    means[r, j] = out.mean[k]
             x = x_next
         images = self.adapter.decode(x)
         images = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
@@ -678,6 +686,7 @@ class DiffusionPolicy(TrainableModule):
             conditioning={k: v for k, v in cond.items() if v is not None},
             window_starts=[w.start for w in windows],
             final_latents=x.float() if self.sampling.clean_latents else None,
+            window_means=means,
         )
 
     def with_sampling(self, **overrides: Any) -> DiffusionPolicy:
@@ -716,6 +725,7 @@ class DiffusionPolicy(TrainableModule):
                 conditioning=conds[i],
                 window_start=out.window_starts[i],
                 latents_clean=None if out.final_latents is None else out.final_latents[i].cpu().clone(),
+                window_means=None if out.window_means is None else out.window_means[i].cpu().clone(),
             )
             for i in range(len(prompts))
         ]

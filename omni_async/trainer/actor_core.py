@@ -152,7 +152,11 @@ def compute_log_prob(
     modality: Modality, policy: Any, data: Any, micro_batch_size: int | None = None, *, param_offload: bool = False
 ) -> torch.Tensor:
     """Log-probs of the stored trajectories under the current weights, in micro-batches of ``micro_batch_size``
-    samples (``rollout.log_prob_micro_batch_size_per_gpu``; ``None`` = all at once)."""
+    samples (``rollout.log_prob_micro_batch_size_per_gpu``; ``None`` = all at once); a dict of per-row tensors when
+    the modality returns one (GRPO-Guard / Flow-DPPO: the log-probs and the window-step means)."""
     offload_frozen(policy, param_offload)
     with torch.no_grad():
-        return torch.cat([modality.log_probs(policy, mb) for mb in data.split(int(micro_batch_size or len(data)))])
+        parts = [modality.log_probs(policy, mb) for mb in data.split(int(micro_batch_size or len(data)))]
+    if isinstance(parts[0], dict):
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    return torch.cat(parts)

@@ -107,13 +107,17 @@ def dispatch_by_groups(worker_group: Any, *args, **kwargs):
     return tuple(split(a) for a in args), {k: split(v) for k, v in kwargs.items()}
 
 
-def rows_result(data: Any, value: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
-    """What a rank returns for per-row results: its rows' indices in the dispatched batch, and the values."""
+def rows_result(data: Any, value: torch.Tensor | dict[str, torch.Tensor]) -> tuple[np.ndarray, Any]:
+    """What a rank returns for per-row results: its rows' indices in the dispatched batch, and the values (a tensor,
+    or a dict of tensors with one row per batch row)."""
     return np.asarray(data.meta_info.get(DP_INDEX_KEY, np.arange(len(data)))), value
 
 
-def collect_rows(worker_group: Any, outputs: list[tuple[np.ndarray, torch.Tensor]]) -> torch.Tensor:
-    """verl collect function: the ranks' per-row results back in the dispatched batch's order (padding dropped)."""
+def collect_rows(worker_group: Any, outputs: list[tuple[np.ndarray, Any]]) -> torch.Tensor | dict[str, torch.Tensor]:
+    """verl collect function: the ranks' per-row results back in the dispatched batch's order (padding dropped);
+    a dict of tensors is collected key by key."""
+    if isinstance(outputs[0][1], dict):
+        return {k: collect_rows(worker_group, [(idx, v[k]) for idx, v in outputs]) for k in outputs[0][1]}
     n = sum(int((idx >= 0).sum()) for idx, _ in outputs)
     first = outputs[0][1]
     out = first.new_empty((n, *first.shape[1:]))

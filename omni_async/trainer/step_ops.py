@@ -158,7 +158,10 @@ class StepOps:
         with timer("old_log_prob"):
             if not self.cfg.algorithm.rollout_correction.bypass_mode:
                 rollout_log_probs = batch.batch["old_log_probs"]
-                batch.batch["old_log_probs"] = self._actor_call("compute_log_prob", batch)
+                recomputed = self._actor_call("compute_log_prob", batch)
+                # GRPO-Guard / Flow-DPPO: the same forwards' window-step means replace the rollout's (pi_old's)
+                for k, v in (recomputed if isinstance(recomputed, dict) else {"old_log_probs": recomputed}).items():
+                    batch.batch[k] = v
                 self.rollout_correction(batch, rollout_log_probs)
 
     def rollout_correction(self, batch: DataProto, rollout_log_probs: torch.Tensor) -> None:

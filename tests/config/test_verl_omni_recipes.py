@@ -45,8 +45,7 @@ EXPECTED_REFUSED: dict[str, set[str]] = {
         "actor_rollout_ref.rollout.pipeline.video_flow_shift",
     },
     "diffusionnft_trainer.qwen_image.run_qwen_image_ocr_lora": set(),
-    # the loss's math is in algos/flow_dppo.py, not yet wired into the update (issue 38)
-    "flowdppo_trainer.qwen_image.run_qwen_image_ocr_lora": {"actor_rollout_ref.actor.diffusion_loss.loss_mode"},
+    "flowdppo_trainer.qwen_image.run_qwen_image_ocr_lora": set(),
     "flowgrpo_trainer.bagel.run_bagel_ocr_lora": _BAGEL,
     "flowgrpo_trainer.bagel.run_bagel_pickscore": _BAGEL | _PICKSCORE,
     "flowgrpo_trainer.bagel.run_bagel_pickscore_lora": _BAGEL | _PICKSCORE,
@@ -89,9 +88,8 @@ EXPECTED_REFUSED: dict[str, set[str]] = {
     "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora": set(),
     "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora_v1": set(),
     "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora_v1_separate_async": set(),
-    # the loss's math is in algos/grpo_guard.py, not yet wired into the update (issue 38)
-    "grpoguard_trainer.qwen_image.run_qwen_image_ocr_lora": {"actor_rollout_ref.actor.diffusion_loss.loss_mode"},
-    "mixgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_mixgrpo": {"actor_rollout_ref.model.algorithm"},  # issue 38
+    "grpoguard_trainer.qwen_image.run_qwen_image_ocr_lora": set(),
+    "mixgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_mixgrpo": set(),
 }
 
 

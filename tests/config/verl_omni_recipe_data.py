@@ -21,9 +21,9 @@ from omni_async.trainer.overrides import OverrideError
 
 RECIPE_DIR = Path(__file__).resolve().parent / "verl_omni_recipes"
 
-# Keys whose meaning is not built yet (MixGRPO's window schedule is in algos/mix_grpo.py, not yet wired into the
-# draws): the tests leave them out until it is; with the set empty the tests expect them to compose.
-OWNED_ELSEWHERE = frozenset({"actor_rollout_ref.rollout.algo.sample_strategy"})
+# Keys whose meaning is not built yet: the tests leave them out until it is; with the set empty the tests expect them
+# to compose (MixGRPO's rollout.algo.sample_strategy was here until its schedule was wired into the draws).
+OWNED_ELSEWHERE: frozenset[str] = frozenset()
 
 # What a recipe's run on this CPU box swaps, key -> {verl-omni's value: (the value here, why)}; None matches any
 # value. Only models, engines, reward models and reward functions' files: every other value is the recipe's.

@@ -60,8 +60,51 @@ def test_verl_omni_recipe_composes_and_loss_mode_follows_the_algorithm():
         (["actor_rollout_ref.actor.clip_ratio=0.2"], "actor_rollout_ref.actor.clip_ratio", "diffusion_loss.clip_ratio"),
         (["algorithm.adv_clip_max=3"], "algorithm.adv_clip_max", "diffusion_loss.adv_clip_max=3"),
         (["actor_rollout_ref.actor.diffusion_loss.loss_mode=ppo"], "loss_mode", "flow_grpo, diffusion_nft"),
-        (["actor_rollout_ref.actor.diffusion_loss.loss_mode=grpo_guard"], "loss_mode", "issue 38"),
-        (["actor_rollout_ref.model.algorithm=mix_grpo"], "model.algorithm", "issue 38"),
+        (["actor_rollout_ref.actor.diffusion_loss.loss_mode=dance_grpo"], "loss_mode", "issue 38"),
+        (["actor_rollout_ref.model.algorithm=dpo"], "model.algorithm", "issue 38"),
+        (["actor_rollout_ref.model.algorithm=mix_grpo"], "diffusion_loss.loss_mode", "loss_mode=flow_grpo"),
+        (
+            [
+                "actor_rollout_ref.rollout.algo.sde_type=cps",
+                "actor_rollout_ref.actor.diffusion_loss.loss_mode=grpo_guard",
+            ],
+            "rollout.algo.sde_type",
+            "sde_type=sde",
+        ),
+        (
+            [
+                "actor_rollout_ref.rollout.algo.sde_type=cps",
+                "actor_rollout_ref.actor.diffusion_loss.loss_mode=flow_dppo",
+            ],
+            "rollout.algo.sde_type",
+            "sde_type=sde",
+        ),
+        (
+            [
+                "actor_rollout_ref.model.algorithm=mix_grpo",
+                "actor_rollout_ref.actor.diffusion_loss.loss_mode=flow_grpo",
+                "actor_rollout_ref.rollout.algo.sample_strategy=sliding",
+            ],
+            "algo.sample_strategy",
+            "random, progressive",
+        ),
+        (
+            [
+                "actor_rollout_ref.model.algorithm=mix_grpo",
+                "actor_rollout_ref.actor.diffusion_loss.loss_mode=flow_grpo",
+                "actor_rollout_ref.rollout.algo.iters_per_group=0",
+            ],
+            "algo.iters_per_group",
+            ">= 1",
+        ),
+        (
+            [
+                "actor_rollout_ref.model.algorithm=mix_grpo",
+                "actor_rollout_ref.actor.diffusion_loss.loss_mode=diffusion_nft",
+            ],
+            "loss_mode",
+            "model.algorithm=diffusion_nft",
+        ),
         (["actor_rollout_ref.model.algorithm=ppo"], "model.algorithm", "diffusion_nft, flow_grpo"),
         (["actor_rollout_ref.actor.diffusion_loss.loss_mode=diffusion_nft"], "loss_mode", "model.algorithm=diffusion"),
         ([*NFT, "actor_rollout_ref.rollout.rollout_adapter=default"], "rollout.rollout_adapter", "rollout_adapter=old"),

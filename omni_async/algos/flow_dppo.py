@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from omni_async.algos.masked_stats import masked_mean, masked_ratio_stats, per_sample
+from omni_async.algos.masked_stats import masked_mean, masked_ratio_stats, per_sample, with_kl_term
 
 
 def new_old_divergence(
@@ -95,12 +95,7 @@ def flow_dppo_loss(
     if is_weights is not None:
         per_elem = per_elem * is_weights.detach()
     pg_loss = masked_mean(per_elem, mask)
-    loss = pg_loss
-    metrics: dict[str, torch.Tensor] = {}
-    if kl is not None and kl_coef > 0:
-        kl_loss = masked_mean(kl, mask)
-        loss = loss + kl_coef * kl_loss
-        metrics["actor/kl_loss"] = kl_loss.detach()
+    loss, metrics = with_kl_term(pg_loss, kl, kl_coef, mask)
     with torch.no_grad():
         lr = log_ratio.detach()
         stats = masked_ratio_stats(ratio.detach(), mask, unbiased=False)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from omni_async.algos.masked_stats import masked_mean, masked_ratio_stats, per_sample
+from omni_async.algos.masked_stats import masked_mean, masked_ratio_stats, per_sample, with_kl_term
 
 
 def grpo_guard_loss(
@@ -86,12 +86,7 @@ def grpo_guard_loss(
     # Dividing by |dt| (sqrt_dt^2) undoes the S^2 the ratio's gradient carries, so steps weigh alike.
     dt_bar = torch.where(sqrt_dt_bar > 0, sqrt_dt_bar**2, torch.ones_like(sqrt_dt_bar))
     pg_loss = masked_mean(per_elem, mask) / dt_bar
-    loss = pg_loss
-    metrics: dict[str, torch.Tensor] = {}
-    if kl is not None and kl_coef > 0:
-        kl_loss = masked_mean(kl, mask)
-        loss = loss + kl_coef * kl_loss
-        metrics["actor/kl_loss"] = kl_loss.detach()
+    loss, metrics = with_kl_term(pg_loss, kl, kl_coef, mask)
     with torch.no_grad():
         stats = masked_ratio_stats(ratio.detach(), mask)
         metrics.update(

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from omni_async.algos.masked_stats import with_kl_term
+
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     m = mask.to(x.dtype)
@@ -48,12 +50,7 @@ def flow_grpo_loss(
     if is_weights is not None:  # verl's decoupled-mode rollout correction: w_i multiplies the clipped term
         per_sample = per_sample * is_weights.detach()
     pg_loss = _masked_mean(per_sample, mask)
-    loss = pg_loss
-    metrics: dict[str, torch.Tensor] = {}
-    if kl is not None and kl_coef > 0:
-        kl_loss = _masked_mean(kl, mask)
-        loss = loss + kl_coef * kl_loss
-        metrics["actor/kl_loss"] = kl_loss.detach()
+    loss, metrics = with_kl_term(pg_loss, kl, kl_coef, mask)
     with torch.no_grad():
         m = mask.float()
         n = m.sum()

@@ -17,6 +17,17 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, x, torch.zeros_like(x)).sum() / keep.to(x.dtype).sum().clamp(min=1.0)
 
 
+def with_kl_term(
+    pg_loss: torch.Tensor, kl: torch.Tensor | None, kl_coef: float, mask: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``L = L_pg + beta * masked_mean(KL)`` (``beta = kl_coef``; the term only with ``kl`` given and ``beta > 0``),
+    and the metric ``actor/kl_loss``: the KL term every window loss (Flow-GRPO, GRPO-Guard, Flow-DPPO) adds."""
+    if kl is None or kl_coef <= 0:
+        return pg_loss, {}
+    kl_loss = masked_mean(kl, mask)
+    return pg_loss + kl_coef * kl_loss, {"actor/kl_loss": kl_loss.detach()}
+
+
 def per_sample(x: torch.Tensor | float, batch: int, like: torch.Tensor) -> torch.Tensor:
     """A per-sample scale as ``[B]``: a float, a 0-d tensor, ``[B]``, or ``[B, ...]`` broadcast over a sample's
     elements (``SDEStep.std_dev_t`` is expanded to the latent's shape) averaged over its non-batch dims."""

@@ -44,7 +44,7 @@ agent loop thread and the trainer thread: the top functions by own time, the loo
 partition) and the cumulative time of its key functions (overlapping). The profiler slows the loop about 2x, so
 the profile gives shares and where the time goes, the measured window the figures.
 
-Before its warm-up each variant holds ``IDLE_WINDOW_S``: the driver's CPU while the whole window is in flight and
+Before its warm-up each variant holds ``--idle-window`` seconds (10): the driver's CPU while the whole window is in flight and
 (with a long generation time) nothing has finished yet, ``in_flight_idle``: a cost per second, not per sample (Ray
 tracking the pending calls, pollers, timers). ``cpu_ms_per_sample.marginal`` is the total less that cost over the
 measured window: what each further sample costs, the figure that scales to thousands of samples a second.
@@ -92,7 +92,7 @@ VARIANTS = ("baseline", "serialization", "batched", "batched+gc")  # make_produc
 # batched+gc: the driver's objects at start-up (modules, config, the cluster's handles) leave the collector's view
 # (gc.freeze) and a young-generation collection runs every GC_THRESHOLD0 allocations instead of Python's 700.
 GC_THRESHOLD0 = 20_000
-IDLE_WINDOW_S = (2.0, 10.0)  # after a producer starts: wait, then measure the driver with everything in flight
+IDLE_SETTLE_S = 2.0  # after a producer starts, before the driver is measured with everything in flight (--idle-window)
 DATAPROTO_ENV = "VERL_DATAPROTO_SERIALIZATION_METHOD"  # verl's switch to the numpy form of a pickled DataProto
 # The agent loop's functions whose cumulative CPU the profile reports: (label, file, function).
 KEY_FUNCTIONS = (
@@ -623,9 +623,9 @@ def measure(producer: Producer, args: argparse.Namespace) -> dict[str, Any]:
     def answered() -> int:
         return sum(s["answered"] for s in ray.get([w.stats.remote() for w in producer.rollout_workers]))
 
-    time.sleep(IDLE_WINDOW_S[0])
+    time.sleep(IDLE_SETTLE_S)
     n0, c0, t0 = answered(), process_cpu(), time.perf_counter()
-    time.sleep(IDLE_WINDOW_S[1])
+    time.sleep(args.idle_window)
     c1, t1 = process_cpu(), time.perf_counter()
     idle = {"driver_cores": (c1 - c0) / (t1 - t0), "seconds": t1 - t0, "answers_meanwhile": answered() - n0}
 
@@ -834,6 +834,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latent-shape", type=int, nargs="+", default=[16, 8, 8], help="one latent's shape")
     p.add_argument("--embed-shape", type=int, nargs=2, default=[16, 64], help="prompt_embeds [tokens, dim]")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--idle-window", type=float, default=10.0, help="s the driver is measured with all in flight")
     p.add_argument("--out", default=str(ROOT / "bench/results/driver_cost.json"))
     args = p.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]

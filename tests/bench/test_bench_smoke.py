@@ -81,7 +81,7 @@ def test_driver_cost_bench_smoke(tmp_path):
         str(ROOT / "bench/driver_cost.py"),
         *("--workers", "2", "--in-flight", "16", "--group", str(group), "--groups-per-step", "2"),
         *("--samples", "32", "--warmup", "16", "--profile-samples", "16", "--profile-top", "5"),
-        *("--gen-mean", "0.05", "--reward-latency", "0.005", "--reward-workers", "1"),
+        *("--gen-mean", "0.05", "--reward-latency", "0.005", "--reward-workers", "1", "--idle-window", "1"),
         *("--out", str(out)),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540)

@@ -20,6 +20,16 @@ from bench.gpu_text_step import TARGETS, build_qwen25  # noqa: E402
 from omni_async.models import text_policy as tp  # noqa: E402
 
 
+def stack_key(entry: dict) -> str:
+    """An allocation's stack as one line (a snapshot block's or trace event's frames), torch's own frames left out
+    except its modules'."""
+    return " <- ".join(
+        f"{Path(f['filename']).name}:{f['line']}:{f['name']}"
+        for f in entry.get("frames") or []
+        if "torch/" not in f["filename"] or "nn/modules" in f["filename"]
+    )[:600]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", default="/tmp/diag")
@@ -75,13 +85,7 @@ def main() -> None:
     for seg in snap["segments"]:
         for blk in seg["blocks"]:
             if blk["state"] == "active_allocated":
-                frames = blk.get("frames") or []
-                key = " <- ".join(
-                    f"{Path(f['filename']).name}:{f['line']}:{f['name']}"
-                    for f in frames
-                    if "torch/" not in f["filename"] or "nn/modules" in f["filename"]
-                )[:600]
-                by_stack[key] += blk["size"]
+                by_stack[stack_key(blk)] += blk["size"]
     lines.append("live at the end, by stack (GB):")
     lines += [f"{v / 1e9:8.3f}  {k}" for k, v in by_stack.most_common(12)]
     # The peak: replay the trace's alloc/free events and keep the allocation stacks live at the maximum.
@@ -91,13 +95,7 @@ def main() -> None:
     for trace in snap.get("device_traces", [[]])[0:1]:
         for ev in trace:
             if ev["action"] == "alloc":
-                frames = ev.get("frames") or []
-                key = " <- ".join(
-                    f"{Path(f['filename']).name}:{f['line']}:{f['name']}"
-                    for f in frames
-                    if "torch/" not in f["filename"] or "nn/modules" in f["filename"]
-                )[:600]
-                live[ev["addr"]] = (ev["size"], key)
+                live[ev["addr"]] = (ev["size"], stack_key(ev))
                 cur += ev["size"]
                 if cur > best:
                     best, best_live = cur, dict(live)

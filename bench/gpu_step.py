@@ -99,6 +99,19 @@ def reset_peak(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def write_report(report: dict, stem: str, out: str | None, summary: tuple[str, ...]) -> Path:
+    """``report`` as JSON to ``out`` (default ``bench/results/<stem>_<device>.json``, the device's name as a slug, or
+    ``cpu``), and its ``device`` and ``summary`` keys printed."""
+    name, device = report["device"], report["device_kind"]
+    slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") if device.startswith("cuda") else "cpu"
+    path = Path(out) if out else ROOT / "bench" / "results" / f"{stem}_{slug}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: report[k] for k in ("device", *summary)}, indent=2))
+    print(f"wrote {path}")
+    return path
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -259,17 +272,9 @@ def main(argv=None) -> dict:
         },
         "iterations": iterations,
     }
-    slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") if device.startswith("cuda") else "cpu"
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"gpu_step_{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(
-        json.dumps(
-            {k: report[k] for k in ("device", "rollout_s_per_image", "update_s_per_sample", "peak_memory_gb", "step1")},
-            indent=2,
-        )
+    write_report(
+        report, "gpu_step", args.out, ("rollout_s_per_image", "update_s_per_sample", "peak_memory_gb", "step1")
     )
-    print(f"wrote {out}")
     return report
 
 

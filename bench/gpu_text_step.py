@@ -32,8 +32,6 @@ samples scored before any optimizer step, so any distance from 1 is a rollout/up
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import sys
 import tempfile
 import time
@@ -45,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.gpu_step import device_name, peak_gb, reset_peak, sync  # noqa: E402
+from bench.gpu_step import device_name, peak_gb, reset_peak, sync, write_report  # noqa: E402
 from omni_async.modality.base import model_dtype  # noqa: E402
 from omni_async.modality.text import TextModality  # noqa: E402
 from omni_async.models.text_policy import TextPolicy, TextSamplingConfig  # noqa: E402
@@ -258,27 +256,12 @@ def main(argv=None) -> dict:
         "step1": {"actor/ratio_mean": iterations[0]["ratio_mean"], "actor/pg_clipfrac": iterations[0]["pg_clipfrac"]},
         "iterations": iterations,
     }
-    slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") if device.startswith("cuda") else "cpu"
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"gpu_text_step_{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(
-        json.dumps(
-            {
-                k: report[k]
-                for k in (
-                    "device",
-                    "update_path",
-                    "rollout_tokens_per_s",
-                    "update_s_per_sample",
-                    "peak_memory_gb",
-                    "logprob_diff",
-                )
-            },
-            indent=2,
-        )
+    write_report(
+        report,
+        "gpu_text_step",
+        args.out,
+        ("update_path", "rollout_tokens_per_s", "update_s_per_sample", "peak_memory_gb", "logprob_diff"),
     )
-    print(f"wrote {out}")
     return report
 
 

@@ -2,6 +2,7 @@
 
     python bench/gpu_step.py                       # real Qwen-Image architecture, random bf16 weights, 512², LoRA r64
     python bench/gpu_step.py --model tiny:qwen_image --height 64 --width 64 --batch 2 --steps 3   # CPU smoke run
+    python bench/gpu_step.py --loss diffusion_nft  # DiffusionNFT's step, verl-omni's Qwen-Image OCR recipe settings
 
 It runs the worker's own code paths: ``DiffusionPolicy.generate`` (SDE window, log-probs, prompt encodings kept,
 VAE decode sliced) for the rollout and ``trainer.actor_core.update_minibatch`` (the modality's FlowGRPO backward in
@@ -26,6 +27,7 @@ from 1 is a rollout/update mismatch, not learning.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import re
@@ -39,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from omni_async.algos.diffusion_nft import optimality_probability, train_steps  # noqa: E402
 from omni_async.modality.base import model_dtype  # noqa: E402
 from omni_async.modality.image import ImageModality  # noqa: E402
 from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig  # noqa: E402
@@ -47,6 +50,8 @@ from omni_async.tools.memory_plan import QWEN_TARGETS  # noqa: E402
 from omni_async.trainer.actor_core import TensorBatch, begin_step, update_minibatch  # noqa: E402
 
 GB = 1e9
+# verl-omni's DiffusionNFT Qwen-Image recipe trains LoRA on the MLPs too.
+NFT_TARGETS = [*QWEN_TARGETS, "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
 
 
 def build_qwen_image(device: str, dtype: torch.dtype, layers: int | None = None):
@@ -124,7 +129,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=4, help="images per rollout batch = samples per update")
     ap.add_argument("--steps", type=int, default=10, help="denoising steps")
     ap.add_argument("--window", type=int, default=2, help="SDE window steps (the update's per-sample steps)")
-    ap.add_argument("--true-cfg-scale", type=float, default=4.0, help="> 1 runs the negative prompt too")
+    ap.add_argument(
+        "--true-cfg-scale", type=float, default=None, help="> 1 runs the negative prompt too (default 4; NFT 1)"
+    )
     ap.add_argument("--lora-rank", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=1, help="actor.ppo_micro_batch_size_per_gpu")
     ap.add_argument("--no-checkpointing", action="store_true", help="gradient checkpointing off (on by default)")
@@ -133,18 +140,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default=None, help="frozen weights: bf16 | fp16 | fp32 (default: bf16 on CUDA)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--layers", type=int, default=None, help="qwen_image only: blocks per stack (a build check)")
+    ap.add_argument("--loss", default="flow_grpo", choices=("flow_grpo", "diffusion_nft"))
+    ap.add_argument("--timestep-fraction", type=float, default=1.0, help="diffusion_nft: algorithm.timestep_fraction")
     ap.add_argument("--iters", type=int, default=2, help="rollout + update iterations; the first warms up")
     ap.add_argument("--out", default=None, help="default: bench/results/gpu_step_<device>.json")
     return ap.parse_args(argv)
+
+
+# What the first update says. flow_grpo: the ratio of the rollout's own samples before any optimizer step (1 unless
+# rollout and update disagree). diffusion_nft: its loss, and how far the old policy's EMA refresh moved it.
+STEP1_KEYS = {"flow_grpo": ("ratio_mean", "pg_clipfrac_lower"), "diffusion_nft": ("total_loss", "old_moved_l2")}
+
+
+def policy_targets(args: argparse.Namespace, nft: bool) -> list[str]:
+    if args.model != "qwen_image":
+        return ["to_q", "to_k", "to_v"]
+    return NFT_TARGETS if nft else QWEN_TARGETS
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = model_dtype(args.dtype, device)
+    nft = args.loss == "diffusion_nft"
+    if args.true_cfg_scale is None:
+        args.true_cfg_scale = 1.0 if nft else 4.0  # DiffusionNFT is CFG-free
     torch.manual_seed(0)
     sampling = SamplingConfig(
-        height=args.height, width=args.width, num_inference_steps=args.steps, true_cfg_scale=args.true_cfg_scale
+        height=args.height,
+        width=args.width,
+        num_inference_steps=args.steps,
+        true_cfg_scale=args.true_cfg_scale,
+        clean_latents=nft,
     )
     t0 = time.perf_counter()
     source = build_qwen_image(device, dtype, args.layers) if args.model == "qwen_image" else args.model
@@ -153,7 +180,7 @@ def main(argv=None) -> dict:
         sampling,
         lora_rank=args.lora_rank,
         lora_alpha=args.lora_rank,
-        target_modules=QWEN_TARGETS if args.model == "qwen_image" else ["to_q", "to_k", "to_v"],
+        target_modules=policy_targets(args, nft),
         device=device,
         dtype=dtype,
         gradient_checkpointing=not args.no_checkpointing,
@@ -162,9 +189,14 @@ def main(argv=None) -> dict:
     build_s = time.perf_counter() - t0
     weights_gb = peak_gb(device)
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-5)
-    modality = ImageModality()
+    if nft:
+        policy.init_old_policy()  # the ``old`` adapter: it samples, and gives the loss its v_old
+    modality = ImageModality(args.loss)
     actor_cfg = SimpleNamespace(
-        diffusion_loss=SimpleNamespace(clip_ratio=1e-4),
+        # flow_grpo reads clip_ratio; diffusion_nft the rest (verl-omni's recipe values).
+        diffusion_loss=SimpleNamespace(
+            clip_ratio=1e-4, mix_beta=0.1, adv_clip_max=5.0, adaptive_weight_min=1e-5, ref_kl_coef=1e-4
+        ),
         kl_loss_coef=0.0,
         grad_clip=1.0,
         ppo_micro_batch_size_per_gpu=args.micro_batch,
@@ -180,7 +212,8 @@ def main(argv=None) -> dict:
         reset_peak(device)
         sync(device)
         t = time.perf_counter()
-        results = policy.generate(prompts, seeds, window)
+        with policy.old_policy() if nft else contextlib.nullcontext():
+            results = policy.generate(prompts, seeds, None if nft else window)
         sync(device)
         rollout_s, rollout_peak = time.perf_counter() - t, peak_gb(device)
 
@@ -189,14 +222,18 @@ def main(argv=None) -> dict:
             for i, (p, s, r) in enumerate(zip(prompts, seeds, results, strict=True))
         ]
         adv = torch.randn(args.batch, generator=torch.Generator().manual_seed(it))
-        batch = TensorBatch(
-            {
-                **modality.batch_tensors(samples),
-                "advantages": (adv - adv.mean()) / (adv.std() + 1e-6),
-                "loss_mask": torch.ones(args.batch, dtype=torch.bool),
-            },
-            {"window_start": window.start},
-        )
+        adv = (adv - adv.mean()) / (adv.std() + 1e-6)
+        tensors = {
+            **modality.batch_tensors(samples),
+            "advantages": adv,
+            "loss_mask": torch.ones(args.batch, dtype=torch.bool),
+        }
+        if nft:  # what StepOps.nft_batch adds
+            gens = [torch.Generator().manual_seed(s) for s in seeds]
+            tensors["reward_prob"] = optimality_probability(adv, adv_clip_max=5.0).unsqueeze(-1)
+            tensors["train_steps"] = torch.stack([train_steps(args.steps, args.timestep_fraction, g) for g in gens])
+            tensors["noise_seed"] = torch.tensor([s + 7 for s in seeds])
+        batch = TensorBatch(tensors, {} if nft else {"window_start": window.start})
         reset_peak(device)
         sync(device)
         t = time.perf_counter()
@@ -211,18 +248,24 @@ def main(argv=None) -> dict:
         )
         sync(device)
         update_s, update_peak = time.perf_counter() - t, peak_gb(device)
-        iterations.append(
-            {
-                "rollout_s": rollout_s,
-                "update_s": update_s,
-                "rollout_peak_gb": rollout_peak,
-                "update_peak_gb": update_peak,
-                "grad_norm": metrics["actor/grad_norm"],
-                "skipped_step": metrics["actor/skipped_steps"],
-                "ratio_mean": metrics["actor/ratio_mean"],
-                "pg_clipfrac_lower": metrics["actor/pg_clipfrac_lower"],
-            }
-        )
+        record = {
+            "rollout_s": rollout_s,
+            "update_s": update_s,
+            "rollout_peak_gb": rollout_peak,
+            "update_peak_gb": update_peak,
+            "grad_norm": metrics["actor/grad_norm"],
+            "skipped_step": metrics["actor/skipped_steps"],
+        }
+        if nft:
+            t = time.perf_counter()
+            record["old_moved_l2"] = policy.refresh_old(0.5)
+            sync(device)
+            record["refresh_old_s"] = time.perf_counter() - t
+            record["total_loss"] = metrics["actor/total_loss"]
+        else:
+            record["ratio_mean"] = metrics["actor/ratio_mean"]
+            record["pg_clipfrac_lower"] = metrics["actor/pg_clipfrac_lower"]
+        iterations.append(record)
         print(
             f"iter {it}: rollout {rollout_s:.2f}s ({rollout_s / args.batch:.3f} s/image), "
             f"update {update_s:.2f}s ({update_s / args.batch:.3f} s/sample)",
@@ -251,7 +294,10 @@ def main(argv=None) -> dict:
             "width": args.width,
             "batch": args.batch,
             "denoising_steps": args.steps,
-            "sde_window": args.window,
+            "loss": args.loss,
+            "sde_window": None if nft else args.window,
+            "timestep_fraction": args.timestep_fraction if nft else None,
+            "lora_targets": len(policy_targets(args, nft)),
             "true_cfg_scale": args.true_cfg_scale,
             "lora_rank": args.lora_rank,
             "micro_batch": args.micro_batch,
@@ -266,14 +312,16 @@ def main(argv=None) -> dict:
         "rollout_s_per_image": last["rollout_s"] / args.batch,
         "update_s_per_sample": last["update_s"] / args.batch,
         "peak_memory_gb": {"weights": weights_gb, "rollout": last["rollout_peak_gb"], "update": last["update_peak_gb"]},
-        "step1": {
-            "actor/ratio_mean": iterations[0]["ratio_mean"],
-            "actor/pg_clipfrac_lower": iterations[0]["pg_clipfrac_lower"],
-        },
+        "step1": {k: iterations[0][k] for k in STEP1_KEYS[args.loss]},
         "iterations": iterations,
     }
+    if nft:
+        report["refresh_old_s"] = last["refresh_old_s"]
     write_report(
-        report, "gpu_step", args.out, ("rollout_s_per_image", "update_s_per_sample", "peak_memory_gb", "step1")
+        report,
+        "gpu_step_diffusion_nft" if nft else "gpu_step",
+        args.out,
+        ("rollout_s_per_image", "update_s_per_sample", "peak_memory_gb", "step1"),
     )
     return report
 

@@ -62,4 +62,21 @@ def test_gpu_step_runs_without_ray_and_writes_its_report(tmp_path):
     # bf16 with CFG, rollout batch 2, update micro-batch 1: the first update scores the rollout's own samples with the
     # rollout's log-probs as pi_old and sees exactly them (clip 1e-4: nothing clipped).
     assert it["skipped_step"] == 0.0 and it["ratio_mean"] == 1.0 and it["pg_clipfrac_lower"] == 0.0
-    assert report["step1"] == {"actor/ratio_mean": 1.0, "actor/pg_clipfrac_lower": 0.0}
+    assert report["step1"] == {"ratio_mean": 1.0, "pg_clipfrac_lower": 0.0}
+
+
+def test_gpu_step_runs_diffusion_nfts_step(tmp_path):
+    """``--loss diffusion_nft``: the old adapter samples (ODE, no CFG), the update trains on every denoising step,
+    and the old policy's EMA refresh moves it toward the updated weights."""
+    out = tmp_path / "gpu_step_nft.json"
+    args = "--model tiny:qwen_image --height 64 --width 64 --batch 2 --steps 2 --iters 1 --lora-rank 4 --dtype bf16"
+    cmd = [sys.executable, "-c", WITHOUT_RAY, str(ROOT / "bench/gpu_step.py"), *args.split(), "--loss", "diffusion_nft"]
+    proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["config"]["loss"] == "diffusion_nft" and report["config"]["true_cfg_scale"] == 1.0
+    assert report["config"]["sde_window"] is None and report["refresh_old_s"] > 0
+    (it,) = report["iterations"]
+    assert it["skipped_step"] == 0.0 and it["grad_norm"] > 0  # the update moved the live adapter ...
+    assert report["step1"]["old_moved_l2"] > 0  # ... and the refresh moved old toward it (decay 0.5)
+    assert report["step1"]["total_loss"] == it["total_loss"] and it["total_loss"] > 0

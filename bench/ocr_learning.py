@@ -99,6 +99,9 @@ def record(
         "gain": round(last3 - first3, 4),
         "val": val,
         "curve": [round(c, 4) for c in curve],
+        # When each step's row arrived (seconds since launch): reward against wall time.
+        "row_times_s": [round(t, 1) for t in row_times],
+        "step_s": [round(r.get("timing_s/step", 0.0), 2) for r in steps],
         "wall_s": round(wall, 1),
         "phases_s": {
             "to_first_row": round(row_times[0], 1) if row_times else None,

@@ -28,6 +28,10 @@
 # Also: LR, LORA_RANK, LORA_ALPHA, NOISE_LEVEL, VAL_FREQ (validation every N steps), STEPS, BATCH, GROUP; on the
 # tiny renderers WINDOW_SIZE, WINDOW_RANGE, NUM_VAL; VOCAB (scenes | tiny_text_bimodal | tiny_text: the prompt set
 # examples/data/prepare_ocr_prompts.py writes into DATA_DIR when it has no train.jsonl).
+# ALGO picks the loss (default flow_grpo): ALGO=diffusion_nft trains with DiffusionNFT in verl-omni's spelling (the
+# old adapter samples, ODE, final images only; its tuned settings below: NFT_LR, MIX_BETA, TIMESTEP_FRACTION,
+# OLD_DECAY_SCHEDULE, OLD_UPDATE_INTERVAL), ALGO=awm with advantage-weighted matching (AWM_LR); any of their keys
+# also works as a plain override. The resolved config is written to $RUN_DIR/config.yaml.
 # Extra Hydra overrides pass through, e.g. the colocated comparison:
 #   bash examples/run_qwen_image_ocr_async_reward.sh reward.reward_model.enable_resource_pool=False
 # or the sync baseline: ... reward.streaming=false
@@ -53,6 +57,7 @@ else
 fi
 GPU_RECIPE=()
 CPU_RECIPE=()
+WINDOW_KEYS=()  # Flow-GRPO's SDE window on the tiny renderers
 if [[ "$MODEL_PATH" != tiny:* ]]; then
   # Real weights: the GPU recipe. Memory settings from the memory plan (README, "GPU"): bf16 frozen weights,
   # checkpointed transformer blocks, one sample per forward/backward (fits 80 GB at 512^2 with CFG and LoRA r64),
@@ -92,9 +97,9 @@ if [[ "$MODEL_PATH" == tiny:qwen_image_text* ]]; then
   # so the update and generation use both cores instead of taking turns. One onnxruntime thread per OCR read (its
   # default spins a thread per core for every concurrent read, taking the CPU from generation); the VAE decodes a
   # batch at once (a 64x64 image needs no slicing); one timeline, the last step's, instead of a figure per step.
+  WINDOW_KEYS=(actor_rollout_ref.rollout.algo.sde_window_size="${WINDOW_SIZE:-4}"
+               "actor_rollout_ref.rollout.algo.sde_window_range=${WINDOW_RANGE:-[0,4]}")
   CPU_RECIPE=(trainer.val_before_train=True data.val_batch_size="$NUM_VAL"
-              actor_rollout_ref.rollout.algo.sde_window_size="${WINDOW_SIZE:-4}"
-              "actor_rollout_ref.rollout.algo.sde_window_range=${WINDOW_RANGE:-[0,4]}"
               actor_rollout_ref.hybrid_engine="${HYBRID:-false}" async_reward.update_pipeline="${PIPELINE:-true}"
               +reward.custom_reward_function.reward_kwargs.intra_op_num_threads="${OCR_THREADS:-1}"
               actor_rollout_ref.rollout.pipeline.vae_slicing=false
@@ -115,6 +120,26 @@ else
   LR="${LR:-3e-4}"
   NOISE_LEVEL="${NOISE_LEVEL:-0.7}"
 fi
+ALGO="${ALGO:-flow_grpo}"
+ALGO_RECIPE=()
+case "$ALGO" in
+  flow_grpo) ALGO_RECIPE=(${WINDOW_KEYS[@]+"${WINDOW_KEYS[@]}"}) ;;
+  diffusion_nft)
+    # verl-omni's DiffusionNFT keys (examples/diffusionnft_trainer/qwen_image/run_qwen_image_ocr_lora.sh), values
+    # tuned on the CPU main job (docs/diffusion_nft.md, "Learning"); the SDE window keys are not read.
+    LR="${NFT_LR:-$LR}"
+    ALGO_RECIPE=(actor_rollout_ref.model.algorithm=diffusion_nft actor_rollout_ref.model.model_type=diffusion_nft_model
+      'actor_rollout_ref.model.policy_state_adapters=["default","old"]'
+      actor_rollout_ref.actor.diffusion_loss.loss_mode=diffusion_nft
+      actor_rollout_ref.actor.diffusion_loss.mix_beta="${MIX_BETA:-0.1}"
+      actor_rollout_ref.rollout.calculate_log_probs=false actor_rollout_ref.rollout.rollout_adapter=old
+      algorithm.trainer_type=direct_preference algorithm.sample_source=online
+      algorithm.timestep_fraction="${TIMESTEP_FRACTION:-1.0}"
+      algorithm.old_policy_decay_schedule="${OLD_DECAY_SCHEDULE:-copy}"
+      algorithm.old_policy_update_interval="${OLD_UPDATE_INTERVAL:-1}")
+    ;;
+  *) echo "ALGO=$ALGO: use flow_grpo or diffusion_nft" >&2; exit 2 ;;
+esac
 # CPU defaults: the config's mini-batch of 2 prompts, or one prompt per actor rank when there are more ranks.
 MINI_BATCH="${MINI_BATCH:-$(( ACTOR_RANKS > 2 ? ACTOR_RANKS : 2 ))}"
 LORA_RANK="${LORA_RANK:-8}"
@@ -153,4 +178,5 @@ fi
   hydra.run.dir="$RUN_DIR/hydra" \
   ${GPU_RECIPE[@]+"${GPU_RECIPE[@]}"} \
   ${CPU_RECIPE[@]+"${CPU_RECIPE[@]}"} \
+  ${ALGO_RECIPE[@]+"${ALGO_RECIPE[@]}"} \
   "$@"

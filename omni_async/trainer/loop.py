@@ -83,6 +83,9 @@ class RLTrainer:
         self.mode = mode_of(self.cfg)
         self.modality = modality_of(self.cfg)
         self.run_dir = Path(cfg.trainer.run_dir)
+        # The resolved config beside the curves it produced: which loss and settings made a run is on record.
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
         train_rows = first_rows(load_prompts(cfg.data.train_files), cfg.data.train_max_samples)
         self.val_rows = (
             first_rows(load_prompts(cfg.data.val_files), cfg.data.val_max_samples, cfg.data.val_batch_size)

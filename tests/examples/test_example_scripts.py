@@ -119,3 +119,29 @@ def test_text_gpu_command_composes_and_validates(tmp_path):
 def test_cpu_defaults_compose_and_validate(script, tmp_path):
     cfg = run_example(script, tmp_path)
     assert cfg["trainer"]["n_gpus_per_node"] == 1 and cfg["actor_rollout_ref"]["model"]["path"].startswith("tiny:")
+
+
+def test_algo_picks_the_loss_with_verl_omnis_keys(tmp_path):
+    """``ALGO=diffusion_nft``: the main job with DiffusionNFT in verl-omni's spelling and its tuned settings (no SDE
+    window keys: the loss does not read them); the default stays Flow-GRPO with its window; an unknown ALGO stops
+    the script naming the choices."""
+    (tmp_path / "grpo").mkdir()
+    (tmp_path / "nft").mkdir()
+    default = run_example("run_qwen_image_ocr_async_reward.sh", tmp_path / "grpo")
+    assert default["actor_rollout_ref"]["actor"]["diffusion_loss"]["loss_mode"] == "flow_grpo"
+    assert default["actor_rollout_ref"]["rollout"]["algo"]["sde_window_range"] == [0, 4]
+    cfg = run_example("run_qwen_image_ocr_async_reward.sh", tmp_path / "nft", ALGO="diffusion_nft", NFT_LR="1e-3")
+    arr = cfg["actor_rollout_ref"]
+    assert (
+        arr["model"]["algorithm"] == "diffusion_nft" and arr["actor"]["diffusion_loss"]["loss_mode"] == "diffusion_nft"
+    )
+    assert arr["rollout"]["rollout_adapter"] == "old" and arr["model"]["policy_state_adapters"] == ["default", "old"]
+    assert arr["actor"]["optim"]["lr"] == 1e-3 and cfg["algorithm"]["trainer_type"] == "direct_preference"
+    assert arr["rollout"]["algo"]["sde_window_range"] != [0, 4]  # the window keys are Flow-GRPO's only
+    bad = subprocess.run(
+        ["bash", str(ROOT / "examples/run_qwen_image_ocr_async_reward.sh")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ALGO": "ppo", "PYTHON": "/bin/false", "DATA_DIR": str(tmp_path / "data")},
+    )
+    assert bad.returncode == 2 and "ALGO=ppo: use flow_grpo or diffusion_nft" in bad.stderr

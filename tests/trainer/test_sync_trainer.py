@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[2]
 # Deterministic comparisons: one sample per device batch, so batching order cannot perturb a float.
@@ -152,3 +153,8 @@ def test_qwen_image_ocr_smoke(tmp_path, data_dir):
     )
     assert metrics[0]["reward/failed"] == 0
     assert 0.0 <= metrics[0]["critic/rewards/mean"] <= 1.0
+    # The resolved config is on record beside the curves: the command line's values, interpolations resolved.
+    cfg = OmegaConf.load(tmp_path / "qi" / "config.yaml")
+    assert cfg.actor_rollout_ref.model.path == "tiny:qwen_image" and cfg.trainer.total_training_steps == 1
+    assert cfg.reward.custom_reward_function.path == "pkg://omni_async.reward.scorers.ocr"
+    assert "${" not in (tmp_path / "qi" / "config.yaml").read_text()

@@ -1,0 +1,93 @@
+"""The losses compared on the main job (issue 38 item 6): steps and wall seconds each needs to reach Flow-GRPO's level.
+
+The runs are ``bench/ocr_learning.py`` records (the main job's command, ``ALGO=flow_grpo | diffusion_nft | awm``,
+three seeds each) in one results file; this script reads them and adds a ``summary``:
+
+- the **level**: Flow-GRPO's mean reward over its last three steps, the median over its seeds (its 20-step level);
+- per run, the first step ``k`` (1-based) whose trailing 3-step mean reward (steps ``k-2..k``; fewer at the start)
+  reaches the level, the training seconds to it (the sum of ``timing_s/step`` up to ``k``) and the wall seconds from
+  launch to that step's metrics row (start-up, validation and pictures included: what a user waits);
+- per loss, the medians over its seeds, and their ratios to Flow-GRPO's (``None`` when a run never reached the
+  level: then it is listed, not dropped).
+
+    python bench/ocr_learning.py --out bench/results/loss_learning.json --name grpo_s42 --seed 42
+    python bench/ocr_learning.py --out bench/results/loss_learning.json --name nft_s42 --seed 42 --env ALGO=diffusion_nft
+    python bench/loss_learning.py bench/results/loss_learning.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+BASELINE = "flow_grpo"
+
+
+def trailing_mean(curve: list[float], width: int = 3) -> list[float]:
+    """``m[k] = mean(curve[max(0, k - width + 1) .. k])``."""
+    return [float(np.mean(curve[max(0, k - width + 1) : k + 1])) for k in range(len(curve))]
+
+
+def to_level(run: dict, level: float) -> dict:
+    """Step, training seconds and wall seconds at which ``run``'s trailing 3-step mean first reaches ``level``."""
+    reached = [k for k, m in enumerate(trailing_mean(run["curve"])) if m >= level]
+    if not reached:
+        return {"step": None, "train_s": None, "wall_s": None}
+    k = reached[0]
+    step_s = run.get("step_s")
+    return {
+        "step": k + 1,
+        "train_s": round(sum(step_s[: k + 1]), 1) if step_s else None,
+        "wall_s": run["row_times_s"][k] if run.get("row_times_s") else None,
+    }
+
+
+def loss_of(run: dict) -> str:
+    return run.get("env", {}).get("ALGO", BASELINE)
+
+
+def median_or_none(values: list) -> float | None:
+    """The median, or ``None`` when any run did not reach the level (a median over the reached ones would hide it)."""
+    return None if not values or any(v is None for v in values) else round(statistics.median(values), 1)
+
+
+def summarise(results: dict, names: list[str] | None = None) -> dict:
+    runs = {n: r for n, r in results["runs"].items() if names is None or n in names}
+    baseline = [r for r in runs.values() if loss_of(r) == BASELINE]
+    if not baseline:
+        raise SystemExit(f"no {BASELINE} run among {sorted(runs)}: its last-3 mean is the level")
+    level = statistics.median(r["last3"] for r in baseline)
+    per_loss: dict[str, dict] = {}
+    for name, run in sorted(runs.items()):
+        entry = per_loss.setdefault(loss_of(run), {"runs": {}})
+        entry["runs"][name] = {"gain": run["gain"], "last3": run["last3"], **to_level(run, level)}
+    for entry in per_loss.values():
+        reached = list(entry["runs"].values())
+        for key in ("step", "train_s", "wall_s"):
+            entry[f"median_{key}"] = median_or_none([r[key] for r in reached])
+        entry["median_gain"] = round(statistics.median(r["gain"] for r in reached), 4)
+    base = per_loss[BASELINE]
+    for entry in per_loss.values():
+        for key in ("step", "train_s", "wall_s"):
+            a, b = entry[f"median_{key}"], base[f"median_{key}"]
+            entry[f"{key}_vs_{BASELINE}"] = None if a is None or not b else round(a / b, 3)
+    return {"level": round(level, 4), "level_is": f"{BASELINE}'s last-3 mean, median over seeds", **per_loss}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", type=Path)
+    p.add_argument("--runs", nargs="*", default=None, help="the record names to compare (default: all)")
+    a = p.parse_args()
+    results = json.loads(a.results.read_text())
+    results["summary"] = summarise(results, a.runs)
+    a.results.write_text(json.dumps(results, indent=1) + "\n")
+    print(json.dumps(results["summary"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -41,6 +41,8 @@ NULLABLE: dict[str, Any] = {
     "actor_rollout_ref.rollout.val_kwargs.pipeline.width": int,
     "actor_rollout_ref.rollout.val_kwargs.pipeline.true_cfg_scale": float,
     "actor_rollout_ref.rollout.val_kwargs.pipeline.guidance_scale": float,
+    "actor_rollout_ref.rollout.val_kwargs.pipeline.guidance_scale_2": float,
+    "actor_rollout_ref.rollout.pipeline.guidance_scale_2": float,
     "actor_rollout_ref.rollout.val_kwargs.pipeline.max_sequence_length": int,
     "reward.reward_model.model_path": str,
     "trainer.total_training_steps": int,

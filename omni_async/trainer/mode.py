@@ -256,12 +256,14 @@ def check_mode(cfg: DictConfig) -> None:
                 else ""
             ),
         )
-    if a.update_pipeline or a.fully_async:
+    # Fully async trains a step's groups as one batch (update.update: one chunk), so its std is the step's batch's,
+    # as verl's fully async trainer computes advantages over the batch it assembled from require_batches mini-batches.
+    if a.update_pipeline:
         _check(
             not cfg.algorithm.global_std,
             "algorithm.global_std",
-            "groups are trained as they complete (mini-batch pipeline, fully async); a batch-wide std would need the "
-            "whole batch first",
+            "the mini-batch pipeline trains groups as they complete (advantages per group); a batch-wide std (the "
+            "default, flow_grpo's and verl-omni's) would need the whole batch first",
             "set algorithm.global_std=false",
         )
     if not a.fully_async:
@@ -317,13 +319,14 @@ def check_mode(cfg: DictConfig) -> None:
     )
 
 
-# The named presets of the benchmarks and tests, as config overrides.
+# The named presets of the benchmarks and tests, as config overrides (the pipeline needs each group's own std).
+PIPELINE = ["async_reward.update_pipeline=true", "algorithm.global_std=false"]
 MODE_OVERRIDES: dict[str, list[str]] = {
     "sync": ["reward.streaming=false"],
     "stream": ["reward.streaming=true"],
-    "stream+pipeline": ["reward.streaming=true", "async_reward.update_pipeline=true"],
+    "stream+pipeline": ["reward.streaming=true", *PIPELINE],
     "stream+one_step_off": ["reward.streaming=true", "async_reward.one_step_off_policy=true"],
-    "all": ["reward.streaming=true", "async_reward.update_pipeline=true", "async_reward.one_step_off_policy=true"],
+    "all": ["reward.streaming=true", *PIPELINE, "async_reward.one_step_off_policy=true"],
 }
 
 

@@ -65,6 +65,7 @@ NULLABLE: dict[str, Any] = {
     "algorithm.rollout_correction.rollout_is_threshold": Any,
     "algorithm.rollout_correction.rollout_rs_threshold": Any,
     "trainer.v1.sampler.max_off_policy_threshold": int,
+    "trainer.v1.sampler.max_off_policy_strategy": str,
     "trainer.ray.address": str,
     "trainer.ray.num_cpus": int,
     "trainer.ray.gpu_worker_torch_threads": int,

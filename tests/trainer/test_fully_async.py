@@ -65,7 +65,12 @@ def test_verl_fully_async_keys_and_verl_omni_separate_async_compose():
     )
     assert omni.async_reward.fully_async and (mode_of(omni).cap, mode_of(omni).bound) == (4, 1)  # span <= 2: lag <= 1
     # verl-omni's on-policy recipe (threshold 1, sync every update) is synchronous
-    on_policy = valid(*POOL, "trainer.v1.trainer_mode=separate_async", "trainer.v1.sampler.max_off_policy_threshold=1")
+    on_policy = valid(
+        *POOL,
+        "trainer.v1.trainer_mode=separate_async",
+        "trainer.v1.separate_async.parameter_sync_step=1",
+        "trainer.v1.sampler.max_off_policy_threshold=1",
+    )
     assert mode_of(on_policy).bound == 0
     text = valid(
         *FULLY_ASYNC,

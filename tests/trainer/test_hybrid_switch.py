@@ -23,7 +23,15 @@ from omni_async.trainer.step_ops import ActorRankDiedError
 from omni_async.trainer.timeline import draw_timeline
 
 POOL = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
-SEPARATE_ASYNC = [*POOL, "trainer.use_v1=true", "trainer.v1.trainer_mode=separate_async"]
+# A sync every update and the dropless strategy (verl-omni's defaults would be 4 and drop): the runs below were sized
+# for them.
+SEPARATE_ASYNC = [
+    *POOL,
+    "trainer.use_v1=true",
+    "trainer.v1.trainer_mode=separate_async",
+    "trainer.v1.separate_async.parameter_sync_step=1",
+    "trainer.v1.sampler.max_off_policy_strategy=wait",
+]
 SWITCH = "trainer.v1.separate_async.hybrid_rollout.enable_switch=true"
 QUIET = ["trainer.log_image_freq=-1", "trainer.log_timeline_freq=-1"]
 

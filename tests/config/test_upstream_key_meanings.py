@@ -16,6 +16,7 @@ from omni_async.sample import RewardOutcome
 from omni_async.trainer.config import ConfigError, compose, validate
 from omni_async.trainer.dataset import first_rows
 from omni_async.trainer.loop import RLTrainer
+from omni_async.trainer.metrics import discard_metrics
 from omni_async.trainer.mode import mode_of
 from omni_async.trainer.model_paths import path_problem
 
@@ -189,26 +190,32 @@ def test_reward_queue_metrics_carry_verl_recipes_names():
 
 
 def test_off_policy_drops_are_counted_per_step_with_their_staleness(monkeypatch):
-    counts = iter([(0, 0), (3, 6), (3, 6), (5, 13)])  # cumulative dropped samples, sum of their staleness
+    # cumulative dropped samples, sum of their lags (step - version), dropped groups
+    counts = iter([(0, 0, 0), (3, 6, 1), (3, 6, 1), (5, 13, 2)])
 
     def rollouter_metrics():
-        dropped, staleness = next(counts)
+        dropped, staleness, groups = next(counts)
         return {
             "fully_async/count/dropped_stale_samples": dropped,
             "fully_async/count/dropped_staleness_sum": staleness,
+            "fully_async/count/dropped_stale_groups": groups,
         }
 
     trainer = SimpleNamespace(
         _t_metrics=0.0,
         _idle=[],
-        _dropped_before=(0.0, 0.0),
+        _dropped_before=(0.0, 0.0, 0.0),
         agent=SimpleNamespace(on_loop=lambda f: f(), take_idle_s=lambda: 0.0),
         rollouter=SimpleNamespace(metrics=rollouter_metrics),
     )
     rows = [RLTrainer.producer_metrics(trainer, 1.0, 0.0) for _ in range(4)]
     assert [r["training/off_policy/dropped_samples"] for r in rows] == [0, 3, 0, 2]
-    assert [r.get("training/off_policy/evicted_samples_staleness/mean") for r in rows] == [None, 2.0, None, 3.5]
+    # verl v1's replay buffer: stale groups evicted this step, and the versions each spanned (lag + 1)
+    assert [r["training/off_policy/evicted_samples"] for r in rows] == [0, 1, 0, 1]
+    assert [r.get("training/off_policy/evicted_samples_staleness/mean") for r in rows] == [None, 3.0, None, 4.5]
     assert all("fully_async/count/dropped_staleness_sum" not in r for r in rows)
+    # every dropped sample is a discarded one
+    assert [discard_metrics(r)["training/discarded_samples"] for r in rows] == [0, 3, 0, 2]
 
 
 # ---- model paths, at start before Ray --------------------------------------------------------------------------

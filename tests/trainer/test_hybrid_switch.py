@@ -193,6 +193,8 @@ def test_trainer_rank_generates_the_same_samples_and_every_group_trains_once_acr
     assert any(in_flight)  # a switch back met requests on the trainer rank (withdrawn, or its batch drained)
     assert all(s.outcome.ok for s in all_samples)
     assert rows[-1]["fully_async/count/dropped_stale_samples"] == 0
+    # images in flight at a switch back finish (verl-omni aborts and regenerates them): nothing thrown away
+    assert all(r["rollout/discarded_at_sync"] == 0 and r["training/discarded_samples"] == 0 for r in rows)
     lent_busy = sum(r["separate_async/switch/lent_busy_seconds"] for r in rows)
     assert lent_busy > 0
     # The update waited at most one device batch of the lent rank (3 s + generation) at each switch back.

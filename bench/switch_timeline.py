@@ -47,6 +47,8 @@ def main() -> None:
                 "actor_rollout_ref.rollout.n_gpus_per_node=1",
                 "trainer.use_v1=true",
                 "trainer.v1.trainer_mode=separate_async",
+                "trainer.v1.separate_async.parameter_sync_step=1",  # the measured runs' (verl-omni's default: 4)
+                "trainer.v1.sampler.max_off_policy_strategy=wait",  # (verl-omni's default: drop)
                 "trainer.v1.separate_async.hybrid_rollout.enable_switch=true",
                 "async_training.staleness_threshold=1",
                 f"rollout.total_rollout_steps={args.steps + 1}",

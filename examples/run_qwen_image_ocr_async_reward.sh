@@ -99,8 +99,10 @@ if [[ "$MODEL_PATH" == tiny:qwen_image_text* ]]; then
   # batch at once (a 64x64 image needs no slicing); one timeline, the last step's, instead of a figure per step.
   WINDOW_KEYS=(actor_rollout_ref.rollout.algo.sde_window_size="${WINDOW_SIZE:-4}"
                "actor_rollout_ref.rollout.algo.sde_window_range=${WINDOW_RANGE:-[0,4]}")
+  # Each group's own advantage std (the pipeline trains groups before the batch exists), with the pipeline or not.
   CPU_RECIPE=(trainer.val_before_train=True data.val_batch_size="$NUM_VAL"
               actor_rollout_ref.hybrid_engine="${HYBRID:-false}" async_reward.update_pipeline="${PIPELINE:-true}"
+              algorithm.global_std=false
               +reward.custom_reward_function.reward_kwargs.intra_op_num_threads="${OCR_THREADS:-1}"
               actor_rollout_ref.rollout.pipeline.vae_slicing=false
               trainer.log_timeline_freq="${TIMELINE_FREQ:-$STEPS}")

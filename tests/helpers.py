@@ -202,6 +202,8 @@ def switch_mode(trainer, *, streaming: bool | None = None, **async_reward: bool)
     cfg = copy.deepcopy(trainer.cfg)
     for key, value in async_reward.items():
         cfg.async_reward[key] = value
+    if async_reward.get("update_pipeline"):  # the pipeline's advantages use each group's own std (config.validate)
+        trainer.ops.cfg.algorithm.global_std = False
     if streaming is not None:
         cfg.reward.streaming = str(streaming).lower()
         if not streaming:

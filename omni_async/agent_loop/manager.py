@@ -16,7 +16,9 @@ again with what it has (``resume``, verl's partial rollout resubmitting the canc
 new weights, as often as syncs interrupt it, counted as ``rollout/resumed``. Its sample's ``version`` is set from its
 first part (the oldest weights in it) as soon as that exists, so the rollouter's lag bound sees it while the rest
 generates. A worker that dies during a continuation loses only that part: it is asked for again from the same
-point.
+point. A generation thrown away in flight and started again, what verl-omni does to every diffusion sample in flight
+when it switches to training, is counted as ``rollout/discarded_at_sync``: here only a text response interrupted on
+a trainer rank lent to generation, going back to training, without partial rollout (images finish first).
 
 The tasks run on an event loop in a background thread, beside the rollouter (``agent_loop.rollouter``) that starts
 the groups, so the trainer's step loop stays plain synchronous code and generation goes on while it trains.
@@ -117,6 +119,7 @@ class AgentLoopManager:
         self.post_process = post_process
         self.regenerated = 0  # per step; reset by reset_step_counters
         self.resumed = 0  # continuations of interrupted responses (partial rollout), per step
+        self.discarded = 0  # generations thrown away in flight and started again, per step
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="agent-loop", daemon=True)
         self._thread.start()
@@ -140,7 +143,8 @@ class AgentLoopManager:
         self._lent_busy_since: float | None = None
         self._lent_busy_s = 0.0
         self.lent_samples = 0  # per step: samples a lent trainer device made (reset by step_metrics)
-        self.requeued = 0  # per step: requests a trainer device gave back unstarted when it went back to training
+        # per step: requests a trainer device gave back when it went back to training (unstarted, or discarded)
+        self.requeued = 0
         self.lent_continued = 0  # per step: text responses a lent device stopped (continued on a rollout worker)
 
     def call(self, coro):
@@ -163,12 +167,14 @@ class AgentLoopManager:
             m = {
                 "rollout/regenerated": float(self.regenerated),
                 "rollout/resumed": float(self.resumed),
+                "rollout/discarded_at_sync": float(self.discarded),
                 "rollout/workers_down": float(sum(bool(d) for d in self.down)),
                 "separate_async/switch/lent_samples": float(self.lent_samples),
                 "separate_async/switch/requeued": float(self.requeued),
                 "separate_async/switch/continued": float(self.lent_continued),
             }
-            self.regenerated = self.resumed = self.lent_samples = self.requeued = self.lent_continued = 0
+            self.regenerated = self.resumed = self.discarded = 0
+            self.lent_samples = self.requeued = self.lent_continued = 0
             if self.dispatcher is not None:
                 m.update(self.dispatcher.metrics())
                 self.dispatcher.reset_step_counters()
@@ -372,8 +378,9 @@ class AgentLoopManager:
                 else:
                     self._out[w] -= 1
                     self._request_out(-1)
-            if gen.result is None:  # withdrawn unstarted by a trainer device going back to training: ask again
+            if gen.result is None:  # withdrawn by a trainer device going back to training: ask again
                 self.requeued += 1
+                self.discarded += gen.discarded  # it had started: its work so far is thrown away
                 continue
             s.lent = lent is not None
             if s.lent:

@@ -84,13 +84,14 @@ class DeviceThread(ThreadPoolExecutor):
 
 @dataclass
 class Generation:
-    """A rollout worker's answer to one request (``result`` None: withdrawn before it started, ask another worker;
-    :meth:`GenerationBatcher.withdraw`)."""
+    """A rollout worker's answer to one request (``result`` None: withdrawn, ask another worker; before it started,
+    :meth:`GenerationBatcher.withdraw`, or, ``discarded``, after: its generation so far is thrown away)."""
 
     result: Result | None
     version: int  # weights version that generated it
     gen_start: float  # wall clock: its batch started on the device
     gen_end: float
+    discarded: bool = False  # withdrawn mid-generation, the work done thrown away (rollout/discarded_at_sync)
 
 
 @dataclass

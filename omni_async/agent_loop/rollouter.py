@@ -20,6 +20,15 @@ weights are staged at the worker meanwhile. **Fully async**: any scored groups, 
 weights its worker has; a text response interrupted by a sync (partial rollout) is continued under the new weights,
 and a sample's version is its oldest (its first token's), so the lag bound holds for every token.
 
+No sample in flight at a sync is thrown away. An image finishes under the version that started it (one device batch:
+the new weights load between batches); that is not verl's partial rollout (which interrupts a text response and
+continues it under the new weights, as done here for text) nor verl-omni's handling of diffusion samples, which it
+aborts when it switches to training and regenerates as whole samples. The step metrics count what is thrown away
+(``trainer.metrics.discard_metrics``): ``rollout/discarded_at_sync``, generations discarded in flight (0 by
+construction, but for a text response interrupted on a trainer rank lent to generation, without partial rollout),
+and ``training/off_policy/dropped_samples``, the samples of groups dropped past the lag bound; their sum is
+``training/discarded_samples``.
+
 Where the layout cannot stage a sync beside generation (the hybrid layout), or a lock-step draw must keep its one
 version and the sync is written in place, :meth:`quiesce` stops starting groups until every started sample is
 generated; :meth:`on_sync` starts production again. Every produced group is trained exactly once or dropped with a

@@ -64,6 +64,7 @@ class ImageModality(Modality):
             cps_log_prob=r.algo.cps_log_prob,
             true_cfg_scale=float(r.pipeline.true_cfg_scale),
             guidance_scale=float(r.pipeline.guidance_scale),
+            guidance_scale_2=None if r.pipeline.guidance_scale_2 is None else float(r.pipeline.guidance_scale_2),
             num_frames=int(r.pipeline.num_frames),
             max_sequence_length=r.pipeline.max_sequence_length,
             vae_slicing=bool(r.pipeline.vae_slicing),
@@ -82,6 +83,7 @@ class ImageModality(Modality):
             "width": p.width,
             "true_cfg_scale": p.true_cfg_scale,
             "guidance_scale": p.guidance_scale,
+            "guidance_scale_2": p.guidance_scale_2,
             "max_sequence_length": p.max_sequence_length,
             "noise_level": v.algo.noise_level,
         }

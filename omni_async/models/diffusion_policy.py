@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from omni_async.algos.sde import SDEStep, sde_step_with_logprob
-from omni_async.models.experts import step_denoisers, trained_module
+from omni_async.models.experts import boundary_timestep, low_noise_steps, trained_module
 from omni_async.models.loading import pipeline_load_kwargs
 from omni_async.models.lora import PolicyOptions, TrainableModule
 from omni_async.models.offload import HostOffload
@@ -47,6 +47,7 @@ class SamplingConfig:
     cps_log_prob: str = "flow_grpo"  # CPS log-prob form (see algos.sde)
     true_cfg_scale: float = 1.0  # Qwen-Image's CFG
     guidance_scale: float = 1.0  # SD3's and Wan's CFG
+    guidance_scale_2: float | None = None  # Wan 2.2's low-noise expert's CFG (diffusers' pair); None: guidance_scale
     num_frames: int = 1  # video models (Wan): frames per sample
     max_sequence_length: int | None = None  # text-encoder tokens kept for prompt encoding; None = pipeline default
     vae_slicing: bool = True  # decode a batch one sample at a time (the same pixels, 1/B of the peak)
@@ -156,6 +157,24 @@ class _Adapter:
 
     def __init__(self, pipe, cfg: SamplingConfig):
         self.pipe, self.cfg = pipe, cfg
+        # diffusers' WanPipeline refuses it too
+        if cfg.guidance_scale_2 is not None and boundary_timestep(pipe) is None:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.pipeline.guidance_scale_2={cfg.guidance_scale_2} is the CFG scale of Wan "
+                f"2.2's low-noise expert, but this {type(pipe).__name__} has one transformer (no transformer_2 and "
+                "boundary_ratio); drop it (guidance_scale applies to every step)"
+            )
+
+    def cfg_scale(self, low_noise: bool) -> float:
+        """A step's CFG scale: ``guidance_scale``; on Wan 2.2's low-noise expert's steps ``guidance_scale_2`` when
+        set (diffusers' ``WanPipeline``: ``None`` = ``guidance_scale``)."""
+        if low_noise and self.cfg.guidance_scale_2 is not None:
+            return float(self.cfg.guidance_scale_2)
+        return float(self.cfg.guidance_scale)
+
+    def uses_cfg(self) -> bool:
+        """Whether the negative prompt runs (some step's scale > 1; verl-omni's Wan rule, either of the pair)."""
+        return self.cfg.guidance_scale > 1 or (self.cfg.guidance_scale_2 or 0.0) > 1
 
     def latent_frames(self) -> tuple[int, ...]:
         """``prepare_latents``' frame count, for a video family; none for images."""
@@ -190,8 +209,8 @@ class _Adapter:
             **self.inputs(x, c),
         )[0]
 
-    def guide(self, pos, neg):
-        return neg + self.cfg.guidance_scale * (pos - neg)
+    def guide(self, pos, neg, scale: float):
+        return neg + scale * (pos - neg)
 
 
 def _denormalize(vae, lat: torch.Tensor) -> torch.Tensor:
@@ -225,9 +244,12 @@ class _QwenImageAdapter(_Adapter):
         shapes = [[(1, self.cfg.height // f, self.cfg.width // f)]] * x.shape[0]
         return {"guidance": None, "encoder_hidden_states_mask": c.get("prompt_embeds_mask"), "img_shapes": shapes}
 
-    def guide(self, pos, neg):
+    def cfg_scale(self, low_noise: bool) -> float:
+        return float(self.cfg.true_cfg_scale)
+
+    def guide(self, pos, neg, scale: float):
         """Qwen-Image's norm-preserving true CFG (``QwenImagePipeline.__call__``), on fp32 predictions."""
-        comb = neg + self.cfg.true_cfg_scale * (pos - neg)
+        comb = neg + scale * (pos - neg)
         return comb * (pos.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))
 
     def decode(self, x) -> torch.Tensor:
@@ -277,7 +299,7 @@ class _WanAdapter(_Adapter):
             )
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        do_cfg = self.cfg.guidance_scale > 1
+        do_cfg = self.uses_cfg()
         emb, neg = self.pipe.encode_prompt(
             prompt=prompts,
             negative_prompt=[""] * len(prompts) if do_cfg else None,
@@ -303,7 +325,7 @@ _ADAPTERS = {
 
 
 # What a :meth:`DiffusionPolicy.with_sampling` view has of its own; everything else is the policy's.
-_VIEW_STATE = ("sampling", "adapter", "sigmas", "timesteps", "sigma_max", "denoisers")
+_VIEW_STATE = ("sampling", "adapter", "sigmas", "timesteps", "sigma_max", "denoisers", "cfg_scales")
 
 
 def _seq_len(cfg: SamplingConfig) -> dict[str, int]:
@@ -473,8 +495,12 @@ class DiffusionPolicy(TrainableModule):
         self.sigmas, self.timesteps = self._schedule()
         # The sde step's sigma = 1 guard: read on the host once here, not once per denoising step.
         self.sigma_max = float(self.sigmas[1])
-        # The transformer of each step (Wan 2.2: the expert diffusers' WanPipeline picks), chosen on the host once.
-        self.denoisers = step_denoisers(self.pipe, self.timesteps.tolist())
+        # The transformer of each step (Wan 2.2: the expert diffusers' WanPipeline picks, models.experts) and its CFG
+        # scale (Wan 2.2: guidance_scale_2 on the low-noise expert's steps), chosen on the host once, for the rollout
+        # and the update alike.
+        low = low_noise_steps(self.pipe, self.timesteps.tolist())
+        self.denoisers = [self.pipe.transformer_2 if lo else self.pipe.transformer for lo in low]
+        self.cfg_scales = [self.adapter.cfg_scale(lo) for lo in low]
 
     def _schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Sigmas (N+1, ending at 0) and timesteps (N) as the pipeline's own ``__call__`` makes them.
@@ -531,16 +557,18 @@ class DiffusionPolicy(TrainableModule):
     def _guided(self, x: torch.Tensor, i: int, rows: dict[str, torch.Tensor]) -> torch.Tensor:
         """One transformer call at step ``i`` on ``rows`` for latents ``x`` [B, ...] (rows = B, or 2B under CFG: the
         positive branches, then the negative ones), with that step's transformer (Wan 2.2: its expert); the
-        prediction in fp32, the branches combined in fp32."""
-        return self._guided_call(x, self.timesteps[i], rows, self.denoisers[i])
+        prediction in fp32, the branches combined in fp32 with that step's CFG scale."""
+        return self._guided_call(x, self.timesteps[i], rows, self.denoisers[i], self.cfg_scales[i])
 
-    def _guided_call(self, x: torch.Tensor, t: torch.Tensor, rows: dict[str, torch.Tensor], model) -> torch.Tensor:
+    def _guided_call(
+        self, x: torch.Tensor, t: torch.Tensor, rows: dict[str, torch.Tensor], model, scale: float
+    ) -> torch.Tensor:
         """:meth:`_guided` at timestep ``t``: one for the batch, or ``[B]``, one per sample."""
         k = len(rows["prompt_embeds"]) // len(x)
         if t.ndim:  # per-sample timesteps: the CFG branches' rows repeat the samples
             t = t.repeat(k)
         pred = self.adapter.forward(x.repeat(k, *[1] * (x.ndim - 1)), t, rows, model).float()
-        return self.adapter.guide(pred[: len(x)], pred[len(x) :]) if k > 1 else pred
+        return self.adapter.guide(pred[: len(x)], pred[len(x) :], scale) if k > 1 else pred
 
     def _guided_steps(self, x: torch.Tensor, steps: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor:
         """The batch in one transformer call with each sample at its own step ``steps[b]`` (diffusers' transformers
@@ -549,17 +577,17 @@ class DiffusionPolicy(TrainableModule):
         bit-for-bit per-sample shapes of the SDE window (module docstring) are not needed."""
         idx = steps.tolist()
         t = self.timesteps[steps.to(self.timesteps.device)]
-        groups: dict[int, tuple[Any, list[int]]] = {}
+        groups: dict[int, tuple[Any, float, list[int]]] = {}  # one per expert (its CFG scale goes with it)
         for r, k in enumerate(idx):
-            groups.setdefault(id(self.denoisers[k]), (self.denoisers[k], []))[1].append(r)
+            groups.setdefault(id(self.denoisers[k]), (self.denoisers[k], self.cfg_scales[k], []))[2].append(r)
         if len(groups) == 1:
-            return self._guided_call(x, t, rows, self.denoisers[idx[0]])
+            return self._guided_call(x, t, rows, self.denoisers[idx[0]], self.cfg_scales[idx[0]])
         n, out = len(x), None
         cfg_rows = len(rows["prompt_embeds"]) // n
-        for model, members in groups.values():
+        for model, scale, members in groups.values():
             sel = [m + n * b for b in range(cfg_rows) for m in members]  # the members' rows in each CFG branch
             sub = {key: v[sel] for key, v in rows.items()}
-            pred = self._guided_call(x[members], t[members], sub, model)
+            pred = self._guided_call(x[members], t[members], sub, model, scale)
             if out is None:
                 out = pred.new_empty((n, *pred.shape[1:]))
             out[members] = pred

@@ -179,7 +179,7 @@ class ActorWorker(Worker, RolloutWorker):
             return Generation(None, -1, 0.0, 0.0)
         gen = await self.batcher.submit(prompt, seed, window, sampling=sampling, version=version, resume=resume)
         if gen.result is not None and gen.result.unfinished and not interrupts_at_sync(self.cfg):
-            return Generation(None, -1, 0.0, 0.0)
+            return Generation(None, -1, 0.0, 0.0, discarded=True)  # its tokens so far are thrown away
         return gen
 
     async def lend(self, version: int) -> int:

@@ -45,6 +45,7 @@ from omni_async.trainer.dataset import PromptSampler, check_prompt_lengths, firs
 from omni_async.trainer.layout import make_layout
 from omni_async.trainer.metrics import (
     advantage_metrics,
+    discard_metrics,
     off_policy_metrics,
     response_length_metrics,
     reward_metrics,
@@ -126,7 +127,8 @@ class RLTrainer:
         self.pictures = ThreadPoolExecutor(1, thread_name_prefix="pictures")  # never on the training path
         self.last_timeline: dict | None = None
         self._idle: list[tuple[float, float]] = []
-        self._dropped_before = (0.0, 0.0)  # the rollouter's dropped samples and their staleness sum at the last step
+        # the rollouter's dropped samples, their staleness sum and dropped groups at the last step
+        self._dropped_before = (0.0, 0.0, 0.0)
         self._t_metrics = time.perf_counter()
         self._last_save = time.monotonic()
         logger.info(
@@ -212,15 +214,19 @@ class RLTrainer:
         now = time.perf_counter()
         wall, self._t_metrics = now - self._t_metrics, now
         m = self.agent.on_loop(self.rollouter.metrics)
-        dropped, staleness = (
+        now_dropped = (
             m["fully_async/count/dropped_stale_samples"],
             m.pop("fully_async/count/dropped_staleness_sum"),
+            m["fully_async/count/dropped_stale_groups"],
         )
-        n, s = dropped - self._dropped_before[0], staleness - self._dropped_before[1]
-        self._dropped_before = (dropped, staleness)
-        m["training/off_policy/dropped_samples"] = n  # verl v1: this step's, as its replay buffer counts them
+        n, s, groups = (a - b for a, b in zip(now_dropped, self._dropped_before, strict=True))
+        self._dropped_before = now_dropped
+        m["training/off_policy/dropped_samples"] = n  # this step's samples of groups dropped past the lag bound
+        # verl v1's names (its replay buffer's stale-group eviction): groups evicted this step, and the versions each
+        # spanned (step - version + 1, its max_off_policy_threshold's count; the mean over their samples)
+        m["training/off_policy/evicted_samples"] = groups
         if n > 0:
-            m["training/off_policy/evicted_samples_staleness/mean"] = s / n
+            m["training/off_policy/evicted_samples_staleness/mean"] = s / n + 1
         trainer_idle = waited_s / step_s if step_s > 0 else 0.0
         rollout_idle = min(1.0, self.agent.take_idle_s() / wall) if wall > 0 else 0.0
         m["fully_async/trainer/idle_ratio"], m["fully_async/rollouter/idle_ratio"] = trainer_idle, rollout_idle
@@ -291,6 +297,7 @@ class RLTrainer:
         )
         metrics.update(layout_metrics)
         metrics.update(self.producer_metrics(timing["timing_s/step"], max(0.0, waited)))
+        metrics.update(discard_metrics(metrics))
         if self.cfg.actor_rollout_ref.model.modality == "text":
             metrics.update(response_length_metrics(samples, int(self.cfg.actor_rollout_ref.rollout.response_length)))
         t0 = min(s.times.requested for s in samples)

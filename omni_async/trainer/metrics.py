@@ -125,6 +125,26 @@ def throughput_metrics(samples: list[Sample], step_s: float, n_devices: int) -> 
     }
 
 
+def discard_metrics(step_metrics: dict[str, float]) -> dict[str, float]:
+    """``training/discarded_samples``: the samples this step threw away, whatever the reason, from the step's counters:
+
+    - ``rollout/discarded_at_sync``: generations in flight thrown away and started again. verl-omni aborts every
+      diffusion sample in flight when it switches to training and regenerates it; here a sample in flight at a sync
+      finishes under the version that started it (an image), or is continued (a text response, partial rollout), so
+      this is 0 by construction, except a text response interrupted on a trainer rank lent to generation, going back
+      to training, without partial rollout (its tokens are thrown away);
+    - ``training/off_policy/dropped_samples``: the samples of groups dropped past the lag bound
+      (``max_off_policy_strategy=drop``; fully async).
+
+    (A rollout worker's death also makes samples generate again, counted in ``rollout/regenerated``: a failure.)"""
+    return {
+        "training/discarded_samples": float(
+            step_metrics.get("rollout/discarded_at_sync", 0.0)
+            + step_metrics.get("training/off_policy/dropped_samples", 0.0)
+        )
+    }
+
+
 def off_policy_metrics(samples: list[Sample], step: int, partial: bool) -> dict[str, float]:
     """How old the trained samples' weights are, under verl v1's names (``verl/trainer/v1``): a trajectory spans the
     versions ``[oldest, newest]`` that generated its tokens (``Sample.version_span``; one version unless a partial

@@ -105,7 +105,7 @@ def mode_of(cfg: DictConfig) -> Mode:
         sync_period=sync_period,
         cap=cap,
         bound=bound,
-        wait_for_stale=cfg.trainer.v1.sampler.max_off_policy_strategy == "wait",
+        wait_for_stale=cfg.trainer.v1.sampler.max_off_policy_strategy != "drop",  # (validate resolves null)
     )
 
 
@@ -120,10 +120,23 @@ def interrupts_at_sync(cfg: DictConfig) -> bool:
     )
 
 
+# verl-omni's ``trainer.v1`` defaults for ``trainer_mode=separate_async`` (``diffusion_trainer.yaml``, a1139ba; verl v1's
+# ``ppo_trainer.yaml`` has the same), taken by the keys such a run does not give: a weight sync every 4 updates, a
+# backlog of 1 train batch, a trajectory spanning at most 8 versions, and a group past that dropped.
+SEPARATE_ASYNC_DEFAULTS = {
+    "trainer.v1.separate_async.parameter_sync_step": 4,
+    "trainer.v1.separate_async.num_warmup_batches": 1,
+    "trainer.v1.sampler.max_off_policy_threshold": 8,
+    "trainer.v1.sampler.max_off_policy_strategy": "drop",
+}
+VERL_STALENESS_DEFAULT = 0.1  # async_training.staleness_threshold's default (verl's): a run that did not give it
+
+
 def resolve_trainer_mode(cfg: DictConfig) -> None:
     """verl v1's ``trainer.v1.trainer_mode`` as the preset it names, written into ``async_reward.*``: ``sync`` is
-    on-policy lock-step, ``separate_async`` fully async on a rollout pool, ``colocate_async`` fully async on the
-    devices that train (the hybrid or split layout). A project key that asks for another mode is refused."""
+    on-policy lock-step, ``separate_async`` fully async on a rollout pool (with verl-omni's defaults for the keys it
+    does not give: :data:`SEPARATE_ASYNC_DEFAULTS`), ``colocate_async`` fully async on the devices that train (the
+    hybrid or split layout). A project key that asks for another mode is refused."""
     t, a = cfg.trainer, cfg.async_reward
     mode = t.v1.trainer_mode
     sa = t.v1.separate_async
@@ -133,6 +146,10 @@ def resolve_trainer_mode(cfg: DictConfig) -> None:
         f"the separate_async backlog settings are read only with trainer.v1.trainer_mode=separate_async ({mode} given)",
         "set trainer.v1.trainer_mode=separate_async, or drop num_warmup_batches / sync_compatible",
     )
+    if mode == "separate_async":
+        _separate_async_defaults(cfg)
+    elif t.v1.sampler.max_off_policy_strategy is None:
+        t.v1.sampler.max_off_policy_strategy = "wait"  # this project's own fully async: dropless
     if mode is None:
         return
     _check(
@@ -183,6 +200,23 @@ def resolve_trainer_mode(cfg: DictConfig) -> None:
     a.fully_async = True
 
 
+def _separate_async_defaults(cfg: DictConfig) -> None:
+    """:data:`SEPARATE_ASYNC_DEFAULTS` for the keys not given. The sync period and the backlog also have this
+    project's spellings (``async_training.trigger_parameter_sync_step``, ``async_training.staleness_threshold``):
+    given there, they are given. Idempotent (``validate`` may run twice)."""
+    at, sampler = cfg.async_training, cfg.trainer.v1.sampler
+    d = SEPARATE_ASYNC_DEFAULTS
+    if at.trigger_parameter_sync_step is None:  # (trainer.v1.separate_async.parameter_sync_step is folded into it)
+        at.trigger_parameter_sync_step = d["trainer.v1.separate_async.parameter_sync_step"]
+    sa = cfg.trainer.v1.separate_async
+    if sa.num_warmup_batches is None and at.staleness_threshold == VERL_STALENESS_DEFAULT:
+        sa.num_warmup_batches = d["trainer.v1.separate_async.num_warmup_batches"]
+    if sampler.max_off_policy_threshold is None:
+        sampler.max_off_policy_threshold = d["trainer.v1.sampler.max_off_policy_threshold"]
+    if sampler.max_off_policy_strategy is None:
+        sampler.max_off_policy_strategy = d["trainer.v1.sampler.max_off_policy_strategy"]
+
+
 def _resolve_warmup(cfg: DictConfig) -> None:
     """verl v1's ``separate_async.{num_warmup_batches, sync_compatible}``: the rollout pool's backlog of train batches
     ahead of the trainer. Each sync window trains ``parameter_sync_step`` batches and the pool may start that many
@@ -202,7 +236,7 @@ def _resolve_warmup(cfg: DictConfig) -> None:
     _check(warmup >= 0, key, f"must be >= 0, got {warmup}", "e.g. 1 (0: on-policy)")
     staleness = float(warmup) / int(at.trigger_parameter_sync_step or 1)
     _check(
-        at.staleness_threshold in (0.1, staleness),  # 0.1: verl's default, i.e. not given
+        at.staleness_threshold in (VERL_STALENESS_DEFAULT, staleness),  # verl's default, i.e. not given
         "async_training.staleness_threshold",
         f"async_training.staleness_threshold={at.staleness_threshold} and {key}={warmup} (= staleness "
         f"{staleness:g} at a sync step of {at.trigger_parameter_sync_step or 1}) are one setting given twice",
@@ -256,12 +290,14 @@ def check_mode(cfg: DictConfig) -> None:
                 else ""
             ),
         )
-    if a.update_pipeline or a.fully_async:
+    # Fully async trains a step's groups as one batch (update.update: one chunk), so its std is the step's batch's,
+    # as verl's fully async trainer computes advantages over the batch it assembled from require_batches mini-batches.
+    if a.update_pipeline:
         _check(
             not cfg.algorithm.global_std,
             "algorithm.global_std",
-            "groups are trained as they complete (mini-batch pipeline, fully async); a batch-wide std would need the "
-            "whole batch first",
+            "the mini-batch pipeline trains groups as they complete (advantages per group); a batch-wide std (the "
+            "default, flow_grpo's and verl-omni's) would need the whole batch first",
             "set algorithm.global_std=false",
         )
     if not a.fully_async:
@@ -317,13 +353,14 @@ def check_mode(cfg: DictConfig) -> None:
     )
 
 
-# The named presets of the benchmarks and tests, as config overrides.
+# The named presets of the benchmarks and tests, as config overrides (the pipeline needs each group's own std).
+PIPELINE = ["async_reward.update_pipeline=true", "algorithm.global_std=false"]
 MODE_OVERRIDES: dict[str, list[str]] = {
     "sync": ["reward.streaming=false"],
     "stream": ["reward.streaming=true"],
-    "stream+pipeline": ["reward.streaming=true", "async_reward.update_pipeline=true"],
+    "stream+pipeline": ["reward.streaming=true", *PIPELINE],
     "stream+one_step_off": ["reward.streaming=true", "async_reward.one_step_off_policy=true"],
-    "all": ["reward.streaming=true", "async_reward.update_pipeline=true", "async_reward.one_step_off_policy=true"],
+    "all": ["reward.streaming=true", *PIPELINE, "async_reward.one_step_off_policy=true"],
 }
 
 

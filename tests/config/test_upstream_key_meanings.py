@@ -16,6 +16,8 @@ from omni_async.sample import RewardOutcome
 from omni_async.trainer.config import ConfigError, compose, validate
 from omni_async.trainer.dataset import first_rows
 from omni_async.trainer.loop import RLTrainer
+from omni_async.trainer.metrics import discard_metrics
+from omni_async.trainer.mode import mode_of
 from omni_async.trainer.model_paths import path_problem
 
 BASE = ["data.train_files=x.jsonl"]
@@ -88,19 +90,45 @@ def test_judge_server_length_and_batch_flags():
 
 
 # ---- verl v1's separate_async keys -------------------------------------------------------------------------------
-SEPARATE = [
-    *BASE,
-    "trainer.use_v1=true",
-    "trainer.v1.trainer_mode=separate_async",
-    "actor_rollout_ref.rollout.nnodes=1",
-    "actor_rollout_ref.rollout.n_gpus_per_node=1",
-    "actor_rollout_ref.hybrid_engine=False",
-    "trainer.v1.sampler.max_off_policy_threshold=null",
-]
+POOL = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
+SEPARATE = [*BASE, "trainer.use_v1=true", "trainer.v1.trainer_mode=separate_async", *POOL]
+
+
+def test_separate_async_without_its_keys_takes_verl_omnis_defaults():
+    """verl-omni's ``trainer.v1`` defaults (``diffusion_trainer.yaml``): a sync every 4 updates, a backlog of 1 train
+    batch (staleness 1/4 here), trajectories spanning at most 8 versions, groups past that dropped."""
+    cfg = validate(compose(SEPARATE))
+    at, sampler = cfg.async_training, cfg.trainer.v1.sampler
+    assert (at.trigger_parameter_sync_step, cfg.trainer.v1.separate_async.num_warmup_batches) == (4, 1)
+    assert at.staleness_threshold == 0.25
+    assert (sampler.max_off_policy_threshold, sampler.max_off_policy_strategy) == (8, "drop")
+    m = mode_of(cfg)
+    assert m.sync_period == 4 and not m.wait_for_stale
+    # n = 2 groups per update: cap floor(1.25 x 4 x 2) = 10, lag bound ceil(10 / 2) - 1 = 4 (< 8 - 1)
+    assert (m.cap, m.bound) == (10, 4)
+    assert validate(cfg) == cfg  # idempotent
+    given = [
+        "async_training.trigger_parameter_sync_step=2",
+        "async_training.staleness_threshold=0.5",
+        "trainer.v1.sampler.max_off_policy_threshold=3",
+        "trainer.v1.sampler.max_off_policy_strategy=wait",
+    ]
+    own = validate(compose([*SEPARATE, *given]))
+    assert own.async_training.trigger_parameter_sync_step == 2 and own.async_training.staleness_threshold == 0.5
+    assert own.trainer.v1.separate_async.num_warmup_batches is None
+    assert (own.trainer.v1.sampler.max_off_policy_threshold, mode_of(own).wait_for_stale) == (3, True)
+    # this project's own fully async spelling keeps its defaults: sync every update, no span limit, dropless
+    fa = validate(compose([*BASE, *POOL, "async_reward.fully_async=true"]))
+    assert fa.async_training.trigger_parameter_sync_step is None and fa.async_training.staleness_threshold == 0.1
+    assert (fa.trainer.v1.sampler.max_off_policy_threshold, fa.trainer.v1.sampler.max_off_policy_strategy) == (
+        None,
+        "wait",
+    )
 
 
 def test_num_warmup_batches_is_the_backlog_fractional_included():
-    cfg = validate(compose([*SEPARATE, "trainer.v1.separate_async.num_warmup_batches=0.5"]))
+    one = "trainer.v1.separate_async.parameter_sync_step=1"
+    cfg = validate(compose([*SEPARATE, "trainer.v1.separate_async.num_warmup_batches=0.5", one]))
     assert cfg.async_reward.fully_async and cfg.async_training.staleness_threshold == 0.5
     two = ["trainer.v1.separate_async.num_warmup_batches=1", "trainer.v1.separate_async.parameter_sync_step=2"]
     assert validate(compose([*SEPARATE, *two, "data.train_batch_size=4"])).async_training.staleness_threshold == 0.5
@@ -162,26 +190,32 @@ def test_reward_queue_metrics_carry_verl_recipes_names():
 
 
 def test_off_policy_drops_are_counted_per_step_with_their_staleness(monkeypatch):
-    counts = iter([(0, 0), (3, 6), (3, 6), (5, 13)])  # cumulative dropped samples, sum of their staleness
+    # cumulative dropped samples, sum of their lags (step - version), dropped groups
+    counts = iter([(0, 0, 0), (3, 6, 1), (3, 6, 1), (5, 13, 2)])
 
     def rollouter_metrics():
-        dropped, staleness = next(counts)
+        dropped, staleness, groups = next(counts)
         return {
             "fully_async/count/dropped_stale_samples": dropped,
             "fully_async/count/dropped_staleness_sum": staleness,
+            "fully_async/count/dropped_stale_groups": groups,
         }
 
     trainer = SimpleNamespace(
         _t_metrics=0.0,
         _idle=[],
-        _dropped_before=(0.0, 0.0),
+        _dropped_before=(0.0, 0.0, 0.0),
         agent=SimpleNamespace(on_loop=lambda f: f(), take_idle_s=lambda: 0.0),
         rollouter=SimpleNamespace(metrics=rollouter_metrics),
     )
     rows = [RLTrainer.producer_metrics(trainer, 1.0, 0.0) for _ in range(4)]
     assert [r["training/off_policy/dropped_samples"] for r in rows] == [0, 3, 0, 2]
-    assert [r.get("training/off_policy/evicted_samples_staleness/mean") for r in rows] == [None, 2.0, None, 3.5]
+    # verl v1's replay buffer: stale groups evicted this step, and the versions each spanned (lag + 1)
+    assert [r["training/off_policy/evicted_samples"] for r in rows] == [0, 1, 0, 1]
+    assert [r.get("training/off_policy/evicted_samples_staleness/mean") for r in rows] == [None, 3.0, None, 4.5]
     assert all("fully_async/count/dropped_staleness_sum" not in r for r in rows)
+    # every dropped sample is a discarded one
+    assert [discard_metrics(r)["training/discarded_samples"] for r in rows] == [0, 3, 0, 2]
 
 
 # ---- model paths, at start before Ray --------------------------------------------------------------------------

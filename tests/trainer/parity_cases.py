@@ -22,7 +22,13 @@ from helpers import SMALL_IMAGE_TRAINER, Trainers, write_prompts  # noqa: E402
 
 STEPS = 3
 POOL = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
-QUIET = ["trainer.log_image_freq=-1", "trainer.log_timeline_freq=-1", f"trainer.total_training_steps={STEPS}"]
+# The recordings' advantages are per-group std (the image default was global_std=false then).
+QUIET = [
+    "trainer.log_image_freq=-1",
+    "trainer.log_timeline_freq=-1",
+    f"trainer.total_training_steps={STEPS}",
+    "algorithm.global_std=false",
+]
 OFF = ["async_reward.one_step_off_policy=true"]
 TEXT = [
     "data.train_batch_size=2",

@@ -145,3 +145,29 @@ def test_verl_omni_recipe_keys_reproduce_its_advantages_and_keep_zero_advantages
         lp, torch.zeros_like(lp), batch.batch["advantages"], batch.batch["loss_mask"], clip_ratio=0.2
     )
     assert loss.item() == pytest.approx(per_sample.mean().item(), rel=1e-5)
+
+
+def test_the_image_default_is_the_batch_wide_std_and_fully_async_keeps_it():
+    """``algorithm.global_std`` defaults to true for images (flow_grpo's SD3 recipes, verl-omni's default and key):
+    the advantages are flow_grpo's batch-wide ones. Text keeps verl's per-group std. Fully async trains a step's
+    groups as one batch, so it takes the default; the mini-batch pipeline, which trains groups before the batch
+    exists, is refused with it (its presets set false)."""
+    from omni_async.trainer.config import ConfigError
+    from omni_async.trainer.mode import MODE_OVERRIDES, fully_async_overrides, mode_of
+
+    cfg = validate(compose(["data.train_files=x.jsonl"]))
+    assert cfg.algorithm.global_std is True
+    batch = build_batch(cfg, "image", image_samples(GROUPS))
+    rewards = np.array([r for g in GROUPS for r in g])
+    want = flow_grpo_advantages(rewards, np.array(batch.non_tensor_batch["uid"]))
+    assert batch.batch["advantages"].numpy() == pytest.approx(want, abs=1e-6)
+    assert (
+        validate(compose(["data.train_files=x.jsonl"], config_name="grpo_text_trainer")).algorithm.global_std is False
+    )
+    pool = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
+    fully = validate(compose(["data.train_files=x.jsonl", *pool, *fully_async_overrides(1)]))
+    assert fully.algorithm.global_std is True and not mode_of(fully).pipelined
+    with pytest.raises(ConfigError, match=r"^algorithm\.global_std: .*Fix: set algorithm\.global_std=false"):
+        validate(compose(["data.train_files=x.jsonl", "async_reward.update_pipeline=true"]))
+    for preset in ("stream+pipeline", "all"):
+        assert mode_of(validate(compose(["data.train_files=x.jsonl", *MODE_OVERRIDES[preset]]))).pipelined

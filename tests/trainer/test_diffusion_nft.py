@@ -11,6 +11,7 @@ from helpers import SMALL_IMAGE_TRAINER, Trainers, record_trained_uids, write_pr
 
 from omni_async.modality import modality_of
 from omni_async.trainer.config import ConfigError, compose, validate
+from omni_async.trainer.mode import PIPELINE
 
 # verl-omni's examples/diffusionnft_trainer/qwen_image/run_qwen_image_ocr_lora.sh, its DiffusionNFT overrides as
 # written there (model, engine, sizes and reward are the tiny stand-ins of SMALL_IMAGE_TRAINER).
@@ -163,7 +164,7 @@ RUN = [
 POOL = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
 MODES = {
     "sync_hybrid": ["reward.streaming=false"],
-    "stream_pipeline_hybrid": ["reward.streaming=true", "async_reward.update_pipeline=true"],
+    "stream_pipeline_hybrid": ["reward.streaming=true", *PIPELINE],
     "one_step_off_hybrid": ["reward.streaming=true", "async_reward.one_step_off_policy=true"],
     "one_step_off_split": ["actor_rollout_ref.hybrid_engine=false", "async_reward.one_step_off_policy=true"],
     "one_step_off_disaggregated": [*POOL, "async_reward.one_step_off_policy=true"],

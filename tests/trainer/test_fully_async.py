@@ -24,7 +24,7 @@ from omni_async.trainer.config import (
     total_training_steps,
     validate,
 )
-from omni_async.trainer.mode import mode_of
+from omni_async.trainer.mode import PIPELINE, mode_of
 
 POOL = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
 FULLY_ASYNC = [*POOL, "async_reward.fully_async=true"]
@@ -65,7 +65,12 @@ def test_verl_fully_async_keys_and_verl_omni_separate_async_compose():
     )
     assert omni.async_reward.fully_async and (mode_of(omni).cap, mode_of(omni).bound) == (4, 1)  # span <= 2: lag <= 1
     # verl-omni's on-policy recipe (threshold 1, sync every update) is synchronous
-    on_policy = valid(*POOL, "trainer.v1.trainer_mode=separate_async", "trainer.v1.sampler.max_off_policy_threshold=1")
+    on_policy = valid(
+        *POOL,
+        "trainer.v1.trainer_mode=separate_async",
+        "trainer.v1.separate_async.parameter_sync_step=1",
+        "trainer.v1.sampler.max_off_policy_threshold=1",
+    )
     assert mode_of(on_policy).bound == 0
     text = valid(
         *FULLY_ASYNC,
@@ -125,7 +130,7 @@ def test_the_modes_are_settings_that_combine():
     assert hybrid.name == "fully_async" and not hybrid.lock_step and hybrid.overlaps_update
     colocate = valid("trainer.v1.trainer_mode=colocate_async")
     assert colocate.async_reward.fully_async and mode_of(colocate) == hybrid
-    piped = mode_of(valid(*FULLY_ASYNC, "async_reward.update_pipeline=true"))
+    piped = mode_of(valid(*FULLY_ASYNC, *PIPELINE))
     assert piped.pipelined and not piped.lock_step
     assert not mode_of(valid(*FULLY_ASYNC, "reward.streaming=false")).streaming
     with pytest.raises(ConfigError, match="colocate_async generates on the devices that train"):
@@ -133,9 +138,9 @@ def test_the_modes_are_settings_that_combine():
     presets = {
         "sync": ["reward.streaming=false"],
         "stream": [],
-        "stream+pipeline": ["async_reward.update_pipeline=true"],
+        "stream+pipeline": PIPELINE,
         "stream+one_step_off": ["async_reward.one_step_off_policy=true"],
-        "all": ["async_reward.update_pipeline=true", "async_reward.one_step_off_policy=true"],
+        "all": [*PIPELINE, "async_reward.one_step_off_policy=true"],
         "sync+one_step_off": ["async_reward.one_step_off_policy=true", "reward.streaming=false"],
     }
     for name, overrides in presets.items():

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from omni_async.modality import get_modality
 from omni_async.trainer.config import ConfigError, compose, validate
 from omni_async.trainer.loop import RLTrainer
+from omni_async.trainer.mode import PIPELINE
 
 TWO_DEVICES = [
     "trainer.n_gpus_per_node=2",
@@ -105,7 +106,7 @@ def test_hybrid_one_step_off_rollout_reads_the_version_that_made_it(make_trainer
             "hybrid_engine=False",
         ),
         (
-            ["async_reward.update_pipeline=true", "actor_rollout_ref.model.lora_rank=0"],
+            [*PIPELINE, "actor_rollout_ref.model.lora_rank=0"],
             "actor_rollout_ref.hybrid_engine",
             "hybrid_engine=False",
         ),

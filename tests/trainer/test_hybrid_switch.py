@@ -23,7 +23,15 @@ from omni_async.trainer.step_ops import ActorRankDiedError
 from omni_async.trainer.timeline import draw_timeline
 
 POOL = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
-SEPARATE_ASYNC = [*POOL, "trainer.use_v1=true", "trainer.v1.trainer_mode=separate_async"]
+# A sync every update and the dropless strategy (verl-omni's defaults would be 4 and drop): the runs below were sized
+# for them.
+SEPARATE_ASYNC = [
+    *POOL,
+    "trainer.use_v1=true",
+    "trainer.v1.trainer_mode=separate_async",
+    "trainer.v1.separate_async.parameter_sync_step=1",
+    "trainer.v1.sampler.max_off_policy_strategy=wait",
+]
 SWITCH = "trainer.v1.separate_async.hybrid_rollout.enable_switch=true"
 QUIET = ["trainer.log_image_freq=-1", "trainer.log_timeline_freq=-1"]
 
@@ -185,6 +193,8 @@ def test_trainer_rank_generates_the_same_samples_and_every_group_trains_once_acr
     assert any(in_flight)  # a switch back met requests on the trainer rank (withdrawn, or its batch drained)
     assert all(s.outcome.ok for s in all_samples)
     assert rows[-1]["fully_async/count/dropped_stale_samples"] == 0
+    # images in flight at a switch back finish (verl-omni aborts and regenerates them): nothing thrown away
+    assert all(r["rollout/discarded_at_sync"] == 0 and r["training/discarded_samples"] == 0 for r in rows)
     lent_busy = sum(r["separate_async/switch/lent_busy_seconds"] for r in rows)
     assert lent_busy > 0
     # The update waited at most one device batch of the lent rank (3 s + generation) at each switch back.

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 
-from omni_async.sample import PromptRow, RewardOutcome, Sample, TextResult
+from omni_async.agent_loop.manager import AgentLoopManager
+from omni_async.agent_loop.rollout_replica import Generation
+from omni_async.sample import ImageResult, PromptRow, RewardOutcome, Sample, TextResult
 from omni_async.trainer.metrics import (
     advantage_metrics,
+    discard_metrics,
     off_policy_metrics,
     response_length_metrics,
     throughput_metrics,
@@ -82,3 +88,40 @@ def test_off_policy_metrics_are_verl_v1s_staleness_from_the_newest_and_worst_fro
     assert m["fully_async/partial/total_partial_num"] == 1.0
     assert m["fully_async/partial/partial_ratio"] == pytest.approx(1 / 3)
     assert not any(k.startswith("fully_async/") for k in off_policy_metrics(samples, step=5, partial=False))
+
+
+class _Worker:
+    """A rollout worker stand-in behind the ``worker.generate.remote(...)`` call shape: answers each request with
+    ``answers`` in turn (a withdrawn answer makes the agent loop ask again), then with an image."""
+
+    def __init__(self, *answers: Generation):
+        self.answers = list(answers)
+        self.generate = SimpleNamespace(remote=self._generate)
+
+    async def _generate(self, prompt, seed, window, **kwargs):
+        if self.answers:
+            return self.answers.pop(0)
+        image = ImageResult(np.zeros((8, 8, 3), np.uint8), torch.zeros(3, 4), torch.zeros(2), {}, window_start=0)
+        return Generation(image, 0, 0.0, 1.0)
+
+
+def test_samples_discarded_at_syncs_are_counted_and_are_none_here_by_construction():
+    """``rollout/discarded_at_sync`` counts generations thrown away in flight and started again (verl-omni's abort of
+    the diffusion samples in flight when it switches to training); ``training/discarded_samples`` adds the samples of
+    groups dropped past the lag bound. A request withdrawn before it started throws nothing away; one withdrawn
+    mid-generation (text on a trainer rank going back to training without partial rollout) does."""
+    assert discard_metrics({"rollout/resumed": 3.0}) == {"training/discarded_samples": 0.0}
+    both = {"rollout/discarded_at_sync": 1.0, "training/off_policy/dropped_samples": 4.0}
+    assert discard_metrics(both) == {"training/discarded_samples": 5.0}
+    unstarted, started = Generation(None, -1, 0.0, 0.0), Generation(None, -1, 0.0, 0.0, discarded=True)
+    agent = AgentLoopManager([_Worker(unstarted, started, unstarted)])
+    try:
+        samples = [Sample(index=i, uid="0-0", row=PromptRow("p", "x", None), seed=i) for i in range(2)]
+        agent.call(agent.run_group(samples))
+        assert all(s.result is not None for s in samples)
+        m = agent.step_metrics()
+        assert m["separate_async/switch/requeued"] == 3.0 and m["rollout/discarded_at_sync"] == 1.0
+        agent.call(agent.run_group([Sample(index=2, uid="1-0", row=PromptRow("p", "x", None), seed=2)]))
+        assert agent.step_metrics()["rollout/discarded_at_sync"] == 0.0  # per step
+    finally:
+        agent.shutdown()

@@ -9,6 +9,7 @@ import pytest
 from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
 from omni_async.trainer.loop import FlowGRPOTrainer
+from omni_async.trainer.mode import PIPELINE
 
 pytestmark = pytest.mark.slow  # training runs: not in the fast tier (pytest -m 'not slow')
 
@@ -81,7 +82,7 @@ def test_one_step_off_policy_overlaps_next_rollout_with_update_and_lags_by_one(t
     assert producer == (0, 3 * 4)  # every group started was trained: nothing generated past the last step
 
 
-@pytest.mark.parametrize("trainer", [["async_reward.update_pipeline=true"]], indirect=True)
+@pytest.mark.parametrize("trainer", [PIPELINE], indirect=True)
 def test_pipeline_updates_before_the_last_reward_and_uses_every_group_once(trainer):
     trained_uids: list[list[str]] = []
     real_step = trainer.ops.optimizer_step

@@ -148,9 +148,10 @@ class ImageModality(Modality):
             yield j, policy.step(cond, latents[:, j], start + j, prev_sample=latents[:, j + 1])
 
     def log_probs(self, policy, batch) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The stored window's log-probs [B, W] under the current weights (pi_old when not bypassed); for a loss
-        that reads pi_old's means (GRPO-Guard, Flow-DPPO) ``{"old_log_probs": [B, W], "old_means": [B, W, ...]}``,
-        the means of the same forward passes (verl-omni's old-log-prob recompute returns them alike)."""
+        """The stored window's log-probs [B, W] under the weights the policy holds (pi_old when not bypassed: the last
+        sync's, ``trainer.actor_core.old_log_prob``); for a loss that reads pi_old's means (GRPO-Guard, Flow-DPPO)
+        ``{"old_log_probs": [B, W], "old_means": [B, W, ...]}``, the means of the same forward passes (verl-omni's
+        old-log-prob recompute returns them alike)."""
         cond = policy.conditioning_from(batch.batch)
         start = self.window_starts(batch)
         latents = batch.batch["window_latents"].to(policy.device)

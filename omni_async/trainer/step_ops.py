@@ -22,6 +22,7 @@ from verl import DataProto
 from omni_async.agent_loop.rollout_replica import SEED_NFT_NOISE, SEED_NFT_STEPS, sample_seed
 from omni_async.algos.advantages import group_advantages
 from omni_async.algos.diffusion_nft import old_policy_decay, optimality_probability, refreshes_after, train_steps
+from omni_async.algos.loss import BYPASS_CORRECTION_FIELDS, BYPASS_CORRECTION_KEY
 from omni_async.modality import REF_TIME_KEY, Modality
 from omni_async.models.lora import OLD_ADAPTER
 from omni_async.reward.wiring import RewardSide
@@ -167,10 +168,16 @@ class StepOps:
         weights, and the recompute keeps a copy of them when a later recompute of the window may follow an update
         (``keep_synced``: a sync period > 1, or the mini-batch pipeline); every recompute after an optimizer step of
         the window swaps that copy in (``trainer.actor_core.old_log_prob``). GRPO-Guard / Flow-DPPO's pi_old means
-        come from the same forwards."""
+        come from the same forwards.
+
+        In bypass mode with ``rollout_is`` / ``rollout_rs`` the batch carries those settings to the loss
+        (``algos.loss.BYPASS_CORRECTION_KEY``), as verl's ``apply_bypass_mode`` hands them to the actor's policy
+        loss: the weights and the mask are between the policy being trained and the rollout's, per loss call."""
         if "old_log_probs" not in batch.batch.keys():  # a final-latent loss (DiffusionNFT): no log-probs at all
             return
         rc = self.cfg.algorithm.rollout_correction
+        if rc.bypass_mode and (rc.rollout_is is not None or rc.rollout_rs is not None):
+            batch.meta_info[BYPASS_CORRECTION_KEY] = {k: rc[k] for k in BYPASS_CORRECTION_FIELDS}
         with timer("old_log_prob"):
             if not rc.bypass_mode:
                 rollout_log_probs = batch.batch["old_log_probs"]

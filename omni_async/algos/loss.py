@@ -72,6 +72,39 @@ def flow_grpo_loss(
     return loss, metrics
 
 
+# verl's rollout correction settings in bypass mode (algorithm.rollout_correction with bypass_mode=true and rollout_is
+# or rollout_rs): the trainer puts them in the batch's meta_info under this key, as verl's apply_bypass_mode hands
+# them to the actor's policy loss, and the loss computes the weights and the mask per micro-batch.
+BYPASS_CORRECTION_KEY = "rollout_correction"
+BYPASS_CORRECTION_FIELDS = ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold")
+
+
+def bypass_rollout_correction(
+    log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor, spec: dict
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's rollout correction in bypass mode (pi_old = pi_rollout), for one loss call: verl's
+    ``compute_rollout_correction_and_rejection_mask`` between the *current* policy (``log_prob``, detached) and the
+    rollout's log-probs, as verl's ``compute_policy_loss_bypass_mode`` and verl-omni's ``diffusion_loss`` compute it.
+    With their default ``loss_type=ppo_clip`` the IS weights pi_theta / pi_rollout are only reported (the PPO ratio
+    is already that ratio, clipped); the rejection mask leaves the loss. Returns ``mask`` with the rejected
+    elements off (as given when ``rollout_rs`` is off) and verl's metrics under the names verl's actor reports them
+    (``actor/rollout_corr/*``). Inputs ``[B, T]``: text tokens, or one SDE-window step per call (``T = 1``, as
+    verl-omni's per-step loss)."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    mask = mask.bool()
+    if not mask.any():  # nothing in the loss (verl's helper refuses an empty mask)
+        return mask, {}
+    with torch.no_grad():
+        _, kept, metrics = compute_rollout_correction_and_rejection_mask(
+            old_log_prob=log_prob.detach().float(),
+            rollout_log_prob=rollout_log_prob.float(),
+            response_mask=mask.float(),
+            **{k: spec.get(k) for k in BYPASS_CORRECTION_FIELDS},
+        )
+    return mask & kept.bool(), {f"actor/{k}": float(v) for k, v in metrics.items()}
+
+
 # verl's dual-clip bound for negative advantages (its ``actor.clip_ratio_c`` default).
 DUAL_CLIP_RATIO_C = 3.0
 # verl's low-variance KL estimator (k3): KL ~= exp(ref - logp) - (ref - logp) - 1, clamped.

@@ -30,7 +30,7 @@ from PIL import Image, ImageDraw
 from omni_async.algos.diffusion_nft import forward_noised, nft_loss
 from omni_async.algos.flow_dppo import flow_dppo_loss
 from omni_async.algos.grpo_guard import grpo_guard_loss
-from omni_async.algos.loss import flow_grpo_loss
+from omni_async.algos.loss import BYPASS_CORRECTION_KEY, bypass_rollout_correction, flow_grpo_loss
 from omni_async.algos.loss_modes import needs_old_means, uses_final_latents
 from omni_async.algos.sde import kl_to_reference
 from omni_async.modality.base import REF_TIME_KEY, Modality, rm_score, score_labels
@@ -150,9 +150,10 @@ class ImageModality(Modality):
             yield j, policy.step(cond, latents[:, j], start + j, prev_sample=latents[:, j + 1])
 
     def log_probs(self, policy, batch) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The stored window's log-probs [B, W] under the current weights (pi_old when not bypassed); for a loss
-        that reads pi_old's means (GRPO-Guard, Flow-DPPO) ``{"old_log_probs": [B, W], "old_means": [B, W, ...]}``,
-        the means of the same forward passes (verl-omni's old-log-prob recompute returns them alike)."""
+        """The stored window's log-probs [B, W] under the weights the policy holds (pi_old when not bypassed: the last
+        sync's, ``trainer.actor_core.old_log_prob``); for a loss that reads pi_old's means (GRPO-Guard, Flow-DPPO)
+        ``{"old_log_probs": [B, W], "old_means": [B, W, ...]}``, the means of the same forward passes (verl-omni's
+        old-log-prob recompute returns them alike)."""
         cond = policy.conditioning_from(batch.batch)
         start = self.window_starts(batch)
         latents = batch.batch["window_latents"].to(policy.device)
@@ -190,9 +191,12 @@ class ImageModality(Modality):
             batch.batch[k].to(policy.device) if k in batch.batch.keys() else None
             for k in ("rollout_is_weights", "rollout_rs_mask")
         )
+        # verl's bypass-mode rollout correction: per window step, between the current policy and the rollout.
+        bypass = batch.meta_info.get(BYPASS_CORRECTION_KEY)
         old_means = batch.batch["old_means"].to(policy.device) if self.old_means else None
         n_steps = latents.shape[1] - 1
         step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)  # read after the last backward, in one sync
+        corr_metrics: dict[str, list[float]] = defaultdict(list)
         ref_s = 0.0
         for j, out in self._window_steps(policy, cond, latents, start):
             kl = None
@@ -203,6 +207,11 @@ class ImageModality(Modality):
                 ref_s += device_clock(policy.device) - t0
                 kl = kl_to_reference(out.mean, ref.mean, out.std_dev_t)
             mask_j = loss_mask if rs is None else loss_mask.bool() & rs[:, j].bool()
+            if bypass:  # the step's RS mask leaves the loss; its IS weights are reported (the ratio clips them)
+                kept, m = bypass_rollout_correction(out.log_prob[:, None], old_lp[:, j, None], mask_j[:, None], bypass)
+                mask_j = kept[:, 0]
+                for k, v in m.items():
+                    corr_metrics[k].append(v)
             common = {"kl": kl, "kl_coef": actor_cfg.kl_loss_coef, "is_weights": None if is_w is None else is_w[:, j]}
             if self.loss_mode == "grpo_guard":
                 # advantages were clipped to diffusion_loss.adv_clip_max when the batch was built (StepOps)
@@ -221,7 +230,7 @@ class ImageModality(Modality):
             (loss * loss_scale / n_steps).backward()  # the window's steps are averaged
             for k, v in m.items():
                 step_metrics[k].append(v)
-        return _read_metrics(step_metrics, ref_s)
+        return {**_read_metrics(step_metrics, ref_s), **corr_metrics}
 
     def _nft_backward(
         self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any, loss_scale: float

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from omni_async.algos.loss import grpo_token_loss
+from omni_async.algos.loss import BYPASS_CORRECTION_KEY, bypass_rollout_correction, grpo_token_loss
 from omni_async.modality.base import REF_TIME_KEY, Modality, rm_score, score_labels
 from omni_async.models.device import device_clock
 from omni_async.models.tokens import pad_rows
@@ -124,6 +124,12 @@ class TextModality(Modality):
         if rs is not None:
             token_mask = token_mask * rs.float()
         log_prob = self._log_probs(policy, batch)
+        corr: dict[str, float] = {}
+        if bypass := batch.meta_info.get(BYPASS_CORRECTION_KEY):
+            # verl's bypass-mode rollout correction, between the current policy and the rollout: its rejection
+            # mask leaves the loss, its IS weights are reported (the PPO ratio is already that ratio, clipped)
+            kept, corr = bypass_rollout_correction(log_prob, old_log_probs, token_mask, bypass)
+            token_mask = token_mask * kept.float()
         ref, ref_s = None, 0.0
         if actor_cfg.kl_loss_coef > 0:
             t0 = device_clock(device)
@@ -141,7 +147,7 @@ class TextModality(Modality):
             rollout_is_weights=is_w,
         )
         (loss * loss_scale).backward()
-        return {**{k: [v] for k, v in metrics.items()}, REF_TIME_KEY: [ref_s]}
+        return {**{k: [v] for k, v in {**metrics, **corr}.items()}, REF_TIME_KEY: [ref_s]}
 
     def save_samples(self, out_dir: Path, step: int, samples: list[Sample]) -> Path:
         """A JSONL of prompt, response and reward per sample."""

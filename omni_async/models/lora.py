@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -157,6 +157,7 @@ class TrainableModule:
                     p.data = p.data.to(self.work_dtype)  # peft makes the adapter fp32; compute in the base dtype
         self._masters: MasterWeights | None = None
         self._old: OldPolicy | None = None
+        self._synced: list[torch.Tensor] | None = None  # keep_synced_weights' copy (the last sync's weights)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         """What the optimizer steps and the gradient clip / all-reduce reads: fp32 masters (made on first call)."""
@@ -214,6 +215,60 @@ class TrainableModule:
             yield
         finally:
             self.trainable.set_adapter(LIVE_ADAPTER)
+
+    # ---- the weights of the last sync (pi_old in verl's decoupled mode) ----------------------------------------
+    def _forward_weights(self) -> list[tuple[torch.Tensor, bool]]:
+        """Per trainable weight, the tensor its forwards compute with and whether that tensor is its own master: a
+        low-precision working copy (rounded from its fp32 master by :meth:`refresh_working_weights`) or, fp32, the
+        master itself (one rank's fp32 weights; an FSDP2 rank's shard, whose forwards read it gathered)."""
+        masters = self.trainable_parameters()
+        working = {id(m): w for w, m, _ in self._masters.pairs}
+        return [(working[id(m)], False) if id(m) in working else (_local(m), True) for m in masters]
+
+    def keep_synced_weights(self) -> None:
+        """Keep a copy of the weights the forwards compute with now, the weights of the last sync, for
+        :meth:`synced_weights` (verl's fully async trainer: ``save_model_to_cpu(1)`` at the first local update after
+        a sync). A LoRA adapter's copy stays on its device; a full fine-tune's goes to the CPU, as verl's does. It
+        is the working copy (bf16 on CUDA: 2 bytes a weight) where one exists, else the fp32 master (an FSDP2 rank:
+        its shard). A later call overwrites the copy in place."""
+        with torch.no_grad():
+            weights = [t for t, _ in self._forward_weights()]
+            device = weights[0].device if self.lora else torch.device("cpu")
+            if self._synced is None or [k.shape for k in self._synced] != [w.shape for w in weights]:
+                self._synced = [torch.empty(w.shape, dtype=w.dtype, device=device) for w in weights]
+            for kept, w in zip(self._synced, weights, strict=True):
+                kept.copy_(w)
+
+    @contextlib.contextmanager
+    def synced_weights(self, gather: Callable[[], None] | None = None) -> Iterator[None]:
+        """Forwards inside the block run the weights kept by :meth:`keep_synced_weights`; the live ones after (verl's
+        ``restore_model_from_cpu`` of the saved parameters, then of the current ones). The copy is written into the
+        working copy, which is rounded from the untouched masters again after; a weight that is its own master is
+        stashed beside the copy first and written back after. The optimizer's tensors and state stay as they are.
+        ``gather``: what makes the forwards read the masters (FSDP2: gather the shards again), run after each swap."""
+        if self._synced is None:
+            raise RuntimeError(
+                "no synced weights kept: keep_synced_weights runs at the first pi_old recompute after a weight sync"
+            )
+        with torch.no_grad():
+            weights = self._forward_weights()
+            stash = [
+                t.to(k.device, copy=True) if own else None for (t, own), k in zip(weights, self._synced, strict=True)
+            ]
+            for (t, _), kept in zip(weights, self._synced, strict=True):
+                t.copy_(kept)
+        if gather is not None:
+            gather()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for (t, _), live in zip(weights, stash, strict=True):
+                    if live is not None:
+                        t.copy_(live)
+            self.refresh_working_weights()
+            if gather is not None:
+                gather()
 
     # ---- DiffusionNFT's old policy ----------------------------------------------------------------------------
     @property
@@ -362,6 +417,14 @@ class TrainableModule:
             yield
         finally:
             self.trainable.enable_adapters()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's own storage: an FSDP2 (DTensor) parameter's local shard, else the tensor itself (call under
+    ``torch.no_grad``: ``to_local`` then returns the shard itself)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _old_name(live_name: str) -> str:

@@ -8,7 +8,9 @@ neither: a batch is anything shaped like verl's ``DataProto`` (``.batch`` a mapp
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,12 @@ from omni_async.trainer.data_parallel import (
     merge_rank_metrics,
     sharded_params,
 )
+
+# Which weights a pi_old recompute runs under (``meta_info[PI_OLD_KEY]`` of its batch; ``trainer.step_ops`` sets it):
+# the live ones; the live ones, kept as the synced weights first (the first recompute after a weight sync, when
+# updates may follow before the next sync); or the kept synced weights (a recompute after an update of the window).
+PI_OLD_KEY = "pi_old_weights"
+PI_OLD_LIVE, PI_OLD_KEEP, PI_OLD_SYNCED = "live", "keep_synced", "synced"
 
 
 @dataclass
@@ -160,3 +168,28 @@ def compute_log_prob(
     if isinstance(parts[0], dict):
         return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     return torch.cat(parts)
+
+
+def old_log_prob(
+    modality: Modality,
+    policy: Any,
+    data: Any,
+    micro_batch_size: int | None = None,
+    *,
+    param_offload: bool = False,
+    gather: Callable[[], None] | None = None,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """pi_old's recompute (verl's decoupled mode): :func:`compute_log_prob` under the weights of the last weight
+    sync, as verl's fully async trainer recomputes ``old_log_prob`` at every local update of a sync window with the
+    parameters it saved at the window's first one. ``data.meta_info[PI_OLD_KEY]`` says how (``PI_OLD_*``):
+    ``PI_OLD_KEEP`` keeps the live weights (then still the synced ones) first, ``PI_OLD_SYNCED`` swaps the kept ones
+    in for the forwards and the live ones back after (``gather``: FSDP2's gather of the shards, see
+    ``TrainableModule.synced_weights``)."""
+    how = data.meta_info.get(PI_OLD_KEY, PI_OLD_LIVE)
+    if how not in (PI_OLD_LIVE, PI_OLD_KEEP, PI_OLD_SYNCED):
+        raise ValueError(f"unknown {PI_OLD_KEY} {how!r}")
+    if how == PI_OLD_KEEP:
+        policy.keep_synced_weights()
+    weights = policy.synced_weights(gather) if how == PI_OLD_SYNCED else contextlib.nullcontext()
+    with weights:
+        return compute_log_prob(modality, policy, data, micro_batch_size, param_offload=param_offload)

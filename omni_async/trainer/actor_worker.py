@@ -48,7 +48,7 @@ from omni_async.modality import modality_of
 from omni_async.modality.base import model_dtype
 from omni_async.models.lora import LIVE_ADAPTER, OLD_ADAPTER
 from omni_async.trainer import data_parallel as dpm
-from omni_async.trainer.actor_core import begin_step, compute_log_prob, train_minibatch
+from omni_async.trainer.actor_core import begin_step, old_log_prob, train_minibatch
 from omni_async.trainer.mode import interrupts_at_sync, mode_of
 
 logger = logging.getLogger(__name__)
@@ -312,18 +312,21 @@ class ActorWorker(Worker, RolloutWorker):
         return await self._on_device(self._compute_log_prob, data)
 
     def _compute_log_prob(self, data: DataProto) -> tuple:
-        """Log-probs of the stored trajectories under the current weights (pi_old when not bypassed), in
-        micro-batches of ``rollout.log_prob_micro_batch_size_per_gpu`` samples (``trainer.actor_core``)."""
+        """Log-probs of the stored trajectories (pi_old when not bypassed) under the weights of the last sync (the
+        live ones until the window's first update; ``trainer.actor_core.old_log_prob``), in micro-batches of
+        ``rollout.log_prob_micro_batch_size_per_gpu`` samples."""
         arr = self.cfg.actor_rollout_ref
         with self.dp.failfast("compute_log_prob"):
             return dpm.rows_result(
                 data,
-                compute_log_prob(
+                old_log_prob(
                     self.modality,
                     self.policy,
                     data,
                     arr.rollout.log_prob_micro_batch_size_per_gpu,
                     param_offload=arr.actor.fsdp_config.param_offload,
+                    # FSDP2: the forwards read the gathered shards (a collective: every rank runs the recompute)
+                    gather=(lambda: dpm.full_params(self.policy.trainable)) if self.dp.sharded else None,
                 ),
             )
 

@@ -194,8 +194,10 @@ def _check_optimizer(optim: DictConfig) -> None:
 
 
 def _check_rollout_correction(cfg: DictConfig) -> None:
-    """verl's ``algorithm.rollout_correction`` keys, in its decoupled mode (the only one where they change the loss
-    here: in bypass mode pi_old is the rollout's log-prob and the ratio they are computed on is 1)."""
+    """verl's ``algorithm.rollout_correction`` keys, in both of verl's modes: decoupled (``bypass_mode=false``: the
+    ratio pi_old / pi_rollout, pi_old recomputed, once per batch) and bypass (pi_old = pi_rollout: the ratio of the
+    policy being trained to the rollout's, per loss call; verl's ``loss_type=ppo_clip``, so the IS weights are only
+    reported and the rejection mask applies)."""
     from verl.trainer.ppo.rollout_corr_helper import (
         SUPPORTED_ROLLOUT_RS_OPTIONS,
         _parse_rollout_is_threshold,
@@ -211,14 +213,6 @@ def _check_rollout_correction(cfg: DictConfig) -> None:
     )
     if rc.rollout_is is None and rc.rollout_rs is None:
         return
-    on = f"{key}.rollout_is" if rc.rollout_is is not None else f"{key}.rollout_rs"
-    _check(
-        not rc.bypass_mode,
-        on,
-        "corrects between pi_old recomputed by the trainer and the rollout's log-probs "
-        "(verl's decoupled mode); with bypass_mode=true pi_old is the rollout's log-prob and every weight is 1",
-        f"set {key}.bypass_mode=false (pi_old recomputed: one more forward per batch), or drop {on}",
-    )
     try:
         if rc.rollout_is is not None:
             _parse_rollout_is_threshold(rc.rollout_is_threshold)

@@ -146,6 +146,7 @@ class RLTrainer:
         """Make ``version`` the rollout's weights at once (the start of a run, or a test's)."""
         self.layout.sync(version)
         self.rollout_version = int(version)
+        self.ops.weights_synced()
 
     def _start_producer(self, step: int) -> None:
         pos = self.resume_position or {}
@@ -207,6 +208,7 @@ class RLTrainer:
             self.layout.sync(version, activate=activate)
         timer.timing["timing_s/weight_sync"] = timer.timing["timing_s/update_weights"]
         self.rollout_version = version
+        self.ops.weights_synced()
         self.agent.call(self.rollouter.on_sync(version))
 
     def producer_metrics(self, step_s: float, waited_s: float) -> dict[str, float]:

@@ -22,10 +22,12 @@ from verl import DataProto
 from omni_async.agent_loop.rollout_replica import SEED_NFT_NOISE, SEED_NFT_STEPS, sample_seed
 from omni_async.algos.advantages import group_advantages
 from omni_async.algos.diffusion_nft import old_policy_decay, optimality_probability, refreshes_after, train_steps
+from omni_async.algos.loss import BYPASS_CORRECTION_FIELDS, BYPASS_CORRECTION_KEY
 from omni_async.modality import REF_TIME_KEY, Modality
 from omni_async.models.lora import OLD_ADAPTER
 from omni_async.reward.wiring import RewardSide
 from omni_async.sample import Sample
+from omni_async.trainer.actor_core import PI_OLD_KEEP, PI_OLD_KEY, PI_OLD_LIVE, PI_OLD_SYNCED
 from omni_async.trainer.timer import Timer
 
 RANK_PROBE_TIMEOUT_S = 30.0  # after a failed actor call: how long a rank may take to answer "are you alive"
@@ -62,6 +64,7 @@ class StepOps:
     ):
         self.cfg, self.modality, self.reward, self.actor_wg = cfg, modality, reward, actor_wg
         self.corr_metrics: dict[str, list[float]] = defaultdict(list)  # rollout_corr/* of the step's batches
+        self.updated_since_sync = False  # an optimizer step ran since the rollout last took the weights
         self.last_checkpoint = last_checkpoint  # for the error when an actor rank dies
 
     # ---- reward -------------------------------------------------------------------------------------------------
@@ -150,15 +153,40 @@ class StepOps:
         moved = self._actor_call("refresh_old_policy", decay)
         return {"old_policy/updated": 1.0, "old_policy/decay": decay, "old_policy/moved_l2": float(moved[0])}
 
-    def recompute_old_log_probs(self, batch: DataProto, timer: Timer) -> None:
-        """pi_old: the rollout's log-probs (bypass mode) or recomputed under the current weights (verl's decoupled
-        mode), then verl's rollout correction between the two when configured (:meth:`rollout_correction`)."""
+    def weights_synced(self) -> None:
+        """The rollout now holds the actor's weights (a weight sync, or the start of a run): the next pi_old recompute
+        runs on them as they are."""
+        self.updated_since_sync = False
+
+    def recompute_old_log_probs(self, batch: DataProto, timer: Timer, keep_synced: bool = False) -> None:
+        """pi_old: the rollout's log-probs (bypass mode) or recomputed (verl's decoupled mode), then verl's rollout
+        correction between the two when configured (:meth:`rollout_correction`).
+
+        The recompute runs under the weights of the last sync, as verl's fully async trainer's does with
+        ``trigger_parameter_sync_step`` > 1 (``_compute_old_log_prob``: the parameters saved at the sync window's
+        first local update, restored for the later ones). Before the window's first optimizer step those are the live
+        weights, and the recompute keeps a copy of them when a later recompute of the window may follow an update
+        (``keep_synced``: a sync period > 1, or the mini-batch pipeline); every recompute after an optimizer step of
+        the window swaps that copy in (``trainer.actor_core.old_log_prob``). GRPO-Guard / Flow-DPPO's pi_old means
+        come from the same forwards.
+
+        In bypass mode with ``rollout_is`` / ``rollout_rs`` the batch carries those settings to the loss
+        (``algos.loss.BYPASS_CORRECTION_KEY``), as verl's ``apply_bypass_mode`` hands them to the actor's policy
+        loss: the weights and the mask are between the policy being trained and the rollout's, per loss call."""
         if "old_log_probs" not in batch.batch.keys():  # a final-latent loss (DiffusionNFT): no log-probs at all
             return
+        rc = self.cfg.algorithm.rollout_correction
+        if rc.bypass_mode and (rc.rollout_is is not None or rc.rollout_rs is not None):
+            batch.meta_info[BYPASS_CORRECTION_KEY] = {k: rc[k] for k in BYPASS_CORRECTION_FIELDS}
         with timer("old_log_prob"):
-            if not self.cfg.algorithm.rollout_correction.bypass_mode:
+            if not rc.bypass_mode:
                 rollout_log_probs = batch.batch["old_log_probs"]
-                recomputed = self._actor_call("compute_log_prob", batch)
+                live = PI_OLD_KEEP if keep_synced else PI_OLD_LIVE
+                batch.meta_info[PI_OLD_KEY] = PI_OLD_SYNCED if self.updated_since_sync else live
+                try:
+                    recomputed = self._actor_call("compute_log_prob", batch)
+                finally:
+                    batch.meta_info.pop(PI_OLD_KEY)
                 # GRPO-Guard / Flow-DPPO: the same forwards' window-step means replace the rollout's (pi_old's)
                 for k, v in (recomputed if isinstance(recomputed, dict) else {"old_log_probs": recomputed}).items():
                     batch.batch[k] = v
@@ -210,6 +238,7 @@ class StepOps:
         if not minibatch.batch["loss_mask"].any():
             return {}
         with timer("update_actor"):
+            self.updated_since_sync = True
             metrics = self._actor_call("update_minibatch", minibatch)
         timer.timing[REF_TIME_KEY] += metrics.pop(REF_TIME_KEY, 0.0)  # part of update_actor, also shown alone
         return metrics

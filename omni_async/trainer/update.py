@@ -62,7 +62,8 @@ def update(
             # Failures only accumulate, so once past the limit the step can fail before training on more.
             ops.check_failures([s for g in groups for s in g.samples], step, total, failed_so_far=failed)
             batch = ops.build_batch(samples)
-        ops.recompute_old_log_probs(batch, timer)
+        # a later recompute of the sync window may follow an update: it runs under the window's synced weights
+        ops.recompute_old_log_probs(batch, timer, keep_synced=mode.sync_period > 1 or mode.pipelined)
         for k, v in ops.train_epochs([batch], timer, range(1)).items():
             sums[k].extend(v)
         batches.append(batch)

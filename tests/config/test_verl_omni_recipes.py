@@ -66,11 +66,8 @@ EXPECTED_REFUSED: dict[str, set[str]] = {
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_multi_node": {
         "actor_rollout_ref.actor.fsdp_config.offload_policy"
     },
-    # bypass-mode rollout correction (rejection sampling on the training ratio) is not implemented
-    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_rollout_corr": {
-        "algorithm.rollout_correction.rollout_is",
-        "algorithm.rollout_correction.rollout_rs",
-    },
+    # bypass-mode rollout correction: IS weights reported, the rejection mask applied per SDE step (as verl-omni)
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_rollout_corr": set(),
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_sp2": {
         "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"
     },

@@ -175,9 +175,9 @@ def test_image_lora_pools_sync_over_the_group_logprobs_match_and_a_killed_worker
     checked = []
     real = t.ops.recompute_old_log_probs
 
-    def recompute_and_compare(batch, timer):
+    def recompute_and_compare(batch, timer, **kwargs):
         rollout_lp = batch.batch["old_log_probs"].clone()
-        real(batch, timer)
+        real(batch, timer, **kwargs)
         torch.testing.assert_close(batch.batch["old_log_probs"], rollout_lp, atol=1e-5, rtol=1e-5)
         checked.append(True)
 

@@ -5,10 +5,12 @@
   so no full fp32 copy ever exists; forwards all-gather bf16, gradients reduce in fp32;
 * a bf16 full fine-tune step with FSDP2 mixed precision on two half-batches equals the one-process step (fp32
   masters, bf16 compute) within bf16 noise, and generation reads the gathered bf16 weights, not fp32 ones;
+* pi_old under the last synced weights (verl's decoupled mode, a sync period > 1): each rank's kept shards swapped
+  in and gathered again give the synced weights' log-probs exactly, and the live ones are back after;
 * a rank that raises between collectives stops the other within seconds (not the collective timeout), and the
   other's error names the failing rank and its exception.
 
-One spawn of the two ranks runs the three scenarios in turn (the fail-fast first, on a group of its own)."""
+One spawn of the two ranks runs the four scenarios in turn (the fail-fast first, on a group of its own)."""
 
 from __future__ import annotations
 
@@ -112,6 +114,38 @@ def bf16_full_finetune_step(dp, tensors: dict) -> dict:
     return {"gathered_dtypes": gathered, "grad_norm": metrics["actor/grad_norm"][0], "masters": masters}
 
 
+def fsdp2_synced_weights(dp, tensors: dict) -> dict:
+    """pi_old under the last synced weights with FSDP2 (``TrainableModule.synced_weights``, as ``ActorWorker`` runs
+    it): this rank's fp32 shards kept, one update, then the log-probs of the kept weights (shards swapped in,
+    gathered again) and of the live ones after (swapped back, gathered again)."""
+    from omegaconf import OmegaConf
+
+    from omni_async.modality.image import ImageModality
+    from omni_async.trainer import data_parallel as dpm
+    from omni_async.trainer.actor_core import compute_log_prob, train_minibatch
+
+    torch.manual_seed(0)
+    policy = tiny_full_finetune()
+    dpm.shard_module(policy.trainable, dp, torch.bfloat16)
+    policy.rebind_trainable_parameters()
+    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=LR)
+    dpm.full_params(policy.trainable)
+    modality, mine = ImageModality(), batch_of(tensors, slice(2 * dp.rank, 2 * dp.rank + 2))
+    before = compute_log_prob(modality, policy, mine)
+    policy.keep_synced_weights()
+    train_minibatch(modality, policy, optimizer, mine, OmegaConf.create(ACTOR_CFG), dp=dp)
+    live = compute_log_prob(modality, policy, mine)
+    with policy.synced_weights(lambda: dpm.full_params(policy.trainable)):
+        synced = compute_log_prob(modality, policy, mine)
+    return {
+        "before": before,
+        "live": live,
+        "synced": synced,
+        "live_after": compute_log_prob(modality, policy, mine),
+        "kept": {(str(t.device), str(t.dtype)) for t in policy._synced},
+    }
+
+
 def fail_between_collectives(dp) -> dict:
     """Rank 1 raises after a collective; rank 0 goes on to the next one."""
     with dp.failfast("warm-up"):
@@ -156,6 +190,7 @@ def rank_main(rank: int, ports: list[int], batch_path: str, out_dir: str) -> Non
         dp = DataParallel("cpu", timeout_s=TIMEOUT_S)
         results["meta"] = meta_qwen_image_init(dp)
         results["bf16"] = bf16_full_finetune_step(dp, torch.load(batch_path))
+        results["synced"] = fsdp2_synced_weights(dp, torch.load(batch_path))
     except Exception:
         results["crash"] = traceback.format_exc()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -248,6 +283,16 @@ def test_fsdp2_bf16_step_equals_the_one_process_step_and_generation_reads_bf16(r
     moved = torch.cat([(want[k] - start[k]).flatten() for k in trained]).abs()
     assert moved.mean() > 0.5 * LR  # the step did move the weights
     assert diff.mean() < 0.01 * LR and diff.max() <= 2.01 * LR
+
+
+def test_fsdp2_recomputes_pi_old_with_the_kept_synced_shards_and_restores_the_live_ones(ranks):
+    _, results = ranks
+    for r in (0, 1):
+        res = results[r]["synced"]
+        assert not torch.allclose(res["live"], res["before"])  # the update moved the weights
+        assert torch.equal(res["synced"], res["before"])  # the kept shards, gathered again: the synced weights
+        assert torch.equal(res["live_after"], res["live"])  # and the live shards back
+        assert res["kept"] == {("cpu", "torch.float32")}  # the rank's fp32 shards, in host memory
 
 
 def test_a_failing_rank_stops_the_other_in_seconds_naming_its_error(ranks):

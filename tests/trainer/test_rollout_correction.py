@@ -1,19 +1,37 @@
-"""verl's rollout correction keys in its decoupled mode (``bypass_mode=false``): truncated IS weights and rejection
-masks between pi_old (recomputed) and the rollout's log-probs, computed with verl's own helper and applied by the
-image and text losses. No Ray."""
+"""verl's rollout correction keys. Decoupled mode (``bypass_mode=false``): truncated IS weights and rejection masks
+between pi_old (recomputed) and the rollout's log-probs, computed with verl's own helper and applied by the image and
+text losses. Bypass mode (pi_old = pi_rollout): per loss call between the policy being trained and the rollout's, as
+verl's ``compute_policy_loss_bypass_mode`` (text) and verl-omni's per-step ``diffusion_loss`` (images) compute them:
+the rejection mask applied, the IS weights reported (``loss_type=ppo_clip``), verl's metric names. No Ray."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 from verl import DataProto
+from verl.trainer.ppo.core_algos import compute_policy_loss_bypass_mode
+from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 
-from omni_async.algos.loss import flow_grpo_loss, grpo_token_loss
+from omni_async.algos.loss import BYPASS_CORRECTION_KEY, DUAL_CLIP_RATIO_C, flow_grpo_loss, grpo_token_loss
+from omni_async.modality.image import ImageModality
+from omni_async.modality.text import TextModality
+from omni_async.trainer.actor_core import update_minibatch
 from omni_async.trainer.config import ConfigError, compose, validate
-from omni_async.trainer.step_ops import StepOps
+from omni_async.trainer.step_ops import StepOps, minibatches
+from omni_async.trainer.timer import Timer
 
 DECOUPLED = ["algorithm.rollout_correction.bypass_mode=false"]
+BYPASS_SPEC = {
+    "rollout_is": "token",
+    "rollout_is_threshold": 2.0,
+    "rollout_rs": "token_k1",
+    "rollout_rs_threshold": "0.6_1.5",
+}
+BYPASS = [f"algorithm.rollout_correction.{k}={v}" for k, v in BYPASS_SPEC.items()]
 
 
 def cfg(*overrides: str):
@@ -80,7 +98,7 @@ def test_losses_multiply_each_clipped_term_by_its_weight():
 @pytest.mark.parametrize(
     ("overrides", "key", "fix"),
     [
-        (["algorithm.rollout_correction.rollout_is=token"], "rollout_is", "bypass_mode=false"),
+        (["algorithm.rollout_correction.rollout_rs=seq_mean_k1"], "rollout_rs_threshold", "0.5_2.0"),  # bypass too
         ([*DECOUPLED, "algorithm.rollout_correction.rollout_is=geometric"], "rollout_is", "token or sequence"),
         (
             [
@@ -123,3 +141,141 @@ def test_fully_async_decoupled_mode_composes():
         'algorithm.rollout_correction.rollout_is_threshold="0.5_2.0"',
     )
     assert c.algorithm.rollout_correction.rollout_is == "sequence"
+
+
+# ---- bypass mode ------------------------------------------------------------------------------------------------
+class FakePolicy:
+    """A policy whose log-probs are one parameter ``theta`` (text: [B, T]; images: [B, W], one column per window
+    step): the loss's gradient is the gradient with respect to the log-probs themselves."""
+
+    device = "cpu"
+
+    def __init__(self, theta: torch.Tensor):
+        self.theta = torch.nn.Parameter(theta.clone())
+
+    def log_probs(self, *_):  # text
+        return self.theta * 1.0
+
+    def conditioning_from(self, batch):  # images
+        return None
+
+    def step(self, cond, latents, j, prev_sample):
+        return SimpleNamespace(log_prob=self.theta[:, j])
+
+    def trainable_parameters(self):
+        return [self.theta]
+
+    def refresh_working_weights(self):
+        pass
+
+
+# pi_theta / pi_rollout per element: inside [0.6, 1.5] or not, above the IS threshold 2.0 or not.
+RATIOS = torch.tensor([[1.0, 3.0, 0.5], [1.2, 0.9, 1.4], [2.5, 1.0, 0.3], [1.0, 1.0, 1.0]])
+ROLLOUT = torch.log(torch.tensor([[0.5, 0.2, 0.4], [0.3, 0.6, 0.5], [0.2, 0.4, 0.7], [0.5, 0.5, 0.5]]))
+ADV = torch.tensor([1.0, -0.5, 0.8, 2.0])
+LOSS_MASK = torch.tensor([True, True, True, False])  # sample 3 failed: out of the loss
+
+
+def test_bypass_mode_composes_and_the_batch_carries_the_settings_to_the_loss():
+    o = ops(*BYPASS)
+    b = batch(ROLLOUT, LOSS_MASK.tolist())
+    b.batch["advantages"] = ADV
+    o.recompute_old_log_probs(b, Timer())
+    assert torch.equal(b.batch["old_log_probs"], ROLLOUT)  # pi_old = pi_rollout: nothing recomputed
+    assert b.meta_info[BYPASS_CORRECTION_KEY] == BYPASS_SPEC
+    assert "rollout_is_weights" not in b.batch.keys() and o.take_corr_metrics() == {}  # nothing on the driver
+    assert all(mb.meta_info[BYPASS_CORRECTION_KEY] == BYPASS_SPEC for mb in minibatches(b, 1))
+    plain = batch(ROLLOUT, LOSS_MASK.tolist())
+    ops().recompute_old_log_probs(plain, Timer())
+    assert BYPASS_CORRECTION_KEY not in plain.meta_info  # bypass without rollout_is / rollout_rs: as before
+
+
+def test_bypass_text_loss_is_verls_bypass_mode_loss_on_the_same_tensors():
+    """The text loss with the settings equals verl's ``compute_policy_loss_bypass_mode`` (ppo_clip): the RS mask of
+    pi_theta / pi_rollout applied, the IS weights not (the PPO ratio is that ratio); gradients and metrics too."""
+    response_mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]])
+    theta = ROLLOUT + torch.log(RATIOS)
+    policy = FakePolicy(theta)
+    b = DataProto.from_dict(
+        tensors={
+            "prompt_ids": torch.zeros(4, 1, dtype=torch.long),
+            "prompt_mask": torch.ones(4, 1, dtype=torch.long),
+            "response_ids": torch.zeros(4, 3, dtype=torch.long),
+            "response_mask": response_mask,
+            "old_log_probs": ROLLOUT,
+            "advantages": ADV,
+            "loss_mask": LOSS_MASK,
+        },
+        meta_info={BYPASS_CORRECTION_KEY: BYPASS_SPEC},
+    )
+    actor_cfg = OmegaConf.create({"clip_ratio": 0.2, "kl_loss_coef": 0.0})
+    ours = TextModality().backward(policy, b, LOSS_MASK, actor_cfg)
+
+    theta_v = theta.clone().requires_grad_(True)
+    verl_cfg = OmegaConf.create(
+        {
+            "clip_ratio": 0.2,
+            "clip_ratio_low": None,
+            "clip_ratio_high": None,
+            "clip_ratio_c": DUAL_CLIP_RATIO_C,
+            "global_batch_info": {},
+            "policy_loss": {"rollout_correction": {**BYPASS_SPEC, "loss_type": "ppo_clip"}},
+        }
+    )
+    loss, verl_metrics = compute_policy_loss_bypass_mode(
+        old_log_prob=ROLLOUT,
+        log_prob=theta_v,
+        advantages=ADV[:, None].expand(4, 3),
+        response_mask=response_mask * LOSS_MASK[:, None],
+        loss_agg_mode="token-mean",
+        config=verl_cfg,
+    )
+    loss.backward()
+    assert ours["actor/pg_loss"] == [pytest.approx(loss.item(), abs=1e-7)]
+    torch.testing.assert_close(policy.theta.grad, theta_v.grad)
+    assert policy.theta.grad[0, 1] == 0 and policy.theta.grad[0, 0] != 0  # ratio 3.0: rejected, not truncated
+    corr = {k: v for k, v in verl_metrics.items() if k.startswith("rollout_corr/")}
+    assert {"rollout_corr/rollout_is_mean", "rollout_corr/rollout_rs_masked_fraction"} <= set(corr)
+    for k, v in corr.items():  # verl's actor reports its loss metrics as actor/<name>
+        assert ours[f"actor/{k}"] == [pytest.approx(float(v))], k
+
+
+def test_bypass_image_loss_applies_each_steps_rs_mask_and_reports_verls_metrics_per_step():
+    """Per SDE-window step, as verl-omni's ``diffusion_loss`` in bypass mode: verl's helper on the step's
+    ``[B, 1]`` log-probs (current vs rollout), its rejection mask out of the step's loss; through the actor's
+    optimizer step, whose metrics carry verl's names."""
+    theta = ROLLOUT + torch.log(RATIOS)
+    policy = FakePolicy(theta)
+    tensors = {
+        "window_latents": torch.zeros(4, 4, 1),  # 3 window steps
+        "old_log_probs": ROLLOUT,
+        "advantages": ADV,
+        "loss_mask": LOSS_MASK,
+    }
+    b = DataProto.from_dict(tensors=tensors, meta_info={"window_start": 0, BYPASS_CORRECTION_KEY: BYPASS_SPEC})
+    actor_cfg = OmegaConf.create(
+        {
+            "diffusion_loss": {"clip_ratio": 0.2},
+            "kl_loss_coef": 0.0,
+            "grad_clip": 1e9,
+            "ppo_micro_batch_size_per_gpu": 4,
+        }
+    )
+    optimizer = torch.optim.SGD(policy.trainable_parameters(), lr=0.0)  # the step leaves theta.grad to read
+    ours = update_minibatch(ImageModality(), policy, optimizer, b, actor_cfg)
+
+    theta_v = theta.clone().requires_grad_(True)
+    want: dict[str, list[float]] = {}
+    for j in range(3):
+        _, kept, m = compute_rollout_correction_and_rejection_mask(
+            theta_v[:, j, None].detach(), ROLLOUT[:, j, None], LOSS_MASK[:, None].float(), **BYPASS_SPEC
+        )
+        loss, _ = flow_grpo_loss(theta_v[:, j], ROLLOUT[:, j], ADV, kept[:, 0].bool(), clip_ratio=0.2)
+        (loss / 3).backward()
+        for k, v in m.items():
+            want.setdefault(f"actor/{k}", []).append(v)
+    torch.testing.assert_close(policy.theta.grad, theta_v.grad)
+    assert policy.theta.grad[2, 0] == 0 and policy.theta.grad[0, 0] != 0  # ratio 2.5 at step 0: rejected
+    assert {"actor/rollout_corr/rollout_is_mean", "actor/rollout_corr/rollout_rs_masked_fraction"} <= set(ours)
+    for k, v in want.items():  # the step's metric: the mean over the window's loss calls
+        assert ours[k] == pytest.approx(float(np.mean(v))), k

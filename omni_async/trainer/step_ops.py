@@ -95,6 +95,7 @@ class StepOps:
         # images: verl-omni's diffusion_loss.adv_clip_max (flow_grpo and DiffusionNFT); text: algorithm.adv_clip_max
         clip = self.cfg.actor_rollout_ref.actor.diffusion_loss.adv_clip_max if image else algo.adv_clip_max
         nft = image and self.modality.loss_mode == "diffusion_nft"
+        final = image and self.modality.final_latents  # DiffusionNFT, AWM: trained on the forward process
         batch = DataProto.from_dict(
             tensors=self.modality.batch_tensors(samples),
             non_tensors={
@@ -111,11 +112,13 @@ class StepOps:
             std_unbiased=algo.adv_std_unbiased,
             norm_by_std=algo.norm_adv_by_std_in_grpo,
             global_std=algo.global_std,
-            # DiffusionNFT clips inside the map to the optimality probability (nft_batch)
+            # DiffusionNFT clips inside the map to the optimality probability (below)
             adv_clip_max=None if nft else clip,
         )
         if nft:
-            self.nft_batch(batch, adv, samples, clip)
+            batch.batch["reward_prob"] = optimality_probability(adv, adv_clip_max=clip, adv_mode=algo.adv_mode)[:, None]
+        if final:
+            self.forward_process_batch(batch, samples)
         if algo.drop_zero_adv_samples:  # flow_grpo filters them out of the batch: the loss mean runs over the rest
             loss_mask = loss_mask & (adv != 0)
         batch.batch["advantages"], batch.batch["loss_mask"] = adv, loss_mask
@@ -123,26 +126,24 @@ class StepOps:
             s.advantage = a if kept else None
         return batch
 
-    def nft_batch(self, batch: DataProto, adv: torch.Tensor, samples: list[Sample], adv_clip_max: float) -> None:
-        """DiffusionNFT's tensors (verl-omni's ``DiffusionNFTLoss.prepare_actor_batch``): ``reward_prob`` from the
-        group advantages (``algos.diffusion_nft.optimality_probability``), the denoising steps each sample trains on
-        (``train_steps``: ``algorithm.timestep_fraction`` of the rollout's steps) and its forward-noise seed, both
-        from the sample's own seed, so a sample trains the same whichever batch, rank or resume it lands in."""
+    def forward_process_batch(self, batch: DataProto, samples: list[Sample]) -> None:
+        """A final-latent loss's tensors (DiffusionNFT: verl-omni's ``DiffusionNFTLoss.prepare_actor_batch``, where
+        ``reward_prob`` is added beside them; AWM): the denoising steps each sample trains on (``train_steps``:
+        ``algorithm.timestep_fraction`` of the rollout's steps) and its forward-noise seed, both from the sample's own
+        seed, so a sample trains the same whichever batch, rank or resume it lands in."""
         algo = self.cfg.algorithm
-        batch.batch["reward_prob"] = optimality_probability(
-            adv, adv_clip_max=adv_clip_max, adv_mode=algo.adv_mode
-        ).unsqueeze(-1)
         steps = int(self.cfg.actor_rollout_ref.rollout.pipeline.num_inference_steps)
         gens = [torch.Generator().manual_seed(sample_seed(s.seed, 0, 0, SEED_NFT_STEPS)) for s in samples]
         batch.batch["train_steps"] = torch.stack([train_steps(steps, algo.timestep_fraction, g) for g in gens])
         batch.batch["noise_seed"] = torch.tensor([sample_seed(s.seed, 0, 0, SEED_NFT_NOISE) for s in samples])
 
     def refresh_old_policy(self, step: int) -> dict[str, float]:
-        """DiffusionNFT, after training step ``step`` (1-based): every ``algorithm.old_policy_update_interval`` steps
-        the old policy moves toward the trained one by ``1 - decay`` (verl-omni's ``_update_old_policy``), before the
-        weight sync, which ships the old weights to the rollout. Metrics: verl-omni's ``old_policy/*``."""
+        """DiffusionNFT's old policy or AWM's anchor, after training step ``step`` (1-based): every
+        ``algorithm.old_policy_update_interval`` steps it moves toward the trained one by ``1 - decay`` (verl-omni's
+        ``_update_old_policy``), before the weight sync, which ships the old weights to the rollout when it samples
+        with them (DiffusionNFT). Metrics: verl-omni's ``old_policy/*``."""
         algo = self.cfg.algorithm
-        if self.cfg.actor_rollout_ref.rollout.rollout_adapter != OLD_ADAPTER:
+        if OLD_ADAPTER not in self.cfg.actor_rollout_ref.model.policy_state_adapters:
             return {}
         if not refreshes_after(step, algo.old_policy_update_interval):
             return {"old_policy/updated": 0.0}
@@ -153,10 +154,14 @@ class StepOps:
     def recompute_old_log_probs(self, batch: DataProto, timer: Timer) -> None:
         """pi_old: the rollout's log-probs (bypass mode) or recomputed under the current weights (verl's decoupled
         mode), then verl's rollout correction between the two when configured (:meth:`rollout_correction`)."""
-        if "old_log_probs" not in batch.batch.keys():  # a final-latent loss (DiffusionNFT): no log-probs at all
+        recompute = not self.cfg.algorithm.rollout_correction.bypass_mode
+        if "old_log_probs" not in batch.batch.keys():  # a final-latent loss: no rollout log-probs
+            if recompute and getattr(self.modality, "loss_mode", None) == "awm":
+                with timer("old_log_prob"):  # AWM's lp_old: the matching log-likelihood at the step's start
+                    batch.batch["old_log_probs"] = self._actor_call("compute_log_prob", batch)
             return
         with timer("old_log_prob"):
-            if not self.cfg.algorithm.rollout_correction.bypass_mode:
+            if recompute:
                 rollout_log_probs = batch.batch["old_log_probs"]
                 recomputed = self._actor_call("compute_log_prob", batch)
                 # GRPO-Guard / Flow-DPPO: the same forwards' window-step means replace the rollout's (pi_old's)

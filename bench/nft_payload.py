@@ -59,7 +59,7 @@ def measure_tiny(model: str, size: int, steps: int, window: int, n: int = 4) -> 
         tensors = ImageModality(loss).batch_tensors(samples)
         adv = torch.linspace(-1, 1, n)
         tensors["advantages"], tensors["loss_mask"] = adv, torch.ones(n, dtype=torch.bool)
-        if nft:  # what StepOps.nft_batch adds
+        if nft:  # what StepOps.build_batch adds
             tensors["reward_prob"] = optimality_probability(adv, adv_clip_max=5.0).unsqueeze(-1)
             g = torch.Generator().manual_seed(0)
             tensors["train_steps"] = torch.stack([train_steps(steps, 1.0, g) for _ in range(n)])

@@ -37,6 +37,27 @@ SMALL_IMAGE_TRAINER = [
 ]
 
 
+def drawn_latents(samples, weights=None):
+    """What SMALL_IMAGE_TRAINER's policy (tiny SD3 at 32x32, 4 steps, LoRA rank 8 on its target modules) with LoRA
+    ``weights`` (None: the untrained adapter, B = 0, i.e. the base model) draws for these samples' prompts and seeds,
+    in process: which weights a final-latent rollout sampled with."""
+    import torch
+
+    from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
+
+    policy = DiffusionPolicy(
+        "tiny:sd3",
+        SamplingConfig(height=32, width=32, num_inference_steps=4, clean_latents=True),
+        lora_rank=8,
+        lora_alpha=16,
+        target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+    )
+    if weights is not None:
+        policy.load_weights_state_dict(weights)
+    out = policy.generate([s.row.prompt for s in samples], [s.seed for s in samples])
+    return torch.stack([r.latents_clean for r in out])
+
+
 def score_on_one_worker(
     fn_name: str, reward_kwargs: dict, samples: int, max_inflight: int
 ) -> tuple[list[RewardOutcome], float]:

@@ -74,11 +74,13 @@ import torch
 # verl-omni's algorithm.adv_mode values (DiffusionAlgoConfig).
 ADV_MODES = ("continuous", "positive_only", "negative_only", "one_only", "binary")
 
-# (flat steps k0, ramp per step, ceiling d_max): NVlabs' decay_type 0 / 1 / 2 under verl-omni's names.
+# (flat steps k0, ramp per step, ceiling d_max): NVlabs' decay_type 0 / 1 / 2 under verl-omni's names, and AWM's
+# anchor (its authors' kl_ema_decay_type=linear, kl_ema_decay=0.3: algos.awm).
 DECAY_SCHEDULES: dict[str, tuple[int, float, float]] = {
     "copy": (0, 0.0, 0.0),
     "linear_to_0_5": (0, 0.001, 0.5),
     "delayed_linear_to_0_999": (75, 0.0075, 0.999),
+    "linear_to_0_3": (0, 0.001, 0.3),
 }
 
 # The rollout schedule's timesteps are sigma x this (diffusers' FlowMatchEulerDiscreteScheduler).

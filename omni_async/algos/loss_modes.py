@@ -2,20 +2,21 @@
 
 A loss mode says what the rollout must carry for it (its data path) and under which
 ``actor_rollout_ref.model.algorithm`` it runs; the image modality dispatches on it (``ImageModality.backward``) and
-the config check refuses a mode that is listed here but not built yet, naming the issue that brings it.
+the config check refuses a mode that is listed here but not built, naming the built loss to use instead.
 
 - ``sde_window``: the rollout stores the SDE window's latents and log-probs (FlowGRPO and the policy-gradient losses
   on the reverse process: GRPO-Guard, Flow-DPPO, DanceGRPO); the loss runs window step by window step.
 - ``final_latents``: the rollout stores only the clean final latents (DiffusionNFT, AWM, online DPO); the loss
-  noises them again on the forward process.
+  noises them again on the forward process. DiffusionNFT samples with its lagging ``old`` policy, AWM with the
+  current one (``algos.awm``).
 
 A window loss with ``old_means`` (GRPO-Guard, Flow-DPPO) also reads each window step's Gaussian mean under pi_old:
 in bypass mode the rollout stores it beside the step's log-prob (``ImageResult.window_means``, batch key
 ``old_means``); with ``algorithm.rollout_correction.bypass_mode=false`` the log-prob recompute returns it too.
 
 To add a loss: its pure math in ``algos/``, an entry here with ``built=True``, and its branch in
-``modality.image.ImageModality.backward`` (window losses: the per-step loss call; final-latent losses: beside
-``_nft_backward``).
+``modality.image.ImageModality.backward`` (window losses: the per-step loss call; final-latent losses: a
+``_forward_steps`` loop, as ``_nft_backward`` / ``_awm_backward``).
 """
 
 from __future__ import annotations
@@ -30,28 +31,31 @@ class LossMode:
     algorithm: str  # the actor_rollout_ref.model.algorithm it runs under (verl-omni's pairing)
     built: bool = True
     old_means: bool = False  # the loss reads pi_old's window-step means (batch key ``old_means``)
+    instead: str = ""  # not built: the built loss mode that trains on the same data, named by the refusal
 
 
 SDE_WINDOW, FINAL_LATENTS = "sde_window", "final_latents"
-PLANNED_ISSUE = "issue 38"
+PLANNED_ISSUE = "issue 38"  # where the modes not built are tracked
 
 LOSS_MODES: dict[str, LossMode] = {
     m.name: m
     for m in (
         LossMode("flow_grpo", SDE_WINDOW, "flow_grpo"),
         LossMode("diffusion_nft", FINAL_LATENTS, "diffusion_nft"),
-        # verl-omni's other modes (issue 38; refused until built).
+        # verl-omni's other modes (issue 38), and AWM (which verl-omni names but has no loss for).
         LossMode("grpo_guard", SDE_WINDOW, "flow_grpo", old_means=True),
         LossMode("flow_dppo", SDE_WINDOW, "flow_grpo", old_means=True),
-        LossMode("dance_grpo", SDE_WINDOW, "dance_grpo", built=False),
-        LossMode("dpo", FINAL_LATENTS, "dpo", built=False),
-        LossMode("awm", FINAL_LATENTS, "awm", built=False),
+        LossMode("awm", FINAL_LATENTS, "awm"),
+        # Not built. verl-omni registers dance_grpo to its FlowGRPO loss (DanceGRPO differs in its Wan 2.2 rollout);
+        # its dpo (online Diffusion-DPO on each group's best and worst sample) trains on final latents, as AWM does.
+        LossMode("dance_grpo", SDE_WINDOW, "dance_grpo", built=False, instead="flow_grpo"),
+        LossMode("dpo", FINAL_LATENTS, "dpo", built=False, instead="awm"),
     )
 }
 
 
-# verl-omni's other diffusion algorithms (actor_rollout_ref.model.algorithm), refused until built.
-PLANNED_ALGORITHMS = ("dance_grpo", "dpo", "awm")
+# verl-omni's diffusion algorithms (actor_rollout_ref.model.algorithm) not built, -> the built one to use instead.
+PLANNED_ALGORITHMS = {m.algorithm: m.instead for m in LOSS_MODES.values() if not m.built}
 
 # Algorithms that change only the rollout's sampling, -> the algorithm whose losses they train with. MixGRPO places
 # one SDE window per training step by a schedule (``algos.mix_grpo``, ``agent_loop.draws.Draws.window``); verl-omni's

@@ -17,12 +17,13 @@ __all__ = ["REF_TIME_KEY", "Modality", "get_modality", "modality_of"]
 MODALITIES: dict[str, type] = {"image": ImageModality, "text": TextModality}
 
 
-def get_modality(name: str, loss_mode: str | None = None) -> Modality:
-    """The modality ``name``; an image modality trains with ``loss_mode`` (``None``: FlowGRPO)."""
+def get_modality(name: str, loss_mode: str | None = None, **loss_options) -> Modality:
+    """The modality ``name``; an image modality trains with ``loss_mode`` (``None``: FlowGRPO) and its
+    ``loss_options`` (:class:`ImageModality`)."""
     if name not in MODALITIES:
         raise ValueError(f"actor_rollout_ref.model.modality={name!r}: use image (diffusion) or text (causal LM)")
     if name == "image" and loss_mode is not None:
-        return ImageModality(loss_mode)
+        return ImageModality(loss_mode, **loss_options)
     return MODALITIES[name]()
 
 
@@ -30,5 +31,7 @@ def modality_of(cfg) -> Modality:
     """The config's modality (``actor_rollout_ref.model.modality``) with its loss mode
     (``actor_rollout_ref.actor.diffusion_loss.loss_mode`` for images)."""
     arr = cfg.actor_rollout_ref
-    image = arr.model.modality == "image"
-    return get_modality(arr.model.modality, arr.actor.diffusion_loss.loss_mode if image else None)
+    if arr.model.modality != "image":
+        return get_modality(arr.model.modality)
+    dl = arr.actor.diffusion_loss
+    return get_modality("image", dl.loss_mode, awm_weighting=dl.awm_weighting, awm_ghuber_power=dl.awm_ghuber_power)

@@ -4,6 +4,8 @@ fix."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from omegaconf import DictConfig
 
 from omni_async.config_error import check as _check
@@ -140,12 +142,13 @@ def check_loss(cfg: DictConfig) -> None:
     """The diffusion loss (``actor_rollout_ref.actor.diffusion_loss.*``, verl-omni's ``DiffusionLossConfig``), the
     algorithm and the keys verl-omni pairs with it (``model.model_type``, ``policy_state_adapters``,
     ``rollout.rollout_adapter``, ``rollout.calculate_log_probs``, ``algorithm.trainer_type`` / ``sample_source``),
-    and DiffusionNFT's ``algorithm.*`` (``algos.diffusion_nft``). Text keeps verl's ``actor.clip_ratio`` and
-    ``algorithm.adv_clip_max``."""
+    and DiffusionNFT's / AWM's ``algorithm.*`` (``algos.diffusion_nft``, ``algos.awm``). Text keeps verl's
+    ``actor.clip_ratio`` and ``algorithm.adv_clip_max``."""
     from omegaconf import OmegaConf
 
     from omni_async.algos.diffusion_nft import ADV_MODES, DECAY_SCHEDULES
     from omni_async.algos.loss_modes import (
+        FINAL_LATENTS,
         LOSS_MODES,
         PLANNED_ALGORITHMS,
         PLANNED_ISSUE,
@@ -184,12 +187,14 @@ def check_loss(cfg: DictConfig) -> None:
     name, algorithm = dl.loss_mode, arr.model.algorithm
     built = [m for m, v in LOSS_MODES.items() if v.built]
     algorithms = sorted({LOSS_MODES[m].algorithm for m in built} | set(SAMPLING_ALGORITHMS))
-    _check(  # first: loss_mode follows the algorithm when not given
-        algorithm not in PLANNED_ALGORITHMS,
-        "actor_rollout_ref.model.algorithm",
-        f"{algorithm} is not built yet ({PLANNED_ISSUE} brings it)",
-        f"use one of {', '.join(algorithms)}",
-    )
+    if algorithm in PLANNED_ALGORITHMS:  # first: loss_mode follows the algorithm when not given
+        instead = PLANNED_ALGORITHMS[algorithm]
+        _check(
+            False,
+            "actor_rollout_ref.model.algorithm",
+            f"{algorithm} is not built ({PLANNED_ISSUE}); {_instead_why(instead)}",
+            f"set actor_rollout_ref.model.algorithm={instead} (loss_mode follows it)",
+        )
     _check(
         algorithm in algorithms,
         "actor_rollout_ref.model.algorithm",
@@ -221,12 +226,14 @@ def check_loss(cfg: DictConfig) -> None:
         f"use one of {', '.join(built)}",
     )
     mode = LOSS_MODES[name]
-    _check(
-        mode.built,
-        "actor_rollout_ref.actor.diffusion_loss.loss_mode",
-        f"{name} is not built yet ({PLANNED_ISSUE} brings it)",
-        f"use one of {', '.join(built)}",
-    )
+    if not mode.built:
+        _check(
+            False,
+            "actor_rollout_ref.actor.diffusion_loss.loss_mode",
+            f"{name} is not built ({PLANNED_ISSUE}); {_instead_why(mode.instead)}",
+            f"set actor_rollout_ref.actor.diffusion_loss.loss_mode={mode.instead} and "
+            f"actor_rollout_ref.model.algorithm={LOSS_MODES[mode.instead].algorithm}",
+        )
     _check(
         mode.algorithm == base,
         "actor_rollout_ref.actor.diffusion_loss.loss_mode",
@@ -240,14 +247,14 @@ def check_loss(cfg: DictConfig) -> None:
         "log-prob its Gaussian density) only under sde (verl-omni's recipe sets sde)",
         "set actor_rollout_ref.rollout.algo.sde_type=sde",
     )
-    nft = name == "diffusion_nft"
-    for key, want in (_NFT_VALUES if nft else _WINDOW_VALUES).items():
+    final = mode.data_path == FINAL_LATENTS
+    for key, (want, why) in _paired_values(name, dl.old_kl_coef).items():
         value = OmegaConf.select(cfg, key)
         value = list(value) if OmegaConf.is_list(value) else value
         _check(
             value == want,
             key,
-            f"{value!r} does not fit loss_mode={name} (verl-omni pairs it with {want!r})",
+            f"{value!r} does not fit loss_mode={name} ({why} {want!r})",
             f"set {key}={want!r}".replace("'", '"') if isinstance(want, list) else f"set {key}={want}",
         )
     _check(
@@ -258,18 +265,20 @@ def check_loss(cfg: DictConfig) -> None:
     )
     logp = arr.rollout.calculate_log_probs
     _check(
-        logp is None or bool(logp) != nft,
+        logp is None or bool(logp) != final,
         "actor_rollout_ref.rollout.calculate_log_probs",
-        "DiffusionNFT's rollout returns no log-probs (ODE sampling, final latents only)"
-        if nft
+        f"{name}'s rollout returns no log-probs (ODE sampling, final latents only)"
+        if final
         else "FlowGRPO's rollout always returns the SDE window's log-probs (the SDE step's by-product)",
-        f"set it to {str(not nft).lower()}, or null (what the loss needs)",
+        f"set it to {str(not final).lower()}, or null (what the loss needs)",
     )
     positive = {"clip_ratio": dl.clip_ratio, "adv_clip_max": dl.adv_clip_max, "mix_beta": dl.mix_beta}
     positive |= {"adaptive_weight_min": dl.adaptive_weight_min, "dpo_beta": dl.dpo_beta}
+    positive |= {"awm_ghuber_power": dl.awm_ghuber_power}
     for key, value in positive.items():
         _check(value > 0, f"actor_rollout_ref.actor.diffusion_loss.{key}", f"must be > 0, got {value}", "see README")
-    for key, value in {"ref_kl_coef": dl.ref_kl_coef, "kl_mask_threshold": dl.kl_mask_threshold}.items():
+    nonnegative = {"ref_kl_coef": dl.ref_kl_coef, "kl_mask_threshold": dl.kl_mask_threshold}
+    for key, value in (nonnegative | {"old_kl_coef": dl.old_kl_coef}).items():
         _check(value >= 0, f"actor_rollout_ref.actor.diffusion_loss.{key}", f"must be >= 0, got {value}", "e.g. 0")
     _check(
         isinstance(dl.add_kl_coefficient, bool),
@@ -307,26 +316,81 @@ def check_loss(cfg: DictConfig) -> None:
         f"unknown mode {algo.adv_mode!r}",
         f"use one of {', '.join(ADV_MODES)}",
     )
-    if nft:
-        _check_nft(cfg)
+    _check(
+        dl.old_kl_coef == 0 or name == "awm",
+        "actor_rollout_ref.actor.diffusion_loss.old_kl_coef",
+        f"is AWM's pull toward its EMA anchor; loss_mode={name} has no such term",
+        "set it to 0 (or loss_mode=awm)",
+    )
+    if name == "awm":
+        _check_awm(cfg)
+    if final:
+        _check_final_latents(cfg, name)
 
 
-def _check_nft(cfg: DictConfig) -> None:
-    """What DiffusionNFT cannot take: the keys of the log-prob losses, and a sharded full fine-tune's old copy."""
+def _paired_values(name: str, old_kl_coef: float) -> dict[str, tuple[Any, str]]:
+    """The keys that choose the training path -> (the value loss mode ``name`` takes, why) (``check_loss``)."""
+    if name == "diffusion_nft":
+        return {k: (v, "verl-omni pairs it with") for k, v in _NFT_VALUES.items()}
+    pairs = {k: (v, "verl-omni pairs it with") for k, v in _WINDOW_VALUES.items()}
+    if name == "awm":  # verl-omni lists AWM among its direct-preference algorithms; it has no AWM engine
+        anchored = old_kl_coef > 0
+        adapters = ["default", "old"] if anchored else ["default"]
+        pairs["algorithm.trainer_type"] = ("direct_preference", "verl-omni's trainer type of AWM is")
+        pairs["actor_rollout_ref.model.policy_state_adapters"] = (
+            adapters,
+            f"diffusion_loss.old_kl_coef={old_kl_coef} {'needs the EMA anchor' if anchored else 'uses no anchor'}:",
+        )
+        pairs["actor_rollout_ref.rollout.rollout_adapter"] = ("default", "AWM samples with the current policy:")
+    return pairs
+
+
+def _instead_why(instead: str) -> str:
+    """Why the built loss mode ``instead`` stands in for one not built (``LossMode.instead``)."""
+    from omni_async.algos.loss_modes import LOSS_MODES, SDE_WINDOW
+
+    if LOSS_MODES[instead].data_path == SDE_WINDOW:
+        return f"verl-omni trains it with the {instead} loss (its clipped ratio on the SDE window)"
+    return f"{instead} trains on the same final latents and group advantages"
+
+
+def _check_awm(cfg: DictConfig) -> None:
+    """AWM's own keys (``algos.awm``), and DiffusionNFT's keys that would change nothing under it."""
+    from omni_async.algos.awm import WEIGHTINGS
+
+    dl, algo = cfg.actor_rollout_ref.actor.diffusion_loss, cfg.algorithm
+    _check(
+        dl.awm_weighting in WEIGHTINGS,
+        "actor_rollout_ref.actor.diffusion_loss.awm_weighting",
+        f"unknown weighting {dl.awm_weighting!r}",
+        f"use one of {', '.join(WEIGHTINGS)} (ghuber: the AWM recipes')",
+    )
+    _check(
+        algo.adv_mode == "continuous",
+        "algorithm.adv_mode",
+        f"{algo.adv_mode!r} reshapes DiffusionNFT's optimality probability; AWM weights by the clipped advantage "
+        "itself",
+        "set algorithm.adv_mode=continuous",
+    )
+
+
+def _check_final_latents(cfg: DictConfig, name: str) -> None:
+    """What a final-latent loss (DiffusionNFT, AWM) cannot take: the keys of the log-prob losses, and a sharded full
+    fine-tune's old copy."""
     arr, algo = cfg.actor_rollout_ref, cfg.algorithm
-    rc = algo.rollout_correction
+    rc, nft = algo.rollout_correction, name == "diffusion_nft"
     for key in ("rollout_is", "rollout_rs"):
         _check(
             rc[key] is None,
             f"algorithm.rollout_correction.{key}",
-            "corrects between recomputed and rollout log-probs; DiffusionNFT's rollout has none (its lagging old "
-            "policy is part of the loss)",
+            f"corrects between recomputed and rollout log-probs; the {name} rollout has none (ODE sampling, final "
+            "latents only)",
             f"drop algorithm.rollout_correction.{key}",
         )
     _check(
         arr.actor.kl_loss_coef == 0,
         "actor_rollout_ref.actor.kl_loss_coef",
-        "is FlowGRPO's KL on the SDE step's mean; DiffusionNFT regularises toward the reference in prediction space",
+        f"is FlowGRPO's KL on the SDE step's mean; {name} regularises toward the reference in prediction space",
         f"set actor_rollout_ref.actor.diffusion_loss.ref_kl_coef={arr.actor.kl_loss_coef} and kl_loss_coef=0",
     )
     _check(
@@ -336,17 +400,18 @@ def _check_nft(cfg: DictConfig) -> None:
         "set it to 0, or train LoRA (actor_rollout_ref.model.lora_rank=8)",
     )
     _check(
-        not algo.drop_zero_adv_samples,
+        not (nft and algo.drop_zero_adv_samples),
         "algorithm.drop_zero_adv_samples",
         "is flow_grpo's filter of zero-gradient samples; a DiffusionNFT sample with advantage 0 has r = 1/2 and "
         "still trains (both implicit branches)",
         "set algorithm.drop_zero_adv_samples=false",
     )
     ranks = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
+    old = nft or arr.actor.diffusion_loss.old_kl_coef > 0
     _check(
-        not (arr.model.lora_rank == 0 and ranks > 1),
+        not (old and arr.model.lora_rank == 0 and ranks > 1),
         "actor_rollout_ref.model.lora_rank",
-        f"a full fine-tune on {ranks} actor ranks is sharded (FSDP2); DiffusionNFT's old copy of sharded weights is "
+        f"a full fine-tune on {ranks} actor ranks is sharded (FSDP2); {name}'s old copy of sharded weights is "
         "not implemented",
         "train LoRA (lora_rank > 0; verl-omni's recipe uses 64), or one actor rank",
     )

@@ -1,5 +1,5 @@
-"""Images and video: a diffusion policy trained with FlowGRPO over the stored SDE window, or with DiffusionNFT on
-the forward process (``actor_rollout_ref.actor.diffusion_loss.loss_mode``, ``algos.loss_modes``).
+"""Images and video: a diffusion policy trained with FlowGRPO over the stored SDE window, or with DiffusionNFT or AWM
+on the forward process (``actor_rollout_ref.actor.diffusion_loss.loss_mode``, ``algos.loss_modes``).
 
 FlowGRPO's batch tensors per sample: ``window_latents`` [W+1, ...] (x before the window, then after each SDE step),
 ``window_start`` (the denoising step the sample's window starts at: windows differ per sample),
@@ -14,12 +14,15 @@ mode, the recompute's (:meth:`ImageModality.log_probs`) with ``bypass_mode=false
 DiffusionNFT's: ``latents_clean`` (x0, the rollout's final latents), ``rm_scores``, the prompt encodings, and what
 ``StepOps.build_batch`` adds: ``reward_prob`` [1] (the optimality probability), ``train_steps`` [T] (the denoising
 steps the sample trains on) and ``noise_seed`` (its forward-process noise). No window, no log-probs. The loss runs
-training step by training step, each with gradients accumulated (``_nft_backward``).
+training step by training step, each with gradients accumulated (``_nft_backward``). AWM's (``algos.awm``): the same
+without ``reward_prob`` (it weights by ``advantages``), plus ``old_log_probs`` [T] when the step recomputes its
+matching log-likelihood at its start (``bypass_mode=false``, :meth:`ImageModality.log_probs`); ``_awm_backward``.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from omni_async.algos.awm import awm_loss, matching_log_prob
 from omni_async.algos.diffusion_nft import forward_noised, nft_loss
 from omni_async.algos.flow_dppo import flow_dppo_loss
 from omni_async.algos.grpo_guard import grpo_guard_loss
@@ -43,9 +47,12 @@ GRID_COLUMNS, GRID_MAX_IMAGES, CAPTION_HEIGHT_PX = 4, 16, 14
 class ImageModality(Modality):
     name = "image"
 
-    def __init__(self, loss_mode: str = "flow_grpo"):
-        """``loss_mode``: ``actor_rollout_ref.actor.diffusion_loss.loss_mode`` (``algos.loss_modes``)."""
+    def __init__(self, loss_mode: str = "flow_grpo", awm_weighting: str = "ghuber", awm_ghuber_power: float = 0.25):
+        """``loss_mode``: ``actor_rollout_ref.actor.diffusion_loss.loss_mode`` (``algos.loss_modes``); AWM's matching
+        log-likelihood (``diffusion_loss.awm_weighting``, ``awm_ghuber_power``: ``algos.awm``) is the modality's, so
+        the update and the log-prob recompute, which gets no actor config, read the same one."""
         self.loss_mode = loss_mode
+        self.awm_weighting = {"weighting": awm_weighting, "ghuber_power": float(awm_ghuber_power)}
         self.final_latents = uses_final_latents(loss_mode)
         self.old_means = needs_old_means(loss_mode)  # GRPO-Guard, Flow-DPPO: pi_old's window-step means
         # DiffusionNFT samples with any solver: ODE here, so no SDE window is drawn for its samples.
@@ -153,7 +160,17 @@ class ImageModality(Modality):
         """The stored window's log-probs [B, W] under the weights the policy holds (pi_old when not bypassed: the last
         sync's, ``trainer.actor_core.old_log_prob``); for a loss that reads pi_old's means (GRPO-Guard, Flow-DPPO)
         ``{"old_log_probs": [B, W], "old_means": [B, W, ...]}``, the means of the same forward passes (verl-omni's
-        old-log-prob recompute returns them alike)."""
+        old-log-prob recompute returns them alike). AWM: its matching log-likelihood ``lp`` [B, T] at the batch's
+        training steps (``algos.awm.matching_log_prob``)."""
+        if self.loss_mode == "awm":
+            cond = policy.conditioning_from(batch.batch, batched=True)
+            lps = [
+                matching_log_prob(
+                    policy.velocity(cond, f.xt, f.step, per_sample=False), f.noise - f.x0, f.sigma, **self.awm_weighting
+                )
+                for f in self._forward_steps(policy, batch)
+            ]
+            return torch.stack(lps, 1).cpu()
         cond = policy.conditioning_from(batch.batch)
         start = self.window_starts(batch)
         latents = batch.batch["window_latents"].to(policy.device)
@@ -172,6 +189,8 @@ class ImageModality(Modality):
         """The loss mode's gradient (the one dispatch point of the image losses, ``algos.loss_modes``)."""
         if self.loss_mode == "diffusion_nft":
             return self._nft_backward(policy, batch, loss_mask, actor_cfg, loss_scale)
+        if self.loss_mode == "awm":
+            return self._awm_backward(policy, batch, loss_mask, actor_cfg, loss_scale)
         return self._window_backward(policy, batch, loss_mask, actor_cfg, loss_scale)
 
     def _window_backward(
@@ -232,64 +251,110 @@ class ImageModality(Modality):
                 step_metrics[k].append(v)
         return {**_read_metrics(step_metrics, ref_s), **corr_metrics}
 
+    @staticmethod
+    def _forward_steps(policy, batch):
+        """A final-latent loss's training steps: for column ``j`` of ``train_steps``, x0 (the rollout's final latents)
+        noised to each sample's step ``train_steps[:, j]`` with the sample's own noise (``noise_seed``: the same in
+        any micro-batch, rank or recompute) (:class:`ForwardStep`)."""
+        dev = policy.device
+        x0 = batch.batch["latents_clean"].to(dev, torch.float32)
+        steps = batch.batch["train_steps"].long()
+        noise = forward_noise(batch.batch["noise_seed"], x0, steps.shape[1])
+        for j in range(steps.shape[1]):
+            i = steps[:, j]
+            sigma = policy.sigmas[i.to(policy.sigmas.device)].to(dev)
+            yield ForwardStep(j, i, sigma, x0, noise[:, j], forward_noised(x0, sigma, noise[:, j]))
+
+    def _forward_backward(self, policy, batch, ref_kl_coef: float, loss_scale: float, step_loss) -> dict[str, list]:
+        """The final-latent losses' loop: per training step (:meth:`_forward_steps`) the adapter-off v_ref (when
+        ``ref_kl_coef`` > 0, timed), then ``step_loss(step, cond, v_ref) -> (loss, metrics)`` (which runs the live
+        and, if it needs them, the old forwards), its gradient accumulated (one step's graph alive at a time) and
+        averaged over the steps, as verl-omni's accumulation. One transformer call per micro-batch and forward, each
+        sample at its own step (no log-prob to keep bitwise)."""
+        cond = policy.conditioning_from(batch.batch, batched=True)
+        n_steps = batch.batch["train_steps"].shape[1]
+        step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
+        ref_s = 0.0
+        for f in self._forward_steps(policy, batch):
+            v_ref = None
+            if ref_kl_coef > 0:
+                t0 = device_clock(policy.device)
+                with torch.no_grad(), policy.reference():
+                    v_ref = policy.velocity(cond, f.xt, f.step, per_sample=False)
+                ref_s += device_clock(policy.device) - t0
+            loss, m = step_loss(f, cond, v_ref)
+            (loss * loss_scale / n_steps).backward()
+            for k, v in m.items():
+                step_metrics[k].append(v)
+        return _read_metrics(step_metrics, ref_s)
+
     def _nft_backward(
         self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any, loss_scale: float
     ) -> dict[str, list[float]]:
-        """DiffusionNFT (``algos.diffusion_nft``): for each of the sample's training steps ``train_steps[:, j]``, x0
-        noised to that step's sigma with the sample's own noise (``noise_seed``: the same in any micro-batch), the
-        live prediction v_theta, the old policy's v_old and (``ref_kl_coef`` > 0) the adapter-off v_ref at the same
-        x_t; the loss's gradient accumulated step by step (one step's graph alive at a time) and averaged over them.
+        """DiffusionNFT (``algos.diffusion_nft``) on each training step's x_t: the live prediction v_theta, the old
+        policy's v_old and (``ref_kl_coef`` > 0) the adapter-off v_ref (:meth:`_forward_backward`).
 
         v_old is the trainer's *current* old policy, whichever old version drew the sample (fully async: an older
         one); ``docs/diffusion_nft.md`` gives the argument and the bound on the difference."""
         dl = actor_cfg.diffusion_loss
-        dev = policy.device
-        cond = policy.conditioning_from(batch.batch, batched=True)
-        x0 = batch.batch["latents_clean"].to(dev, torch.float32)
-        steps = batch.batch["train_steps"].long()
-        reward_prob = batch.batch["reward_prob"].reshape(-1).to(dev)
-        loss_mask = loss_mask.to(dev)
-        noise = forward_noise(batch.batch["noise_seed"], x0, steps.shape[1])
-        n_steps = steps.shape[1]
-        step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
-        ref_s = 0.0
-        for j in range(n_steps):
-            i = steps[:, j]
-            sigma = policy.sigmas[i.to(policy.sigmas.device)].to(dev)
-            xt = forward_noised(x0, sigma, noise[:, j])
-            # One transformer call for the micro-batch, each sample at its own step (no log-prob to keep bitwise).
+        reward_prob = batch.batch["reward_prob"].reshape(-1).to(policy.device)
+        loss_mask = loss_mask.to(policy.device)
+
+        def step_loss(f: ForwardStep, cond, v_ref):
             with torch.no_grad(), policy.old_policy():
-                v_old = policy.velocity(cond, xt, i, per_sample=False)
-            v_ref = None
-            if dl.ref_kl_coef > 0:
-                t0 = device_clock(dev)
-                with torch.no_grad(), policy.reference():
-                    v_ref = policy.velocity(cond, xt, i, per_sample=False)
-                ref_s += device_clock(dev) - t0
-            v_theta = policy.velocity(cond, xt, i, per_sample=False)
-            loss, m = nft_loss(
-                v_theta,
-                v_old,
-                x0,
-                xt,
-                sigma,
-                reward_prob,
-                loss_mask,
-                mix_beta=dl.mix_beta,
-                adv_clip_max=dl.adv_clip_max,
-                adaptive_weight_min=dl.adaptive_weight_min,
-                v_ref=v_ref,
+                v_old = policy.velocity(cond, f.xt, f.step, per_sample=False)
+            v_theta = policy.velocity(cond, f.xt, f.step, per_sample=False)
+            return nft_loss(
+                v_theta, v_old, f.x0, f.xt, f.sigma, reward_prob, loss_mask, mix_beta=dl.mix_beta,
+                adv_clip_max=dl.adv_clip_max, adaptive_weight_min=dl.adaptive_weight_min, v_ref=v_ref,
                 ref_kl_coef=dl.ref_kl_coef,
-            )
-            (loss * loss_scale / n_steps).backward()  # the training steps are averaged, as verl-omni's accumulation
-            for k, v in m.items():
-                step_metrics[k].append(v)
-        return _read_metrics(step_metrics, ref_s)
+            )  # fmt: skip
+
+        return self._forward_backward(policy, batch, dl.ref_kl_coef, loss_scale, step_loss)
+
+    def _awm_backward(
+        self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any, loss_scale: float
+    ) -> dict[str, list[float]]:
+        """AWM (``algos.awm``) on each training step's x_t: the live v_theta's weighted matching error against
+        ``eps - x0``, weighted by the sample's advantage; ``lp_old`` the step-start recompute (``old_log_probs``) or,
+        without one, the live value (ratio 1); v_ref (``ref_kl_coef`` > 0) and the EMA anchor's v_old
+        (``old_kl_coef`` > 0, the ``old`` adapter as it is now) without gradient."""
+        dl = actor_cfg.diffusion_loss
+        dev = policy.device
+        adv, loss_mask = batch.batch["advantages"].reshape(-1).to(dev), loss_mask.to(dev)
+        old_lp = batch.batch["old_log_probs"].to(dev) if "old_log_probs" in batch.batch.keys() else None
+
+        def step_loss(f: ForwardStep, cond, v_ref):
+            v_old = None
+            if dl.old_kl_coef > 0:
+                with torch.no_grad(), policy.old_policy():
+                    v_old = policy.velocity(cond, f.xt, f.step, per_sample=False)
+            v_theta = policy.velocity(cond, f.xt, f.step, per_sample=False)
+            return awm_loss(
+                v_theta, f.x0, f.noise, f.sigma, adv, loss_mask, adv_clip_max=dl.adv_clip_max,
+                clip_ratio=dl.clip_ratio, old_log_prob=None if old_lp is None else old_lp[:, f.j], v_ref=v_ref,
+                ref_kl_coef=dl.ref_kl_coef, v_old=v_old, old_kl_coef=dl.old_kl_coef, **self.awm_weighting,
+            )  # fmt: skip
+
+        return self._forward_backward(policy, batch, dl.ref_kl_coef, loss_scale, step_loss)
 
     def save_samples(self, out_dir: Path, step: int, samples: list[Sample]) -> Path:
         """A PNG grid of the images (a video's first frame), each captioned with its reward."""
         frames = [s.result.pixels[0] if is_video(s.result.pixels) else s.result.pixels for s in samples]
         return save_sample_grid(Path(out_dir) / f"step_{step:04d}.png", frames, score_labels(samples))
+
+
+@dataclass(frozen=True)
+class ForwardStep:
+    """One training step of a final-latent loss: column ``j`` of ``train_steps``, the samples' steps ``step`` [B]
+    and sigmas [B], their x0, forward noise and ``xt = (1 - sigma) x0 + sigma noise`` (fp32, on the device)."""
+
+    j: int
+    step: torch.Tensor
+    sigma: torch.Tensor
+    x0: torch.Tensor
+    noise: torch.Tensor
+    xt: torch.Tensor
 
 
 def _read_metrics(step_metrics: dict[str, list[torch.Tensor]], ref_s: float) -> dict[str, list[float]]:

@@ -33,7 +33,8 @@ from omni_async.algos.diffusion_nft import ema_update_
 # one; DiffusionNFT's "old" one) at the last published version.
 LIVE_ADAPTER, ROLLOUT_ADAPTER = "default", "rollout"
 # DiffusionNFT's lagging policy (verl-omni's policy_state_adapters=["default","old"]): the rollout samples with it and
-# the loss's v_old is its prediction; refreshed from the live weights by an EMA (algos.diffusion_nft).
+# the loss's v_old is its prediction; refreshed from the live weights by an EMA (algos.diffusion_nft). AWM's EMA
+# anchor is the same adapter, which only its loss reads (algos.awm).
 OLD_ADAPTER = "old"
 
 
@@ -359,8 +360,8 @@ class TrainableModule:
     def _require_old(self) -> OldPolicy:
         if self._old is None:
             raise RuntimeError(
-                "this policy has no old policy: DiffusionNFT's (actor_rollout_ref.model.policy_state_adapters="
-                '["default","old"]) is made by init_old_policy'
+                "this policy has no old policy: DiffusionNFT's or AWM's anchor (actor_rollout_ref.model."
+                'policy_state_adapters=["default","old"]) is made by init_old_policy'
             )
         return self._old
 

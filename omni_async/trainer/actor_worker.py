@@ -125,9 +125,10 @@ class ActorWorker(Worker, RolloutWorker):
             )
             if self.dp.sharded:
                 dpm.full_params(self.policy.trainable)  # generation runs on the gathered (bf16) weights
-        # DiffusionNFT: the old policy (rollout.rollout_adapter=old) samples and gives the loss its v_old.
+        # DiffusionNFT: the old policy (rollout.rollout_adapter=old) samples and gives the loss its v_old; AWM: its
+        # EMA anchor (model.policy_state_adapters=["default","old"]), while the live weights sample.
         self.rollout_old = r.rollout_adapter == OLD_ADAPTER
-        if self.rollout_old:
+        if OLD_ADAPTER in m.policy_state_adapters:
             self.policy.init_old_policy()
         overlap = mode_of(cfg).overlaps_update
         hybrid = cfg.actor_rollout_ref.hybrid_engine and int(r.nnodes) == 0  # not with a rollout pool

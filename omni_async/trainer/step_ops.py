@@ -98,6 +98,7 @@ class StepOps:
         # images: verl-omni's diffusion_loss.adv_clip_max (flow_grpo and DiffusionNFT); text: algorithm.adv_clip_max
         clip = self.cfg.actor_rollout_ref.actor.diffusion_loss.adv_clip_max if image else algo.adv_clip_max
         nft = image and self.modality.loss_mode == "diffusion_nft"
+        final = image and self.modality.final_latents  # DiffusionNFT, AWM: trained on the forward process
         batch = DataProto.from_dict(
             tensors=self.modality.batch_tensors(samples),
             non_tensors={
@@ -114,11 +115,13 @@ class StepOps:
             std_unbiased=algo.adv_std_unbiased,
             norm_by_std=algo.norm_adv_by_std_in_grpo,
             global_std=algo.global_std,
-            # DiffusionNFT clips inside the map to the optimality probability (nft_batch)
+            # DiffusionNFT clips inside the map to the optimality probability (below)
             adv_clip_max=None if nft else clip,
         )
         if nft:
-            self.nft_batch(batch, adv, samples, clip)
+            batch.batch["reward_prob"] = optimality_probability(adv, adv_clip_max=clip, adv_mode=algo.adv_mode)[:, None]
+        if final:
+            self.forward_process_batch(batch, samples)
         if algo.drop_zero_adv_samples:  # flow_grpo filters them out of the batch: the loss mean runs over the rest
             loss_mask = loss_mask & (adv != 0)
         batch.batch["advantages"], batch.batch["loss_mask"] = adv, loss_mask
@@ -126,26 +129,24 @@ class StepOps:
             s.advantage = a if kept else None
         return batch
 
-    def nft_batch(self, batch: DataProto, adv: torch.Tensor, samples: list[Sample], adv_clip_max: float) -> None:
-        """DiffusionNFT's tensors (verl-omni's ``DiffusionNFTLoss.prepare_actor_batch``): ``reward_prob`` from the
-        group advantages (``algos.diffusion_nft.optimality_probability``), the denoising steps each sample trains on
-        (``train_steps``: ``algorithm.timestep_fraction`` of the rollout's steps) and its forward-noise seed, both
-        from the sample's own seed, so a sample trains the same whichever batch, rank or resume it lands in."""
+    def forward_process_batch(self, batch: DataProto, samples: list[Sample]) -> None:
+        """A final-latent loss's tensors (DiffusionNFT: verl-omni's ``DiffusionNFTLoss.prepare_actor_batch``, where
+        ``reward_prob`` is added beside them; AWM): the denoising steps each sample trains on (``train_steps``:
+        ``algorithm.timestep_fraction`` of the rollout's steps) and its forward-noise seed, both from the sample's own
+        seed, so a sample trains the same whichever batch, rank or resume it lands in."""
         algo = self.cfg.algorithm
-        batch.batch["reward_prob"] = optimality_probability(
-            adv, adv_clip_max=adv_clip_max, adv_mode=algo.adv_mode
-        ).unsqueeze(-1)
         steps = int(self.cfg.actor_rollout_ref.rollout.pipeline.num_inference_steps)
         gens = [torch.Generator().manual_seed(sample_seed(s.seed, 0, 0, SEED_NFT_STEPS)) for s in samples]
         batch.batch["train_steps"] = torch.stack([train_steps(steps, algo.timestep_fraction, g) for g in gens])
         batch.batch["noise_seed"] = torch.tensor([sample_seed(s.seed, 0, 0, SEED_NFT_NOISE) for s in samples])
 
     def refresh_old_policy(self, step: int) -> dict[str, float]:
-        """DiffusionNFT, after training step ``step`` (1-based): every ``algorithm.old_policy_update_interval`` steps
-        the old policy moves toward the trained one by ``1 - decay`` (verl-omni's ``_update_old_policy``), before the
-        weight sync, which ships the old weights to the rollout. Metrics: verl-omni's ``old_policy/*``."""
+        """DiffusionNFT's old policy or AWM's anchor, after training step ``step`` (1-based): every
+        ``algorithm.old_policy_update_interval`` steps it moves toward the trained one by ``1 - decay`` (verl-omni's
+        ``_update_old_policy``), before the weight sync, which ships the old weights to the rollout when it samples
+        with them (DiffusionNFT). Metrics: verl-omni's ``old_policy/*``."""
         algo = self.cfg.algorithm
-        if self.cfg.actor_rollout_ref.rollout.rollout_adapter != OLD_ADAPTER:
+        if OLD_ADAPTER not in self.cfg.actor_rollout_ref.model.policy_state_adapters:
             return {}
         if not refreshes_after(step, algo.old_policy_update_interval):
             return {"old_policy/updated": 0.0}
@@ -172,25 +173,36 @@ class StepOps:
 
         In bypass mode with ``rollout_is`` / ``rollout_rs`` the batch carries those settings to the loss
         (``algos.loss.BYPASS_CORRECTION_KEY``), as verl's ``apply_bypass_mode`` hands them to the actor's policy
-        loss: the weights and the mask are between the policy being trained and the rollout's, per loss call."""
-        if "old_log_probs" not in batch.batch.keys():  # a final-latent loss (DiffusionNFT): no log-probs at all
-            return
+        loss: the weights and the mask are between the policy being trained and the rollout's, per loss call.
+
+        AWM with ``bypass_mode=false``: its lp_old (the matching log-likelihood at the batch's training steps) is
+        recomputed the same way; DiffusionNFT has no log-probs at all."""
         rc = self.cfg.algorithm.rollout_correction
+        if "old_log_probs" not in batch.batch.keys():  # a final-latent loss: no rollout log-probs
+            if not rc.bypass_mode and getattr(self.modality, "loss_mode", None) == "awm":
+                with timer("old_log_prob"):
+                    batch.batch["old_log_probs"] = self._pi_old_call(batch, keep_synced)
+            return
         if rc.bypass_mode and (rc.rollout_is is not None or rc.rollout_rs is not None):
             batch.meta_info[BYPASS_CORRECTION_KEY] = {k: rc[k] for k in BYPASS_CORRECTION_FIELDS}
         with timer("old_log_prob"):
             if not rc.bypass_mode:
                 rollout_log_probs = batch.batch["old_log_probs"]
-                live = PI_OLD_KEEP if keep_synced else PI_OLD_LIVE
-                batch.meta_info[PI_OLD_KEY] = PI_OLD_SYNCED if self.updated_since_sync else live
-                try:
-                    recomputed = self._actor_call("compute_log_prob", batch)
-                finally:
-                    batch.meta_info.pop(PI_OLD_KEY)
+                recomputed = self._pi_old_call(batch, keep_synced)
                 # GRPO-Guard / Flow-DPPO: the same forwards' window-step means replace the rollout's (pi_old's)
                 for k, v in (recomputed if isinstance(recomputed, dict) else {"old_log_probs": recomputed}).items():
                     batch.batch[k] = v
                 self.rollout_correction(batch, rollout_log_probs)
+
+    def _pi_old_call(self, batch: DataProto, keep_synced: bool):
+        """The actor's ``compute_log_prob`` under the last sync's weights (the live ones, kept when ``keep_synced``,
+        until the window's first optimizer step)."""
+        live = PI_OLD_KEEP if keep_synced else PI_OLD_LIVE
+        batch.meta_info[PI_OLD_KEY] = PI_OLD_SYNCED if self.updated_since_sync else live
+        try:
+            return self._actor_call("compute_log_prob", batch)
+        finally:
+            batch.meta_info.pop(PI_OLD_KEY)
 
     def rollout_correction(self, batch: DataProto, rollout_log_probs: torch.Tensor) -> None:
         """verl's decoupled-mode rollout correction (``algorithm.rollout_correction.rollout_is`` / ``rollout_rs``),

@@ -143,7 +143,7 @@ def test_ref_kl_adds_mean_squared_prediction_distance():
     assert float(with_ref) == pytest.approx(float(base) + 0.01 * float(kl), rel=1e-6)
 
 
-@pytest.mark.parametrize("schedule", list(DECAY_SCHEDULES))
+@pytest.mark.parametrize("schedule", [s for s in DECAY_SCHEDULES if s != "linear_to_0_3"])  # AWM's: test_awm_math
 def test_decay_schedules_are_nvlabs_return_decay(schedule):
     # NVlabs' return_decay(step, decay_type): (flat, uprate, uphold) per type 0 / 1 / 2
     flat, uprate, uphold = {"copy": (0, 0.0, 0.0), "linear_to_0_5": (0, 0.001, 0.5)}.get(schedule, (75, 0.0075, 0.999))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import SMALL_IMAGE_TRAINER, Trainers, record_trained_uids, write_prompts
+from helpers import SMALL_IMAGE_TRAINER, Trainers, drawn_latents, record_trained_uids, write_prompts
 
 from omni_async.modality import modality_of
 from omni_async.trainer.config import ConfigError, compose, validate
@@ -61,8 +61,6 @@ def test_verl_omni_recipe_composes_and_loss_mode_follows_the_algorithm():
         (["actor_rollout_ref.actor.clip_ratio=0.2"], "actor_rollout_ref.actor.clip_ratio", "diffusion_loss.clip_ratio"),
         (["algorithm.adv_clip_max=3"], "algorithm.adv_clip_max", "diffusion_loss.adv_clip_max=3"),
         (["actor_rollout_ref.actor.diffusion_loss.loss_mode=ppo"], "loss_mode", "flow_grpo, diffusion_nft"),
-        (["actor_rollout_ref.actor.diffusion_loss.loss_mode=dance_grpo"], "loss_mode", "issue 38"),
-        (["actor_rollout_ref.model.algorithm=dpo"], "model.algorithm", "issue 38"),
         (["actor_rollout_ref.model.algorithm=mix_grpo"], "diffusion_loss.loss_mode", "loss_mode=flow_grpo"),
         (
             [
@@ -106,7 +104,7 @@ def test_verl_omni_recipe_composes_and_loss_mode_follows_the_algorithm():
             "loss_mode",
             "model.algorithm=diffusion_nft",
         ),
-        (["actor_rollout_ref.model.algorithm=ppo"], "model.algorithm", "diffusion_nft, flow_grpo"),
+        (["actor_rollout_ref.model.algorithm=ppo"], "model.algorithm", "awm, diffusion_nft, flow_grpo"),
         (["actor_rollout_ref.actor.diffusion_loss.loss_mode=diffusion_nft"], "loss_mode", "model.algorithm=diffusion"),
         ([*NFT, "actor_rollout_ref.rollout.rollout_adapter=default"], "rollout.rollout_adapter", "rollout_adapter=old"),
         ([*NFT, "actor_rollout_ref.model.model_type=diffusion_model"], "model.model_type", "diffusion_nft_model"),
@@ -177,24 +175,6 @@ def trainers(tmp_path):
     t = Trainers(write_prompts(tmp_path / "train.jsonl", 8), tmp_path)
     yield t
     t.close()
-
-
-def drawn_latents(samples, weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    """What tiny SD3 with LoRA ``weights`` (None: the untrained adapter, B = 0, i.e. the base model) draws for these
-    samples' prompts and seeds, in process."""
-    from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
-
-    policy = DiffusionPolicy(
-        "tiny:sd3",
-        SamplingConfig(height=32, width=32, num_inference_steps=4, clean_latents=True),
-        lora_rank=8,
-        lora_alpha=16,
-        target_modules=["to_q", "to_k", "to_v", "to_out.0"],
-    )
-    if weights is not None:
-        policy.load_weights_state_dict(weights)
-    out = policy.generate([s.row.prompt for s in samples], [s.seed for s in samples])
-    return torch.stack([r.latents_clean for r in out])
 
 
 @pytest.mark.slow

@@ -198,7 +198,7 @@ BASE = ["data.train_files=x.jsonl"]
             "actor_rollout_ref.rollout.layered_summon",
             "layered_summon=False",
         ),
-        (["actor_rollout_ref.model.algorithm=dance_grpo"], "actor_rollout_ref.model.algorithm", "issue 38"),
+        (["actor_rollout_ref.model.algorithm=dance_grpo"], "actor_rollout_ref.model.algorithm", "algorithm=flow_grpo"),
         (
             ["reward.reward_model.rollout.free_cache_engine=True"],
             "reward.reward_model.rollout.free_cache_engine",

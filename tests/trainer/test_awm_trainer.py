@@ -1,0 +1,154 @@
+"""AWM (``loss_mode=awm``) through the trainer: its keys compose and what does not fit is refused naming the fix (as are
+the loss modes not built, naming the one to use instead), and real Ray runs on tiny SD3, sync (with the step-start
+recompute of the matching log-likelihood) and fully async: the rollout samples with the live weights, never the EMA
+anchor; samples carry final latents only; every group is trained once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import Trainers, drawn_latents, record_trained_uids, write_prompts
+
+from omni_async.modality import modality_of
+from omni_async.trainer.config import ConfigError, compose, validate
+
+# The AWM authors' recipe (config/dgx_awm.py, OCR) in this project's keys, the sizes aside.
+AWM = [
+    "actor_rollout_ref.model.algorithm=awm",
+    "algorithm.trainer_type=direct_preference",
+    'actor_rollout_ref.model.policy_state_adapters=["default","old"]',
+    "actor_rollout_ref.actor.diffusion_loss.old_kl_coef=1.0",
+    "actor_rollout_ref.actor.diffusion_loss.ref_kl_coef=0.003",
+    "actor_rollout_ref.actor.diffusion_loss.clip_ratio=1.0",
+    "actor_rollout_ref.actor.diffusion_loss.awm_weighting=ghuber",
+    "actor_rollout_ref.actor.diffusion_loss.awm_ghuber_power=0.25",
+    "algorithm.old_policy_decay_schedule=linear_to_0_3",
+    "algorithm.timestep_fraction=0.5",
+]
+
+
+def valid(*overrides: str):
+    return validate(compose(["data.train_files=x.jsonl", *overrides]))
+
+
+def test_awm_composes_samples_final_latents_and_carries_its_weighting():
+    cfg = valid(*AWM)
+    modality = modality_of(cfg)
+    assert cfg.actor_rollout_ref.actor.diffusion_loss.loss_mode == "awm"  # follows model.algorithm
+    assert modality.final_latents and not modality.uses_window and modality.sampling_config(cfg).clean_latents
+    assert modality.awm_weighting == {"weighting": "ghuber", "ghuber_power": 0.25}
+    assert cfg.actor_rollout_ref.rollout.rollout_adapter == "default"  # the live weights sample
+    # Without the anchor term AWM needs no second adapter.
+    bare = valid("actor_rollout_ref.model.algorithm=awm", "algorithm.trainer_type=direct_preference")
+    assert list(bare.actor_rollout_ref.model.policy_state_adapters) == ["default"]
+    assert bare.actor_rollout_ref.actor.diffusion_loss.awm_weighting == "ghuber"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "fix"),
+    [
+        # the loss modes not built name the built one to use instead
+        (["actor_rollout_ref.actor.diffusion_loss.loss_mode=dance_grpo"], "loss_mode", "loss_mode=flow_grpo"),
+        (["actor_rollout_ref.model.algorithm=dance_grpo"], "model.algorithm", "model.algorithm=flow_grpo"),
+        (["actor_rollout_ref.actor.diffusion_loss.loss_mode=dpo"], "loss_mode", "loss_mode=awm"),
+        (["actor_rollout_ref.model.algorithm=dpo"], "model.algorithm", "model.algorithm=awm"),
+        (["actor_rollout_ref.actor.diffusion_loss.loss_mode=awm"], "loss_mode", "model.algorithm=awm"),
+        (["actor_rollout_ref.model.algorithm=awm"], "algorithm.trainer_type", "direct_preference"),
+        ([*AWM, "actor_rollout_ref.model.policy_state_adapters=[default]"], "policy_state_adapters", '"old"'),
+        (
+            [*AWM, "actor_rollout_ref.actor.diffusion_loss.old_kl_coef=0"],
+            "policy_state_adapters",
+            'policy_state_adapters=["default"]',
+        ),
+        ([*AWM, "actor_rollout_ref.rollout.rollout_adapter=old"], "rollout.rollout_adapter", "rollout_adapter=default"),
+        ([*AWM, "actor_rollout_ref.model.model_type=diffusion_nft_model"], "model.model_type", "diffusion_model"),
+        ([*AWM, "actor_rollout_ref.rollout.calculate_log_probs=true"], "calculate_log_probs", "false"),
+        ([*AWM, "actor_rollout_ref.actor.kl_loss_coef=0.01"], "kl_loss_coef", "ref_kl_coef=0.01"),
+        (
+            [*AWM, "algorithm.rollout_correction.bypass_mode=false", "algorithm.rollout_correction.rollout_is=token"],
+            "rollout_is",
+            "drop",
+        ),
+        ([*AWM, "algorithm.adv_mode=binary"], "algorithm.adv_mode", "continuous"),
+        ([*AWM, "actor_rollout_ref.actor.diffusion_loss.awm_weighting=huber"], "awm_weighting", "uniform, ghuber"),
+        ([*AWM, "actor_rollout_ref.actor.diffusion_loss.awm_ghuber_power=0"], "awm_ghuber_power", "> 0"),
+        ([*AWM[:2], "actor_rollout_ref.actor.diffusion_loss.old_kl_coef=-1"], "old_kl_coef", ">= 0"),
+        (["actor_rollout_ref.actor.diffusion_loss.old_kl_coef=1.0"], "old_kl_coef", "loss_mode=awm"),
+        ([*AWM, "actor_rollout_ref.model.lora_rank=0"], "ref_kl_coef", "lora_rank=8"),
+        (
+            [
+                *AWM,
+                "actor_rollout_ref.model.lora_rank=0",
+                "actor_rollout_ref.actor.diffusion_loss.ref_kl_coef=0",
+                "trainer.n_gpus_per_node=2",
+                "actor_rollout_ref.rollout.agent.num_workers=2",
+                "data.train_batch_size=4",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            ],
+            "model.lora_rank",
+            "one actor rank",
+        ),  # fmt: skip
+    ],
+)
+def test_what_does_not_fit_awm_is_refused_naming_key_and_fix(overrides, key, fix):
+    with pytest.raises(ConfigError) as err:
+        valid(*overrides)
+    assert key in str(err.value) and fix in str(err.value), str(err.value)
+
+
+# ---- runs (real Ray, tiny SD3) -----------------------------------------------------------------------------------
+RUN = [
+    *AWM,
+    "actor_rollout_ref.actor.optim.lr=5e-2",  # moves the live weights far from the start in one step
+    "algorithm.old_policy_decay=1.0",  # the anchor stays the base model: a rollout reading it would draw the base's
+    "trainer.log_image_freq=-1",
+    "trainer.log_timeline_freq=-1",
+]
+POOL = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
+MODES = {
+    # two mini-batches per step: the second sees the weights the first moved, against lp_old from the step's start
+    "sync_hybrid_recompute": ["reward.streaming=false", "algorithm.rollout_correction.bypass_mode=false"],
+    "fully_async_disaggregated": [*POOL, "async_reward.fully_async=true", "async_training.staleness_threshold=1"],
+}
+
+
+@pytest.fixture
+def trainers(tmp_path):
+    t = Trainers(write_prompts(tmp_path / "train.jsonl", 8), tmp_path)
+    yield t
+    t.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
+def test_trains_sampling_with_the_live_policy(trainers, mode, tmp_path):
+    trainer = trainers(*RUN, *MODES[mode])
+    trained = record_trained_uids(trainer.ops)
+    sync = mode.startswith("sync")
+    steps = [trainer.train_step(step) for step in range(2 if sync else 3)]  # fully async: 3 spans a lagged draw
+    if sync:  # the weights step 2's samples are drawn with: the ones after step 1 (hybrid, lock-step)
+        trainer.placement.actor_wg.save_checkpoint(str(tmp_path / "ckpt"))
+        steps.append(trainer.train_step(2))
+    for metrics, samples in steps:
+        assert all(s.result.log_probs.numel() == 0 and s.result.window_latents.numel() == 0 for s in samples)
+        assert all(s.result.latents_clean is not None for s in samples)
+        assert metrics["old_policy/updated"] == 1.0 and metrics["old_policy/moved_l2"] == 0.0  # the anchor held
+        assert {"actor/pg_loss", "actor/fm_loss", "actor/ref_kl_loss"} <= set(metrics)
+        assert "actor/policy_loss" not in metrics  # DiffusionNFT's
+    # The live weights left the frozen anchor, and the anchor term says so.
+    assert all(metrics["actor/old_kl_loss"] > 0 for metrics, _ in steps[1:])
+    ratios = [metrics["actor/ratio_mean"] for metrics, _ in steps]
+    if sync:  # lp_old recomputed at the step's start: the second mini-batch's ratio moved
+        assert any(abs(r - 1) > 1e-4 for r in ratios)
+        drawn = steps[-1][1]
+        state = torch.load(tmp_path / "ckpt" / "actor.pt", weights_only=True)
+        got = torch.stack([s.result.latents_clean for s in drawn])
+        assert (got - drawn_latents(drawn, state["weights"])).abs().max() < 1e-4  # the live weights drew them
+    else:  # bypass: lp_old = sg(lp), ratio 1
+        assert ratios == [1.0] * len(steps)
+    later = [s for _, samples in steps for s in samples if s.version >= 1]
+    assert later
+    got = torch.stack([s.result.latents_clean for s in later])
+    assert (got - drawn_latents(later)).abs().max() > 1e-2  # not the anchor's (= the base model's) samples
+    uids = [s.uid for _, samples in steps for s in samples]
+    assert sorted(set(trained)) == sorted(set(uids)) and len(trained) == len(uids)  # each sample trained once

@@ -140,7 +140,18 @@ case "$ALGO" in
       algorithm.old_policy_decay_schedule="${OLD_DECAY_SCHEDULE:-copy}"
       algorithm.old_policy_update_interval="${OLD_UPDATE_INTERVAL:-1}")
     ;;
-  *) echo "ALGO=$ALGO: use flow_grpo or diffusion_nft" >&2; exit 2 ;;
+  awm)
+    # Advantage-weighted matching with the AWM authors' recipe (config/dgx_awm.py): the live weights sample (ODE,
+    # final images), ghuber weighting, an EMA anchor (the old adapter) at old_kl_coef 1; lr tuned as DiffusionNFT's.
+    LR="${AWM_LR:-$LR}"
+    ALGO_RECIPE=(actor_rollout_ref.model.algorithm=awm algorithm.trainer_type=direct_preference
+      'actor_rollout_ref.model.policy_state_adapters=["default","old"]'
+      actor_rollout_ref.actor.diffusion_loss.old_kl_coef="${OLD_KL_COEF:-1.0}"
+      actor_rollout_ref.actor.diffusion_loss.ref_kl_coef=0.003 actor_rollout_ref.actor.diffusion_loss.clip_ratio=1.0
+      algorithm.old_policy_decay_schedule=linear_to_0_3
+      algorithm.timestep_fraction="${TIMESTEP_FRACTION:-0.5}")
+    ;;
+  *) echo "ALGO=$ALGO: use flow_grpo, diffusion_nft or awm" >&2; exit 2 ;;
 esac
 # CPU defaults: the config's mini-batch of 2 prompts, or one prompt per actor rank when there are more ranks.
 MINI_BATCH="${MINI_BATCH:-$(( ACTOR_RANKS > 2 ? ACTOR_RANKS : 2 ))}"

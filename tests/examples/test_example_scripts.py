@@ -138,10 +138,15 @@ def test_algo_picks_the_loss_with_verl_omnis_keys(tmp_path):
     assert arr["rollout"]["rollout_adapter"] == "old" and arr["model"]["policy_state_adapters"] == ["default", "old"]
     assert arr["actor"]["optim"]["lr"] == 1e-3 and cfg["algorithm"]["trainer_type"] == "direct_preference"
     assert arr["rollout"]["algo"]["sde_window_range"] != [0, 4]  # the window keys are Flow-GRPO's only
+    (tmp_path / "awm").mkdir()
+    awm = run_example("run_qwen_image_ocr_async_reward.sh", tmp_path / "awm", ALGO="awm")
+    assert awm["actor_rollout_ref"]["actor"]["diffusion_loss"]["loss_mode"] == "awm"
+    assert awm["actor_rollout_ref"]["actor"]["diffusion_loss"]["old_kl_coef"] == 1.0
+    assert awm["actor_rollout_ref"]["rollout"]["rollout_adapter"] == "default"  # the live weights sample
     bad = subprocess.run(
         ["bash", str(ROOT / "examples/run_qwen_image_ocr_async_reward.sh")],
         capture_output=True,
         text=True,
         env={**os.environ, "ALGO": "ppo", "PYTHON": "/bin/false", "DATA_DIR": str(tmp_path / "data")},
     )
-    assert bad.returncode == 2 and "ALGO=ppo: use flow_grpo or diffusion_nft" in bad.stderr
+    assert bad.returncode == 2 and "ALGO=ppo: use flow_grpo, diffusion_nft or awm" in bad.stderr

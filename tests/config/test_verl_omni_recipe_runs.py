@@ -27,8 +27,6 @@ from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
 from omni_async.trainer.loop import RLTrainer
 
-pytestmark = pytest.mark.slow  # training runs
-
 RECIPES = recipes()
 # One training run per effective config: the runner -> every recipe it covers (itself first). What each covered
 # recipe differs in, and why that picks no code path, is in CODE_PATH_NEUTRAL.
@@ -114,6 +112,7 @@ def wall():
     print("\nrecipe runs (s): " + ", ".join(f"{k.split('.', 1)[1]} {v:.1f}" for k, v in times.items()))
 
 
+@pytest.mark.slow  # a training run each
 @pytest.mark.parametrize("runner", sorted(RUNS))
 def test_recipe_trains_one_step(runner, data, tmp_path, request, wall):
     t0 = time.perf_counter()

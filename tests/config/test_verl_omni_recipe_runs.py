@@ -9,7 +9,7 @@ checkpoint's LoRA ``B`` matrices (zero at start) moved by the optimizer.
 Recipes that differ only in keys that pick no code path here (``CODE_PATH_NEUTRAL``, each with why) share one run:
 ``RUNS`` says which run covers which recipe, and ``test_one_run_covers_recipes_of_one_effective_config`` checks that
 the recipes a run covers compose to its effective config. The recipes refused at start, before Ray, are tested in
-``test_verl_omni_recipes.py`` (``test_recipes_refused_at_start_are_refused_before_ray_naming_what_is_missing``).
+``test_verl_omni_recipes.py`` (``test_each_recipe_starts_or_is_refused_before_ray_naming_what_is_missing``).
 
 Runs join the test session's Ray cluster (``conftest.py``), one Ray job each."""
 
@@ -109,7 +109,7 @@ def wall():
     """Each run's wall time, printed at the end of the module (``-s``)."""
     times: dict[str, float] = {}
     yield times
-    print("\nrecipe runs (s): " + ", ".join(f"{k.split('.', 1)[1]} {v:.1f}" for k, v in times.items()))
+    print("\nrecipe runs (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
 
 
 @pytest.mark.slow  # a training run each

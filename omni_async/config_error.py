@@ -7,6 +7,14 @@ class ConfigError(ValueError):
     """A config combination that cannot run; the message names the key and how to fix it."""
 
 
+class ConfigErrors(ConfigError):
+    """Several problems found at once; ``problems`` holds one ``(key, message)`` each."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        super().__init__(f"{len(problems)} problems stop this run:\n" + "\n".join(f"- {m}" for _, m in problems))
+
+
 def check(ok: bool, key: str, problem: str, fix: str) -> None:
     """Raise :class:`ConfigError` naming ``key``, what is wrong and the fix, unless ``ok``."""
     if not ok:

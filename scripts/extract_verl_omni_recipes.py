@@ -29,9 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "tests/config/verl_omni_recipes"
 DEFAULT_REPO = "/work/.mirror/verl-project+verl-omni/repo"
 TRAINERS = ("flowgrpo", "grpoguard", "flowdppo", "mixgrpo", "diffusionnft")
-# Environment a recipe needs that has no default in the script: MiniMax-H3's recipe checks that MODEL_PATH is a
-# local checkout with these folders before it does anything.
-MODEL_DIRS = {"MODEL_PATH": ("FL2VA", "transformer")}
+# Environment a recipe needs that has no default in the script, recipe -> {variable: folders}: MiniMax-H3's recipe
+# checks that MODEL_PATH is a local checkout with these folders before it does anything. Only that recipe gets it:
+# other recipes read MODEL_PATH too (``${MODEL_PATH:-Qwen/Qwen-Image}``), and must keep their own default.
+MODEL_DIRS = {
+    "examples/diffusionnft_trainer/minimax_h3/run_minimax_h3_t2va_lora.sh": {"MODEL_PATH": ("FL2VA", "transformer")}
+}
 
 PYTHON_SHIM = """#!/bin/bash
 if [ "$1" = "-" ] || [ "$1" = "-c" ]; then cat >/dev/null 2>&1; exit 0; fi
@@ -78,7 +81,7 @@ def run_recipe(tree: Path, path: str, shims: Path) -> list[str]:
         "RECIPE_ARGV": str(argv_file),
         "PROFILE_FINALIZE_TIMEOUT_S": "0",  # the nsys recipe waits this long for reports nobody writes
     }
-    for var, folders in MODEL_DIRS.items():
+    for var, folders in MODEL_DIRS.get(path, {}).items():
         model = tree / f".{var.lower()}"
         for folder in folders:
             (model / folder).mkdir(parents=True, exist_ok=True)

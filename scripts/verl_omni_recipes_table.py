@@ -16,7 +16,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests/config")]
 
-from verl_omni_recipe_data import OWNED_ELSEWHERE, key_of, outcome, recipes, source, stand_in  # noqa: E402
+from verl_omni_recipe_data import (  # noqa: E402
+    OWNED_ELSEWHERE,
+    key_of,
+    outcome,
+    recipes,
+    runs,
+    source,
+    stand_in,
+    start_refusal,
+    trainable,
+)
 
 from omni_async.trainer.overrides import known, rule_for, rule_key  # noqa: E402
 
@@ -42,11 +52,22 @@ def _refused(result, owned: bool) -> str:
     return "refused: " + ", ".join(f"`{k}`" for k in keys)
 
 
+def _here(name: str, overrides: list[str], covered_by: dict[str, str]) -> str:
+    """The last column: the one-step CPU run that trains the recipe, or what refuses it at start (before Ray)."""
+    if name in covered_by:
+        runner = covered_by[name]
+        return "trains one step" + ("" if runner == name else f" (in the run of `{runner}`)")
+    keys = sorted({k for k, _ in start_refusal([o for o in stand_in(overrides) if key_of(o) not in OWNED_ELSEWHERE])})
+    return "refused at start: " + ", ".join(f"`{k}`" for k in keys)
+
+
 def recipe_table(all_recipes: dict[str, list[str]]) -> list[str]:
+    covered_by = {name: runner for runner, group in runs(trainable()).items() for name in group}
     lines = [
         "| recipe (verl-omni) | overrides | unchanged | with tiny stand-ins"
-        + (", keys not built yet left out |" if OWNED_ELSEWHERE else " |"),
-        "|---|---|---|---|",
+        + (", keys not built yet left out" if OWNED_ELSEWHERE else "")
+        + " | on CPU here (stand-ins, one step) |",
+        "|---|---|---|---|---|",
     ]
     for name, overrides in all_recipes.items():
         path = source(name).split(":", 1)[1]
@@ -56,7 +77,8 @@ def recipe_table(all_recipes: dict[str, list[str]]) -> list[str]:
         if owned:
             unchanged += f"; keys not built yet: {len(owned)}"
         si = outcome([o for o in stand_in(overrides) if key_of(o) not in OWNED_ELSEWHERE])
-        lines.append(f"| `{path}` | {len(overrides)} | {unchanged} | {_refused(si, owned=True)} |")
+        here = _here(name, overrides, covered_by)
+        lines.append(f"| `{path}` | {len(overrides)} | {unchanged} | {_refused(si, owned=True)} | {here} |")
     return lines
 
 
@@ -108,7 +130,12 @@ def main() -> None:
         "engine and reward files do not exist here, so those are refused too). *With tiny stand-ins*: models, "
         "engines, reward models and reward functions' files swapped as `tests/config/verl_omni_recipe_data.py` "
         "`STAND_INS` documents"
-        + ("; keys whose meaning is not built yet (`OWNED_ELSEWHERE`) are left out until it is." if owned else "."),
+        + ("; keys whose meaning is not built yet (`OWNED_ELSEWHERE`) are left out until it is." if owned else ".")
+        + " *On CPU here*: each recipe that starts with its stand-ins trains one step "
+        "(`tests/config/test_verl_omni_recipe_runs.py`, sizes shrunk as `ON_CPU` documents; recipes whose configs "
+        "differ only in keys that pick no code path there, `CODE_PATH_NEUTRAL`, share one run); the others are "
+        "refused at start, before Ray, naming the keys listed (the first refusal a user meets: compose-time keys "
+        "together, then the validation and the model-path check).",
         "",
         *recipe_table(all_recipes),
         "",

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from omni_async.algos.sde import SDEStep, sde_step_with_logprob
+from omni_async.models import SUPPORTED_PIPELINES
 from omni_async.models.experts import boundary_timestep, low_noise_steps, trained_module
 from omni_async.models.loading import pipeline_load_kwargs
 from omni_async.models.lora import PolicyOptions, TrainableModule
@@ -322,6 +323,7 @@ _ADAPTERS = {
     "StableDiffusion3Pipeline": _SD3Adapter,
     "WanPipeline": _WanAdapter,
 }
+assert tuple(_ADAPTERS) == SUPPORTED_PIPELINES  # the start check (trainer.model_paths) refuses the others by name
 
 
 # What a :meth:`DiffusionPolicy.with_sampling` view has of its own; everything else is the policy's.

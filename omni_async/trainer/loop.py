@@ -40,7 +40,7 @@ from omni_async.cluster import init_ray, reward_pool_size
 from omni_async.modality import modality_of
 from omni_async.reward.wiring import RewardSide
 from omni_async.sample import Sample
-from omni_async.trainer.config import total_training_steps, validate
+from omni_async.trainer.config import total_training_steps
 from omni_async.trainer.dataset import PromptSampler, check_prompt_lengths, first_rows, load_prompts
 from omni_async.trainer.layout import make_layout
 from omni_async.trainer.metrics import (
@@ -54,7 +54,7 @@ from omni_async.trainer.metrics import (
 )
 from omni_async.trainer.metrics_logger import MetricsLogger
 from omni_async.trainer.mode import Mode, mode_of
-from omni_async.trainer.model_paths import check_model_paths
+from omni_async.trainer.model_paths import check_at_start
 from omni_async.trainer.placement import make_pools, place
 from omni_async.trainer.step_ops import RewardFailureError, StepOps
 from omni_async.trainer.timeline import save_timeline, timeline_record
@@ -78,8 +78,7 @@ IDLE_WINDOW = 10
 
 class RLTrainer:
     def __init__(self, cfg: DictConfig):
-        self.cfg = validate(cfg)
-        check_model_paths(cfg)  # before Ray starts: a typo costs a second, not a cluster start
+        self.cfg = check_at_start(cfg)  # before Ray starts: a typo costs a second, not a cluster start
         init_ray(cfg)
         self.mode = mode_of(self.cfg)
         self.modality = modality_of(self.cfg)

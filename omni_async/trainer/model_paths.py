@@ -4,17 +4,27 @@ cluster start and diffusers' ValueError from inside a Ray actor half a minute la
 A path resolves when it is a ``tiny:<name>`` this project builds, a local directory, or a Hugging Face hub id
 (``org/name``) that is in this machine's hub cache or, with the hub reachable, exists there (users with hub access
 give ``Qwen/Qwen-Image``). Loading (and downloading) stays where it is; this only asks whether it can work.
+
+A diffusion policy's checkpoint must also be a pipeline this project has an adapter for
+(``omni_async.models.SUPPORTED_PIPELINES``), read from its ``model_index.json`` where this machine has it (a local
+directory, the hub cache, or the hub itself when reachable): verl-omni's Qwen-Image-Edit
+(``QwenImageEditPlusPipeline``) is refused here naming its class, not by diffusers inside a Ray actor.
+
+:func:`check_at_start` is what a run checks before Ray starts: the config (``config.validate``) and the model paths,
+every problem found named at once.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from omni_async.config_error import check
+from omni_async.config_error import ConfigError, ConfigErrors, check
+from omni_async.models import SUPPORTED_PIPELINES
 from omni_async.models.tiny import TINY_BUILDERS, TINY_PREFIX, is_tiny
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -57,17 +67,95 @@ def _hub_problem(repo_id: str) -> str | None:
         return f"a hub id not in this machine's cache, and the hub could not be reached ({type(err).__name__})"
 
 
+def pipeline_class(path: str) -> str | None:
+    """The diffusers pipeline class ``path``'s ``model_index.json`` names (``_class_name``), or None where this
+    machine cannot read one without downloading the model: a ``tiny:`` model (built here, always a supported
+    class), a hub id neither cached nor reachable, a checkpoint with no ``model_index.json`` (not a diffusers
+    pipeline: loading it names what it is)."""
+    path = str(path)
+    if is_tiny(path):
+        return None
+    index = Path(path).expanduser() / "model_index.json"
+    if not index.is_file():
+        if not _HUB_ID.fullmatch(path):
+            return None
+        index = _hub_file(path, "model_index.json")
+        if index is None:
+            return None
+    try:
+        name = json.loads(Path(index).read_text()).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(name) if name else None
+
+
+def _hub_file(repo_id: str, filename: str) -> Path | None:
+    """``filename`` of hub model ``repo_id`` from this machine's cache, else from the hub when it is reachable."""
+    from huggingface_hub import constants, hf_hub_download
+
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("TRANSFORMERS_OFFLINE") == "1"
+    for local_only in (True,) if offline else (True, False):
+        try:
+            return Path(hf_hub_download(repo_id, filename, local_files_only=local_only, etag_timeout=HUB_TIMEOUT_S))
+        except Exception:  # noqa: BLE001 - not cached / not reachable / no such file: nothing to read here
+            continue
+    return None
+
+
+def _pipeline_problem(path: str) -> str | None:
+    cls = pipeline_class(path)
+    if cls is None or cls in SUPPORTED_PIPELINES:
+        return None
+    edit = (
+        " (image editing, where each prompt comes with input images, is not implemented here)" if "Edit" in cls else ""
+    )
+    return f"{path!r} is a {cls}{edit}; the diffusion pipelines trained here are {', '.join(SUPPORTED_PIPELINES)}"
+
+
+_FIX = (
+    "give a local model directory, a hub id this machine has cached or can download (e.g. Qwen/Qwen-Image), "
+    "or a tiny: model on CPU (e.g. tiny:qwen_image)"
+)
+
+
 def check_model_paths(cfg: DictConfig) -> None:
-    """The policy's ``actor_rollout_ref.model.path`` and the judge's ``reward.reward_model.model_path``."""
+    """The policy's ``actor_rollout_ref.model.path`` (for a diffusion policy: a supported pipeline too) and the
+    judge's ``reward.reward_model.model_path``."""
     paths = {"actor_rollout_ref.model.path": cfg.actor_rollout_ref.model.path}
     if cfg.reward.reward_model.model_path is not None:
         paths["reward.reward_model.model_path"] = cfg.reward.reward_model.model_path
     for key, path in paths.items():
         problem = path_problem(path)
+        check(problem is None, key, f"{path!r} does not resolve to a model: {problem}", _FIX)
+    if cfg.actor_rollout_ref.model.modality == "image":
+        problem = _pipeline_problem(cfg.actor_rollout_ref.model.path)
         check(
             problem is None,
-            key,
-            f"{path!r} does not resolve to a model: {problem}",
-            "give a local model directory, a hub id this machine has cached or can download (e.g. Qwen/Qwen-Image), "
-            "or a tiny: model on CPU (e.g. tiny:qwen_image)",
+            "actor_rollout_ref.model.path",
+            str(problem),
+            "use a Qwen-Image, SD3 / SD3.5 or Wan 2.1 / 2.2 diffusers checkpoint (or a tiny: model on CPU)",
         )
+
+
+def check_at_start(cfg: DictConfig) -> DictConfig:
+    """What a run checks on the driver before Ray starts: the config (:func:`omni_async.trainer.config.validate`,
+    its first problem) and the model paths (:func:`check_model_paths`). Raises one :class:`ConfigError` naming
+    every problem found (a :class:`ConfigErrors` when there are several); returns the validated config."""
+    from omni_async.trainer.config import validate
+
+    problems: list[tuple[str, str]] = []
+    for check_one in (validate, check_model_paths):
+        try:
+            check_one(cfg)
+        except ConfigError as err:
+            problems += err.problems if isinstance(err, ConfigErrors) else [(_key_of(str(err)), str(err))]
+    if len(problems) == 1:
+        raise ConfigError(problems[0][1])
+    if problems:
+        raise ConfigErrors(problems)
+    return cfg
+
+
+def _key_of(message: str) -> str:
+    """The key a :func:`omni_async.config_error.check` message starts with (``key: ...`` or ``key=value: ...``)."""
+    return re.match(r"[^\s:=]+", message).group(0)

@@ -5,11 +5,13 @@ reward queue (keys and metric names), verl v1's off-policy metric names, and mod
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import pytest
 
 from omni_async.agent_loop.draws import Draws
+from omni_async.config_error import ConfigErrors
 from omni_async.reward.dispatcher import RewardDispatcher
 from omni_async.reward.vllm_server import server_command
 from omni_async.sample import RewardOutcome
@@ -18,7 +20,7 @@ from omni_async.trainer.dataset import first_rows
 from omni_async.trainer.loop import RLTrainer
 from omni_async.trainer.metrics import discard_metrics
 from omni_async.trainer.mode import mode_of
-from omni_async.trainer.model_paths import path_problem
+from omni_async.trainer.model_paths import check_at_start, path_problem, pipeline_class
 
 BASE = ["data.train_files=x.jsonl"]
 
@@ -236,3 +238,42 @@ def test_a_model_path_that_does_not_resolve_is_refused_before_ray_starts(tmp_pat
         RLTrainer(compose([*BASE, *judge]))
     (tmp_path / "judge").mkdir()
     assert path_problem(str(tmp_path / "judge")) is None and path_problem("tiny:sd3") is None
+
+
+def test_a_checkpoint_of_a_pipeline_not_trained_here_is_refused_before_ray_with_every_other_problem(
+    tmp_path, monkeypatch
+):
+    """verl-omni's Qwen-Image-Edit (``QwenImageEditPlusPipeline``) is refused at start naming its class, not by
+    diffusers inside a Ray actor; a start with two problems names both at once."""
+    import omni_async.trainer.loop as loop
+
+    monkeypatch.setattr(loop, "init_ray", lambda cfg: pytest.fail("Ray started for a config that cannot run"))
+    for name, cls in [
+        ("edit", "QwenImageEditPlusPipeline"),
+        ("flux", "FluxPipeline"),
+        ("sd3", "StableDiffusion3Pipeline"),
+    ]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model_index.json").write_text(json.dumps({"_class_name": cls}))
+        assert pipeline_class(str(tmp_path / name)) == cls
+    assert pipeline_class("tiny:sd3") is None and pipeline_class(str(tmp_path)) is None  # built here / no index
+    assert pipeline_class("Qwen/No-Such-Model-Here") is None  # not cached, hub off (tests): loading will tell
+
+    edit = f"actor_rollout_ref.model.path={tmp_path}/edit"
+    with pytest.raises(
+        ConfigError, match=r"^actor_rollout_ref\.model\.path: .* is a QwenImageEditPlusPipeline \(image editing"
+    ):
+        RLTrainer(compose([*BASE, edit]))
+    with pytest.raises(
+        ConfigError, match=r"is a FluxPipeline; the diffusion pipelines trained here are QwenImagePipeline"
+    ):
+        RLTrainer(compose([*BASE, f"actor_rollout_ref.model.path={tmp_path}/flux"]))
+    bad_reward = "reward.custom_reward_function.path=/no/such/reward.py"
+    with pytest.raises(ConfigErrors) as err:
+        RLTrainer(compose([*BASE, edit, bad_reward]))
+    assert [k for k, _ in err.value.problems] == ["reward.custom_reward_function.path", "actor_rollout_ref.model.path"]
+    assert str(err.value).startswith("2 problems stop this run:\n- reward.custom_reward_function.path")
+    cfg = compose([*BASE, f"actor_rollout_ref.model.path={tmp_path}/sd3"])
+    assert check_at_start(cfg) is cfg  # a supported pipeline starts
+    with pytest.raises(ConfigError, match=r"^reward\.custom_reward_function\.path"):  # one problem: a plain one
+        check_at_start(compose([*BASE, bad_reward]))

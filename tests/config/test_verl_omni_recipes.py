@@ -7,10 +7,12 @@ The recipes are ``verl_omni_recipes/*.txt`` (verl-omni a1139ba, ``scripts/extrac
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
-from verl_omni_recipe_data import OWNED_ELSEWHERE, key_of, outcome, recipes, source, stand_in
+from verl_omni_recipe_data import OWNED_ELSEWHERE, key_of, outcome, recipes, source, stand_in, start_refusal
 
+import omni_async.trainer.loop as loop
 from omni_async.trainer.config import ConfigError, compose, validate
 from omni_async.trainer.main import checked_argv
 from omni_async.trainer.overrides import OverrideError, check_overrides, known, rule_for
@@ -140,6 +142,50 @@ def test_whole_recipe_with_tiny_stand_ins_composes_and_validates_or_names_what_i
     result = outcome(overrides)
     assert result.error is None
     assert result.keys() == EXPECTED_REFUSED[name], [m for *_, m in result.refused]
+
+
+# What a recipe's start names besides EXPECTED_REFUSED's keys: the start check reads Qwen-Image-Edit's model_index.json
+# (its stand-in holds only that) after compose and validate.
+START_ALSO: dict[str, set[str]] = {
+    "flowgrpo_trainer.qwen_image_edit.run_qwen_image_edit_lora": {"actor_rollout_ref.model.path"},
+}
+# What the issue names as missing here, as the start names it: recipe -> (key, words of its message).
+MISSING = {
+    "flowgrpo_trainer.bagel.run_bagel_ocr_lora": ("actor_rollout_ref.model.architecture", "BAGEL"),
+    "flowgrpo_trainer.qwen_image_edit.run_qwen_image_edit_lora": (
+        "actor_rollout_ref.model.path",
+        "QwenImageEditPlusPipeline (image editing",
+    ),
+    "flowgrpo_trainer.sd35.run_sd35_medium_drm_lora": (
+        "actor_rollout_ref.rollout.pipeline.output_type",
+        "rewards on latents",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_each_recipe_starts_or_is_refused_before_ray_naming_what_is_missing(name, monkeypatch):
+    """As ``python -m omni_async.trainer.main`` starts it (the override check and compose, then ``RLTrainer``), with
+    its tiny stand-ins: a recipe EXPECTED_REFUSED leaves whole gets to Ray (``test_verl_omni_recipe_runs.py`` trains
+    it); any other is refused before Ray with a ConfigError naming its keys (EXPECTED_REFUSED's, START_ALSO's), each
+    with a fix."""
+    monkeypatch.setattr(loop, "init_ray", lambda cfg: pytest.fail("Ray started"))
+    overrides = [o for o in stand_in(RECIPES[name]) if key_of(o) not in OWNED_ELSEWHERE]
+    if not EXPECTED_REFUSED[name]:
+        assert start_refusal(overrides) == []
+        with pytest.raises(pytest.fail.Exception, match="Ray started"):
+            loop.RLTrainer(compose(overrides))
+        return
+    with pytest.raises(ConfigError) as err:
+        loop.RLTrainer(compose(overrides))
+    problems = getattr(err.value, "problems", None) or [(re.match(r"[\w./]+", str(err.value)).group(0), str(err.value))]
+    keys = {k for k, _ in problems}
+    assert keys and keys <= EXPECTED_REFUSED[name] | START_ALSO.get(name, set()), str(err.value)
+    assert all("Fix:" in m for _, m in problems), str(err.value)
+    assert start_refusal(overrides) == problems  # what the docs table shows
+    if name in MISSING:
+        key, words = MISSING[name]
+        assert any(k == key and words in m for k, m in problems), str(err.value)
 
 
 def test_multi_reward_spelling_of_verl_omni_is_this_projects_weighted_rewards():

@@ -1,6 +1,8 @@
 """verl-omni's diffusion recipes as test data, the stand-ins that swap their models, engines and reward files for
-tiny ones here, and what composing a recipe here gives (used by ``test_verl_omni_recipes.py`` and by
-``scripts/verl_omni_recipes_table.py``, which writes ``docs/verl_omni_recipes.md``).
+tiny ones here (``STAND_INS``), what a one-step CPU run changes besides (``ON_CPU``), the keys that pick no code path
+in such a run (``CODE_PATH_NEUTRAL``), and what composing, starting or grouping recipes here gives (used by
+``test_verl_omni_recipes.py``, ``test_verl_omni_recipe_runs.py`` and ``scripts/verl_omni_recipes_table.py``, which
+writes ``docs/verl_omni_recipes.md``).
 
 The recipes' overrides are in ``verl_omni_recipes/<trainer>.<model>.<script>.txt``, written by
 ``scripts/extract_verl_omni_recipes.py`` from verl-omni at the commit each file's first line names.
@@ -26,19 +28,31 @@ RECIPE_DIR = Path(__file__).resolve().parent / "verl_omni_recipes"
 OWNED_ELSEWHERE: frozenset[str] = frozenset()
 
 # What a recipe's run on this CPU box swaps, key -> {verl-omni's value: (the value here, why)}; None matches any
-# value. Only models, engines, reward models and reward functions' files: every other value is the recipe's.
-_GENRM = ("pkg://omni_async.reward.scorers.vlm_judge", "this project's GenRM-OCR judge (verl-omni's genrm_ocr.py)")
+# value. Only models, engines, reward models, reward functions' files and the reward server: every other value is the
+# recipe's (a run also changes the sizes and its own files: ON_CPU).
+STAND_IN_MODELS = Path(__file__).resolve().parent / "stand_in_models"
+_JUDGE = str(Path(__file__).resolve().parent / "verl_omni_judge_stand_in.py")
+_GENRM = (
+    _JUDGE,
+    "this project's GenRM-OCR judge (omni_async.reward.scorers.vlm_judge) with the recipe's reward model, plus a "
+    "1e-3 x JPEG-kB tie-break: a random tiny judge reads every random tiny image alike, and equal rewards train nothing",
+)
+SCORER_URL = "http://127.0.0.1:19082"  # stand_in's default for {scorer_url}; a run passes its own server's URL
 STAND_INS: dict[str, dict[str | None, tuple[str, str]]] = {
     "actor_rollout_ref.model.path": {
         "Qwen/Qwen-Image": ("tiny:qwen_image", "a random Qwen-Image of the same architecture, built offline"),
         "/home/user/huggingface/Qwen-Image": ("tiny:qwen_image", "the same"),
         "stabilityai/stable-diffusion-3.5-medium": ("tiny:sd3", "a random SD3 of the same architecture"),
+        "Qwen/Qwen-Image-Edit-2511": (
+            str(STAND_IN_MODELS / "Qwen-Image-Edit-2511"),
+            "a directory holding only the model_index.json of Qwen-Image-Edit (QwenImageEditPlusPipeline), which "
+            "the start check reads; no weights (the pipeline is not supported here)",
+        ),
     },
     "actor_rollout_ref.rollout.name": {"vllm_omni": ("transformers", "rollout here runs diffusers")},
     "reward.reward_model.model_path": {None: ("tiny:qwen2_vl", "a random Qwen2-VL judge, built offline")},
     "reward.reward_model.rollout.name": {"vllm": ("transformers", "no vLLM on this box: the judge runs in-worker")},
     "reward.custom_reward_function.path": {"verl_omni/utils/reward_score/genrm_ocr.py": _GENRM},
-    "reward.custom_reward_function.name": {"compute_score_ocr": ("compute_score", "the judge's function")},
     "+reward.reward_functions.ocr.path": {
         "/verl-omni/verl_omni/utils/reward_score/genrm_ocr.py": _GENRM,
         "pkg://verl_omni.utils.reward_score.http_scorer_client": (
@@ -46,13 +60,75 @@ STAND_INS: dict[str, dict[str | None, tuple[str, str]]] = {
             "this project's HTTP scorer client (verl-omni's http_scorer_client)",
         ),
     },
-    "+reward.reward_functions.ocr.name": {"compute_score_ocr": ("compute_score", "the judge's function")},
+    "+reward.reward_functions.ocr.server_url": {
+        "http://localhost:19082": (
+            "{scorer_url}",
+            "this project's scorer server (python -m http_scorer serve --scorer jpeg) on loopback, started by the "
+            "run: PP-OCR reads no text in a random tiny model's images, every score would be 0 and train nothing",
+        )
+    },
     "+reward.reward_functions.jpeg.path": {
         "/verl-omni/verl_omni/utils/reward_score/jpeg_compressibility.py": (
             "pkg://omni_async.reward.scorers.jpeg",
             "this project's JPEG-compressibility reward",
         )
     },
+}
+
+# What a recipe's one-step training run on this CPU box changes besides STAND_INS, key -> (value, why): sizes that
+# fit two CPU cores, and the run's own files. Set where the recipe sets the key, added where it does not;
+# ``{data}`` and ``{run}`` are the run's temporary directories. Every other value is the recipe's.
+ON_CPU: dict[str, tuple[str, str]] = {
+    "data.train_files": ("{data}/train.jsonl", "4 local OCR prompts (the recipe's parquet files are on its machines)"),
+    "data.val_files": ("{data}/val.jsonl", "2 local OCR prompts (validation does not run in one step)"),
+    "data.train_batch_size": ("2", "2 prompts per step"),
+    "actor_rollout_ref.rollout.n": ("2", "groups of 2 samples"),
+    "actor_rollout_ref.actor.ppo_mini_batch_size": ("2", "one mini-batch of the step's 2 groups: one update"),
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": ("2", "a mini-batch (2 samples) in one micro-batch"),
+    "actor_rollout_ref.rollout.pipeline.height": ("32", "32x32 images: 2x2 image tokens in the transformer"),
+    "actor_rollout_ref.rollout.pipeline.width": ("32", "the same"),
+    "actor_rollout_ref.rollout.agent.num_workers": ("1", "one rollout worker"),
+    "actor_rollout_ref.rollout.n_gpus_per_node": ("1", "a one-device rollout pool (separate_async)"),
+    "trainer.n_gpus_per_node": ("1", "one (logical) trainer device"),
+    "reward.num_workers": ("1", "one reward worker"),
+    "trainer.total_training_steps": ("1", "one step"),
+    "trainer.logger": ("[console]", "wandb needs an account and the network; metrics.jsonl is written anyway"),
+    "trainer.log_image_freq": ("-1", "no sample pictures"),
+    "trainer.log_timeline_freq": ("-1", "no timeline pictures"),
+    "trainer.run_dir": ("{run}", "the run's temporary directory"),
+    "trainer.default_local_dir": ("{run}/checkpoints", "checkpoints in the run's directory, not the recipe's"),
+    "trainer.rollout_data_dir": ("{run}/samples", "the same"),
+    "trainer.validation_data_dir": ("{run}/validation", "the same"),
+}
+
+# Keys whose value does not pick a code path of a one-step CPU run, key -> why. Recipes whose configs (stand-ins and
+# ON_CPU applied) differ only in these keys train the same code, and one run covers them (``runs``).
+CODE_PATH_NEUTRAL: dict[str, str] = {
+    "trainer.project_name": "a label of the run's logs",
+    "trainer.experiment_name": "the same",
+    "trainer.save_freq": "a one-step run saves once, at its end, whatever the frequency",
+    "trainer.test_freq": "validation every N > 1 steps: none in one step (the run test asserts N != 1)",
+    "trainer.total_epochs": "total_training_steps is set",
+    "trainer.resume_mode": "auto or disable: a fresh run directory holds nothing to resume",
+    "trainer.log_val_generations": "validation only",
+    "data.val_max_samples": "validation only",
+    "data.max_prompt_length": "a bound the 4 short prompts are within",
+    "data.seed": "a seed of the prompt order, the same code",
+    "actor_rollout_ref.rollout.seed": "a seed of the samples' noise, the same code",
+    "actor_rollout_ref.actor.optim.lr": "a number in the same AdamW step",
+    "actor_rollout_ref.actor.optim.weight_decay": "the same",
+    "actor_rollout_ref.actor.diffusion_loss.clip_ratio": "a number in the same clipped loss",
+    "actor_rollout_ref.model.lora_rank": "the adapters' size, the same LoRA code",
+    "actor_rollout_ref.model.lora_alpha": "the same",
+    "actor_rollout_ref.model.target_modules": "which linear layers carry an adapter, the same LoRA code",
+    "actor_rollout_ref.rollout.algo.noise_level": "a number in the same SDE step",
+    "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps": "validation only",
+    "reward.reward_model.rollout.gpu_memory_utilization": "a vLLM judge setting; the judge here runs transformers",
+    "reward.reward_model.rollout.max_model_len": "the same",
+    "reward.reward_model.rollout.max_num_seqs": "the same",
+    "reward.reward_model.rollout.tensor_model_parallel_size": "the same (1 on a one-device reward pool)",
+    "trainer.use_v1": "verl v1's spelling of the mode; validate folds trainer.v1.* into the keys compared here",
+    "trainer.v1.trainer_mode": "the same",
 }
 
 
@@ -74,15 +150,83 @@ def key_of(override: str) -> str:
     return OverridesParser.create().parse_override(override).key_or_group
 
 
-def stand_in(overrides: list[str]) -> list[str]:
-    """``overrides`` with the models, engines, reward models and reward files swapped (``STAND_INS``)."""
+def stand_in(overrides: list[str], scorer_url: str = SCORER_URL) -> list[str]:
+    """``overrides`` with the models, engines, reward models and reward files swapped (``STAND_INS``); a reward
+    server's URL becomes ``scorer_url``."""
     out = []
     for line in overrides:
         lhs, _, value = line.partition("=")
         swaps = STAND_INS.get(lhs, {})
         swap = swaps.get(value) or swaps.get(None)
-        out.append(f"{lhs}={swap[0]}" if swap else line)
+        out.append(f"{lhs}={swap[0].format(scorer_url=scorer_url)}" if swap else line)
     return out
+
+
+def on_cpu(overrides: list[str], data: str | Path, run: str | Path) -> list[str]:
+    """A recipe's overrides (its stand-ins already swapped) as one training step on this CPU box runs them:
+    ``ON_CPU``'s values where the recipe sets those keys, and added where it does not."""
+    values = {k: v.format(data=data, run=run) for k, (v, _) in ON_CPU.items()}
+    out, seen = [], set()
+    for line in overrides:
+        lhs, _, _ = line.partition("=")
+        key = lhs.lstrip("+")
+        if key in values:
+            out.append(f"{lhs}={values[key]}")
+            seen.add(key)
+        else:
+            out.append(line)
+    return out + [f"{k}={v}" for k, v in values.items() if k not in seen]
+
+
+def start_refusal(overrides: list[str]) -> list[tuple[str, str]]:
+    """What refuses ``overrides`` at start, before Ray: the override check and compose (``main.py``), then
+    ``model_paths.check_at_start`` (the first thing ``RLTrainer`` does). One ``(key, message)`` per problem named;
+    empty when the run starts."""
+    from omni_async.config_error import ConfigErrors
+    from omni_async.trainer.model_paths import check_at_start
+
+    try:
+        check_at_start(compose(overrides))
+    except (OverrideError, ConfigErrors) as err:
+        return list(err.problems)
+    except ConfigError as err:
+        return [(re.match(r"[\w./]+", str(err)).group(0), str(err))]
+    return []
+
+
+def trainable() -> list[str]:
+    """The recipes that start here with their stand-ins (the others are refused at start: ``start_refusal``)."""
+    return [name for name, overrides in recipes().items() if not start_refusal(stand_in(overrides))]
+
+
+def effective(overrides: list[str]) -> dict:
+    """The validated config of ``overrides`` (a recipe with its stand-ins and ON_CPU), flat, ``CODE_PATH_NEUTRAL``
+    keys left out: two recipes with equal ones run the same code in a one-step CPU run."""
+    from omegaconf import OmegaConf
+
+    flat: dict = {}
+
+    def walk(node, prefix: str) -> None:
+        for k, v in node.items():
+            if isinstance(v, dict) and v:
+                walk(v, f"{prefix}{k}.")
+            elif f"{prefix}{k}" not in CODE_PATH_NEUTRAL:
+                flat[f"{prefix}{k}"] = v
+
+    walk(OmegaConf.to_container(validate(compose(overrides)), resolve=True), "")
+    return flat
+
+
+def runs(names: list[str]) -> dict[str, list[str]]:
+    """``names`` grouped by their effective config (``effective``): the first of each group -> the group. One
+    training run of the first covers the group."""
+    every = recipes()
+    configs = {name: effective(on_cpu(stand_in(every[name]), "/data", "/run")) for name in names}
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        first = next((f for f in groups if configs[f] == configs[name]), None)
+        groups.setdefault(first or name, []).append(name)
+    return groups
 
 
 _REWARD_FUNCTIONS = ("reward.custom_reward_function", "reward.reward_functions")

@@ -1,0 +1,143 @@
+"""Every verl-omni diffusion recipe whose algorithm, model family and reward kind exist here trains one step on CPU,
+as its user would run it: the recipe's overrides unchanged except the swaps of ``verl_omni_recipe_data.STAND_INS``
+(models, engines, reward models, reward functions' files, the reward server) and ``ON_CPU`` (sizes that fit two
+cores, the run's own files), each with its reason, through what ``python -m omni_async.trainer.main`` runs (the
+override check and compose, ``RLTrainer(cfg).fit()``, Ray shut down after). The step must have *trained*: one metrics
+row with the loss mode's loss and a gradient norm finite and > 0, rewards that differ within the groups, the
+checkpoint's LoRA ``B`` matrices (zero at start) moved by the optimizer.
+
+Recipes that differ only in keys that pick no code path here (``CODE_PATH_NEUTRAL``, each with why) share one run:
+``RUNS`` says which run covers which recipe, and ``test_one_run_covers_recipes_of_one_effective_config`` checks that
+the recipes a run covers compose to its effective config. The recipes refused at start, before Ray, are tested in
+``test_verl_omni_recipes.py`` (``test_each_recipe_starts_or_is_refused_before_ray_naming_what_is_missing``).
+
+Runs join the test session's Ray cluster (``conftest.py``), one Ray job each."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+import torch
+from verl_omni_recipe_data import effective, on_cpu, recipes, runs, stand_in, trainable
+
+from omni_async.cluster import shutdown_ray
+from omni_async.trainer.config import compose
+from omni_async.trainer.loop import RLTrainer
+
+RECIPES = recipes()
+# One training run per effective config: the runner -> every recipe it covers (itself first). What each covered
+# recipe differs in, and why that picks no code path, is in CODE_PATH_NEUTRAL.
+RUNS: dict[str, list[str]] = {
+    "diffusionnft_trainer.qwen_image.run_qwen_image_ocr_lora": [
+        "diffusionnft_trainer.qwen_image.run_qwen_image_ocr_lora"
+    ],
+    "flowdppo_trainer.qwen_image.run_qwen_image_ocr_lora": ["flowdppo_trainer.qwen_image.run_qwen_image_ocr_lora"],
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr": [
+        "flowgrpo_trainer.qwen_image.run_qwen_image_ocr",
+        "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_fsdp2_benchmark",  # worker counts, vLLM judge knobs, logs
+    ],
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora": [
+        "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora",
+        "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_fsdp2_fa3",  # clip_ratio; attention backends (no effect)
+    ],
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_async_reward": [
+        "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_async_reward"
+    ],
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_multi_reward": [
+        "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_multi_reward"
+    ],
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_reward_server": [
+        "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_reward_server"
+    ],
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_veomni": ["flowgrpo_trainer.qwen_image.run_qwen_image_ocr_veomni"],
+    "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora": [
+        "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora",
+        "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora_v1",  # verl v1's spelling of the same (sync) mode
+    ],
+    "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora_v1_separate_async": [
+        "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora_v1_separate_async"
+    ],
+    "grpoguard_trainer.qwen_image.run_qwen_image_ocr_lora": ["grpoguard_trainer.qwen_image.run_qwen_image_ocr_lora"],
+    "mixgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_mixgrpo": [
+        "mixgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_mixgrpo"
+    ],
+}
+# The loss each loss mode logs (verl's actor/pg_loss for the policy-gradient ones).
+LOSS_METRIC = {
+    "flow_grpo": "actor/pg_loss",
+    "grpo_guard": "actor/pg_loss",
+    "flow_dppo": "actor/pg_loss",
+    "diffusion_nft": "actor/policy_loss",
+}
+
+
+def test_one_run_covers_recipes_of_one_effective_config():
+    """The recipes that start here are exactly those RUNS covers, grouped by their effective config (stand-ins and
+    ON_CPU applied, CODE_PATH_NEUTRAL keys left out): each covered recipe composes to its run's."""
+    assert runs(trainable()) == RUNS
+    for runner, covered in RUNS.items():
+        mine = effective(on_cpu(stand_in(RECIPES[runner]), "/data", "/run"))
+        for other in covered[1:]:
+            assert effective(on_cpu(stand_in(RECIPES[other]), "/data", "/run")) == mine, other
+
+
+def _rows(path, n: int) -> None:
+    rows = [
+        {
+            "prompt": f'a sign that says "WORD{i}"',
+            "data_source": "ocr",
+            "reward_model": {"ground_truth": f"WORD{i}", "style": "rule"},
+        }
+        for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("prompts")
+    _rows(d / "train.jsonl", 4)
+    _rows(d / "val.jsonl", 2)
+    return d
+
+
+@pytest.fixture(scope="module")
+def wall():
+    """Each run's wall time, printed at the end of the module (``-s``)."""
+    times: dict[str, float] = {}
+    yield times
+    print("\nrecipe runs (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+
+
+@pytest.mark.slow  # a training run each
+@pytest.mark.parametrize("runner", sorted(RUNS))
+def test_recipe_trains_one_step(runner, data, tmp_path, request, wall):
+    t0 = time.perf_counter()
+    recipe = RECIPES[runner]
+    scorer_url = "http://127.0.0.1:1"
+    if any(line.startswith("+reward.reward_functions.ocr.server_url=") for line in recipe):
+        scorer_url = request.getfixturevalue("server_factory")("--scorer", "jpeg").url
+    cfg = compose(on_cpu(stand_in(recipe, scorer_url=scorer_url), data, tmp_path / "run"))  # as main.py composes
+    assert not cfg.trainer.val_before_train and cfg.trainer.test_freq != 1  # CODE_PATH_NEUTRAL: no validation
+    shutdown_ray()
+    try:
+        run_dir = RLTrainer(cfg).fit()
+    finally:
+        shutdown_ray()
+    wall[runner] = time.perf_counter() - t0
+
+    (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert row["step"] == 1
+    loss = row[LOSS_METRIC[cfg.actor_rollout_ref.actor.diffusion_loss.loss_mode]]
+    assert math.isfinite(loss), row
+    assert math.isfinite(row["actor/grad_norm"]) and row["actor/grad_norm"] > 0, row
+    # rewards came back for every sample and differ within the groups (else the advantages are 0)
+    assert row["reward/failed"] == 0 and row["critic/rewards/std"] > 0 and row["critic/rewards/zero_std_ratio"] < 1
+    assert row["perf/total_num_images"] == 4 and row.get("reward_queue/total_consumed", 4) == 4  # streamed: 4 too
+    state = torch.load(next(run_dir.glob("checkpoints/step_000001/actor.pt")), weights_only=True)
+    lora_b = [v for k, v in state["weights"].items() if "lora_B" in k]
+    assert lora_b and any(v.abs().sum() > 0 for v in lora_b)  # zero at start: the optimizer moved them
+    assert all(s["step"] >= 1 for s in state["optimizer"]["state"].values())

@@ -46,6 +46,9 @@ RUNS: dict[str, list[str]] = {
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_async_reward": [
         "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_async_reward"
     ],
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_rollout_corr": [  # bypass mode with rollout_is / rs
+        "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_rollout_corr"
+    ],
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_multi_reward": [
         "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_multi_reward"
     ],
@@ -137,6 +140,9 @@ def test_recipe_trains_one_step(runner, data, tmp_path, request, wall):
     # rewards came back for every sample and differ within the groups (else the advantages are 0)
     assert row["reward/failed"] == 0 and row["critic/rewards/std"] > 0 and row["critic/rewards/zero_std_ratio"] < 1
     assert row["perf/total_num_images"] == 4 and row.get("reward_queue/total_consumed", 4) == 4  # streamed: 4 too
+    rc = cfg.algorithm.rollout_correction
+    if rc.rollout_is or rc.rollout_rs:  # bypass mode: verl's IS weights / RS mask per loss call, under verl's names
+        assert any(k.startswith("actor/rollout_corr/") for k in row), sorted(row)
     state = torch.load(next(run_dir.glob("checkpoints/step_000001/actor.pt")), weights_only=True)
     lora_b = [v for k, v in state["weights"].items() if "lora_B" in k]
     assert lora_b and any(v.abs().sum() > 0 for v in lora_b)  # zero at start: the optimizer moved them

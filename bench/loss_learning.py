@@ -3,10 +3,16 @@
 The runs are ``bench/ocr_learning.py`` records (the main job's command, ``ALGO=flow_grpo | diffusion_nft | awm``,
 three seeds each) in one results file; this script reads them and adds a ``summary``:
 
-- the **level**: Flow-GRPO's mean reward over its last three steps, the median over its seeds (its 20-step level);
-- per run, the first step ``k`` (1-based) whose trailing 3-step mean reward (steps ``k-2..k``; fewer at the start)
-  reaches the level, the training seconds to it (the sum of ``timing_s/step`` up to ``k``) and the wall seconds from
-  launch to that step's metrics row (start-up, validation and pictures included: what a user waits);
+- two bases, each with its own level:
+  - ``rollout``: the mean OCR reward of the step's own samples. Flow-GRPO's are SDE samples (noise level 0.7 on its
+    window), DiffusionNFT's and AWM's ODE samples, which read better before any training: this basis favours them.
+  - ``validation``: the held-out words, ODE, the same seeds for every loss and step (run with ``VAL_FREQ=2``): the
+    like-for-like basis.
+- the **level**: Flow-GRPO's mean over its last three points (steps 18-20 for ``rollout``; validations at steps
+  16, 18, 20 for ``validation``), the median over its seeds (its 20-step level);
+- per run, the first step ``k`` whose trailing 3-point mean (points ``k-2..k``; fewer at the start) reaches the
+  level, the training seconds to it (the sum of ``timing_s/step`` up to ``k``) and the wall seconds from launch to
+  that step's metrics row (start-up, validation and pictures included: what a user waits);
 - per loss, the medians over its seeds, and their ratios to Flow-GRPO's (``None`` when a run never reached the
   level: then it is listed, not dropped).
 
@@ -32,12 +38,26 @@ def trailing_mean(curve: list[float], width: int = 3) -> list[float]:
     return [float(np.mean(curve[max(0, k - width + 1) : k + 1])) for k in range(len(curve))]
 
 
-def to_level(run: dict, level: float) -> dict:
-    """Step, training seconds and wall seconds at which ``run``'s trailing 3-step mean first reaches ``level``."""
-    reached = [k for k, m in enumerate(trailing_mean(run["curve"])) if m >= level]
+def series(run: dict, basis: str) -> tuple[list[int], list[float]]:
+    """The 1-based steps and values of ``run``'s curve on ``basis`` (the validation before training, step 0, left
+    out: no loss has trained yet)."""
+    if basis == "rollout":
+        return list(range(1, len(run["curve"]) + 1)), run["curve"]
+    points = sorted((int(k), v) for k, v in run["val"].items() if int(k) > 0)
+    return [k for k, _ in points], [v for _, v in points]
+
+
+def last3(run: dict, basis: str) -> float:
+    return float(np.mean(series(run, basis)[1][-3:]))
+
+
+def to_level(run: dict, level: float, basis: str) -> dict:
+    """Step, training seconds and wall seconds at which ``run``'s trailing 3-point mean first reaches ``level``."""
+    steps, values = series(run, basis)
+    reached = [steps[i] for i, m in enumerate(trailing_mean(values)) if m >= level]
     if not reached:
         return {"step": None, "train_s": None, "wall_s": None}
-    k = reached[0]
+    k = reached[0] - 1
     step_s = run.get("step_s")
     return {
         "step": k + 1,
@@ -60,11 +80,18 @@ def summarise(results: dict, names: list[str] | None = None) -> dict:
     baseline = [r for r in runs.values() if loss_of(r) == BASELINE]
     if not baseline:
         raise SystemExit(f"no {BASELINE} run among {sorted(runs)}: its last-3 mean is the level")
-    level = statistics.median(r["last3"] for r in baseline)
+    return {basis: summarise_basis(runs, baseline, basis) for basis in ("validation", "rollout")}
+
+
+def summarise_basis(runs: dict[str, dict], baseline: list[dict], basis: str) -> dict:
+    level = statistics.median(last3(r, basis) for r in baseline)
     per_loss: dict[str, dict] = {}
     for name, run in sorted(runs.items()):
         entry = per_loss.setdefault(loss_of(run), {"runs": {}})
-        entry["runs"][name] = {"gain": run["gain"], "last3": run["last3"], **to_level(run, level)}
+        # the gain from the first three steps (rollout) or from the validation before training
+        first = series(run, basis)[1][:3] if basis == "rollout" else [run["val"]["0"]]
+        gain = round(last3(run, basis) - float(np.mean(first)), 4)
+        entry["runs"][name] = {"gain": gain, "last3": round(last3(run, basis), 4), **to_level(run, level, basis)}
     for entry in per_loss.values():
         reached = list(entry["runs"].values())
         for key in ("step", "train_s", "wall_s"):

@@ -71,6 +71,8 @@ from collections.abc import Iterable
 
 import torch
 
+from omni_async.algos.masked_stats import masked_mean
+
 # verl-omni's algorithm.adv_mode values (DiffusionAlgoConfig).
 ADV_MODES = ("continuous", "positive_only", "negative_only", "one_only", "binary")
 
@@ -121,11 +123,6 @@ def train_steps(num_steps: int, fraction: float, generator: torch.Generator) -> 
     return torch.randperm(int(num_steps), generator=generator)[:n]
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    m = mask.to(x.dtype)
-    return (x * m).sum() / m.sum().clamp(min=1.0)
-
-
 def nft_loss(
     v_theta: torch.Tensor,
     v_old: torch.Tensor,
@@ -158,21 +155,21 @@ def nft_loss(
     pos = ((x0_pos - x0) ** 2 / w_pos.to(x0.dtype)).mean(dims)
     neg = ((x0_neg - x0) ** 2 / w_neg.to(x0.dtype)).mean(dims)
     per_sample = (r * pos + (1.0 - r) * neg) * (float(adv_clip_max) / beta)
-    policy_loss = _masked_mean(per_sample, mask)
+    policy_loss = masked_mean(per_sample, mask)
     loss = policy_loss
     metrics: dict[str, torch.Tensor] = {}
     if v_ref is not None and ref_kl_coef > 0:
-        ref_kl = _masked_mean(((v_theta - v_ref.detach()) ** 2).mean(dims), mask)
+        ref_kl = masked_mean(((v_theta - v_ref.detach()) ** 2).mean(dims), mask)
         loss = loss + float(ref_kl_coef) * ref_kl
         metrics["actor/ref_kl_loss"] = ref_kl.detach()
     with torch.no_grad():
         metrics.update(
             {
                 "actor/policy_loss": policy_loss.detach(),
-                "actor/positive_loss": _masked_mean(pos, mask),
-                "actor/negative_loss": _masked_mean(neg, mask),
-                "actor/old_deviate": _masked_mean(((v_theta - v_old) ** 2).mean(dims), mask),
-                "actor/reward_prob_mean": _masked_mean(r, mask),
+                "actor/positive_loss": masked_mean(pos, mask),
+                "actor/negative_loss": masked_mean(neg, mask),
+                "actor/old_deviate": masked_mean(((v_theta - v_old) ** 2).mean(dims), mask),
+                "actor/reward_prob_mean": masked_mean(r, mask),
                 "actor/total_loss": loss.detach(),
             }
         )

@@ -18,12 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from omni_async.algos.masked_stats import with_kl_term
-
-
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    m = mask.to(x.dtype)
-    return (x * m).sum() / m.sum().clamp(min=1.0)
+from omni_async.algos.masked_stats import masked_mean, with_kl_term
 
 
 def flow_grpo_loss(
@@ -49,22 +44,22 @@ def flow_grpo_loss(
     per_sample = torch.maximum(unclipped, clipped)
     if is_weights is not None:  # verl's decoupled-mode rollout correction: w_i multiplies the clipped term
         per_sample = per_sample * is_weights.detach()
-    pg_loss = _masked_mean(per_sample, mask)
+    pg_loss = masked_mean(per_sample, mask)
     loss, metrics = with_kl_term(pg_loss, kl, kl_coef, mask)
     with torch.no_grad():
         m = mask.float()
         n = m.sum()
         # Over the kept samples, without indexing by the mask (a device sync); no kept sample reads ratio 1, std 0.
-        ratio_mean = torch.where(n > 0, _masked_mean(ratio, m), torch.ones_like(n))
+        ratio_mean = torch.where(n > 0, masked_mean(ratio, m), torch.ones_like(n))
         ratio_var = ((ratio - ratio_mean) ** 2 * m).sum() / (n - 1).clamp(min=1.0)  # unbiased, as torch.std
         metrics.update(
             {
                 "actor/pg_loss": pg_loss.detach(),
                 # k1 estimator of KL(old || new) on the sampled transitions, as verl reports it.
-                "actor/ppo_kl": _masked_mean(-log_ratio, mask),
-                "actor/pg_clipfrac": _masked_mean((clipped > unclipped).float(), m),
-                "actor/pg_clipfrac_higher": _masked_mean((ratio > 1 + clip_ratio).float() * (adv > 0), m),
-                "actor/pg_clipfrac_lower": _masked_mean((ratio < 1 - clip_ratio).float() * (adv < 0), m),
+                "actor/ppo_kl": masked_mean(-log_ratio, mask),
+                "actor/pg_clipfrac": masked_mean((clipped > unclipped).float(), m),
+                "actor/pg_clipfrac_higher": masked_mean((ratio > 1 + clip_ratio).float() * (adv > 0), m),
+                "actor/pg_clipfrac_lower": masked_mean((ratio < 1 - clip_ratio).float() * (adv < 0), m),
                 "actor/ratio_mean": ratio_mean,
                 "actor/ratio_std": ratio_var.sqrt(),
             }

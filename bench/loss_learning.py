@@ -18,7 +18,10 @@ three seeds each) in one results file; this script reads them and adds a ``summa
 
     python bench/ocr_learning.py --out bench/results/loss_learning.json --name grpo_s42 --seed 42
     python bench/ocr_learning.py --out bench/results/loss_learning.json --name nft_s42 --seed 42 --env ALGO=diffusion_nft
-    python bench/loss_learning.py bench/results/loss_learning.json
+    python bench/loss_learning.py bench/results/loss_learning.json   # + loss_learning.png beside it
+
+The plot: validation reward (held-out words) and the rollout's reward against step and against wall seconds, one
+line per run, a colour per loss, Flow-GRPO's levels dashed.
 """
 
 from __future__ import annotations
@@ -105,6 +108,42 @@ def summarise_basis(runs: dict[str, dict], baseline: list[dict], basis: str) -> 
     return {"level": round(level, 4), "level_is": f"{BASELINE}'s last-3 mean, median over seeds", **per_loss}
 
 
+COLOURS = {"flow_grpo": "tab:blue", "diffusion_nft": "tab:orange", "awm": "tab:green"}
+
+
+def plot(results: dict, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharey="row")
+    for (row, basis), (col, x_axis) in (
+        (rb, cx) for rb in enumerate(("validation", "rollout")) for cx in enumerate(("step", "wall s"))
+    ):
+        ax = axes[row][col]
+        for run in results["runs"].values():
+            steps, values = series(run, basis)
+            if x_axis == "step":
+                xs = steps
+                if basis == "validation":  # and the validation before training
+                    xs, values = [0, *steps], [run["val"]["0"], *values]
+            else:  # when the step's metrics row arrived, seconds since launch
+                xs = [run["row_times_s"][k - 1] for k in steps]
+            ax.plot(xs, values, color=COLOURS.get(loss_of(run), "grey"), alpha=0.7, lw=1.2, label=loss_of(run))
+        ax.axhline(results["summary"][basis]["level"], color=COLOURS[BASELINE], ls="--", lw=0.8)
+        ax.set_xlabel(x_axis)
+        ax.set_ylabel(f"{basis} OCR reward")
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    fig.legend(unique.values(), unique.keys(), loc="upper center", ncol=len(unique))
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", type=Path)
@@ -114,6 +153,7 @@ def main() -> None:
     results["summary"] = summarise(results, a.runs)
     a.results.write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps(results["summary"], indent=1))
+    print(plot(results, a.results.with_suffix(".png")))
 
 
 if __name__ == "__main__":

@@ -7,11 +7,15 @@ prints a fixed time so the files do not change from run to run. The trainer comm
 after ``-m <module>``) are written one per line, with the scratch directory replaced by ``/verl-omni`` (and MiniMax-H3's model checkout by
 ``/models/MiniMax-H3``). Running the
 scripts, rather than parsing them, gets what bash gives: defaults, arithmetic, quoting, and the benchmark recipes
-that call another recipe with extra overrides.
+that call another recipe with extra overrides. Two more stand-ins for what a recipe reads from its machine:
+``nvidia-smi`` exits 0 and ``npu-smi`` exits 1 (DanceGRPO's recipe picks GPU or NPU settings by which of them
+runs: it takes its GPU branch, as the other recipes are GPU ones), and the environment variables of ``ENV`` that a recipe
+requires and gives no default (DiffusionOPD's ``TEACHER_PATH``).
 
     python scripts/extract_verl_omni_recipes.py [--repo /work/.mirror/verl-project+verl-omni/repo] [--commit HEAD]
 
-Recipes: ``examples/{flowgrpo,grpoguard,flowdppo,mixgrpo,diffusionnft}_trainer/**/*.sh``, the NPU copies left out.
+Recipes: ``examples/{flowgrpo,grpoguard,flowdppo,mixgrpo,diffusionnft,dancegrpo,diffusionopd,dpo}_trainer/**/*.sh``,
+the NPU copies and the non-diffusion ones (``SKIP``) left out.
 """
 
 from __future__ import annotations
@@ -28,12 +32,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "tests/config/verl_omni_recipes"
 DEFAULT_REPO = "/work/.mirror/verl-project+verl-omni/repo"
-TRAINERS = ("flowgrpo", "grpoguard", "flowdppo", "mixgrpo", "diffusionnft")
+TRAINERS = ("flowgrpo", "grpoguard", "flowdppo", "mixgrpo", "diffusionnft", "dancegrpo", "diffusionopd", "dpo")
+# Scripts under those folders that are not diffusion recipes, prefix -> why.
+SKIP = {
+    "examples/dpo_trainer/qwen3_omni/": "Qwen3-Omni (thinker) DPO: an LLM / omni-modal recipe, not a diffusion one",
+}
 # Environment a recipe needs that has no default in the script, recipe -> {variable: folders}: MiniMax-H3's recipe
 # checks that MODEL_PATH is a local checkout with these folders before it does anything. Only that recipe gets it:
 # other recipes read MODEL_PATH too (``${MODEL_PATH:-Qwen/Qwen-Image}``), and must keep their own default.
 MODEL_DIRS = {
     "examples/diffusionnft_trainer/minimax_h3/run_minimax_h3_t2va_lora.sh": {"MODEL_PATH": ("FL2VA", "transformer")}
+}
+# Environment variables a recipe requires and gives no default (``${VAR:?...}`` stops the script without them),
+# recipe -> {variable: value}: DiffusionOPD's frozen teacher checkpoint, a placeholder path as the recipe's
+# comments describe it (an OCR-tuned SD3.5-Medium with its LoRA merged).
+ENV = {
+    "examples/diffusionopd_trainer/sd35/run_sd35_medium_ocr_distill.sh": {
+        "TEACHER_PATH": "/models/sd35-medium-ocr-teacher"
+    },
 }
 
 PYTHON_SHIM = """#!/bin/bash
@@ -42,6 +58,12 @@ printf '%s\\0' "$@" > "$RECIPE_ARGV"
 """
 NSYS_SHIM = """#!/bin/bash
 exit 0
+"""
+NVIDIA_SMI_SHIM = """#!/bin/bash
+exit 0
+"""
+NPU_SMI_SHIM = """#!/bin/bash
+exit 1
 """
 DATE_SHIM = """#!/bin/bash
 echo 20260101_000000
@@ -56,7 +78,11 @@ def recipe_paths(repo: str, commit: str) -> list[str]:
         text=True,
     ).stdout.split()
     pattern = re.compile(rf"^examples/({'|'.join(TRAINERS)})_trainer/.+\.sh$")
-    return sorted(n for n in names if pattern.match(n) and "npu" not in Path(n).name)
+    return sorted(
+        n
+        for n in names
+        if pattern.match(n) and "npu" not in Path(n).name and not any(n.startswith(skip) for skip in SKIP)
+    )
 
 
 def recipe_id(path: str) -> str:
@@ -86,6 +112,7 @@ def run_recipe(tree: Path, path: str, shims: Path) -> list[str]:
         for folder in folders:
             (model / folder).mkdir(parents=True, exist_ok=True)
         env[var] = str(model)
+    env.update(ENV.get(path, {}))
     subprocess.run(
         ["bash", str(tree / path)], cwd=tree, env=env, capture_output=True, text=True, timeout=60, check=False
     )
@@ -117,7 +144,14 @@ def main() -> None:
         archive_path.write_bytes(archive)
         with tarfile.open(archive_path) as tar:
             tar.extractall(tree, filter="data")
-        for name, body in (("python3", PYTHON_SHIM), ("python", PYTHON_SHIM), ("nsys", NSYS_SHIM), ("date", DATE_SHIM)):
+        for name, body in (
+            ("python3", PYTHON_SHIM),
+            ("python", PYTHON_SHIM),
+            ("nsys", NSYS_SHIM),
+            ("date", DATE_SHIM),
+            ("nvidia-smi", NVIDIA_SMI_SHIM),
+            ("npu-smi", NPU_SMI_SHIM),
+        ):
             (shims / name).write_text(body)
             os.chmod(shims / name, 0o755)
         for path in recipe_paths(args.repo, sha):

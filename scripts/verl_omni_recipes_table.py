@@ -111,7 +111,7 @@ def key_table(all_recipes: dict[str, list[str]]) -> tuple[list[str], list[str], 
 
 
 def main() -> None:
-    logging.disable(logging.WARNING)  # the no-effect lines of 29 recipes
+    logging.disable(logging.WARNING)  # the no-effect lines of every recipe
     all_recipes = recipes()
     commit = source(next(iter(all_recipes))).split("@", 1)[1].split(":", 1)[0]
     ours, owned, rows = key_table(all_recipes)
@@ -121,9 +121,12 @@ def main() -> None:
         "<!-- written by scripts/verl_omni_recipes_table.py; do not edit by hand -->",
         "",
         f"verl-omni's {len(all_recipes)} diffusion recipes at `{commit[:7]}` "
-        "(`examples/{flowgrpo,grpoguard,flowdppo,mixgrpo,diffusionnft}_trainer/**/*.sh`, without the NPU copies; "
+        "(`examples/{flowgrpo,grpoguard,flowdppo,mixgrpo,diffusionnft,dancegrpo,diffusionopd,dpo}_trainer/**/*.sh`, "
+        "without the NPU copies; "
         f"{sum(map(len, all_recipes.values()))} overrides, extracted by `scripts/extract_verl_omni_recipes.py` with "
-        "their shell variables at their defaults into `tests/config/verl_omni_recipes/`), composed and validated "
+        "their shell variables at their defaults into `tests/config/verl_omni_recipes/`; verl-omni's other recipes, "
+        "`dpo_trainer/qwen3_omni` and `gspo_trainer/qwen3_omni`, train the Qwen3-Omni LLM / omni-modal thinker, not "
+        "a diffusion model, and are left out), composed and validated "
         "here as a whole (`tests/config/test_verl_omni_recipes.py`). A refused key is refused with a `ConfigError` "
         "naming the key, why and what to use instead, never with Hydra's `Could not override`; every key refused "
         "at once is named together. *Unchanged*: the recipe as verl-omni ships it (its model paths, `vllm_omni` "

@@ -54,6 +54,11 @@ LOSS_MODES: dict[str, LossMode] = {
 }
 
 
+# verl-omni's on-policy distillation losses (DiffusionOPD: distill_kl toward a frozen teacher's transition means,
+# distill_fm_mse toward its flow predictions). Not built, and no built loss stands in: the config check refuses them
+# naming that. Not in LOSS_MODES: they run under model.algorithm=flow_grpo, which is built.
+DISTILL_LOSS_MODES = ("distill_kl", "distill_fm_mse")
+
 # verl-omni's diffusion algorithms (actor_rollout_ref.model.algorithm) not built, -> the built one to use instead.
 PLANNED_ALGORITHMS = {m.algorithm: m.instead for m in LOSS_MODES.values() if not m.built}
 

@@ -13,6 +13,8 @@ from omni_async.config_error import check as _check
 
 def check_rollout(cfg: DictConfig) -> None:
     """The modality, the rollout engine, text sampling, the SDE window and the image size."""
+    from omni_async.algos.loss_modes import PLANNED_ISSUE
+
     arr = cfg.actor_rollout_ref
     rollout, actor = arr.rollout, arr.actor
     modality = arr.model.modality
@@ -58,6 +60,13 @@ def check_rollout(cfg: DictConfig) -> None:
             "set it to False",
         )
     algo = rollout.algo
+    _check(
+        algo.sde_type != "dance_sde",
+        "actor_rollout_ref.rollout.algo.sde_type",
+        "dance_sde (DanceGRPO's score-based SDE step, verl-omni's Wan 2.2 DanceGRPO rollout) is not built here "
+        f"({PLANNED_ISSUE})",
+        "use sde (Flow-GRPO's SDE step, with the flow_grpo loss verl-omni trains DanceGRPO with) or cps",
+    )
     _check(
         algo.sde_type in ("sde", "cps"),
         "actor_rollout_ref.rollout.algo.sde_type",
@@ -148,6 +157,7 @@ def check_loss(cfg: DictConfig) -> None:
 
     from omni_async.algos.diffusion_nft import ADV_MODES, DECAY_SCHEDULES
     from omni_async.algos.loss_modes import (
+        DISTILL_LOSS_MODES,
         FINAL_LATENTS,
         LOSS_MODES,
         PLANNED_ALGORITHMS,
@@ -218,6 +228,14 @@ def check_loss(cfg: DictConfig) -> None:
         "actor_rollout_ref.actor.diffusion_loss.loss_mode",
         f"{name} changes where the SDE window sits, not the loss (verl-omni's recipe pins the loss)",
         f"set actor_rollout_ref.actor.diffusion_loss.loss_mode={SAMPLING_ALGORITHMS.get(name, base)}",
+    )
+    _check(
+        name not in DISTILL_LOSS_MODES,
+        "actor_rollout_ref.actor.diffusion_loss.loss_mode",
+        f"{name} is verl-omni's DiffusionOPD loss (the student toward a frozen teacher's predictions on the "
+        "student's own rollouts, distillation.teacher_models); on-policy distillation is not built here, and no loss "
+        "here trains toward a teacher",
+        f"drop it and distillation.*; to train on the reward instead, use one of {', '.join(built)}",
     )
     _check(
         name in LOSS_MODES,

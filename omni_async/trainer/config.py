@@ -122,11 +122,11 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_reward(cfg)
 
     _check(cfg.algorithm.adv_std_eps >= 0, "algorithm.adv_std_eps", "must be >= 0", "flow_grpo uses 1e-4")
-    _check(
-        cfg.algorithm.adv_estimator in ("grpo", "flow_grpo"),
+    _check(  # verl-omni registers flow_grpo and dance_grpo to one estimator (compute_flow_grpo_outcome_advantage)
+        cfg.algorithm.adv_estimator in ("grpo", "flow_grpo", "dance_grpo"),
         "algorithm.adv_estimator",
         f"{cfg.algorithm.adv_estimator!r} is not supported here (group advantages only)",
-        "use grpo (verl's name) or flow_grpo (verl-omni's name for the same group advantage)",
+        "use grpo (verl's name) or flow_grpo / dance_grpo (verl-omni's names for the same group advantage)",
     )
     _check_rollout_correction(cfg)
     check_mode(cfg)

@@ -26,8 +26,10 @@ def _one_of(*values: Any):
 
 
 def _identity_template(v: Any, get: Get) -> bool:
-    """A chat template that gives the user's message back unchanged (the SD3 recipes' one): the prompt reaches the
-    pipeline as written, which is what this project does."""
+    """A chat template that gives the user's message back unchanged (the SD3 recipes' one), or followed by ``</s>``
+    (DanceGRPO's Wan 2.2 one): the prompt reaches the pipeline as written, which is what this project does. verl-omni
+    tokenizes the template's text without special tokens, so ``</s>`` there is the end-of-sequence token that a T5 /
+    UMT5 tokenizer (Wan's, SD3's third) ends a prompt with, which the diffusers pipeline's own tokenizer appends here."""
     if v is None:
         return True
     try:
@@ -37,7 +39,7 @@ def _identity_template(v: Any, get: Get) -> bool:
         out = ImmutableSandboxedEnvironment().from_string(str(v)).render(messages=[{"role": "user", "content": text}])
     except Exception:  # noqa: BLE001 - any template that does not render is not the identity
         return False
-    return out == text
+    return out in (text, text + "</s>")
 
 
 def _pipeline_tokenizers(v: Any, get: Get) -> bool:
@@ -60,11 +62,34 @@ def _same_as(key: str, convert=lambda x: x):
     return lambda v, get: get(key) is None or convert(v) == convert(get(key))
 
 
+def _equals(key: str):
+    """The value ``key`` has here (given, else its default here, None included)."""
+    return lambda v, get: v == get(key)
+
+
+def _verl_omni_adapter(v: Any, get: Get) -> bool:
+    """verl-omni's own model-adapter modules (``verl_omni.pipelines.<family>_<algorithm>``), or none."""
+    return v is None or str(v).startswith("verl_omni.pipelines.")
+
+
 _NO_VIDEO_AUDIO = (
     "audio-video pipelines (LTX-2, MiniMax-H3) are not part of this project: its video model is Wan 2.1 / 2.2, "
     "frames set by rollout.pipeline.num_frames"
 )
 _MODEL_FAMILIES = "use a Qwen-Image, SD3 / SD3.5 or Wan 2.1 / 2.2 diffusers checkpoint (or a tiny: model)"
+_NO_OPD = (
+    "on-policy distillation from a frozen teacher (verl-omni's DiffusionOPD: the student's rollouts replayed by the "
+    "teacher, the loss toward its transition means) is not built here"
+)
+_NO_OPD_FIX = (
+    "drop distillation.* and diffusion_loss.loss_mode=distill_kl; no loss here trains toward a teacher (to train on "
+    "the reward the recipe monitors, use a reward loss: model.algorithm=flow_grpo)"
+)
+_NO_DPO = (
+    "verl-omni's DPO, which trains on pairs (a chosen and a rejected sample per prompt), is not built here (issue 38)"
+)
+# verl-omni's model.pipeline.* (the training engine's copy of rollout.pipeline.*, which it defaults to).
+_MODEL_PIPELINE = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length", "guidance_scale")
 
 RULES: dict[str, Rule] = {
     # ---- this project's earlier spellings -------------------------------------------------------------------------
@@ -75,6 +100,14 @@ RULES: dict[str, Rule] = {
         for k in ("height", "width", "num_inference_steps", "num_frames")
     },
     # ---- data ---------------------------------------------------------------------------------------------------------
+    "data.custom_cls.*": Rule(
+        "same",
+        "no custom dataset class is loaded here: data.train_files / val_files are jsonl / parquet rows of prompts "
+        "(verl-omni's OfflineDPODataset feeds pre-ranked image pairs, and offline preference data is not part of "
+        "this project)",
+        "drop it, and give prompt rows (prompt, data_source, reward_model) in data.train_files / data.val_files",
+        _one_of(None),
+    ),
     "data.truncation": Rule(
         "same",
         "a prompt longer than data.max_prompt_length is an error at start here, verl's truncation=error",
@@ -120,7 +153,8 @@ RULES: dict[str, Rule] = {
     ),
     f"{ARR}.model.custom_chat_template": Rule(
         "same",
-        "prompts reach the diffusers pipeline as written, which is what a template returning the user's message does",
+        "prompts reach the diffusers pipeline as written, which is what a template returning the user's message does "
+        "(or the message and </s>: T5's end of sequence, which the pipeline's tokenizer appends itself here)",
         "drop it (a template that changes the prompt is not applied here; rewrite the prompts in the data instead)",
         _identity_template,
     ),
@@ -135,6 +169,34 @@ RULES: dict[str, Rule] = {
         "diffusers' attention backend of verl-omni's training engine; the transformer here runs torch SDPA, the "
         "same attention",
     ),
+    f"{ARR}.model.external_lib": Rule(
+        "same",
+        "the module verl-omni imports to register a model adapter for (pipeline, algorithm); verl-omni's own "
+        "(verl_omni.pipelines.*) are this project's built-in adapters, picked by model.path's pipeline and "
+        "model.algorithm (which refuse a family or algorithm not built here)",
+        "drop it (custom adapter modules are not loaded here)",
+        _verl_omni_adapter,
+    ),
+    **{
+        f"{ARR}.model.pipeline.{k}": Rule(
+            "same",
+            f"verl-omni's training-engine copy of rollout.pipeline.{k} (its default); the update here runs the "
+            "transformer with the rollout's pipeline settings",
+            f"drop it, or set {ARR}.rollout.pipeline.{k} to this value instead",
+            _equals(f"{ARR}.rollout.pipeline.{k}"),
+        )
+        for k in _MODEL_PIPELINE
+    },
+    f"{ARR}.model.pipeline.num_frames": Rule(
+        "same",
+        "verl-omni's training-engine copy of rollout.pipeline.num_frames",
+        f"drop it, or set {ARR}.rollout.pipeline.num_frames to this value instead",
+        _equals(f"{ARR}.rollout.pipeline.num_frames"),
+    ),
+    **{
+        f"{ARR}.model.pipeline.{k}": Rule("refused", _NO_VIDEO_AUDIO, "drop it")
+        for k in ("frame_rate", "video_flow_shift")
+    },
     f"{ARR}.model.fsdp_layer_prefixes": Rule(
         "no_effect",
         "the layers verl-omni gathers one by one for a layered LoRA summon; a LoRA weight sync here moves only the "
@@ -277,6 +339,24 @@ RULES: dict[str, Rule] = {
         for val in ("", "val_kwargs.")
         for k in ("frame_rate", "video_flow_shift", "aspect_ratio")
     },
+    # ---- DiffusionOPD (distillation), DPO ---------------------------------------------------------------------------
+    "distillation.enabled": Rule("same", _NO_OPD, _NO_OPD_FIX, _one_of(False)),
+    "distillation.teacher_models.*": Rule("same", _NO_OPD, _NO_OPD_FIX, _one_of(None)),
+    "algorithm.paired_preference": Rule(
+        "same",
+        _NO_DPO,
+        "drop it (or set it to false); AWM trains on the same final latents from each group's advantages: "
+        f"{ARR}.model.algorithm=awm",
+        _one_of(False),
+    ),
+    # ---- trainer device ---------------------------------------------------------------------------------------------
+    "trainer.device": Rule(
+        "same",
+        "workers run on the CUDA GPU Ray assigns them (the CPU on a machine without one), verl's cuda; Ascend NPUs "
+        "are not supported",
+        "drop it, or set it to cuda",
+        _one_of("cuda", "gpu"),
+    ),
     # ---- profilers ------------------------------------------------------------------------------------------------
     **{
         f"{ARR}.{role}.profiler.enable": Rule(

@@ -38,7 +38,23 @@ _BAGEL = {
 }
 _PICKSCORE = {"reward.custom_reward_function.path"}  # no PickScore reward here
 _64_RANKS = {"actor_rollout_ref.actor.ppo_mini_batch_size"}  # 16 groups per mini-batch cannot feed 64 ranks
+# DPO (issue 38): the loss, and verl-omni's pairing of it (model_type, trainer_type), named with awm as the fix; the
+# keys of the default loss's pairing after the loss is dropped are named too (calculate_log_probs).
+_DPO = {
+    "actor_rollout_ref.actor.diffusion_loss.loss_mode",
+    "actor_rollout_ref.model.algorithm",
+    "actor_rollout_ref.model.model_type",
+    "algorithm.paired_preference",
+    "algorithm.trainer_type",
+}
 EXPECTED_REFUSED: dict[str, set[str]] = {
+    # DanceGRPO (issue 38): its loss is flow_grpo's in verl-omni, its SDE step (dance_sde) is not built; no HPSv3 here
+    "dancegrpo_trainer.wan22.run_wan22_5b_t2v_hpsv3_auto": {
+        "actor_rollout_ref.actor.diffusion_loss.loss_mode",
+        "actor_rollout_ref.model.algorithm",
+        "actor_rollout_ref.rollout.algo.sde_type",
+        "reward.custom_reward_function.path",
+    },
     "diffusionnft_trainer.minimax_h3.run_minimax_h3_t2va_lora": _AUDIO_VIDEO
     | {
         "actor_rollout_ref.model.architecture",
@@ -47,6 +63,22 @@ EXPECTED_REFUSED: dict[str, set[str]] = {
         "actor_rollout_ref.rollout.pipeline.video_flow_shift",
     },
     "diffusionnft_trainer.qwen_image.run_qwen_image_ocr_lora": set(),
+    # DiffusionOPD: on-policy distillation from a teacher is not built (no loss here stands in)
+    "diffusionopd_trainer.sd35.run_sd35_medium_ocr_distill": {
+        "actor_rollout_ref.actor.diffusion_loss.loss_mode",
+        "distillation.enabled",
+        "distillation.teacher_models.teacher_model.model_path",
+    },
+    "dpo_trainer.qwen_image.run_qwen_image_online_dpo_lora": _DPO | {"actor_rollout_ref.rollout.calculate_log_probs"},
+    # offline: pre-ranked pairs from verl-omni's dataset class, and the training engine's own CFG scale
+    "dpo_trainer.sd35.run_sd35_medium_offline_dpo_lora": _DPO
+    | {
+        "actor_rollout_ref.model.pipeline.guidance_scale",
+        "algorithm.sample_source",
+        "data.custom_cls.collate_fn",
+        "data.custom_cls.name",
+        "data.custom_cls.path",
+    },
     "flowdppo_trainer.qwen_image.run_qwen_image_ocr_lora": set(),
     "flowgrpo_trainer.bagel.run_bagel_ocr_lora": _BAGEL,
     "flowgrpo_trainer.bagel.run_bagel_pickscore": _BAGEL | _PICKSCORE,
@@ -92,12 +124,13 @@ EXPECTED_REFUSED: dict[str, set[str]] = {
 }
 
 
-def test_the_recipes_are_verl_omnis_29_non_npu_diffusion_scripts_at_one_commit():
-    assert len(RECIPES) == 29 and set(EXPECTED_REFUSED) == set(RECIPES)
+def test_the_recipes_are_verl_omnis_33_non_npu_diffusion_scripts_at_one_commit():
+    assert len(RECIPES) == 33 and set(EXPECTED_REFUSED) == set(RECIPES)
     for name in RECIPES:
         assert source(name).startswith(f"verl-project/verl-omni@{UPSTREAM_COMMIT}:examples/")
         assert "npu" not in name
-    assert sum(len(o) for o in RECIPES.values()) > 1800
+    assert sum(len(o) for o in RECIPES.values()) > 2000
+    assert not any("qwen3_omni" in name for name in RECIPES)  # verl-omni's LLM / omni-modal DPO: not diffusion
 
 
 def _first_use() -> dict[str, str]:
@@ -160,6 +193,10 @@ MISSING = {
         "actor_rollout_ref.rollout.pipeline.output_type",
         "rewards on latents",
     ),
+    "dancegrpo_trainer.wan22.run_wan22_5b_t2v_hpsv3_auto": ("actor_rollout_ref.rollout.algo.sde_type", "DanceGRPO"),
+    "diffusionopd_trainer.sd35.run_sd35_medium_ocr_distill": ("distillation.enabled", "DiffusionOPD"),
+    "dpo_trainer.qwen_image.run_qwen_image_online_dpo_lora": ("algorithm.paired_preference", "DPO"),
+    "dpo_trainer.sd35.run_sd35_medium_offline_dpo_lora": ("data.custom_cls.name", "OfflineDPODataset"),
 }
 
 
@@ -259,3 +296,50 @@ def test_a_ruled_key_with_a_value_of_the_wrong_type_is_refused_naming_it():
         compose([*BASE, "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=abc"])
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.max_prompt_embed_length=x: .*77 \+"):
         compose([*BASE, "actor_rollout_ref.rollout.max_prompt_embed_length=x"])
+
+
+def test_keys_of_dancegrpo_diffusionopd_and_dpo_recipes_mean_the_same_or_name_what_is_not_built():
+    # verl-omni registers dance_grpo and flow_grpo to one advantage estimator; a chat template ending in T5's </s>
+    # is the identity (the pipeline's tokenizer appends </s> itself); model.pipeline.* is the rollout's copy
+    template = '"{% for m in messages %}{{ m[\\"content\\"] }}{% endfor %}</s>"'
+    cfg = validate(
+        compose(
+            [
+                *BASE,
+                "algorithm.adv_estimator=dance_grpo",
+                "trainer.device=cuda",
+                "distillation.enabled=false",
+                "algorithm.paired_preference=false",
+                "actor_rollout_ref.model.external_lib=verl_omni.pipelines.sd3_flow_grpo",
+                f"actor_rollout_ref.model.custom_chat_template={template}",
+                "actor_rollout_ref.rollout.pipeline.guidance_scale=4.0",
+                "actor_rollout_ref.model.pipeline.guidance_scale=4.0",
+            ]
+        )
+    )
+    assert cfg.algorithm.adv_estimator == "dance_grpo" and cfg.actor_rollout_ref.rollout.pipeline.guidance_scale == 4
+    refused = {
+        "trainer.device=npu": "Ascend NPUs",
+        "distillation.enabled=true": "DiffusionOPD",
+        "algorithm.paired_preference=true": "model.algorithm=awm",
+        "actor_rollout_ref.model.external_lib=my_pkg.adapters": "custom adapter modules are not loaded",
+        "data.custom_cls.name=OfflineDPODataset": "prompt rows",
+        "actor_rollout_ref.model.pipeline.guidance_scale=4.0": "rollout.pipeline.guidance_scale to this value",
+        "actor_rollout_ref.model.pipeline.frame_rate=24": "audio-video",
+    }
+    with pytest.raises(OverrideError) as err:
+        compose([*BASE, *refused])
+    problems = dict(err.value.problems)
+    assert set(problems) == {o.split("=")[0] for o in refused}
+    for override, words in refused.items():
+        assert words in problems[override.split("=")[0]] and "Fix:" in problems[override.split("=")[0]]
+    for overrides, key, words in (
+        (["actor_rollout_ref.rollout.algo.sde_type=dance_sde"], "actor_rollout_ref.rollout.algo.sde_type", "sde"),
+        (
+            ["actor_rollout_ref.actor.diffusion_loss.loss_mode=distill_kl"],
+            "actor_rollout_ref.actor.diffusion_loss.loss_mode",
+            "no loss here trains toward a teacher",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: .*{words}.*Fix:"):
+            validate(compose([*BASE, *overrides]))

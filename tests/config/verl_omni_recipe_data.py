@@ -43,6 +43,11 @@ STAND_INS: dict[str, dict[str | None, tuple[str, str]]] = {
         "Qwen/Qwen-Image": ("tiny:qwen_image", "a random Qwen-Image of the same architecture, built offline"),
         "/home/user/huggingface/Qwen-Image": ("tiny:qwen_image", "the same"),
         "stabilityai/stable-diffusion-3.5-medium": ("tiny:sd3", "a random SD3 of the same architecture"),
+        "Wan-AI/Wan2.2-TI2V-5B-Diffusers": (
+            "tiny:wan22",
+            "a random Wan 2.2 WanPipeline (A14B's two-expert layout: there is no tiny build of TI2V-5B's one-expert, "
+            "48-channel-VAE layout here); the DanceGRPO recipe is refused before a model loads",
+        ),
         "Qwen/Qwen-Image-Edit-2511": (
             str(STAND_IN_MODELS / "Qwen-Image-Edit-2511"),
             "a directory holding only the model_index.json of Qwen-Image-Edit (QwenImageEditPlusPipeline), which "

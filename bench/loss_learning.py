@@ -11,10 +11,11 @@ three seeds each) in one results file; this script reads them and adds a ``summa
 - the **level**: Flow-GRPO's mean over its last three points (steps 18-20 for ``rollout``; validations at steps
   16, 18, 20 for ``validation``), the median over its seeds (its 20-step level);
 - per run, the first step ``k`` whose trailing 3-point mean (points ``k-2..k``; fewer at the start) reaches the
-  level, the training seconds to it (the sum of ``timing_s/step`` up to ``k``) and the wall seconds from launch to
-  that step's metrics row (start-up, validation and pictures included: what a user waits);
-- per loss, the medians over its seeds, and their ratios to Flow-GRPO's (``None`` when a run never reached the
-  level: then it is listed, not dropped).
+  level, the training seconds to it (the sum of ``timing_s/step`` up to ``k``: generation, reward tail and update,
+  what the loss changes) and the wall seconds from launch to that step's metrics row (start-up, the validations and
+  pictures included: what a user waits, the same fixed costs for every loss);
+- per loss, the medians over its seeds (a run that never reached the level counts as later than any that did; the
+  median is ``None`` when it falls on such a run), and their ratios to Flow-GRPO's.
 
     python bench/ocr_learning.py --out bench/results/loss_learning.json --name grpo_s42 --seed 42
     python bench/ocr_learning.py --out bench/results/loss_learning.json --name nft_s42 --seed 42 --env ALGO=diffusion_nft
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -74,8 +76,12 @@ def loss_of(run: dict) -> str:
 
 
 def median_or_none(values: list) -> float | None:
-    """The median, or ``None`` when any run did not reach the level (a median over the reached ones would hide it)."""
-    return None if not values or any(v is None for v in values) else round(statistics.median(values), 1)
+    """The median with a run that never reached the level counted as later than any that did (right-censored, as
+    a median over the reached ones would hide it); ``None`` when the median itself is such a run."""
+    if not values:
+        return None
+    m = statistics.median(math.inf if v is None else v for v in values)
+    return None if math.isinf(m) else round(m, 1)
 
 
 def summarise(results: dict, names: list[str] | None = None) -> dict:

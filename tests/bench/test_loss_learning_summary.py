@@ -62,4 +62,8 @@ def test_a_run_that_never_reaches_the_level_is_not_hidden():
     }
     out = summarise({"runs": runs})["rollout"]["awm"]
     assert out["runs"]["awm_stuck"]["step"] is None and out["runs"]["awm_ok"]["step"] == 1
-    assert out["median_step"] is None and out["step_vs_flow_grpo"] is None
+    assert out["median_step"] is None and out["step_vs_flow_grpo"] is None  # the median falls on the stuck run
+    # With a third run that got there, the stuck one counts as the latest: the median is the later of the two others.
+    runs["awm_late"] = record("awm", [0.1, 0.9, 0.9], {0: 0.1, 1: 0.1, 2: 0.9, 3: 0.9})
+    out = summarise({"runs": runs})["rollout"]["awm"]
+    assert out["runs"]["awm_late"]["step"] == 2 and out["median_step"] == 2  # trailing means 0.1, 0.5 >= 0.5

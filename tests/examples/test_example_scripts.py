@@ -130,18 +130,20 @@ def test_algo_picks_the_loss_with_verl_omnis_keys(tmp_path):
     default = run_example("run_qwen_image_ocr_async_reward.sh", tmp_path / "grpo")
     assert default["actor_rollout_ref"]["actor"]["diffusion_loss"]["loss_mode"] == "flow_grpo"
     assert default["actor_rollout_ref"]["rollout"]["algo"]["sde_window_range"] == [0, 4]
-    cfg = run_example("run_qwen_image_ocr_async_reward.sh", tmp_path / "nft", ALGO="diffusion_nft", NFT_LR="1e-3")
+    cfg = run_example("run_qwen_image_ocr_async_reward.sh", tmp_path / "nft", ALGO="diffusion_nft")
     arr = cfg["actor_rollout_ref"]
     assert (
         arr["model"]["algorithm"] == "diffusion_nft" and arr["actor"]["diffusion_loss"]["loss_mode"] == "diffusion_nft"
     )
     assert arr["rollout"]["rollout_adapter"] == "old" and arr["model"]["policy_state_adapters"] == ["default", "old"]
-    assert arr["actor"]["optim"]["lr"] == 1e-3 and cfg["algorithm"]["trainer_type"] == "direct_preference"
+    assert arr["actor"]["optim"]["lr"] == 3e-3 and cfg["algorithm"]["trainer_type"] == "direct_preference"  # tuned
+    assert cfg["algorithm"]["timestep_fraction"] == 0.5
     assert arr["rollout"]["algo"]["sde_window_range"] != [0, 4]  # the window keys are Flow-GRPO's only
     (tmp_path / "awm").mkdir()
     awm = run_example("run_qwen_image_ocr_async_reward.sh", tmp_path / "awm", ALGO="awm")
     assert awm["actor_rollout_ref"]["actor"]["diffusion_loss"]["loss_mode"] == "awm"
     assert awm["actor_rollout_ref"]["actor"]["diffusion_loss"]["old_kl_coef"] == 1.0
+    assert awm["actor_rollout_ref"]["actor"]["optim"]["lr"] == 1e-3
     assert awm["actor_rollout_ref"]["rollout"]["rollout_adapter"] == "default"  # the live weights sample
     bad = subprocess.run(
         ["bash", str(ROOT / "examples/run_qwen_image_ocr_async_reward.sh")],

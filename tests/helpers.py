@@ -112,6 +112,19 @@ def write_prompts(path: Path, n: int, data_source: str = "x") -> Path:
     return path
 
 
+def write_ocr_rows(path: Path, n: int) -> None:
+    """``n`` OCR prompt rows (``a sign that says "WORDi"``, ground truth ``WORDi``) in verl-omni's row layout."""
+    rows = [
+        {
+            "prompt": f'a sign that says "WORD{i}"',
+            "data_source": "ocr",
+            "reward_model": {"ground_truth": f"WORD{i}", "style": "rule"},
+        }
+        for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 class Trainers:
     """Builds trainers for a test, one Ray session each (a trainer owns its placement groups), weights synced to
     version 0, and shuts them all down at the end (``close``)."""

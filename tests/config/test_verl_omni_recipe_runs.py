@@ -21,6 +21,7 @@ import time
 
 import pytest
 import torch
+from helpers import write_ocr_rows
 from verl_omni_recipe_data import effective, on_cpu, recipes, runs, stand_in, trainable
 
 from omni_async.cluster import shutdown_ray
@@ -87,23 +88,11 @@ def test_one_run_covers_recipes_of_one_effective_config():
             assert effective(on_cpu(stand_in(RECIPES[other]), "/data", "/run")) == mine, other
 
 
-def _rows(path, n: int) -> None:
-    rows = [
-        {
-            "prompt": f'a sign that says "WORD{i}"',
-            "data_source": "ocr",
-            "reward_model": {"ground_truth": f"WORD{i}", "style": "rule"},
-        }
-        for i in range(n)
-    ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     d = tmp_path_factory.mktemp("prompts")
-    _rows(d / "train.jsonl", 4)
-    _rows(d / "val.jsonl", 2)
+    write_ocr_rows(d / "train.jsonl", 4)
+    write_ocr_rows(d / "val.jsonl", 2)
     return d
 
 

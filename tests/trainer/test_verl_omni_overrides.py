@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from helpers import SMALL_IMAGE_TRAINER
+from helpers import SMALL_IMAGE_TRAINER, write_ocr_rows
 from omegaconf import OmegaConf
 from PIL import Image
 
@@ -131,22 +131,10 @@ def verl_omni_overrides(data_dir, run_dir) -> list[str]:
     return [*out, *OURS, f"trainer.run_dir={run_dir}"]
 
 
-def write_rows(path, n: int) -> None:
-    rows = [
-        {
-            "prompt": f'a sign that says "WORD{i}"',
-            "data_source": "ocr",
-            "reward_model": {"ground_truth": f"WORD{i}", "style": "rule"},
-        }
-        for i in range(n)
-    ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
 @pytest.fixture
 def data_dir(tmp_path):
-    write_rows(tmp_path / "train.jsonl", 4)
-    write_rows(tmp_path / "val.jsonl", 3)
+    write_ocr_rows(tmp_path / "train.jsonl", 4)
+    write_ocr_rows(tmp_path / "val.jsonl", 3)
     return tmp_path
 
 
@@ -306,8 +294,8 @@ def test_validation_settings_change_the_denoising_steps_and_batch_apart():
 
 @pytest.mark.slow  # a training run: not in the fast tier (pytest -m 'not slow')
 def test_validation_runs_val_kwargs_before_training_logs_n_samples_and_epochs_set_steps(tmp_path):
-    write_rows(tmp_path / "train.jsonl", 2)
-    write_rows(tmp_path / "val.jsonl", 3)
+    write_ocr_rows(tmp_path / "train.jsonl", 2)
+    write_ocr_rows(tmp_path / "val.jsonl", 3)
     cfg = compose(
         [
             f"data.train_files={tmp_path}/train.jsonl",

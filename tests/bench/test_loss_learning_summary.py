@@ -4,13 +4,16 @@ median over the runs that did)."""
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from loss_learning import summarise  # noqa: E402
+# Loaded by path: putting bench/ on sys.path would let bench/http_scorer.py shadow the http_scorer package for
+# every later test in this worker.
+_spec = importlib.util.spec_from_file_location("bench_loss_learning", ROOT / "bench/loss_learning.py")
+_module = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_module)
+summarise = _module.summarise
 
 
 def record(algo: str | None, curve: list[float], val: dict[int, float]) -> dict:

@@ -149,6 +149,7 @@ def workload(args, data: Path) -> list[str]:
         "trainer.resume_mode=disable",
         *layout_overrides(args),
         *([f"actor_rollout_ref.model.lora_rank={args.lora_rank}"] if args.lora_rank is not None else []),
+        *(["actor_rollout_ref.model.lora_alpha=16"] if args.modality == "image" else []),  # (text: the config's 16)
         *(
             [f"actor_rollout_ref.rollout.response_length_pareto_alpha={args.long_tail_alpha}"]
             if args.long_tail_alpha is not None
@@ -665,8 +666,9 @@ def main() -> None:
         "--lora-rank",
         type=int,
         default=None,
-        help="actor_rollout_ref.model.lora_rank (default: the config's; text is a full fine-tune, which "
-        "the hybrid layout's one-step-off refuses)",
+        help="actor_rollout_ref.model.lora_rank (default: image 8, alpha 16, the config's default when the "
+        "results in bench/results were measured; text the config's, a full fine-tune, which the hybrid layout's "
+        "one-step-off refuses)",
     )
     p.add_argument("--modes", default=",".join(MODE_OVERRIDES))
     p.add_argument("--min-latency", type=float, default=1.0, help="simulated scorer: min latency before scaling")
@@ -699,6 +701,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/async_reward.json")
     args = p.parse_args()
     args.model = args.model or ("tiny:qwen2" if args.modality == "text" else "tiny:qwen_image")
+    if args.lora_rank is None and args.modality == "image":
+        args.lora_rank = 8  # LoRA r8 / alpha 16: the image runs' recorded results (the config's default is now 0)
     args.partial_rollout = args.partial_rollout == "true"
     if args.fully_async_staleness:
         compare_fully_async(args, [float(x) for x in args.fully_async_staleness.split(",")])

@@ -52,6 +52,8 @@ from omni_async.reward.scorers.http import HttpScorer  # noqa: E402
 
 SMALL = [
     "actor_rollout_ref.model.path=tiny:sd3",
+    "actor_rollout_ref.model.lora_rank=8",  # LoRA r8/alpha16 (the config's default is a full fine-tune, rank 0)
+    "actor_rollout_ref.model.lora_alpha=16",
     "data.train_batch_size=2",
     "actor_rollout_ref.rollout.n=4",
     "actor_rollout_ref.actor.ppo_mini_batch_size=1",

@@ -19,6 +19,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests/config")]
 from verl_omni_recipe_data import (  # noqa: E402
     OWNED_ELSEWHERE,
     key_of,
+    on_cpu,
     outcome,
     recipes,
     runs,
@@ -28,6 +29,7 @@ from verl_omni_recipe_data import (  # noqa: E402
     trainable,
 )
 
+from omni_async.trainer.config import compose  # noqa: E402
 from omni_async.trainer.overrides import known, rule_for, rule_key  # noqa: E402
 
 OUT = ROOT / "docs/verl_omni_recipes.md"
@@ -56,7 +58,9 @@ def _here(name: str, overrides: list[str], covered_by: dict[str, str]) -> str:
     """The last column: the one-step CPU run that trains the recipe, or what refuses it at start (before Ray)."""
     if name in covered_by:
         runner = covered_by[name]
-        return "trains one step" + ("" if runner == name else f" (in the run of `{runner}`)")
+        rank = compose(on_cpu(stand_in(overrides), "/data", "/run")).actor_rollout_ref.model.lora_rank
+        what = f"LoRA r{rank}" if rank > 0 else "full fine-tune"
+        return f"trains one step, {what}" + ("" if runner == name else f" (in the run of `{runner}`)")
     keys = sorted({k for k, _ in start_refusal([o for o in stand_in(overrides) if key_of(o) not in OWNED_ELSEWHERE])})
     return "refused at start: " + ", ".join(f"`{k}`" for k in keys)
 
@@ -134,7 +138,8 @@ def main() -> None:
         "engines, reward models and reward functions' files swapped as `tests/config/verl_omni_recipe_data.py` "
         "`STAND_INS` documents"
         + ("; keys whose meaning is not built yet (`OWNED_ELSEWHERE`) are left out until it is." if owned else ".")
-        + " *On CPU here*: each recipe that starts with its stand-ins trains one step "
+        + " *On CPU here*: each recipe that starts with its stand-ins trains one step, LoRA of the recipe's rank or, "
+        "where it sets no `actor_rollout_ref.model.lora_rank`, a full fine-tune (verl's and verl-omni's default, 0) "
         "(`tests/config/test_verl_omni_recipe_runs.py`, sizes shrunk as `ON_CPU` documents; recipes whose configs "
         "differ only in keys that pick no code path there, `CODE_PATH_NEUTRAL`, share one run); the others are "
         "refused at start, before Ray, naming the keys listed (the first refusal a user meets: compose-time keys "

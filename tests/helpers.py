@@ -19,9 +19,13 @@ from omni_async.sample import RewardOutcome
 ROOT = Path(__file__).resolve().parents[1]
 TEST_REWARDS = str(ROOT / "tests/reward/rewards_for_tests.py")
 
-# tiny:sd3 at 32x32, 4 denoising steps, 2 prompts x 4 samples per step: a trainer step in seconds on CPU.
+# tiny:sd3 at 32x32, 4 denoising steps, 2 prompts x 4 samples per step: a trainer step in seconds on CPU. LoRA rank 8
+# (alpha 16) pinned: the config's default is verl's full fine-tune (lora_rank=0), and the tests on this base were
+# written and their values recorded with this project's earlier default, rank-8 LoRA.
+SMALL_LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
 SMALL_IMAGE_TRAINER = [
     "actor_rollout_ref.model.path=tiny:sd3",
+    *SMALL_LORA,
     "data.train_batch_size=2",
     "actor_rollout_ref.rollout.n=4",
     "actor_rollout_ref.actor.ppo_mini_batch_size=1",

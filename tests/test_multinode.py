@@ -6,7 +6,7 @@ import json
 
 import pytest
 import ray
-from helpers import two_node_cluster
+from helpers import SMALL_LORA, two_node_cluster
 
 from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
@@ -32,6 +32,7 @@ def test_reward_pool_lands_on_the_other_node(tmp_path):
                 f"trainer.run_dir={tmp_path}/run",
                 f"trainer.ray.address={cluster.address}",
                 "actor_rollout_ref.model.path=tiny:sd3",
+                *SMALL_LORA,
                 "data.train_batch_size=2",
                 "actor_rollout_ref.rollout.n=2",
                 "actor_rollout_ref.actor.ppo_mini_batch_size=1",

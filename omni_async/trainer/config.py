@@ -312,13 +312,6 @@ def _check_verl_keys(cfg: DictConfig) -> None:
         "trainable weights from the actor, so the frozen ones (VAE, text encoder, base) cannot be dummy",
         "set actor_rollout_ref.rollout.load_format=safetensors",
     )
-    _check(
-        not (rollout.layered_summon and arr.model.lora_rank == 0),
-        "actor_rollout_ref.rollout.layered_summon",
-        "a full fine-tune's weight sync sends the transformer's state in one piece; layer-by-layer gathering is "
-        "not implemented (with LoRA a sync moves only the adapter, which is what layered summon saves)",
-        "set actor_rollout_ref.rollout.layered_summon=False, or train LoRA (model.lora_rank > 0)",
-    )
     ref_mb = arr.ref.log_prob_micro_batch_size_per_gpu
     actor_mb = actor.ppo_micro_batch_size_per_gpu or actor.ppo_mini_batch_size * rollout.n
     _check(

@@ -273,6 +273,12 @@ RULES: dict[str, Rule] = {
     f"{ARR}.rollout.rollout_attn_backend": Rule(
         "no_effect", "vLLM-Omni's attention backend; rollout here runs diffusers' transformer on torch SDPA"
     ),
+    f"{ARR}.rollout.layered_summon": Rule(
+        "no_effect",
+        "verl's layer-by-layer gathering of FSDP-sharded LoRA weights for a weight sync, a memory saving; verl and "
+        "verl-omni read it only when collecting LoRA weights (a full fine-tune's sync ignores it there too). Here a "
+        "LoRA sync moves only the adapter, and a full fine-tune's its transformer state, whatever the value",
+    ),
     f"{ARR}.rollout.data_parallel_size": Rule(
         "same",
         "each rollout worker is one replica on one device",

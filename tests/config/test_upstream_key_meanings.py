@@ -54,8 +54,9 @@ def test_use_kl_loss_false_turns_the_kl_term_off_whatever_the_coefficient():
         validate(compose([*BASE, *kl]))  # a full fine-tune keeps no reference
     cfg = validate(compose([*BASE, *kl, "actor_rollout_ref.actor.use_kl_loss=False"]))
     assert cfg.actor_rollout_ref.actor.kl_loss_coef == 0.0
+    lora = "actor_rollout_ref.model.lora_rank=8"  # the reference is the adapter-off model
     on = validate(
-        compose([*BASE, "actor_rollout_ref.actor.kl_loss_coef=0.04", "actor_rollout_ref.actor.use_kl_loss=True"])
+        compose([*BASE, lora, "actor_rollout_ref.actor.kl_loss_coef=0.04", "actor_rollout_ref.actor.use_kl_loss=True"])
     )
     assert on.actor_rollout_ref.actor.kl_loss_coef == 0.04
 
@@ -92,7 +93,12 @@ def test_judge_server_length_and_batch_flags():
 
 
 # ---- verl v1's separate_async keys -------------------------------------------------------------------------------
-POOL = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
+# LoRA pinned: a full fine-tune (the default rank 0) ships weights to a rollout pool only with checkpoint_engine nccl
+POOL = [
+    "actor_rollout_ref.rollout.nnodes=1",
+    "actor_rollout_ref.rollout.n_gpus_per_node=1",
+    "actor_rollout_ref.model.lora_rank=8",
+]
 SEPARATE = [*BASE, "trainer.use_v1=true", "trainer.v1.trainer_mode=separate_async", *POOL]
 
 

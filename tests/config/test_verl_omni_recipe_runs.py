@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,6 +89,19 @@ def test_one_run_covers_recipes_of_one_effective_config():
             assert effective(on_cpu(stand_in(RECIPES[other]), "/data", "/run")) == mine, other
 
 
+def base_transformer(path: str) -> dict[str, torch.Tensor]:
+    """The untrained transformer's weights, as the model directory holds them."""
+    from safetensors.torch import load_file
+
+    from omni_async.models.tiny import resolve_model_path
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted((Path(resolve_model_path(path)) / "transformer").glob("*.safetensors")):
+        state.update(load_file(f))
+    assert state, f"no safetensors under {path}/transformer"
+    return state
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     d = tmp_path_factory.mktemp("prompts")
@@ -133,6 +147,14 @@ def test_recipe_trains_one_step(runner, data, tmp_path, request, wall):
     if rc.rollout_is or rc.rollout_rs:  # bypass mode: verl's IS weights / RS mask per loss call, under verl's names
         assert any(k.startswith("actor/rollout_corr/") for k in row), sorted(row)
     state = torch.load(next(run_dir.glob("checkpoints/step_000001/actor.pt")), weights_only=True)
-    lora_b = [v for k, v in state["weights"].items() if "lora_B" in k]
-    assert lora_b and any(v.abs().sum() > 0 for v in lora_b)  # zero at start: the optimizer moved them
+    model = cfg.actor_rollout_ref.model
+    if model.lora_rank > 0:
+        lora_b = [v for k, v in state["weights"].items() if "lora_B" in k]
+        assert lora_b and any(v.abs().sum() > 0 for v in lora_b)  # zero at start: the optimizer moved them
+    else:  # a full fine-tune (verl's lora_rank=0, the recipe sets no rank): the transformer's own weights moved
+        start = base_transformer(model.path)
+        trained = state["weights"]
+        assert trained.keys() == start.keys()  # the whole transformer, no adapter
+        moved = [k for k in start if not torch.equal(trained[k].to(start[k].dtype), start[k])]
+        assert moved, "no weight of the transformer moved"
     assert all(s["step"] >= 1 for s in state["optimizer"]["state"].values())

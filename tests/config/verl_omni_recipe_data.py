@@ -123,8 +123,9 @@ CODE_PATH_NEUTRAL: dict[str, str] = {
     "actor_rollout_ref.actor.optim.lr": "a number in the same AdamW step",
     "actor_rollout_ref.actor.optim.weight_decay": "the same",
     "actor_rollout_ref.actor.diffusion_loss.clip_ratio": "a number in the same clipped loss",
-    "actor_rollout_ref.model.lora_rank": "the adapters' size, the same LoRA code",
-    "actor_rollout_ref.model.lora_alpha": "the same",
+    "actor_rollout_ref.model.lora_rank": "the adapters' size, the same LoRA code (0, a full fine-tune, is another code "
+    "path: ``effective`` keeps whether the rank is > 0)",
+    "actor_rollout_ref.model.lora_alpha": "a number in the same LoRA code (none in a full fine-tune)",
     "actor_rollout_ref.model.target_modules": "which linear layers carry an adapter, the same LoRA code",
     "actor_rollout_ref.rollout.algo.noise_level": "a number in the same SDE step",
     "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps": "validation only",
@@ -218,7 +219,9 @@ def effective(overrides: list[str]) -> dict:
             elif f"{prefix}{k}" not in CODE_PATH_NEUTRAL:
                 flat[f"{prefix}{k}"] = v
 
-    walk(OmegaConf.to_container(validate(compose(overrides)), resolve=True), "")
+    cfg = validate(compose(overrides))
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    flat["(lora)"] = cfg.actor_rollout_ref.model.lora_rank > 0  # LoRA or a full fine-tune: two code paths
     return flat
 
 

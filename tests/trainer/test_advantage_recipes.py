@@ -164,10 +164,13 @@ def test_the_image_default_is_the_batch_wide_std_and_fully_async_keeps_it():
     assert (
         validate(compose(["data.train_files=x.jsonl"], config_name="grpo_text_trainer")).algorithm.global_std is False
     )
+    # LoRA, as written (this project's earlier default): a full fine-tune (verl's rank 0, the default) overlaps the
+    # update only in the split layout, or on a rollout pool with checkpoint_engine nccl
+    lora = ["data.train_files=x.jsonl", "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
     pool = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
-    fully = validate(compose(["data.train_files=x.jsonl", *pool, *fully_async_overrides(1)]))
+    fully = validate(compose([*lora, *pool, *fully_async_overrides(1)]))
     assert fully.algorithm.global_std is True and not mode_of(fully).pipelined
     with pytest.raises(ConfigError, match=r"^algorithm\.global_std: .*Fix: set algorithm\.global_std=false"):
-        validate(compose(["data.train_files=x.jsonl", "async_reward.update_pipeline=true"]))
+        validate(compose([*lora, "async_reward.update_pipeline=true"]))
     for preset in ("stream+pipeline", "all"):
-        assert mode_of(validate(compose(["data.train_files=x.jsonl", *MODE_OVERRIDES[preset]]))).pipelined
+        assert mode_of(validate(compose([*lora, *MODE_OVERRIDES[preset]]))).pipelined

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import Trainers, drawn_latents, record_trained_uids, write_prompts
+from helpers import SMALL_LORA, Trainers, drawn_latents, record_trained_uids, write_prompts
 
 from omni_async.modality import modality_of
 from omni_async.trainer.config import ConfigError, compose, validate
@@ -27,8 +27,10 @@ AWM = [
 ]
 
 
+# The image config's keys here were written with LoRA (rank 8, alpha 16: this project's earlier default; verl's 0 is a
+# full fine-tune, which keeps no frozen reference for ref_kl_coef / kl_loss_coef); a test of that passes lora_rank=0.
 def valid(*overrides: str):
-    return validate(compose(["data.train_files=x.jsonl", *overrides]))
+    return validate(compose(["data.train_files=x.jsonl", *SMALL_LORA, *overrides]))
 
 
 def test_awm_composes_samples_final_latents_and_carries_its_weighting():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import SMALL_LORA
 
 from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
@@ -19,6 +20,7 @@ SLOW = [
 ]  # 20-800 ms per sample
 SMALL = [
     "actor_rollout_ref.model.path=tiny:sd3",
+    *SMALL_LORA,  # the hybrid layout's overlap modes generate from a LoRA snapshot (a full fine-tune is refused there)
     "data.train_batch_size=4",
     "actor_rollout_ref.rollout.n=2",
     "actor_rollout_ref.actor.ppo_mini_batch_size=1",

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers import SMALL_LORA
 from omegaconf import OmegaConf
 from verl import DataProto
 from verl.trainer.ppo.core_algos import compute_policy_loss_bypass_mode
@@ -34,8 +35,10 @@ BYPASS_SPEC = {
 BYPASS = [f"algorithm.rollout_correction.{k}={v}" for k, v in BYPASS_SPEC.items()]
 
 
+# The image config's keys here were written with LoRA (rank 8, alpha 16: this project's earlier default; verl's 0, a
+# full fine-tune, ships to a rollout pool only with checkpoint_engine nccl).
 def cfg(*overrides: str):
-    return validate(compose(["data.train_files=x.jsonl", *overrides]))
+    return validate(compose(["data.train_files=x.jsonl", *SMALL_LORA, *overrides]))
 
 
 def ops(*overrides: str) -> StepOps:

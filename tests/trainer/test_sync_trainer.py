@@ -9,12 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import SMALL_LORA
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[2]
 # Deterministic comparisons: one sample per device batch, so batching order cannot perturb a float.
 COMMON = [
     "actor_rollout_ref.model.path=tiny:sd3",
+    *SMALL_LORA,  # LoRA r8 / alpha 16, as these runs were written (the config's default is a full fine-tune)
     "data.train_batch_size=2",
     "actor_rollout_ref.rollout.n=4",
     "actor_rollout_ref.actor.ppo_mini_batch_size=1",

@@ -174,11 +174,6 @@ BASE = ["data.train_files=x.jsonl"]
             "actor_rollout_ref.rollout.load_format",
             "load_format=safetensors",
         ),
-        (
-            ["actor_rollout_ref.rollout.layered_summon=True", "actor_rollout_ref.model.lora_rank=0"],
-            "actor_rollout_ref.rollout.layered_summon",
-            "layered_summon=False",
-        ),
         (["actor_rollout_ref.model.algorithm=dance_grpo"], "actor_rollout_ref.model.algorithm", "algorithm=flow_grpo"),
         (
             ["reward.reward_model.rollout.free_cache_engine=True"],
@@ -244,6 +239,13 @@ def test_wandb_without_wandb_installed_is_refused_at_start(monkeypatch):
 
 
 def test_no_op_equivalent_values_are_accepted():
+    for rank in (0, 8):  # layered_summon: no effect here, with a full fine-tune or LoRA (verl / verl-omni read it
+        # only when collecting LoRA weights; a full fine-tune's sync ignores it there too)
+        validate(
+            compose(
+                BASE + ["actor_rollout_ref.rollout.layered_summon=True", f"actor_rollout_ref.model.lora_rank={rank}"]
+            )
+        )
     validate(
         compose(
             BASE

@@ -12,7 +12,8 @@
   between two generation batches.
 
 A layout owns the placement of its rollout workers (:meth:`Layout.start_rollout`, with the pools ``placement``
-makes from :meth:`Layout.pool_spec`), the weight sync after an update (:meth:`Layout.sync`), whether a sync can be
+makes from :meth:`Layout.pool_spec`, started before the actor group so the two load side by side; then
+:meth:`Layout.connect` ties them to it), the weight sync after an update (:meth:`Layout.sync`), whether a sync can be
 staged while generation runs (:attr:`Layout.stages`) or needs the rollout idle (:attr:`Layout.sync_needs_idle_rollout`),
 and bringing a restarted rollout worker back to the newest weights (:meth:`Layout.restore`).
 """
@@ -62,9 +63,16 @@ class Layout:
         ``rollout``."""
         return {}
 
-    def start_rollout(self, pools: Any, actor_wg: Any) -> list[Any]:
-        """Start the rollout workers on ``pools`` (verl's ``ResourcePoolManager``), the actor group already loaded."""
-        raise NotImplementedError
+    def start_rollout(self, pools: Any) -> list[Any]:
+        """Create the rollout workers on ``pools`` (verl's ``ResourcePoolManager``). Called before the actor group
+        exists, so each replica's start (imports, model load) overlaps the trainer ranks'; they get weights at the
+        first sync."""
+        return []
+
+    def connect(self, actor_wg: Any) -> list[Any]:
+        """Tie the rollout workers to the loaded actor group (the weight path); returns the rollout workers."""
+        self.actor_wg = actor_wg
+        return self.workers
 
     @property
     def stages(self) -> bool:
@@ -112,7 +120,7 @@ class Hybrid(Layout):
     rollout_is_actor = True
     sync_needs_idle_rollout = True
 
-    def start_rollout(self, pools: Any, actor_wg: Any) -> list[Any]:
+    def connect(self, actor_wg: Any) -> list[Any]:
         self.actor_wg, self.workers = actor_wg, list(actor_wg.workers)
         return self.workers
 
@@ -129,8 +137,7 @@ class Split(Layout):
         super().__init__(cfg)
         self._weights: tuple[Any, int] | None = None  # (object ref of the newest weights, version)
 
-    def start_rollout(self, pools: Any, actor_wg: Any) -> list[Any]:
-        self.actor_wg = actor_wg
+    def start_rollout(self, pools: Any) -> list[Any]:
         self.workers = rollout_replicas(self.cfg, pools.get_resource_pool("actor"), 1.0 / ACTOR_ROLLOUT_COLOCATE)
         return self.workers
 
@@ -171,9 +178,12 @@ class Disaggregated(Layout):
         nodes = int(self.cfg.actor_rollout_ref.rollout.nnodes)
         return {"rollout_pool": [rollout_pool_size(self.cfg) // nodes] * nodes}
 
-    def start_rollout(self, pools: Any, actor_wg: Any) -> list[Any]:
-        self.actor_wg = actor_wg
+    def start_rollout(self, pools: Any) -> list[Any]:
         self.workers = rollout_replicas(self.cfg, pools.get_resource_pool("rollout"), 1.0)
+        return self.workers
+
+    def connect(self, actor_wg: Any) -> list[Any]:
+        self.actor_wg = actor_wg
         self.pool_sync = PoolSync(self.cfg, actor_wg, self.workers, on_death=lambda w: self.on_death(w))
         config = SwitchConfig.from_config(self.cfg)
         if config.enable_switch:

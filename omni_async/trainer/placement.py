@@ -66,11 +66,12 @@ def place(cfg: DictConfig, made: Pools, layout: Layout) -> Placement:
     from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
 
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    layout.start_rollout(made.manager)  # not awaited: the replicas load while the actor group below does
     actor_wg = RayWorkerGroup(
         made.manager.get_resource_pool("actor"),
         RayClassWithInitArgs(ray.remote(ActorWorker), config=cfg_dict),
         name_prefix="actor",
     )
     actor_wg.init_model()
-    rollout = layout.start_rollout(made.manager, actor_wg)
+    rollout = layout.connect(actor_wg)
     return Placement(made.manager, actor_wg, rollout, made.reward_pool, made.judge_pg)

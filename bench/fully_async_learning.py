@@ -1,15 +1,18 @@
 """Learning curves of fully async training at several staleness thresholds, on a learning test's workload.
 
     .venv/bin/python bench/fully_async_learning.py [--modality image|text] [--staleness 0,1,3] [--lock-step]
-        [--out bench/results/fully_async_learning.json]
+        [--switch] [--out bench/results/fully_async_learning.json]
 
 Image: ``tests/trainer/test_learning.py``'s workload (FlowGRPO on tiny:sd3, full fine-tune, JPEG compressibility,
 4 prompts x 8 samples per update, 10 updates, seeded). Text: ``tests/trainer/test_text_mode.py``'s (GRPO on
 tiny:qwen2, the digits reward, 4 prompts x 8 samples, 20 updates, rollout replicas of their own, verl's partial
 rollout). Each is run with ``async_reward.fully_async=true``, ``async_training.require_batches=2`` (an update = the
 lock-step step's 4 prompts in 2 mini-batches) and each ``staleness_threshold``; ``--lock-step`` adds the lock-step
-on-policy run of the same workload first. Writes the per-step reward means, the first-3 / last-3 means and the
-per-update maximum lag of each run.
+on-policy run of the same workload first. ``--switch`` runs each threshold on the disaggregated layout (one
+rollout + one trainer device) twice instead, with the trainer device lending a hand to generation
+(``trainer.v1.separate_async.hybrid_rollout.enable_switch``, keys ``s=<s> switch``) and without (``s=<s>``): they
+sample the same way, so the curves should agree within their noise. Writes the per-step reward means, the first-3 /
+last-3 means, the per-update maximum lag and (switch runs) the samples the trainer device made, of each run.
 """
 
 from __future__ import annotations
@@ -38,23 +41,33 @@ def main() -> None:
     p.add_argument("--modality", choices=["image", "text"], default="image")
     p.add_argument("--staleness", default="0,1,3")
     p.add_argument("--lock-step", action="store_true", help="also the lock-step on-policy run (key 'lock_step')")
+    p.add_argument(
+        "--switch",
+        action="store_true",
+        help="disaggregated layout, each threshold with the trainer-device switch off/on",
+    )
     p.add_argument("--out", type=Path, default=None, help="default: bench/results/fully_async_learning[_text].json")
     args = p.parse_args()
-    suffix = "" if args.modality == "image" else "_text"
+    suffix = ("" if args.modality == "image" else "_text") + ("_switch" if args.switch else "")
     out = args.out or ROOT / f"bench/results/fully_async_learning{suffix}.json"
     runs = {}
     load = {"before": os.getloadavg()}
     cases = {"lock_step": None} if args.lock_step else {}
-    cases.update({x: float(x) for x in args.staleness.split(",")})
-    for name, s in cases.items():
+    for x in args.staleness.split(","):
+        if args.switch:
+            cases.update({f"s={x}": (float(x), DISAGGREGATED), f"s={x} switch": (float(x), [*DISAGGREGATED, SWITCH])})
+        else:
+            cases[x] = (float(x), [])
+    for name, case in cases.items():
         t0 = time.time()
         with tempfile.TemporaryDirectory() as tmp:
-            curve, rows = run(args.modality, Path(tmp), s)
+            curve, rows = run(args.modality, Path(tmp), *(case or (None, [])))
         runs[name] = {
             "reward_mean": curve,
             "first3": float(np.mean(curve[:3])),
             "last3": float(np.mean(curve[-3:])),
             "staleness_max": [r["training/off_policy/trajectory_staleness/max"] for r in rows],
+            "lent_samples": sum(r.get("separate_async/switch/lent_samples", 0.0) for r in rows),
             "wall_s": time.time() - t0,
         }
         print(
@@ -68,13 +81,19 @@ def main() -> None:
     print(f"written: {out}")
 
 
-def run(modality: str, tmp: Path, staleness: float | None) -> tuple[list[float], list[dict]]:
-    """One learning run: lock-step on-policy when ``staleness`` is None, else fully async at that threshold."""
+# One rollout device of its own beside the trainer's (the layout whose trainer devices can lend a hand).
+DISAGGREGATED = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
+SWITCH = "trainer.v1.separate_async.hybrid_rollout.enable_switch=true"
+
+
+def run(modality: str, tmp: Path, staleness: float | None, extra: list[str]) -> tuple[list[float], list[dict]]:
+    """One learning run: lock-step on-policy when ``staleness`` is None, else fully async at that threshold;
+    ``extra`` overrides after the mode's."""
     if modality == "image":
         mode = MODES["sync"] if staleness is None else [*fully_async_overrides(staleness), *FULLY_ASYNC_LEARN]
-        return learn(tmp, *mode, with_rows=True)
+        return learn(tmp, *mode, *extra, with_rows=True)
     mode = [] if staleness is None else fully_async_text(staleness)
-    return learn_digits(write_arith(tmp / "arith"), tmp, *mode, with_rows=True)
+    return learn_digits(write_arith(tmp / "arith"), tmp, *mode, *extra, with_rows=True)
 
 
 if __name__ == "__main__":

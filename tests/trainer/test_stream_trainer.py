@@ -97,9 +97,11 @@ def test_flaky_reward_is_masked_then_failure_ratio_raises(make_trainer):
     assert metrics["reward/masked"] >= 4  # failed samples, plus any group left with one member
     assert all("500" in s.outcome.error for s in samples if s.outcome.status == "failed")
 
-    trainer = make_trainer(*flaky, "reward.max_failure_ratio=0.25")
+    # The failure policy reads reward.max_failure_ratio at each check: the same trainer's next step (calls 9-16,
+    # the same pattern) with a lower one stops it.
+    trainer.ops.cfg.reward.max_failure_ratio = 0.25
     with pytest.raises(RewardFailureError, match=r"50% of samples.*max_failure_ratio=0.25.*Flaky"):
-        trainer.train_step(0)
+        trainer.train_step(1)
 
 
 def test_killed_reward_worker_mid_step_every_sample_scored_once(make_trainer, tmp_path, monkeypatch):

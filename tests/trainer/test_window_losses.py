@@ -65,13 +65,14 @@ def test_sync_steps_start_at_the_rollouts_policy_and_train(trainers, loss):
         else:
             assert metrics["actor/kl_new_old_max"] == pytest.approx(0.0, abs=1e-12)
             assert metrics["actor/masked_fraction"] == 0.0
+    if loss == "flow_dppo":
+        decoupled_step_recomputes_the_means_with_the_log_probs(trainer, 2)
 
 
-@pytest.mark.slow
-def test_decoupled_mode_recomputes_the_means_with_the_log_probs(trainers):
-    trainer = trainers(
-        *DPPO, *QUIET, *ONE_MINIBATCH, "reward.streaming=false", "algorithm.rollout_correction.bypass_mode=false"
-    )
+def decoupled_step_recomputes_the_means_with_the_log_probs(trainer, step: int) -> None:
+    """``bypass_mode=false`` (read at each step): pi_old's log-probs and window means are recomputed by the actor
+    before the update, and the step starts at ratio 1 / KL 0 against them."""
+    trainer.ops.cfg.algorithm.rollout_correction.bypass_mode = False
     returned = []
     real = trainer.ops._actor_call
 
@@ -82,7 +83,7 @@ def test_decoupled_mode_recomputes_the_means_with_the_log_probs(trainers):
         return out
 
     trainer.ops._actor_call = spy
-    metrics, samples = trainer.train_step(0)
+    metrics, samples = trainer.train_step(step)
     assert len(returned) == 1 and set(returned[0]) == {"old_log_probs", "old_means"}
     assert returned[0]["old_means"].shape[:2] == (len(samples), 2)
     assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)

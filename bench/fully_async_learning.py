@@ -81,8 +81,13 @@ def main() -> None:
     print(f"written: {out}")
 
 
-# One rollout device of its own beside the trainer's (the layout whose trainer devices can lend a hand).
-DISAGGREGATED = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
+# One rollout device of its own beside the trainer's (the layout whose trainer devices can lend a hand); both
+# workloads fine-tune every weight, which go to the rollout pool over a process group.
+DISAGGREGATED = [
+    "actor_rollout_ref.rollout.nnodes=1",
+    "actor_rollout_ref.rollout.n_gpus_per_node=1",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+]
 SWITCH = "trainer.v1.separate_async.hybrid_rollout.enable_switch=true"
 
 

@@ -70,8 +70,8 @@ def write_prompts(path, n=64):
 
 # Fully async: one update = the lock-step step's 4 prompts (2 mini-batches of 2), so 10 updates see the same data as
 # 10 lock-step steps. At staleness 1 it trains at lag 1 as one-step-off does and follows its curve (same code, this
-# seed: one-step-off -3.057 -> -2.853 kB, fully async -3.057 -> -2.845, 0.016 kB apart at most; +0.21 kB against the
-# 0.12 kB margin; bench/results/fully_async_learning.json).
+# seed: one-step-off -3.057 -> -2.853 kB, fully async -3.057 -> -2.845 on 2026-11-25 and -2.856 on 2026-11-26, 0.016
+# kB apart at most; +0.20-0.21 kB against the 0.12 kB margin; bench/results/fully_async_learning.json).
 FULLY_ASYNC_LEARN = ["async_training.require_batches=2"]
 # Modes: sync, everything lock-step switched on together (streaming + the mini-batch pipeline + one-step-off), and
 # fully async. Streaming alone makes the same samples and scores as sync (test_stream_trainer asserts it), so

@@ -212,7 +212,7 @@ def ray_call_cost(handles: list[Any], calls: int = 2000, concurrent: int = 200) 
 
 
 def start_ray(args: argparse.Namespace) -> None:
-    """A local cluster. Workers find ``bench.stand_ins`` (PYTHONPATH) and run one BLAS / torch thread each; no
+    """A local cluster (or the one ``RAY_ADDRESS`` names). Workers find ``bench.stand_ins`` (PYTHONPATH) and run one BLAS / torch thread each; no
     process setup hook, so the stand-ins never import torch."""
     import ray
 
@@ -229,14 +229,16 @@ def start_ray(args: argparse.Namespace) -> None:
     # default (5 missed checks) one run had its node marked dead mid-run. Allow 3 minutes of missed checks.
     os.environ.setdefault("RAY_health_check_failure_threshold", "60")
     os.environ.setdefault("RAY_health_check_timeout_ms", "30000")
+    common = {"logging_level": "warning", "log_to_driver": True, "runtime_env": {"env_vars": env}}
+    if os.environ.get("RAY_ADDRESS"):  # Ray's convention: join the cluster given (the test suite's shared one)
+        ray.init(address=os.environ["RAY_ADDRESS"], **common)
+        return
     ray.init(
         address="local",
         num_cpus=max(16, args.reward_workers + 4),  # logical: each reward worker asks for 1, the stand-ins for 0
         num_gpus=0,
         include_dashboard=False,
-        logging_level="warning",
-        log_to_driver=True,
-        runtime_env={"env_vars": env},
+        **common,
     )
 
 

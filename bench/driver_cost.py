@@ -212,8 +212,8 @@ def ray_call_cost(handles: list[Any], calls: int = 2000, concurrent: int = 200) 
 
 
 def start_ray(args: argparse.Namespace) -> None:
-    """A local cluster (or the one ``RAY_ADDRESS`` names). Workers find ``bench.stand_ins`` (PYTHONPATH) and run one BLAS / torch thread each; no
-    process setup hook, so the stand-ins never import torch."""
+    """A local cluster, or the one ``RAY_ADDRESS`` names. Workers find ``bench.stand_ins`` (PYTHONPATH) and run one
+    BLAS / torch thread each; no process setup hook, so the stand-ins never import torch."""
     import ray
 
     threads = "1"

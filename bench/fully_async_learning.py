@@ -52,7 +52,7 @@ def main() -> None:
     out = args.out or ROOT / f"bench/results/fully_async_learning{suffix}.json"
     runs = {}
     load = {"before": os.getloadavg()}
-    cases = {"lock_step": None} if args.lock_step else {}
+    cases = {"lock_step": (None, [])} if args.lock_step else {}  # name -> (staleness or None, extra overrides)
     for x in args.staleness.split(","):
         if args.switch:
             cases.update({f"s={x}": (float(x), DISAGGREGATED), f"s={x} switch": (float(x), [*DISAGGREGATED, SWITCH])})
@@ -61,7 +61,7 @@ def main() -> None:
     for name, case in cases.items():
         t0 = time.time()
         with tempfile.TemporaryDirectory() as tmp:
-            curve, rows = run(args.modality, Path(tmp), *(case or (None, [])))
+            curve, rows = run(args.modality, Path(tmp), *case)
         runs[name] = {
             "reward_mean": curve,
             "first3": float(np.mean(curve[:3])),

@@ -142,3 +142,30 @@ def test_workers_allocate_cuda_memory_with_expandable_segments(monkeypatch):
     assert worker_runtime_env()["env_vars"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # a user's own setting wins
     assert worker_runtime_env()["env_vars"]["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+
+
+def test_rendezvous_is_found_on_the_driver_only_when_rank_0_shares_its_node(monkeypatch):
+    """verl's worker group finds its torch.distributed address with a Ray task (a worker process that imports verl);
+    when rank 0's bundle is on the driver's node the driver finds it itself, and on another node verl's task does."""
+    import socket
+
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from omni_async.trainer import placement
+
+    shutdown_ray()
+    init_ray(num_gpus=1, num_cpus=4)
+    pg = placement_group([{"CPU": 1}])
+    try:
+        assert pg.wait(60)
+        addr, port = placement.rendezvous_here(pg, 0)
+        assert addr == ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind(("", int(port)))  # free: rank 0 can bind it
+        table = ray.util.placement_group_table(pg)
+        elsewhere = {**table, "bundles_to_node_id": {0: "another-node"}}
+        monkeypatch.setattr(ray.util, "placement_group_table", lambda _pg: elsewhere)
+        assert placement.rendezvous_here(pg, 0) is None
+    finally:
+        remove_placement_group(pg)
+        shutdown_ray()

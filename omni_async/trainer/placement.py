@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 from omegaconf import DictConfig, OmegaConf
+from verl.single_controller.ray import RayWorkerGroup
 
 from omni_async.trainer.actor_worker import ActorWorker
 from omni_async.trainer.layout import Layout
@@ -60,14 +61,42 @@ def make_pools(cfg: DictConfig, layout: Layout) -> Pools:
     return Pools(pools, reward_pool, judge_pg)
 
 
+def rendezvous_here(pg: Any, bundle_index: int) -> tuple[str, str] | None:
+    """The torch.distributed rendezvous address (node IP, free port) for a worker group whose rank 0 lands on
+    ``pg``'s bundle ``bundle_index``, when that bundle is on this process's node; ``None`` when it is elsewhere.
+
+    verl's ``RayWorkerGroup`` finds it with a Ray task on the bundle, and that task's worker process imports verl
+    (~2.5 CPU-s) for two lines of socket code; once per worker group that is seconds of start-up on every run. On
+    the driver's own node the same two lines run here. Like verl's task, the port is free when probed and bound by
+    rank 0 a moment later."""
+    node = ray.util.placement_group_table(pg)["bundles_to_node_id"][bundle_index]
+    if node != ray.get_runtime_context().get_node_id():
+        return None
+    from omni_async.agent_loop.weight_sync import free_address
+
+    addr, port = free_address()
+    return addr, str(port)
+
+
+class ActorWorkerGroup(RayWorkerGroup):
+    """verl's ``RayWorkerGroup``, with the rendezvous found on the driver when rank 0 shares its node
+    (:func:`rendezvous_here`), by verl's task otherwise."""
+
+    def _get_master_addr_port(self, pg, bundle_index=0, master_port_range=None):
+        found = None if master_port_range is not None else rendezvous_here(pg, bundle_index)
+        if found is None or self._master_addr is not None:
+            return super()._get_master_addr_port(pg, bundle_index, master_port_range)
+        self._master_addr, self._master_port = found
+
+
 def place(cfg: DictConfig, made: Pools, layout: Layout) -> Placement:
     """The actor worker group (its model loaded) and the layout's rollout workers, on the pools :func:`make_pools`
     made."""
-    from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+    from verl.single_controller.ray import RayClassWithInitArgs
 
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     layout.start_rollout(made.manager)  # not awaited: the replicas load while the actor group below does
-    actor_wg = RayWorkerGroup(
+    actor_wg = ActorWorkerGroup(
         made.manager.get_resource_pool("actor"),
         RayClassWithInitArgs(ray.remote(ActorWorker), config=cfg_dict),
         name_prefix="actor",

@@ -26,6 +26,7 @@ from omni_async.trainer.actor_core import compute_log_prob, update_minibatch
 from omni_async.trainer.actor_worker import ActorWorker
 from omni_async.trainer.config import compose
 from omni_async.trainer.data_parallel import DataParallel, load_actor, shard_batch
+from omni_async.trainer.placement import ActorWorkerGroup
 from omni_async.trainer.step_ops import StepOps
 
 pytestmark = pytest.mark.slow  # training runs: not in the fast tier (pytest -m 'not slow')
@@ -106,13 +107,22 @@ def max_diff(a: dict, b: dict) -> float:
 def ray_session():
     shutdown_ray()
     init_ray(num_gpus=2, num_cpus=16)
+    # The in-process reference runs with one torch thread, as each rank does (cluster.configure_worker): a CPU
+    # reduction's order depends on the thread count, which moves fp32 weights by ~1e-6 after two Adam steps.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)
     shutdown_ray()
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_ranks_on_half_batches_equal_one_process_on_the_batch(case, ray_session, tmp_path):
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+def test_two_ranks_on_half_batches_equal_one_process_on_the_batch(case, ray_session, tmp_path, monkeypatch):
+    import verl.single_controller.ray.base as verl_ray
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool
+
+    # Rank 0 is on the driver's node: the ranks meet at an address found here, without verl's Ray task.
+    monkeypatch.setattr(verl_ray, "get_master_addr_port", None)
 
     config_name, overrides = CASES[case]
     cfg = compose([*COMMON, *overrides], config_name=config_name)
@@ -121,11 +131,12 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_batch(case, ray_sess
     log_probs = compute_log_prob(modality, policy, batch)
 
     pool = RayResourcePool([2], use_gpu=True, max_colocate_count=1, name_prefix=f"dp_{case}")
-    wg = RayWorkerGroup(
+    wg = ActorWorkerGroup(
         pool,
         RayClassWithInitArgs(ray.remote(ActorWorker), config=OmegaConf.to_container(cfg, resolve=True)),
         name_prefix=f"dp_{case.replace('-', '_')}",
     )
+    assert wg.master_address == ray.util.get_node_ip_address()
     try:
         wg.init_model()
         assert torch.allclose(wg.compute_log_prob(batch), log_probs, atol=1e-5)  # shares back in batch order

@@ -268,13 +268,14 @@ def test_two_ranks_train_and_refresh_as_one_process(tmp_path):
     sync ships), and a checkpoint that restores it."""
     import ray
     from omegaconf import OmegaConf
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool
 
     from omni_async.cluster import init_ray, shutdown_ray
     from omni_async.modality.base import model_dtype
     from omni_async.sample import PromptRow, RewardOutcome, Sample
     from omni_async.trainer.actor_core import update_minibatch
     from omni_async.trainer.actor_worker import ActorWorker
+    from omni_async.trainer.placement import ActorWorkerGroup
     from omni_async.trainer.step_ops import StepOps
 
     cfg = compose(
@@ -315,7 +316,7 @@ def test_two_ranks_train_and_refresh_as_one_process(tmp_path):
     shutdown_ray()
     init_ray(num_gpus=2, num_cpus=16)
     pool = RayResourcePool([2], use_gpu=True, max_colocate_count=1, name_prefix="dp_nft")
-    wg = RayWorkerGroup(
+    wg = ActorWorkerGroup(
         pool, RayClassWithInitArgs(ray.remote(ActorWorker), config=OmegaConf.to_container(cfg, resolve=True)),
         name_prefix="dp_nft",
     )  # fmt: skip

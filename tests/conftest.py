@@ -69,9 +69,19 @@ def pytest_configure(config):
         return
     from ray.cluster_utils import Cluster
 
+    # Ray's daemons are a few percent of the run's CPU: the dashboard agent's reporter samples every worker process
+    # each 5 s (a minute suffices: no test reads its metrics), and the log monitor tails every worker's log files to
+    # forward them to drivers (~70 CPU-s a run; a failing test gets the worker's traceback from Ray's error anyway,
+    # and the files stay in the session's log directory).
+    os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": SHARED_RAY_CPUS, "num_gpus": SHARED_RAY_GPUS, "include_dashboard": False},
+        head_node_args={
+            "num_cpus": SHARED_RAY_CPUS,
+            "num_gpus": SHARED_RAY_GPUS,
+            "include_dashboard": False,
+            "include_log_monitor": False,
+        },
     )
     os.environ["RAY_ADDRESS"] = cluster.address
     config.stash[_SHARED_CLUSTER] = cluster

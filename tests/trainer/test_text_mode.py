@@ -63,30 +63,6 @@ def close(trainer) -> None:
     shutdown_ray()
 
 
-@pytest.mark.slow
-def test_text_stream_scores_land_on_last_token_and_match_sync(arith, tmp_path):
-    stream = make(arith, tmp_path, "reward.streaming=true", *DIGITS)
-    try:
-        metrics, samples = stream.train_step(0)
-        assert not stream.reward.colocated_used and metrics["timing_s/reward"] == 0.0
-        batch = stream.ops.build_batch(samples)
-        rm, mask = batch.batch["rm_scores"], batch.batch["response_mask"]
-        for i, s in enumerate(samples):
-            last = len(s.result.response_ids) - 1
-            assert mask[i].sum() == last + 1 and rm[i, last] == pytest.approx(s.outcome.score)
-            assert rm[i].sum() == pytest.approx(s.outcome.score)  # and nowhere else
-        stream_scores = [s.outcome.score for s in samples]
-    finally:
-        close(stream)
-    sync = make(arith, tmp_path, "reward.streaming=false", *DIGITS)
-    try:
-        _, samples = sync.train_step(0)
-        assert sync.reward.colocated_used
-        assert [s.outcome.score for s in samples] == pytest.approx(stream_scores)
-    finally:
-        close(sync)
-
-
 # Fully async at staleness 1 on rollout replicas of their own (split layout): an update = the lock-step step's 4 prompts.
 # verl's default partial_rollout=true: responses in flight at a sync are continued under the new weights (measured:
 # 50 and 79 responses continued across a sync over the 20 updates in two runs; rise 0.23 and 0.25).
@@ -125,36 +101,52 @@ def learn_digits(arith: Path, tmp_path: Path, *overrides: str, with_rows: bool =
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("streaming", "hybrid"), [("true", "true"), ("false", "false")], ids=["stream-hybrid", "sync-split"]
-)  # text in both layouts
-def test_text_class_post_process_and_tuple_rewards(arith, tmp_path, streaming, hybrid):
+def test_text_stream_and_sync_score_the_same_with_class_post_process_and_tuple_rewards(arith, tmp_path):
+    """Text in both reward modes and both layouts (stream on the hybrid layout, sync on the split one), with a
+    stateful reward class that repairs failures per group and a function returning a tuple: the same samples get
+    the same scores either way, and a streamed score lands on the response's last token."""
     fns = [
         f"+reward.reward_functions.repaired.path={TEST_REWARDS}",
         "+reward.reward_functions.repaired.name=FailingThenRepaired",
         f"+reward.reward_functions.tuple.path={TEST_REWARDS}",
         "+reward.reward_functions.tuple.name=tuple_reward",
         "+reward.reward_functions.tuple.weight=0.5",
-        f"reward.streaming={streaming}",
-        f"actor_rollout_ref.hybrid_engine={hybrid}",
     ]
-    trainer = make(arith, tmp_path, *fns)
-    try:
-        metrics, samples = trainer.train_step(0)
-    finally:
-        close(trainer)
-    for s in samples:
-        o, n = s.outcome, len(s.result.response)
-        assert o.ok and o.extra["judge_text"] == s.result.response[:5]
-        assert o.parts["tuple"] == n % 3
-        if n % 2:  # scored directly
-            assert o.parts["repaired"] == pytest.approx(1 + n / 100)
-        else:  # failed, then repaired with its group's mean
-            group = [m.outcome.parts["repaired"] for m in samples if m.uid == s.uid and len(m.result.response) % 2]
-            assert o.extra.get("reward/post_process_repaired") == 1.0
-            assert o.parts["repaired"] == pytest.approx(np.mean(group) if group else 0.0)
-        assert o.score == pytest.approx(o.parts["repaired"] + 0.5 * o.parts["tuple"])
-    assert metrics["reward/failed"] == 0 and "reward/tuple" in metrics and "reward/combined" in metrics
+    scores = {}
+    for streaming, hybrid in (("true", "true"), ("false", "false")):
+        trainer = make(
+            arith, tmp_path, *fns, f"reward.streaming={streaming}", f"actor_rollout_ref.hybrid_engine={hybrid}"
+        )
+        try:
+            metrics, samples = trainer.train_step(0)
+            assert trainer.reward.colocated_used == (streaming == "false")
+            if streaming == "true":
+                assert metrics["timing_s/reward"] == 0.0
+                batch = trainer.ops.build_batch(samples)
+                rm, mask = batch.batch["rm_scores"], batch.batch["response_mask"]
+                for i, s in enumerate(samples):
+                    last = len(s.result.response_ids) - 1
+                    assert mask[i].sum() == last + 1 and rm[i, last] == pytest.approx(s.outcome.score)
+                    assert rm[i].sum() == pytest.approx(s.outcome.score)  # and nowhere else
+        finally:
+            close(trainer)
+        for s in samples:
+            o, n = s.outcome, len(s.result.response)
+            assert o.ok and o.extra["judge_text"] == s.result.response[:5]
+            assert o.parts["tuple"] == n % 3
+            if n % 2:  # scored directly
+                assert o.parts["repaired"] == pytest.approx(1 + n / 100)
+            else:  # failed, then repaired with its group's mean
+                group = [m.outcome.parts["repaired"] for m in samples if m.uid == s.uid and len(m.result.response) % 2]
+                assert o.extra.get("reward/post_process_repaired") == 1.0
+                assert o.parts["repaired"] == pytest.approx(np.mean(group) if group else 0.0)
+            assert o.score == pytest.approx(o.parts["repaired"] + 0.5 * o.parts["tuple"])
+        assert metrics["reward/failed"] == 0 and "reward/tuple" in metrics and "reward/combined" in metrics
+        scores[streaming] = [
+            (s.index, s.result.response, s.outcome.score) for s in sorted(samples, key=lambda s: s.index)
+        ]
+    assert [x[:2] for x in scores["true"]] == [x[:2] for x in scores["false"]]  # the same responses
+    assert [x[2] for x in scores["true"]] == pytest.approx([x[2] for x in scores["false"]])
 
 
 def test_500_concurrent_slow_async_scores_take_about_one_latency():

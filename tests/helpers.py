@@ -131,7 +131,7 @@ def write_ocr_rows(path: Path, n: int) -> None:
 
 class Trainers:
     """Builds trainers for a test, one Ray session each (a trainer owns its placement groups), weights synced to
-    version 0, and shuts them all down at the end (``close``)."""
+    version 0; building one closes the ones before it (their results stay readable), and ``close`` ends the last."""
 
     def __init__(
         self,
@@ -147,6 +147,10 @@ class Trainers:
         from omni_async.trainer.config import compose
         from omni_async.trainer.loop import RLTrainer
 
+        # The previous trainer's threads stop before its Ray session ends: a Ray call from its agent loop after
+        # ray.shutdown would start a new connection (Ray's auto-init) racing this trainer's init_ray.
+        for t in self.made:
+            t.close()
         shutdown_ray()
         cfg = compose(
             [

@@ -34,6 +34,7 @@ from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from omni_async.agent_loop.rollout_replica import Generation
@@ -357,6 +358,11 @@ class AgentLoopManager:
                 worker = lent if lent is not None else self.workers[w]
                 gen = await worker.generate.remote(s.row.prompt, s.seed, s.window, **kwargs, **resume)
             except (RayActorError, ActorUnavailableError):
+                if not ray.is_initialized():
+                    # The driver's Ray session ended (ray.shutdown with this trainer still open): its actors went
+                    # with it. Nothing to regenerate on, and a retry would reconnect through Ray's auto-init,
+                    # racing the next session's ray.init.
+                    raise
                 # The worker died with this request in flight: generate it again elsewhere (same seed, same
                 # weights version -> the same sample) while Ray restarts the dead one.
                 self.regenerated += 1

@@ -296,3 +296,31 @@ def test_text_partial_rollout_continues_an_interrupted_response_under_the_new_we
         assert agent.step_metrics()["rollout/resumed"] == 1.0 and replica.interrupted == 3
     finally:
         agent.shutdown()
+
+
+def test_a_request_lost_with_the_ray_session_is_not_retried_through_a_new_connection():
+    """A trainer left open across ``ray.shutdown`` (a second trainer built in the same process): its agent loop's
+    in-flight requests fail with the session's actors. Retrying them would call Ray again and reconnect through
+    Ray's auto-init, racing the next trainer's ``ray.init``; the request fails instead and Ray stays down."""
+    from types import SimpleNamespace
+
+    from ray.exceptions import RayActorError
+
+    from omni_async.agent_loop.manager import AgentLoopManager
+    from omni_async.sample import PromptRow, Sample
+
+    calls = []
+
+    async def gone(*args, **kwargs):
+        calls.append(args)
+        raise RayActorError()
+
+    shutdown_ray()
+    agent = AgentLoopManager([SimpleNamespace(generate=SimpleNamespace(remote=gone))])
+    try:
+        sample = Sample(index=0, uid="0-0", row=PromptRow("p", "x", None), seed=0)
+        with pytest.raises(RayActorError):
+            agent.call(agent.run_group([sample]))
+        assert len(calls) == 1 and agent.regenerated == 0 and not ray.is_initialized()
+    finally:
+        agent.shutdown()

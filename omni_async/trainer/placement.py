@@ -83,8 +83,11 @@ class ActorWorkerGroup(RayWorkerGroup):
     (:func:`rendezvous_here`), by verl's task otherwise."""
 
     def _get_master_addr_port(self, pg, bundle_index=0, master_port_range=None):
-        found = None if master_port_range is not None else rendezvous_here(pg, bundle_index)
-        if found is None or self._master_addr is not None:
+        # An address already set or a port range to honour stays verl's business (no probe here first).
+        found = None
+        if self._master_addr is None and master_port_range is None:
+            found = rendezvous_here(pg, bundle_index)
+        if found is None:
             return super()._get_master_addr_port(pg, bundle_index, master_port_range)
         self._master_addr, self._master_port = found
 

@@ -10,14 +10,40 @@ cd "$root"
 venv="${OMNI_ASYNC_VENV:-$root/.venv}"
 lock="$root/requirements/constraints-cpu.txt"
 stamp="$venv/.omni_async_installed"
-want="$(cat pyproject.toml "$lock" | sha256sum | cut -d' ' -f1)"
+
+# The interpreter: $OMNI_ASYNC_PYTHON, else the distribution's own CPython when it is the same version as python3 on
+# PATH and can make a venv, else python3. Debian and Ubuntu build theirs with PGO and LTO; pyenv's default build
+# (--enable-shared, no PGO) runs the test suite, mostly Python, about 7 % slower (docs/testing.md).
+pick_python() {
+  if [[ -n "${OMNI_ASYNC_PYTHON:-}" ]]; then
+    echo "$OMNI_ASYNC_PYTHON"
+    return
+  fi
+  local version system=/usr/bin/python3
+  version="$(python3 -c 'import sys; print(sys.version_info[:2])')"
+  if [[ -x "$system" ]] && [[ "$("$system" -c 'import sys; print(sys.version_info[:2])' 2>/dev/null)" == "$version" ]] \
+      && "$system" -c 'import ensurepip, venv' 2>/dev/null; then
+    echo "$system"
+  else
+    echo python3
+  fi
+}
+python="$(pick_python)"
+python_id="$("$python" -c 'import sys; print(sys.executable, sys.version)')"
+want="$( (cat pyproject.toml "$lock"; echo "$python_id") | sha256sum | cut -d' ' -f1)"
 
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi
 
-echo "[setup] installing omni-async into $venv (first run takes a few minutes)" >&2
-python3 -m venv "$venv"
+echo "[setup] installing omni-async into $venv with $python_id (first run takes a few minutes)" >&2
+clear=()
+# A venv made by another interpreter is made again (its compiled packages and paths belong to that one).
+if [[ -x "$venv/bin/python" ]] && [[ "$("$venv/bin/python" -c 'import os, sys; print(os.path.realpath(sys._base_executable))' 2>/dev/null)" \
+    != "$("$python" -c 'import os, sys; print(os.path.realpath(sys.executable))')" ]]; then
+  clear=(--clear)
+fi
+"$python" -m venv ${clear[@]+"${clear[@]}"} "$venv"
 # pip warns once per package about this machine's empty local index dirs; that noise hides real errors.
 quiet_pip() { "$venv/bin/python" -m pip install --quiet "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 quiet_pip "torch==$(grep -i '^torch==' "$lock" | cut -d= -f3)"

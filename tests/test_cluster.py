@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import psutil
 import pytest
 import ray
@@ -21,6 +23,86 @@ class _Probe:
         import os
 
         return os.getpid()
+
+
+@ray.remote
+class _CollectorAtStart:
+    """The worker's cyclic collector as this actor's ``__init__`` finds it, then after the product's resume."""
+
+    def __init__(self):
+        import gc
+
+        from omni_async import cluster
+
+        self.at_start = (gc.isenabled(), cluster._gc_paused)
+        cluster.resume_gc()
+
+    def state(self) -> tuple[tuple[bool, bool], bool, int]:
+        import gc
+
+        return self.at_start, gc.isenabled(), gc.get_freeze_count()
+
+
+def test_workers_import_with_the_collector_paused_and_an_actor_resumes_it_once_built():
+    """The job's process setup hook pauses collection before the actor's module is imported; resuming turns it back
+    on with the start-up objects frozen out of later collections."""
+    shutdown_ray()
+    init_ray(num_gpus=0, num_cpus=4)
+    try:
+        at_start, enabled, frozen = ray.get(_CollectorAtStart.remote().state.remote())
+        assert at_start == (False, True)
+        assert enabled and frozen > 10_000  # torch alone is over 100k objects
+    finally:
+        shutdown_ray()
+
+
+@pytest.fixture
+def paused_collector():
+    """This process's collector paused as a worker's is; on again (and unfrozen) afterwards. In a Ray session, as
+    the actors built in process ask Ray for their devices."""
+    import gc
+
+    from omni_async import cluster
+
+    shutdown_ray()
+    init_ray(num_gpus=0, num_cpus=4)
+    yield cluster
+    cluster.resume_gc()
+    gc.unfreeze()
+    shutdown_ray()
+
+
+def test_the_product_actors_resume_the_collector_once_built(paused_collector):
+    import gc
+
+    from omni_async.agent_loop.rollout_replica import RolloutReplica
+    from omni_async.reward.worker import RewardLoopWorker
+
+    reward_cfg = {
+        "timeout_s": 30,
+        "max_inflight_per_worker": 2,
+        "reward_functions": {},
+        "custom_reward_function": {
+            "path": "pkg://omni_async.reward.scorers.jpeg",
+            "name": "compute_score",
+            "reward_kwargs": {},
+        },
+    }
+    text_model = {"path": "tiny:qwen2", "lora_rank": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    for build in (
+        lambda: RewardLoopWorker(reward_cfg, 0),
+        lambda: RolloutReplica("text", text_model, {"response_length": 8, "temperature": 1.0}, 2, 1.0),
+    ):
+        paused_collector.pause_gc_while_importing()
+        assert not gc.isenabled()
+        build()
+        assert gc.isenabled() and not paused_collector._gc_paused
+    # A process that never builds an actor (a task, an idle worker) gets its collector back after the limit.
+    paused_collector.pause_gc_while_importing(max_s=0.2)
+    deadline = time.monotonic() + 30
+    while not gc.isenabled() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gc.isenabled() and not paused_collector._gc_paused
 
 
 @pytest.mark.slow  # a local Ray cluster of its own: not in the fast tier (pytest -m 'not slow')

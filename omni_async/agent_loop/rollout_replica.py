@@ -307,7 +307,7 @@ class RolloutReplica(RolloutWorker):
         dtype_name: str | None = None,
         partial_rollout: bool = False,
     ):
-        from omni_async.cluster import configure_worker
+        from omni_async.cluster import configure_worker, resume_gc
         from omni_async.modality import get_modality
         from omni_async.modality.base import model_dtype
 
@@ -328,6 +328,7 @@ class RolloutReplica(RolloutWorker):
         )
         self.slots = WeightSlots()
         self.group: WeightGroup | None = None  # the cross-pool weight group (checkpoint_engine.backend=nccl)
+        resume_gc()  # imports and model built (cluster.pause_gc_while_importing)
         self.torn = False  # an in-place weight transfer failed half-way: no generation until a complete set arrived
         self.partial_rollout = bool(partial_rollout)
         # Set (on the event loop) when an in-place weight write is queued on the device thread, cleared by it: with

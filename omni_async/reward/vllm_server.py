@@ -64,6 +64,7 @@ class VLLMServer:
     def __init__(self, rollout_cfg: dict[str, Any], model_path: str, startup_timeout_s: float = 900.0):
         import ray
 
+        from omni_async.cluster import resume_gc
         from omni_async.logs import setup_logging
 
         setup_logging()  # idempotent (the process setup hook normally did it); start_vllm logs the server's start
@@ -75,6 +76,7 @@ class VLLMServer:
             {"CUDA_VISIBLE_DEVICES": ",".join(str(int(g)) for g in ray.get_gpu_ids())},
             startup_timeout_s,
         )
+        resume_gc()  # this process's imports are done (cluster.pause_gc_while_importing)
 
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"

@@ -25,6 +25,7 @@ import numpy as np
 from omegaconf import OmegaConf
 from verl import DataProto
 
+from omni_async.cluster import resume_gc
 from omni_async.logs import setup_logging
 from omni_async.reward.manager import RewardManager
 from omni_async.sample import RewardOutcome
@@ -81,6 +82,7 @@ class RewardLoopWorker:
             reward_cfg.get("max_inflight_per_worker"),
             time.perf_counter() - t0,
         )
+        resume_gc()  # imports and reward functions loaded (cluster.pause_gc_while_importing)
 
     async def score(self, data: DataProto) -> RewardOutcome:
         """Score one sample; never raises for a bad sample or a failing function (the outcome says so)."""

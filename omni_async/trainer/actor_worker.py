@@ -43,7 +43,7 @@ from verl.single_controller.base.decorator import Dispatch, register
 from omni_async.agent_loop.rollout_replica import DeviceThread, Generation, GenerationBatcher
 from omni_async.agent_loop.rollout_worker import RolloutWorker
 from omni_async.agent_loop.weight_sync import WeightGroup, fits_one_bucket, free_address, tensor_meta
-from omni_async.cluster import configure_worker
+from omni_async.cluster import configure_worker, resume_gc
 from omni_async.modality import modality_of
 from omni_async.modality.base import model_dtype
 from omni_async.models.lora import LIVE_ADAPTER, OLD_ADAPTER
@@ -80,6 +80,7 @@ class ActorWorker(Worker, RolloutWorker):
     async def init_model(self) -> None:
         t0 = time.perf_counter()
         await self._on_device(self._init_model)
+        resume_gc()  # imports and model built (cluster.pause_gc_while_importing)
         m = self.cfg.actor_rollout_ref.model
         logger.info(
             "actor rank %d of %d started: %s model %s (%s, %.2fM trainable parameters on this rank) on %s in %.1fs",

@@ -54,6 +54,11 @@ def checked_argv(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
+    import gc
+
+    # Imports and the trainer's build with the cyclic collector off, as in the Ray workers
+    # (cluster.pause_gc_while_importing); tune_driver_gc turns it back on once the trainer is built.
+    gc.disable()
     from omni_async.config_error import ConfigError
 
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 
@@ -63,6 +64,11 @@ _SHARED_CLUSTER = pytest.StashKey()
 
 
 def pytest_configure(config):
+    # Collection imports torch, verl, diffusers and the test modules with the cyclic collector paused, as a Ray worker
+    # imports (omni_async.cluster.pause_gc_while_importing); pytest_collection_finish resumes it. (pytest-xdist's
+    # controller collects nothing: its workers do.)
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        gc.disable()
     if hasattr(config, "workerinput") or config.option.collectonly:
         return  # an xdist worker joins the cluster its controller started (RAY_ADDRESS)
     if os.environ.get("OMNI_ASYNC_TEST_OWN_RAY") == "1" or os.environ.get("RAY_ADDRESS"):
@@ -85,6 +91,13 @@ def pytest_configure(config):
     )
     os.environ["RAY_ADDRESS"] = cluster.address
     config.stash[_SHARED_CLUSTER] = cluster
+
+
+def pytest_collection_finish(session):
+    if gc.isenabled():
+        return
+    gc.freeze()  # the modules imported so far live as long as the process: out of every later collection
+    gc.enable()
 
 
 def pytest_unconfigure(config):

@@ -97,6 +97,12 @@ def pytest_collection_finish(session):
     if gc.isenabled():
         return
     gc.freeze()  # the modules imported so far live as long as the process: out of every later collection
+    # The trainers' drivers run in this process: young collections as the main job's driver has them
+    # (omni_async.cluster.tune_driver_gc), without freezing each trainer's objects.
+    from omni_async.cluster import DRIVER_GC_THRESHOLD0
+
+    t0, t1, t2 = gc.get_threshold()
+    gc.set_threshold(max(t0, DRIVER_GC_THRESHOLD0), t1, t2)
     gc.enable()
 
 

@@ -272,8 +272,9 @@ def tune_driver_gc() -> None:
     models' metadata, Ray handles) out of every later collection, and young collections run every
     ``DRIVER_GC_THRESHOLD0`` allocations. The agent loop allocates a few hundred short-lived objects per sample, so
     with Python's defaults the collector ran every few samples over the whole young set; measured in
-    ``bench/driver_cost.py`` (``batched+gc``): about 0.6 ms of driver CPU per sample less. Only the entry point calls
-    it: a process that builds many trainers (tests) would keep each one's cyclic garbage frozen. The entry point
+    ``bench/driver_cost.py`` (``batched+gc``): about 0.6 ms of driver CPU per sample less. Called once, before any
+    trainer's garbage exists to freeze: by the entry point once its trainer is built, and by the test suite once it
+    has collected (a process that builds many trainers must not call it per trainer). The entry point
     builds the trainer with the collector off (its imports: see :func:`pause_gc_while_importing`); it is on again
     from here."""
     gc.freeze()

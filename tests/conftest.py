@@ -96,14 +96,11 @@ def pytest_configure(config):
 def pytest_collection_finish(session):
     if gc.isenabled():
         return
-    gc.freeze()  # the modules imported so far live as long as the process: out of every later collection
-    # The trainers' drivers run in this process: young collections as the main job's driver has them
-    # (omni_async.cluster.tune_driver_gc), without freezing each trainer's objects.
-    from omni_async.cluster import DRIVER_GC_THRESHOLD0
+    # The trainers' drivers run in this process: the main job's driver settings, applied once, before any trainer
+    # exists (the modules imported so far are frozen, each trainer's objects later are not).
+    from omni_async.cluster import tune_driver_gc
 
-    t0, t1, t2 = gc.get_threshold()
-    gc.set_threshold(max(t0, DRIVER_GC_THRESHOLD0), t1, t2)
-    gc.enable()
+    tune_driver_gc()
 
 
 def pytest_unconfigure(config):

@@ -145,6 +145,13 @@ def test_ocr_judge_reads_rendered_text(no_network):
     assert ocr.compute_score("ocr", video, "HELLO 42")["score"] == pytest.approx((out["score"] + 0.0) / 2)
 
 
+def test_ocr_reads_upright_text_as_written(no_network):
+    """No angle classifier (as flow_grpo's PaddleOCR(use_angle_cls=False)): rapidocr's default one turns the upright
+    OHIO over and reads OIHO, scoring a correct image 0.5."""
+    assert ocr.read_text(text_image("OHIO")) == "OHIO"
+    assert ocr.compute_score("ocr", text_image("OHIO"), "OHIO")["score"] == 1.0
+
+
 def test_ocr_reads_on_the_reward_workers_gpu(monkeypatch, caplog):
     """use_cuda=auto: onnxruntime's CUDA provider on the worker's GPU when it has one and the provider exists; CPU
     otherwise (a warning when a GPU then idles); true without them is an error naming the fix."""

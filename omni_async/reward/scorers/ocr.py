@@ -111,9 +111,17 @@ def ocr_device(use_cuda: bool | str = "auto") -> int | None:
 def engine_params(
     device: int | None, det_limit_side_len: int, intra_op_num_threads: int | None = None
 ) -> dict[str, Any]:
-    """rapidocr's ``params``: quiet, the detector's side limit, onnxruntime's CUDA provider on ``device``, its CPU
-    threads."""
-    params: dict[str, Any] = {"Global.log_level": "critical", "Det.limit_side_len": det_limit_side_len}
+    """rapidocr's ``params``: quiet, no angle classifier, the detector's side limit, onnxruntime's CUDA provider on
+    ``device``, its CPU threads.
+
+    The angle classifier is off as in flow_grpo's and verl-omni's OCR reward (``PaddleOCR(use_angle_cls=False)``) and
+    this module's paddleocr backend (``cls=False``): generated text is upright, and rapidocr's default classifier
+    turns some upright words over (``OHIO`` read as ``OIHO``), which would score a correct image as wrong."""
+    params: dict[str, Any] = {
+        "Global.log_level": "critical",
+        "Global.use_cls": False,
+        "Det.limit_side_len": det_limit_side_len,
+    }
     if intra_op_num_threads:
         params["EngineConfig.onnxruntime.intra_op_num_threads"] = int(intra_op_num_threads)
     if device is not None:

@@ -2,7 +2,11 @@
 data-parallel group (gloo) in the hybrid layout. In one cluster: each sample is trained on by exactly one rank,
 every mode runs (stream, pipeline, one-step off-policy, sync), each save writes one checkpoint set (rank 0's), a
 dead rank stops the step naming the last checkpoint, a resume with two ranks reproduces the next step, and a resume
-with one rank continues it too (LoRA)."""
+with one rank continues it too (LoRA). Then, on the same cluster, a trainer with a dedicated reward pool: the actor
+takes one node's device, so the reward pool lands on the other node, and a step streams across the two.
+
+(The reward pool's placement was a test of its own with a cluster of its own, ``tests/test_multinode.py``, until
+2026-11-26: starting a second two-node cluster cost ~20 s of the suite for the same check.)"""
 
 from __future__ import annotations
 
@@ -35,6 +39,14 @@ DP = [
     # One sample per device batch: which samples share a batch depends on arrival times (load), and a batch of two
     # rounds differently from two of one; the resumes below compare rewards to 1e-5.
     "actor_rollout_ref.rollout.agent.max_batch_size=1",
+]
+# One actor device on a one-device node: the reward pool's device is the other node's.
+REWARD_POOL = [
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+    "data.train_batch_size=2",
+    "reward.reward_model.enable_resource_pool=True",
+    "trainer.total_training_steps=1",
 ]
 KEYS = ("critic/rewards/mean", "actor/pg_loss", "actor/grad_norm", "perf/samples_per_rank")
 
@@ -142,6 +154,19 @@ def test_two_node_data_parallel_trains_every_mode_checkpoints_once_and_resumes(t
             assert metrics[k] == pytest.approx(rows[1][k], rel=1e-4, abs=1e-6), k
         assert metrics["perf/samples_per_rank"] == 2 * rows[1]["perf/samples_per_rank"]
         assert max_diff(w, after_two[0]) < 1e-6
+
+        trainer = RLTrainer(cfg("reward_pool", 1, *REWARD_POOL))
+        assert len(ray.nodes()) == 2
+        reward_node = ray.get(trainer.reward.workers[0].info.remote())["node_id"]
+        actor_node = ray.get(
+            trainer.placement.rollout_workers[0].__ray_call__.remote(
+                lambda self: ray.get_runtime_context().get_node_id()
+            )
+        )
+        assert reward_node != actor_node
+        trainer.sync_weights(0)
+        metrics, samples = trainer.train_step(0)  # and a step runs across the two nodes
+        assert not trainer.reward.colocated_used and all(s.outcome.ok for s in samples)
     finally:
         if trainer is not None:
             trainer.close()

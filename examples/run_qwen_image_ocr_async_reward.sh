@@ -30,8 +30,8 @@
 # examples/data/prepare_ocr_prompts.py writes into DATA_DIR when it has no train.jsonl).
 # ALGO picks the loss (default flow_grpo): ALGO=diffusion_nft trains with DiffusionNFT in verl-omni's spelling (the
 # old adapter samples, ODE, final images only; its settings, tuned on the tiny renderer: NFT_LR, MIX_BETA,
-# TIMESTEP_FRACTION, OLD_DECAY_SCHEDULE, OLD_UPDATE_INTERVAL; on CPU it reaches Flow-GRPO's 20-step validation
-# level in a median 4 steps, docs/diffusion_nft.md), ALGO=awm with advantage-weighted matching (AWM_LR); any of their keys
+# TIMESTEP_FRACTION, OLD_DECAY_SCHEDULE, OLD_UPDATE_INTERVAL; on CPU it leads Flow-GRPO over the first steps and
+# reaches its 20-step level on the rollout's samples in half the steps, docs/diffusion_nft.md), ALGO=awm with advantage-weighted matching (AWM_LR); any of their keys
 # also works as a plain override. The resolved config is written to $RUN_DIR/config.yaml.
 # Extra Hydra overrides pass through, e.g. the colocated comparison:
 #   bash examples/run_qwen_image_ocr_async_reward.sh reward.reward_model.enable_resource_pool=False

@@ -3,9 +3,10 @@ checkpointing and resolution, the rollout at the config's request batch, every l
 full fine-tune, rollout worker, trainer rank), and the default GPU recipe fitting an 80 GB device.
 
 Every figure is measured on the full 60-block transformer (no per-block extrapolation); the module-scoped plan
-runs four meta forward/backward passes (one of the full fine-tune), two no-grad forwards, two text-encoder forwards (batch 8 and 1),
-two VAE decodes and two AdamW steps: 91 s of CPU time for this file, measured (wall time grows when the
-cores are shared)."""
+runs three meta forward/backward passes at 512² (one of the full fine-tune), two no-grad forwards (512² and 1024²), two
+text-encoder forwards (batch 8 and 1), two VAE decodes and two AdamW steps: ~35 s of CPU time for this file on a quiet
+box (wall time grows when the cores are shared). The 1024² training figures are the plan's command's
+(``bench/results/memory_plan.json``), not re-measured here."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ ml = pytest.importorskip("omni_async.tools.memory_layouts")
 @pytest.fixture(scope="module")
 def qwen_plan():
     """Qwen-Image, LoRA r64, micro-batch 1 with CFG on (batch 2): training at 512² (ckpt on/off; full fine-tune ckpt
-    on) and 1024² (ckpt on), rollout at both (the config's request batch, x2 for CFG), VAE decode at 512²."""
+    on), rollout at 512² and 1024² (the config's request batch, x2 for CFG), VAE decode at 512²."""
     rollout_batch = mp.default_rollout_batch()
     plan = {"weights": {}, "micro_batch": 1, "rollout_batch": rollout_batch, "frames": 1, "resolutions": {}}
     for part in ("transformer", "text_encoder", "vae"):
@@ -39,7 +40,7 @@ def qwen_plan():
         "fsdp_buffers_gb": 8 * block / mp.GB,
         "optimizer_step_gb": mp.measure_optimizer_step("qwen_image", 0),
     }
-    for res, modes in ((512, (True, False)), (1024, (True,))):
+    for res, modes in ((512, (True, False)), (1024, ())):
         plan["resolutions"][str(res)] = {
             "train": {
                 f"cfg/{'ckpt' if c else 'no_ckpt'}": mp.measure_train("qwen_image", res, 2, c, 64) for c in modes
@@ -159,8 +160,9 @@ def test_activations_are_measured(qwen_plan):
     assert ckpt["peak_gb"] < no_ckpt["peak_gb"] / 5  # 60 blocks: only block inputs + one block's recompute
     assert ckpt["held_gb"] < no_ckpt["held_gb"] / 10
     assert no_ckpt["saved_gb"] == pytest.approx(no_ckpt["held_gb"], rel=0.02)  # hook count == live tensors
-    assert high["train"]["cfg/ckpt"]["peak_gb"] > 2 * ckpt["peak_gb"]  # 4x the image tokens
-    assert high["rollout_gb"]["cfg"] > low["rollout_gb"]["cfg"] > 0
+    # 4x the image tokens at 1024²: measured on the rollout (a forward of the same 60 blocks, 1/4 of a training
+    # pass's cost here; bench/results/memory_plan.json has the 1024² training figures)
+    assert high["rollout_gb"]["cfg"] > 2 * low["rollout_gb"]["cfg"] > 0
     # a steady AdamW step (foreach) needs one fp32 temporary the size of the LoRA params
     assert qwen_plan["optimizer_step_gb"] == pytest.approx(qwen_plan["lora"]["gb"] / 4, rel=0.05)
     assert no_ckpt["peak_gb"] >= no_ckpt["held_gb"]

@@ -4,8 +4,9 @@ full fine-tune, rollout worker, trainer rank), and the default GPU recipe fittin
 
 Every figure is measured on the full 60-block transformer (no per-block extrapolation); the module-scoped plan
 runs three meta forward/backward passes at 512² (one of the full fine-tune), two no-grad forwards (512² and 1024²), two
-text-encoder forwards (batch 8 and 1), two VAE decodes and two AdamW steps: ~35 s of CPU time for this file on a quiet
-box (wall time grows when the cores are shared). The 1024² training figures are the plan's command's
+text-encoder forwards (batch 8 and 1), two VAE decodes and two AdamW steps: 45 CPU-s for a pytest process running
+this file alone, its imports and Ray's start included (measured 2026-11-26; wall time grows when the cores are
+shared). The 1024² training figures are the plan's command's
 (``bench/results/memory_plan.json``), not re-measured here."""
 
 from __future__ import annotations

@@ -13,7 +13,10 @@ The paper writes ``clip(A / Z, -1, 1)`` with ``Z`` a free normaliser; NVlabs' co
 std first and then by ``c`` (5 in every recipe), i.e. ``Z = c * std``. This module follows verl-omni. ``adv_mode``
 (verl-omni's ``algorithm.adv_mode``; NVlabs' ``train.adv_mode``) reshapes ``A`` before the map: ``continuous``
 (as above), ``positive_only`` (``A <- max(A, 0)``), ``negative_only`` (``A <- min(A, 0)``), ``one_only``
-(``A <- c * [A > 0]``, so ``r`` is 1 or 1/2) and ``binary`` (``A <- c * sign(A)``, so ``r`` is 0, 1/2 or 1).
+(``A <- [A > 0]``, so ``r = 1/2 + [A > 0] / (2c)``: 0.6 or 1/2 at ``c = 5``) and ``binary`` (``A <- sign(A)``, so
+``r = 1/2 + sign(A) / (2c)``: 0.4, 1/2 or 0.6 at ``c = 5``). In the last two the indicator / sign replaces the
+clipped advantage *before* the division by ``c``, as NVlabs' ``train_nft_sd3.py`` and verl-omni's
+``_advantage_to_reward_prob`` do: ``r`` moves ``1 / (2c)`` off 1/2, not to 0 or 1.
 
 **Forward process** (rectified flow, as the rollout's schedule): at sigma ``t = timestep / 1000``::
 
@@ -92,7 +95,12 @@ NUM_TRAIN_TIMESTEPS = 1000.0
 def optimality_probability(
     advantages: torch.Tensor, *, adv_clip_max: float, adv_mode: str = "continuous"
 ) -> torch.Tensor:
-    """``r = 1/2 + 1/2 * clip(A / c, -1, 1)`` after ``adv_mode`` reshapes ``A`` (module docstring); ``[N]``."""
+    """``r = clip(1/2 + a / (2c), 0, 1)`` with ``a = clip(A, -c, c)`` reshaped by ``adv_mode``; ``[N]``.
+
+    ``continuous``: ``a``; ``positive_only``: ``max(a, 0)``; ``negative_only``: ``min(a, 0)``; ``one_only``:
+    ``[a > 0]`` (``r`` in {1/2, 1/2 + 1/(2c)}); ``binary``: ``sign(a)`` (``r`` in {1/2 - 1/(2c), 1/2, 1/2 + 1/(2c)}).
+    NVlabs ``train_nft_sd3.py`` (``train.adv_mode``) and verl-omni ``DiffusionNFTLoss._advantage_to_reward_prob``.
+    """
     if adv_mode not in ADV_MODES:
         raise ValueError(f"adv_mode={adv_mode!r}: use one of {', '.join(ADV_MODES)}")
     c = float(adv_clip_max)
@@ -102,9 +110,9 @@ def optimality_probability(
     elif adv_mode == "negative_only":
         a = a.clamp(max=0.0)
     elif adv_mode == "one_only":
-        a = (a > 0).float() * c
+        a = (a > 0).float()
     elif adv_mode == "binary":
-        a = torch.sign(a) * c
+        a = torch.sign(a)
     return (0.5 + 0.5 * a / c).clamp(0.0, 1.0)
 
 

@@ -28,13 +28,25 @@ def test_optimality_probability_continuous_is_half_plus_half_clipped():
     [
         ("positive_only", [0.5, 0.5, 0.5, 0.6, 1.0]),
         ("negative_only", [0.0, 0.25, 0.5, 0.5, 0.5]),
-        ("one_only", [0.5, 0.5, 0.5, 1.0, 1.0]),  # r in {1/2, 1}: A > 0 -> c, else 0
-        ("binary", [0.0, 0.0, 0.5, 1.0, 1.0]),  # sign(A) * c
+        ("one_only", [0.5, 0.5, 0.5, 0.6, 0.6]),  # r = 1/2 + [A > 0] / (2c): {1/2, 0.6} at c = 5
+        ("binary", [0.4, 0.4, 0.5, 0.6, 0.6]),  # r = 1/2 + sign(A) / (2c): {0.4, 1/2, 0.6} at c = 5
     ],
 )
 def test_optimality_probability_adv_modes(mode, want):
     adv = torch.tensor([-9.0, -2.5, 0.0, 1.0, 8.0])
     assert optimality_probability(adv, adv_clip_max=5.0, adv_mode=mode).tolist() == pytest.approx(want)
+
+
+@pytest.mark.parametrize("c", [1.0, 2.0, 5.0, 10.0])
+def test_one_only_and_binary_move_r_by_one_over_2c_as_nvlabs_and_verl_omni(c):
+    """NVlabs ``train_nft_sd3.py`` / verl-omni ``_advantage_to_reward_prob``: the indicator / sign replaces the
+    clipped advantage, then ``r = (a / c) / 2 + 1/2``: r moves ``1 / (2c)`` off 1/2, whatever ``|A|``."""
+    adv = torch.tensor([-30.0, -0.01, 0.0, 0.01, 30.0])
+    step = 1.0 / (2.0 * c)
+    one_only = optimality_probability(adv, adv_clip_max=c, adv_mode="one_only").tolist()
+    binary = optimality_probability(adv, adv_clip_max=c, adv_mode="binary").tolist()
+    assert one_only == pytest.approx([0.5, 0.5, 0.5, 0.5 + step, 0.5 + step])
+    assert binary == pytest.approx([0.5 - step, 0.5 - step, 0.5, 0.5 + step, 0.5 + step])
 
 
 def test_unknown_adv_mode_names_the_choices():

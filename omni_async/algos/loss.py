@@ -12,6 +12,15 @@ with ``KL_i = mean_dims (mu_theta - mu_ref)^2 / (2 std_dev_t^2)``, flow_grpo's s
 ``compute_rollout_correction_weights``, computed on the driver), as verl's ``compute_policy_loss_vanilla`` multiplies
 its per-token loss by ``rollout_is_weights``.
 Means run over the kept samples only (``mask``); a masked sample contributes nothing to the loss or to the metrics.
+
+**Rejected steps** (verl's rejection sampling, ``algorithm.rollout_correction.rollout_rs``) are not taken out of
+``mask``: they enter as ``w_i = 0`` (:func:`correction_weights`), so the mean's denominator still counts them::
+
+    L_pg = sum_i m_i w_i l_i / sum_i m_i,     w_i = IS_i x keep_i   (decoupled; bypass: w_i = keep_i)
+
+as verl-omni folds the rejection mask into ``rollout_is_weights`` in both modes (``rollout_correction.
+apply_rollout_correction_to_diffusion_batch``, ``losses._apply_bypass_rc``) and ``FlowGRPOLoss`` takes
+``torch.mean`` over every sample of the step. Text follows verl's token loss instead (:func:`grpo_token_loss`).
 """
 
 from __future__ import annotations
@@ -81,10 +90,11 @@ def bypass_rollout_correction(
     ``compute_rollout_correction_and_rejection_mask`` between the *current* policy (``log_prob``, detached) and the
     rollout's log-probs, as verl's ``compute_policy_loss_bypass_mode`` and verl-omni's ``diffusion_loss`` compute it.
     With their default ``loss_type=ppo_clip`` the IS weights pi_theta / pi_rollout are only reported (the PPO ratio
-    is already that ratio, clipped); the rejection mask leaves the loss. Returns ``mask`` with the rejected
-    elements off (as given when ``rollout_rs`` is off) and verl's metrics under the names verl's actor reports them
-    (``actor/rollout_corr/*``). Inputs ``[B, T]``: text tokens, or one SDE-window step per call (``T = 1``, as
-    verl-omni's per-step loss)."""
+    is already that ratio, clipped). Returns the keep flags (``mask`` with the rejected elements off; ``mask`` as
+    given when ``rollout_rs`` is off), which the losses apply as a 0 / 1 weight, the denominator keeping the
+    rejected elements (:func:`correction_weights`, :func:`grpo_token_loss`'s ``keep``), and verl's metrics under the
+    names verl's actor reports them (``actor/rollout_corr/*``). Inputs ``[B, T]``: text tokens, or one SDE-window
+    step per call (``T = 1``, as verl-omni's per-step loss)."""
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 
     mask = mask.bool()
@@ -98,6 +108,17 @@ def bypass_rollout_correction(
             **{k: spec.get(k) for k in BYPASS_CORRECTION_FIELDS},
         )
     return mask & kept.bool(), {f"actor/{k}": float(v) for k, v in metrics.items()}
+
+
+def correction_weights(is_weights: torch.Tensor | None, keep: torch.Tensor | None) -> torch.Tensor | None:
+    """The image losses' per-sample multiplier ``w = IS x keep`` (``None`` when neither is given): verl-omni's fold
+    of the rejection mask into ``rollout_is_weights`` (decoupled: ``IS = min(pi_old / pi_rollout, C)`` and the
+    driver's keep flags; bypass: the loss call's keep flags alone). A rejected step weighs 0 and stays in the mean's
+    denominator (module docstring)."""
+    if keep is None:
+        return is_weights
+    keep = keep.float()
+    return keep if is_weights is None else is_weights * keep
 
 
 # verl's dual-clip bound for negative advantages (its ``actor.clip_ratio_c`` default).
@@ -116,35 +137,47 @@ def grpo_token_loss(
     ref_log_prob: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     rollout_is_weights: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO for text, token level, with verl's ``core_algos`` (vanilla PPO clip, token-mean aggregation)::
 
         rho_t = exp(logp_theta_t - logp_old_t)
-        L_pg  = token-mean_t max(-A * rho_t, -A * clip(rho_t, 1 - eps, 1 + eps))   (dual clip at c = 3 for A < 0)
-        L     = L_pg + beta * token-mean_t KL_k3(theta_t || ref_t)
+        l_t   = max(-A * rho_t, -A * clip(rho_t, 1 - eps, 1 + eps))      (dual clip at c = 3 for A < 0)
+        L_pg  = sum_t m_t k_t l_t / sum_t m_t,    L = L_pg + beta * sum_t m_t KL_k3(theta_t || ref_t) / sum_t m_t
 
     All inputs are ``[B, T]``; ``advantages`` is the sample's advantage broadcast over its tokens and
-    ``token_mask`` is the response mask times the sample's loss mask (a failed sample contributes nothing).
+    ``token_mask`` (``m``) is the response mask times the sample's loss mask (a failed sample contributes nothing).
     ``rollout_is_weights`` [B, T]: verl's decoupled-mode truncated IS weights, multiplying each token's clipped
-    term (verl's ``compute_policy_loss_vanilla`` applies them).
+    term (verl's ``compute_policy_loss_vanilla`` applies them). Decoupled-mode rejection is already out of
+    ``token_mask``: verl's driver takes it out of ``response_mask`` before the update, so it leaves the token-mean's
+    denominator too (``compute_rollout_correction_and_add_to_batch``; the engine's ``batch_num_tokens`` counts the
+    rejected-out mask).
+
+    ``keep`` (``k``, [B, T], bypass mode: :func:`bypass_rollout_correction`'s flags, 1 elsewhere): rejected tokens
+    weigh 0 in the policy-gradient term while the denominator and the KL term keep them, as verl's
+    ``compute_policy_loss_bypass_mode`` aggregates with the engine's ``batch_num_tokens`` (counted on the loss mask
+    before the loss call rejects anything) and ``ppo_loss`` takes the KL over ``response_mask``.
     """
     from omegaconf import OmegaConf
     from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
 
+    # bypass rejection: the token-mean's denominator is the mask before it (verl's batch_num_tokens), at least 1 (a
+    # zero-weight padding pass of FSDP's lock-step has no token at all)
+    batch_info = {} if keep is None else {"batch_num_tokens": max(float(token_mask.sum()), 1.0), "dp_size": 1}
     loss_cfg = OmegaConf.create(
         {
             "clip_ratio": clip_ratio,
             "clip_ratio_low": None,
             "clip_ratio_high": None,
             "clip_ratio_c": DUAL_CLIP_RATIO_C,
-            "global_batch_info": {},
+            "global_batch_info": batch_info,
         }
     )
     pg_loss, m = get_policy_loss_fn("vanilla")(
         old_log_prob,
         log_prob,
         advantages,
-        token_mask,
+        token_mask if keep is None else token_mask * keep.to(token_mask.dtype),
         loss_agg_mode="token-mean",
         config=loss_cfg,
         rollout_is_weights=rollout_is_weights,

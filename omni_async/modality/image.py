@@ -34,7 +34,12 @@ from omni_async.algos.awm import awm_loss, matching_log_prob
 from omni_async.algos.diffusion_nft import forward_noised, nft_loss
 from omni_async.algos.flow_dppo import flow_dppo_loss
 from omni_async.algos.grpo_guard import grpo_guard_loss
-from omni_async.algos.loss import BYPASS_CORRECTION_KEY, bypass_rollout_correction, flow_grpo_loss
+from omni_async.algos.loss import (
+    BYPASS_CORRECTION_KEY,
+    bypass_rollout_correction,
+    correction_weights,
+    flow_grpo_loss,
+)
 from omni_async.algos.loss_modes import needs_old_means, uses_final_latents
 from omni_async.algos.sde import kl_to_reference
 from omni_async.modality.base import REF_TIME_KEY, Modality, rm_score, score_labels
@@ -205,7 +210,8 @@ class ImageModality(Modality):
             batch.batch[k].to(policy.device) for k in ("window_latents", "old_log_probs", "advantages")
         )
         loss_mask = loss_mask.to(policy.device)
-        # verl's decoupled rollout correction (StepOps.rollout_correction): a weight and a keep flag per window step.
+        # verl's decoupled rollout correction (StepOps.rollout_correction): a weight and a keep flag per window step;
+        # a rejected step weighs 0 and stays in the step's mean over loss_mask (algos.loss.correction_weights).
         is_w, rs = (
             batch.batch[k].to(policy.device) if k in batch.batch.keys() else None
             for k in ("rollout_is_weights", "rollout_rs_mask")
@@ -225,13 +231,14 @@ class ImageModality(Modality):
                     ref = policy.step(cond, latents[:, j], start + j, prev_sample=latents[:, j + 1])
                 ref_s += device_clock(policy.device) - t0
                 kl = kl_to_reference(out.mean, ref.mean, out.std_dev_t)
-            mask_j = loss_mask if rs is None else loss_mask.bool() & rs[:, j].bool()
-            if bypass:  # the step's RS mask leaves the loss; its IS weights are reported (the ratio clips them)
+            mask_j = loss_mask
+            w_j = correction_weights(None if is_w is None else is_w[:, j], None if rs is None else rs[:, j])
+            if bypass:  # the step's rejected samples weigh 0; its IS weights are reported (the ratio clips them)
                 kept, m = bypass_rollout_correction(out.log_prob[:, None], old_lp[:, j, None], mask_j[:, None], bypass)
-                mask_j = kept[:, 0]
+                w_j = correction_weights(w_j, kept[:, 0])
                 for k, v in m.items():
                     corr_metrics[k].append(v)
-            common = {"kl": kl, "kl_coef": actor_cfg.kl_loss_coef, "is_weights": None if is_w is None else is_w[:, j]}
+            common = {"kl": kl, "kl_coef": actor_cfg.kl_loss_coef, "is_weights": w_j}
             if self.loss_mode == "grpo_guard":
                 # advantages were clipped to diffusion_loss.adv_clip_max when the batch was built (StepOps)
                 loss, m = grpo_guard_loss(

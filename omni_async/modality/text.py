@@ -105,8 +105,14 @@ class TextModality(Modality):
         return policy.log_probs(b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"])
 
     def loss_units(self, batch) -> int:
+        """The tokens in the loss's denominator: the kept samples' response tokens, less the ones decoupled-mode
+        rejection took out (verl's driver takes them out of ``response_mask``, so its ``batch_num_tokens`` does not
+        count them). Bypass-mode rejection happens inside the loss call and is counted, as verl's."""
         b = batch.batch
-        return int((b["response_mask"].bool() & b["loss_mask"].bool()[:, None]).sum())
+        units = b["response_mask"].bool() & b["loss_mask"].bool()[:, None]
+        if "rollout_rs_mask" in b.keys():
+            units = units & b["rollout_rs_mask"].bool()
+        return int(units.sum())
 
     def backward(
         self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any, loss_scale: float = 1.0
@@ -125,11 +131,12 @@ class TextModality(Modality):
             token_mask = token_mask * rs.float()
         log_prob = self._log_probs(policy, batch)
         corr: dict[str, float] = {}
+        kept = None
         if bypass := batch.meta_info.get(BYPASS_CORRECTION_KEY):
-            # verl's bypass-mode rollout correction, between the current policy and the rollout: its rejection
-            # mask leaves the loss, its IS weights are reported (the PPO ratio is already that ratio, clipped)
+            # verl's bypass-mode rollout correction, between the current policy and the rollout: rejected tokens
+            # weigh 0 (the token-mean's denominator keeps them), its IS weights are reported (the PPO ratio is
+            # already that ratio, clipped)
             kept, corr = bypass_rollout_correction(log_prob, old_log_probs, token_mask, bypass)
-            token_mask = token_mask * kept.float()
         ref, ref_s = None, 0.0
         if actor_cfg.kl_loss_coef > 0:
             t0 = device_clock(device)
@@ -145,6 +152,7 @@ class TextModality(Modality):
             ref_log_prob=ref,
             kl_coef=actor_cfg.kl_loss_coef,
             rollout_is_weights=is_w,
+            keep=kept,
         )
         (loss * loss_scale).backward()
         return {**{k: [v] for k, v in {**metrics, **corr}.items()}, REF_TIME_KEY: [ref_s]}

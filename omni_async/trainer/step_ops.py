@@ -208,7 +208,9 @@ class StepOps:
         """verl's decoupled-mode rollout correction (``algorithm.rollout_correction.rollout_is`` / ``rollout_rs``),
         computed by verl's ``compute_rollout_correction_and_rejection_mask`` between pi_old (recomputed) and the
         rollout's log-probs: truncated IS weights ``rollout_is_weights`` and a rejection mask ``rollout_rs_mask``,
-        per token (text) or per SDE-window step (image), which the loss applies; ``rollout_corr/*`` metrics."""
+        per token (text) or per SDE-window step (image), which the loss applies (images: a 0 weight inside the
+        step's mean, as verl-omni; text: out of the token-mean and its denominator, as verl's driver takes it out of
+        ``response_mask``); ``rollout_corr/*`` metrics."""
         rc = self.cfg.algorithm.rollout_correction
         if rc.rollout_is is None and rc.rollout_rs is None:
             return

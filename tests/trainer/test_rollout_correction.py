@@ -215,13 +215,17 @@ def test_bypass_text_loss_is_verls_bypass_mode_loss_on_the_same_tensors():
     ours = TextModality().backward(policy, b, LOSS_MASK, actor_cfg)
 
     theta_v = theta.clone().requires_grad_(True)
+    # verl's engine counts batch_num_tokens on the loss mask before the loss call rejects anything
+    # (FSDPEngine.forward_backward_batch, ppo_loss -> global_batch_info): a rejected token weighs 0 and stays in the
+    # token-mean's denominator. (This test used {} here, which makes verl's agg_loss divide by the rejected-out mask,
+    # the denominator our loss had then; verl's actor never runs the loss that way.)
     verl_cfg = OmegaConf.create(
         {
             "clip_ratio": 0.2,
             "clip_ratio_low": None,
             "clip_ratio_high": None,
             "clip_ratio_c": DUAL_CLIP_RATIO_C,
-            "global_batch_info": {},
+            "global_batch_info": {"dp_size": 1, "batch_num_tokens": int((response_mask * LOSS_MASK[:, None]).sum())},
             "policy_loss": {"rollout_correction": {**BYPASS_SPEC, "loss_type": "ppo_clip"}},
         }
     )
@@ -237,6 +241,11 @@ def test_bypass_text_loss_is_verls_bypass_mode_loss_on_the_same_tensors():
     assert ours["actor/pg_loss"] == [pytest.approx(loss.item(), abs=1e-7)]
     torch.testing.assert_close(policy.theta.grad, theta_v.grad)
     assert policy.theta.grad[0, 1] == 0 and policy.theta.grad[0, 0] != 0  # ratio 3.0: rejected, not truncated
+    # the reference formula: sum over the kept tokens of the clipped term / the 8 tokens of the loss mask
+    kept = ((RATIOS >= 0.6) & (RATIOS <= 1.5)) & (response_mask * LOSS_MASK[:, None]).bool()
+    a = ADV[:, None].expand(4, 3)
+    clipped = torch.maximum(-a * RATIOS, -a * RATIOS.clamp(0.8, 1.2))
+    assert ours["actor/pg_loss"] == [pytest.approx(float((clipped * kept).sum() / 8), abs=1e-6)]
     corr = {k: v for k, v in verl_metrics.items() if k.startswith("rollout_corr/")}
     assert {"rollout_corr/rollout_is_mean", "rollout_corr/rollout_rs_masked_fraction"} <= set(corr)
     for k, v in corr.items():  # verl's actor reports its loss metrics as actor/<name>
@@ -245,8 +254,9 @@ def test_bypass_text_loss_is_verls_bypass_mode_loss_on_the_same_tensors():
 
 def test_bypass_image_loss_applies_each_steps_rs_mask_and_reports_verls_metrics_per_step():
     """Per SDE-window step, as verl-omni's ``diffusion_loss`` in bypass mode: verl's helper on the step's
-    ``[B, 1]`` log-probs (current vs rollout), its rejection mask out of the step's loss; through the actor's
-    optimizer step, whose metrics carry verl's names."""
+    ``[B, 1]`` log-probs (current vs rollout), its rejection mask a 0 weight on the step's loss (``_apply_bypass_rc``
+    folds it into ``rollout_is_weights``; ``FlowGRPOLoss`` takes ``torch.mean`` over every sample); through the
+    actor's optimizer step, whose metrics carry verl's names."""
     theta = ROLLOUT + torch.log(RATIOS)
     policy = FakePolicy(theta)
     tensors = {
@@ -270,15 +280,116 @@ def test_bypass_image_loss_applies_each_steps_rs_mask_and_reports_verls_metrics_
     theta_v = theta.clone().requires_grad_(True)
     want: dict[str, list[float]] = {}
     for j in range(3):
-        _, kept, m = compute_rollout_correction_and_rejection_mask(
+        _, _, m = compute_rollout_correction_and_rejection_mask(
             theta_v[:, j, None].detach(), ROLLOUT[:, j, None], LOSS_MASK[:, None].float(), **BYPASS_SPEC
         )
-        loss, _ = flow_grpo_loss(theta_v[:, j], ROLLOUT[:, j], ADV, kept[:, 0].bool(), clip_ratio=0.2)
-        (loss / 3).backward()
         for k, v in m.items():
             want.setdefault(f"actor/{k}", []).append(v)
+    # the reference formula, per window step j: sum_i m_i k_ij max(-A_i r_ij, -A_i clip(r_ij)) / sum_i m_i, with
+    # k_ij = [0.6 <= r_ij <= 1.5] (token_k1 on pi_theta / pi_rollout), m the loss mask (3 samples); averaged over j
+    ratio = torch.exp(theta_v - ROLLOUT)
+    keep = ((RATIOS >= 0.6) & (RATIOS <= 1.5)).float() * LOSS_MASK[:, None]
+    a = ADV[:, None]
+    per = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2))
+    ((per * keep).sum(0) / LOSS_MASK.sum()).mean().backward()
     torch.testing.assert_close(policy.theta.grad, theta_v.grad)
     assert policy.theta.grad[2, 0] == 0 and policy.theta.grad[0, 0] != 0  # ratio 2.5 at step 0: rejected
     assert {"actor/rollout_corr/rollout_is_mean", "actor/rollout_corr/rollout_rs_masked_fraction"} <= set(ours)
     for k, v in want.items():  # the step's metric: the mean over the window's loss calls
         assert ours[k] == pytest.approx(float(np.mean(v))), k
+
+
+class RowPolicy(FakePolicy):
+    """:class:`FakePolicy` for micro-batches: a batch row ``i`` (its ``row`` tensor, text: ``prompt_ids[:, 0]``)
+    reads ``theta[i]``."""
+
+    def log_probs(self, prompt_ids, *_):
+        return self.theta[prompt_ids[:, 0]]
+
+    def conditioning_from(self, batch):
+        return batch["row"]
+
+    def step(self, cond, latents, j, prev_sample):
+        return SimpleNamespace(log_prob=self.theta[cond, j])
+
+
+def test_decoupled_image_loss_weighs_rejected_steps_zero_over_the_whole_batch():
+    """Decoupled mode, as verl-omni's ``apply_rollout_correction_to_diffusion_batch``: the rejected steps' flag folded
+    into the IS weight (``w = min(pi_old / pi_rollout, C) x keep``) and the step's loss a mean over every sample in
+    the loss, so a rejected step counts in the denominator; through the actor's optimizer step in 2 micro-batches."""
+    old = torch.log(torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]))
+    theta = old + torch.log(RATIOS)
+    policy = RowPolicy(theta)
+    is_w = torch.tensor([[1.0, 2.0, 0.5], [1.5, 1.0, 0.7], [2.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    rs = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0], [0.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    tensors = {
+        "row": torch.arange(4),
+        "window_latents": torch.zeros(4, 4, 1),
+        "old_log_probs": old,
+        "advantages": ADV,
+        "loss_mask": LOSS_MASK,
+        "rollout_is_weights": is_w,
+        "rollout_rs_mask": rs,
+    }
+    b = DataProto.from_dict(tensors=tensors, meta_info={"window_start": 0})
+    actor_cfg = OmegaConf.create(
+        {
+            "diffusion_loss": {"clip_ratio": 0.2},
+            "kl_loss_coef": 0.0,
+            "grad_clip": 1e9,
+            "ppo_micro_batch_size_per_gpu": 2,
+        }
+    )
+    optimizer = torch.optim.SGD(policy.trainable_parameters(), lr=0.0)
+    ours = update_minibatch(ImageModality(), policy, optimizer, b, actor_cfg)
+
+    theta_v = theta.clone().requires_grad_(True)
+    ratio = torch.exp(theta_v - old)
+    a = ADV[:, None]
+    per = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2)) * is_w * rs * LOSS_MASK[:, None]
+    (per.sum(0) / 3).mean().backward()  # 3 samples in the loss, rejected ones included
+    torch.testing.assert_close(policy.theta.grad, theta_v.grad)
+    assert policy.theta.grad[0, 1] == 0 and policy.theta.grad[2, 0] == 0  # rejected: no gradient
+    # sample 1's step 2 is rejected: sample 0's step 2 keeps its 1/3 share of the step (a mean over the kept
+    # samples would give it 1/2): d/dtheta of -A r w / 3 / 3 steps
+    assert policy.theta.grad[0, 2].item() == pytest.approx(-1.0 * 0.5 * 0.5 / 9, abs=1e-6)
+    assert "actor/pg_loss" in ours
+
+
+def test_decoupled_text_rejection_leaves_the_token_mean_and_its_denominator_over_micro_batches():
+    """Decoupled mode, as verl: the driver takes rejected tokens out of ``response_mask`` before the update
+    (``compute_rollout_correction_and_add_to_batch``), and the engine's ``batch_num_tokens`` counts that mask, so
+    the mini-batch's loss is ``sum_kept w l / n_kept`` whatever the micro-batching (here 2 + 2 samples)."""
+    response_mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]])
+    rs = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    is_w = torch.tensor([[1.0, 2.0, 0.5], [1.5, 1.0, 0.7], [2.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    old = torch.zeros(4, 3)
+    theta = old + torch.log(RATIOS)
+    policy = RowPolicy(theta)
+    tensors = {
+        "prompt_ids": torch.arange(4)[:, None],
+        "prompt_mask": torch.ones(4, 1, dtype=torch.long),
+        "response_ids": torch.zeros(4, 3, dtype=torch.long),
+        "response_mask": response_mask,
+        "old_log_probs": old,
+        "advantages": ADV,
+        "loss_mask": LOSS_MASK,
+        "rollout_is_weights": is_w,
+        "rollout_rs_mask": rs,
+    }
+    b = DataProto.from_dict(tensors=tensors)
+    actor_cfg = OmegaConf.create(
+        {"clip_ratio": 0.2, "kl_loss_coef": 0.0, "grad_clip": 1e9, "ppo_micro_batch_size_per_gpu": 2}
+    )
+    assert TextModality().loss_units(b) == 5  # 8 response tokens in the loss, 3 of them rejected
+    optimizer = torch.optim.SGD(policy.trainable_parameters(), lr=0.0)
+    update_minibatch(TextModality(), policy, optimizer, b, actor_cfg)
+
+    theta_v = theta.clone().requires_grad_(True)
+    ratio = torch.exp(theta_v - old)
+    a = ADV[:, None].expand(4, 3)
+    clipped = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2))
+    per = torch.where(a < 0, torch.minimum(clipped, -a * DUAL_CLIP_RATIO_C), clipped)
+    kept = response_mask * LOSS_MASK[:, None] * rs
+    ((per * is_w * kept).sum() / kept.sum()).backward()
+    torch.testing.assert_close(policy.theta.grad, theta_v.grad)

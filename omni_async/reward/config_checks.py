@@ -119,7 +119,10 @@ def _check_reward_functions(reward: DictConfig, modality: str) -> None:
     try:
         for spec in reward_specs(reward):
             check_judge_model_kwargs(
-                spec, check_reward_function(spec.path, spec.name, spec.config_key, spec.kwargs, modality)
+                spec,
+                check_reward_function(
+                    spec.path, spec.name, spec.config_key, spec.kwargs, modality, only_declared=spec.only_declared
+                ),
             )
     except ValueError as e:  # a RewardConfigError, or a reward_functions entry without path / name
         raise ConfigError(str(e)) from e

@@ -1,11 +1,19 @@
 """The contract between the trainer and reward functions, as verl / verl-omni define it.
 
-- **Images and video.** A reward function gets ``solution_image`` exactly as verl-omni's ``VisualRewardManager``
-  hands it over: a uint8 ``torch.Tensor`` in [0, 255], shape ``(C, H, W)`` for an image, ``(N, C, H, W)`` for
-  the frames of a video (``C`` = 3, RGB). The trainer's own pixels are numpy ``(H, W, 3)`` / ``(T, H, W, 3)``;
+- **Images and video.** A reward function gets ``solution_image`` as verl-omni's ``VisualRewardManager`` hands it
+  over: a uint8 ``torch.Tensor`` in [0, 255], shape ``(C, H, W)`` for an image and ``(C, F, H, W)`` for a video
+  (``C`` = 3, RGB), the layout every verl-omni video reward reads (``genrm_ocr`` and ``hpsv3_reward`` take a 4-D
+  tensor whose last axis is not 1 or 3 as ``[C, F, H, W]``; ``reward_utils.video_tensor_to_pil_frames`` takes it
+  too). The trainer's own pixels are numpy ``(H, W, 3)`` / ``(F, H, W, 3)``;
   :func:`~omni_async.reward.pixels.to_solution_image` is the one conversion, at the call site. Text gets
   ``solution_str`` as in verl.
-- **The project's scorers accept every form**: the tensor above, the numpy ``(H, W, 3)`` / ``(T, H, W, 3)``
+- **Arguments.** The single reward (``reward.custom_reward_function``) is called with all of ``data_source``,
+  ``solution_image`` | ``solution_str``, ``ground_truth``, ``extra_info`` and its ``reward_kwargs``, as verl-omni's
+  ``VisualRewardManager`` calls it. Each of several rewards (``reward.reward_functions.<key>``, verl-omni's
+  ``MultiVisualRewardManager``) gets only the arguments its signature declares, all of them if it takes
+  ``**kwargs`` (:func:`declared_arguments`): verl-omni's ``jpeg_compressibility.compute_score(solution_image)``
+  runs there unchanged.
+- **The project's scorers accept every form**: the tensor above, the numpy ``(H, W, 3)`` / ``(F, H, W, 3)``
   array, a PIL image, or a list of frames. :func:`~omni_async.reward.pixels.to_pixels` is the single way back to
   numpy; a torch tensor is always read as channels-first and a numpy array as channels-last (by type, never guessed
   from the shape).
@@ -153,11 +161,28 @@ def public_callables(module: Any) -> list[str]:
     return sorted(own or names)
 
 
-def _bind_check(fn: Any, kwargs: dict[str, Any], what: str, key: str, skip_self: bool = False) -> None:
+def declared_arguments(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The part of ``kwargs`` that ``fn`` declares: all of them if it takes ``**kwargs`` (or its signature cannot be
+    read), else those named by its parameters. verl-omni's ``MultiVisualRewardManager`` calls each of several reward
+    functions this way, so a function may declare only what it reads (``compute_score(solution_image)``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _bind_check(
+    fn: Any, kwargs: dict[str, Any], what: str, key: str, skip_self: bool = False, only_declared: bool = False
+) -> None:
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return  # builtins etc.: cannot tell, let the call decide
+    if only_declared:
+        kwargs = declared_arguments(fn, kwargs)
     try:
         if skip_self:
             sig.bind(None, **kwargs)
@@ -165,9 +190,15 @@ def _bind_check(fn: Any, kwargs: dict[str, Any], what: str, key: str, skip_self:
             sig.bind(**kwargs)
     except TypeError as e:
         raise RewardConfigError(
-            f"{key}: {what}{sig} cannot be called with {sorted(kwargs)}: {e}; reward functions "
-            "are called as compute_score(data_source=..., solution_image=... | solution_str=..., "
-            "ground_truth=..., extra_info=..., **reward_kwargs); add **kwargs to accept the rest"
+            f"{key}: {what}{sig} cannot be called with {sorted(kwargs)}: {e}; "
+            + (
+                "each of reward.reward_functions gets the arguments it declares among data_source, solution_image | "
+                "solution_str, ground_truth, extra_info and its entry's extra fields; give the missing ones a default "
+                "or set them in the entry"
+                if only_declared
+                else "reward functions are called as compute_score(data_source=..., solution_image=... | "
+                "solution_str=..., ground_truth=..., extra_info=..., **reward_kwargs); add **kwargs to accept the rest"
+            )
         ) from None
 
 
@@ -177,6 +208,7 @@ def check_reward_function(
     key: str = "reward.custom_reward_function",
     reward_kwargs: dict[str, Any] | None = None,
     modality: str | None = None,
+    only_declared: bool = False,
 ) -> Any:
     """Load a configured reward function on the driver, at start; return it, or raise :class:`RewardConfigError`.
 
@@ -190,7 +222,9 @@ def check_reward_function(
 
     With ``modality`` (``"image"`` or ``"text"``) the signature is checked too: the call the reward manager will
     make (``data_source``, ``solution_image`` or ``solution_str``, ``ground_truth``, ``extra_info`` and the
-    ``reward_kwargs``) must bind. Note that a file path's module is executed here, on the driver, as well.
+    ``reward_kwargs``) must bind; with ``only_declared`` (an entry of ``reward.reward_functions``) the call passes only
+    what the function declares (:func:`declared_arguments`), so it must only have no required parameter left unset.
+    Note that a file path's module is executed here, on the driver, as well.
     """
     for suffix in (".path", ".name"):
         key = key[: -len(suffix)] if key.endswith(suffix) else key
@@ -228,7 +262,7 @@ def check_reward_function(
             _bind_check(obj, dict(reward_kwargs or {}), f"class {name}", key)
             method = inspect.getattr_static(obj, "compute_score")
             if isinstance(method, staticmethod):
-                _bind_check(obj.compute_score, data_kw, f"{name}.compute_score", key)
+                _bind_check(obj.compute_score, data_kw, f"{name}.compute_score", key, only_declared=only_declared)
             else:
                 _bind_check(
                     obj.compute_score,
@@ -236,6 +270,7 @@ def check_reward_function(
                     f"{name}.compute_score",
                     key,
                     skip_self=not isinstance(method, classmethod),
+                    only_declared=only_declared,
                 )
         return obj
     if not callable(obj):
@@ -244,5 +279,5 @@ def check_reward_function(
             f"its public callables: {', '.join(defined) or '(none)'}"
         )
     if data_kw is not None:
-        _bind_check(obj, {**data_kw, **(reward_kwargs or {})}, name, key)
+        _bind_check(obj, {**data_kw, **(reward_kwargs or {})}, name, key, only_declared=only_declared)
     return obj

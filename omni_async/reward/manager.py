@@ -5,7 +5,7 @@ and ``name`` (``reward.contract.check_reward_function``; no path = dispatch by `
 
     compute_score(data_source, solution_image | solution_str, ground_truth, extra_info, **reward_kwargs)
 
-``solution_image`` is what verl-omni passes: a uint8 torch tensor ``(C, H, W)``, or ``(N, C, H, W)`` for frames.
+``solution_image`` is what verl-omni passes: a uint8 torch tensor ``(C, H, W)``, or ``(C, F, H, W)`` for a video.
 
 A function may be sync (run in a thread, off the event loop), ``async def`` (awaited), or a class (instantiated
 once per manager with the kwargs, then its ``compute_score`` is used). It may return a number, a dict with a
@@ -13,7 +13,8 @@ once per manager with the kwargs, then its ``compute_score`` is used). It may re
 reward agent recipe. Anything else is an error naming the function and what it returned.
 
 With ``reward.reward_functions.<key>: {path, name, weight, required, **kwargs}`` several functions run
-concurrently and combine as ``sum_k weight_k * score_k``; each is reported as ``reward/<key>``. A failing
+concurrently and combine as ``sum_k weight_k * score_k``; each is reported as ``reward/<key>``. As in verl-omni's
+``MultiVisualRewardManager``, each of them is called with only the arguments it declares (all with ``**kwargs``). A failing
 ``required`` function fails the sample; a failing optional one is left out of the sum and reported.
 """
 
@@ -28,7 +29,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from omni_async.reward.contract import check_reward_function
+from omni_async.reward.contract import check_reward_function, declared_arguments
 from omni_async.reward.pixels import to_solution_image
 from omni_async.reward.scores import RewardFunctionError, normalize_result
 from omni_async.sample import RewardOutcome
@@ -58,6 +59,12 @@ class RewardSpec:
     kwargs: dict[str, Any]
     weight: float = 1.0
     required: bool = True
+
+    @property
+    def only_declared(self) -> bool:
+        """An entry of ``reward.reward_functions`` gets only the arguments it declares (verl-omni's
+        ``MultiVisualRewardManager``); the single reward gets all of them (its ``VisualRewardManager``)."""
+        return self.config_key != "reward.custom_reward_function"
 
     @property
     def label(self) -> str:
@@ -121,6 +128,7 @@ class RewardFunction:
     def __init__(self, spec: RewardSpec, judge_urls: list[str] | None = None, judge_model_path: str | None = None):
         obj = check_reward_function(spec.path, spec.name, spec.config_key)
         check_judge_model_kwargs(spec, obj)
+        self.only_declared = spec.only_declared
         kwargs = dict(spec.kwargs)
         self.key, self.weight, self.required, self.label = spec.key, spec.weight, spec.required, spec.label
         self.instance = None
@@ -172,6 +180,8 @@ class RewardFunction:
             data_source=sample["data_source"], ground_truth=sample["ground_truth"], extra_info=extra_info, **self.kwargs
         )
         kw.update({k: sample[k] for k in SOLUTION_FIELDS if k in sample})
+        if self.only_declared:
+            kw = declared_arguments(self.fn, kw)
         call = _Call(submitted=time.perf_counter())
 
         def run():
@@ -266,7 +276,7 @@ class RewardManager:
         return ", ".join(f.label for f in self.functions)
 
     async def _score(self, sample: dict[str, Any]) -> RewardOutcome:
-        if "solution_image" in sample:  # verl-omni's form: uint8 torch (C, H, W), or (N, C, H, W) frames
+        if "solution_image" in sample:  # verl-omni's form: uint8 torch (C, H, W), or (C, F, H, W) for a video
             sample = {**sample, "solution_image": to_solution_image(sample["solution_image"])}
         results = await asyncio.gather(*(fn(sample, self.executor) for fn in self.functions), return_exceptions=True)
         out = RewardOutcome("ok")

@@ -143,6 +143,8 @@ def test_recipe_trains_one_step(runner, data, tmp_path, request, wall):
     # rewards came back for every sample and differ within the groups (else the advantages are 0)
     assert row["reward/failed"] == 0 and row["critic/rewards/std"] > 0 and row["critic/rewards/zero_std_ratio"] < 1
     assert row["perf/total_num_images"] == 4 and row.get("reward_queue/total_consumed", 4) == 4  # streamed: 4 too
+    for key in cfg.reward.reward_functions:  # each of several rewards scored (verl-omni's file: its own arguments)
+        assert math.isfinite(row[f"reward/{key}"]) and row[f"reward/{key}"] != 0, (key, row)
     rc = cfg.algorithm.rollout_correction
     if rc.rollout_is or rc.rollout_rs:  # bypass mode: verl's IS weights / RS mask per loss call, under verl's names
         assert any(k.startswith("actor/rollout_corr/") for k in row), sorted(row)

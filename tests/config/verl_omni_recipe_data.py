@@ -31,6 +31,7 @@ OWNED_ELSEWHERE: frozenset[str] = frozenset()
 # value. Only models, engines, reward models, reward functions' files and the reward server: every other value is the
 # recipe's (a run also changes the sizes and its own files: ON_CPU).
 STAND_IN_MODELS = Path(__file__).resolve().parent / "stand_in_models"
+VERL_OMNI_REWARDS = Path(__file__).resolve().parents[1] / "reward/verl_omni_rewards/verl_omni/utils/reward_score"
 _JUDGE = str(Path(__file__).resolve().parent / "verl_omni_judge_stand_in.py")
 _GENRM = (
     _JUDGE,
@@ -74,8 +75,8 @@ STAND_INS: dict[str, dict[str | None, tuple[str, str]]] = {
     },
     "+reward.reward_functions.jpeg.path": {
         "/verl-omni/verl_omni/utils/reward_score/jpeg_compressibility.py": (
-            "pkg://omni_async.reward.scorers.jpeg",
-            "this project's JPEG-compressibility reward",
+            str(VERL_OMNI_REWARDS / "jpeg_compressibility.py"),
+            "verl-omni's own file, unchanged, where this checkout keeps it (tests/reward/verl_omni_rewards)",
         )
     },
 }

@@ -11,8 +11,6 @@ import os
 import time
 import zlib
 
-import numpy as np
-
 from omni_async.reward.pixels import to_pixels
 from omni_async.reward.scorers.jpeg import compute_score as jpeg_score
 
@@ -97,9 +95,10 @@ async def slow_constant(data_source, solution_str=None, ground_truth=None, extra
     return 1.0
 
 
-# ---- Reward functions written against verl-omni's contract: solution_image is a uint8 torch tensor (C, H, W), or
-# (N, C, H, W) for video frames. They use tensor methods (.permute, .unsqueeze, .ndim) as verl-omni's HTTP scorer
-# client, GenRM-OCR and JPEG-compressibility rewards do, so a numpy (H, W, 3) array makes them fail or lie.
+# ---- Reward functions with verl-omni's signatures and input handling. verl-omni's own files are in
+# verl_omni_rewards/ (jpeg_compressibility, genrm_ocr); these take what those files take -- a uint8 torch tensor
+# (C, H, W), or (C, F, H, W) for a video -- and read it the way they do (tensor methods, no conversion), so a numpy
+# (H, W, 3) array or a frames-first video makes them fail instead of scoring something else.
 
 
 def _require_uint8_tensor(solution_image):
@@ -111,54 +110,37 @@ def _require_uint8_tensor(solution_image):
         )
 
 
-def omni_style_permute_score(data_source, solution_image, ground_truth, extra_info, **kwargs):
-    """Like an HTTP scorer client: the first frame, ``permute(1, 2, 0)`` to HWC, PIL; score = mean red / 255."""
-    from PIL import Image
-
-    _require_uint8_tensor(solution_image)
-    image = solution_image[0] if solution_image.ndim == 4 else solution_image
-    pil = Image.fromarray(image.permute(1, 2, 0).cpu().numpy())
-    return {"score": float(np.asarray(pil)[..., 0].mean()) / 255.0, "width": pil.width}
-
-
-async def omni_style_frames_score(data_source, solution_image, ground_truth, extra_info, **kwargs):
-    """Like GenRM-OCR (async): ``unsqueeze(0)`` an image, ``[::frame_interval]`` a video, each frame ``permute``d;
-    score = mean over frames of the mean pixel / 255; ``frames`` = frames scored."""
-    _require_uint8_tensor(solution_image)
-    frame_interval = (extra_info or {}).get("frame_interval", 1)
+def genrm_frames(solution_image, extra_info):
+    """The frames a video reward of verl-omni reads, as ``genrm_ocr.compute_score_ocr`` normalises its input: 3-D
+    ``[C, H, W]`` is one frame; 4-D is ``[F, H, W, C]`` if its last axis is 1 or 3, else ``[C, F, H, W]``, every
+    ``extra_info["frame_interval"]``-th frame (default 4) kept. Returns ``[N, C, H, W]``."""
     if solution_image.ndim == 3:
-        solution_image = solution_image.unsqueeze(0)
-    elif solution_image.ndim == 4:
-        solution_image = solution_image[::frame_interval]
-    scores = [float(frame.permute(1, 2, 0).float().mean()) / 255.0 for frame in solution_image]
+        return solution_image.unsqueeze(0)
+    frame_interval = (extra_info or {}).get("frame_interval", 4)
+    if solution_image.shape[-1] in (1, 3):
+        solution_image = solution_image.permute(3, 0, 1, 2)
+    return solution_image[:, ::frame_interval].permute(1, 0, 2, 3)
+
+
+async def cfhw_video_score(data_source, solution_image, ground_truth, extra_info):
+    """A video reward with verl-omni's single-reward signature that refuses anything but a uint8 ``[C, F, H, W]``
+    tensor (C = 3, the last axis not 1 or 3, so ``genrm_ocr`` / ``hpsv3_reward`` would read it the same way);
+    frames as :func:`genrm_frames`; score = mean over frames of the mean red value / 255."""
+    _require_uint8_tensor(solution_image)
+    if solution_image.ndim != 4 or solution_image.shape[0] != 3 or solution_image.shape[-1] in (1, 3):
+        raise ValueError(f"expected a [C, F, H, W] video with C = 3, got {tuple(solution_image.shape)}")
+    frames = genrm_frames(solution_image, extra_info)
+    scores = [float(frame.permute(1, 2, 0)[..., 0].float().mean()) / 255.0 for frame in frames]
+    _log({"shape": list(solution_image.shape)})
     return {"score": sum(scores) / len(scores), "frames": len(scores)}
 
 
-def omni_style_jpeg_score(data_source, solution_image, ground_truth=None, extra_info=None, **kwargs):
-    """Like verl-omni's JPEG compressibility: NCHW -> NHWC, each image saved as JPEG (quality 95), score = -kB/500
-    of the first. It does not check its input: a numpy (H, W, 3) array is iterated row by row and scores the first
-    row (the same wrong score for most images), which is the bug the CHW contract removes."""
-    import io
-
-    import torch
-    from PIL import Image
-
-    images = solution_image
-    if isinstance(images, torch.Tensor):
-        if images.ndim == 3:
-            images = images.unsqueeze(0)
-        images = images.cpu().numpy().transpose(0, 2, 3, 1)
-    sizes = []
-    for image in images:
-        buf = io.BytesIO()
-        Image.fromarray(image).save(buf, format="JPEG", quality=95)
-        sizes.append(buf.tell() / 1000.0)
-    return -sizes[0] / 500.0
-
-
-async def omni_style_http_signature(solution_image, ground_truth, server_url="unused", **kwargs):
-    """verl-omni's HTTP client signature: no data_source / extra_info parameters, ``**kwargs`` takes them."""
-    return omni_style_permute_score(None, solution_image, ground_truth, None)
+async def http_client_signature(solution_image, ground_truth, server_url, max_retries=2, **kwargs):
+    """verl-omni's ``http_scorer_client.compute_score`` signature (no data_source / extra_info parameters, a required
+    ``server_url``, ``**kwargs`` takes the rest); it reads an image as ``permute(1, 2, 0)`` of a ``(C, H, W)``
+    tensor, as that client does. Score: mean red / 255."""
+    _require_uint8_tensor(solution_image)
+    return {"score": float(solution_image.permute(1, 2, 0)[..., 0].float().mean()) / 255.0, "server": server_url}
 
 
 def blocking_sleep(

@@ -1,7 +1,8 @@
-"""The reward-function contract with verl / verl-omni: CHW uint8 tensors, data_source dispatch, start-up checks.
+"""The reward-function contract with verl / verl-omni: uint8 ``(C, H, W)`` / ``(C, F, H, W)`` tensors, each of several
+rewards called with the arguments it declares, data_source dispatch, start-up checks.
 
-The verl-omni-style functions (``tests/reward/rewards_for_tests.py``: ``omni_style_*``) are our own, written to
-the same signatures and behaviours as verl-omni's HTTP scorer client, GenRM-OCR and JPEG compressibility.
+verl-omni's own reward files (``verl_omni_rewards/``: ``jpeg_compressibility.py``, ``genrm_ocr.py``) are called here
+unchanged; the functions of ``rewards_for_tests.py`` take their signatures and read their inputs as they do.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fastapi import Request  # at module level: FastAPI resolves the handler's string annotation in its globals
 from omegaconf import OmegaConf
 from PIL import Image, ImageDraw, ImageFont
 
@@ -32,6 +34,11 @@ TEST_REWARDS = str(Path(__file__).with_name("rewards_for_tests.py"))
 _spec = importlib.util.spec_from_file_location("rewards_for_tests", TEST_REWARDS)
 rft = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(rft)
+# verl-omni's reward files, unchanged (verl_omni_rewards/README.md); the directory is what upstream's imports resolve
+VERL_OMNI = Path(__file__).with_name("verl_omni_rewards")
+VERL_OMNI_SCORES = VERL_OMNI / "verl_omni/utils/reward_score"
+VERL_OMNI_JPEG = str(VERL_OMNI_SCORES / "jpeg_compressibility.py")
+VERL_OMNI_GENRM = str(VERL_OMNI_SCORES / "genrm_ocr.py")
 
 
 def noise(seed: int, shape=(24, 32, 3)) -> np.ndarray:
@@ -60,13 +67,16 @@ def test_to_solution_image_is_verl_omni_layout_for_image_and_video():
     assert tuple(t.shape) == (3, 24, 32)
     assert torch.equal(t.permute(1, 2, 0), torch.from_numpy(img))
     video = noise(1, (5, 24, 32, 3))
-    tv = to_solution_image(video)
-    assert tuple(tv.shape) == (5, 3, 24, 32) and tv.is_contiguous()
-    assert torch.equal(tv[3].permute(1, 2, 0), torch.from_numpy(video[3]))
+    tv = to_solution_image(video)  # channels, then frames: what verl-omni's video rewards read
+    assert tuple(tv.shape) == (3, 5, 24, 32) and tv.is_contiguous()
+    assert torch.equal(tv[:, 3].permute(1, 2, 0), torch.from_numpy(video[3]))
+    three = noise(2, (3, 24, 32, 3))  # 3 frames: still (C, F, H, W), by rank and type, never by the sizes
+    assert torch.equal(to_solution_image(three)[:, 1].permute(1, 2, 0), torch.from_numpy(three[1]))
+    assert np.array_equal(to_pixels(to_solution_image(three)), three)
     # round trip, and the other accepted forms
     assert np.array_equal(to_pixels(t), img) and np.array_equal(to_pixels(tv), video)
     assert np.array_equal(to_pixels(Image.fromarray(img)), img)
-    assert np.array_equal(to_pixels(list(video)), video) and np.array_equal(to_pixels(list(tv)), video)
+    assert np.array_equal(to_pixels(list(video)), video) and np.array_equal(to_pixels(list(tv.unbind(1))), video)
     assert torch.equal(to_solution_image(t), t)
     assert tuple(to_solution_image(img[..., 0]).shape) == (3, 24, 32)  # grey made RGB
 
@@ -77,6 +87,7 @@ def test_to_solution_image_is_verl_omni_layout_for_image_and_video():
         (np.zeros((8, 8, 3), np.float32), "uint8"),
         (torch.zeros(3, 8, 8), "uint8 tensor"),
         (torch.zeros(8, 8, 3, dtype=torch.uint8), "channels-last"),
+        (torch.zeros(5, 3, 8, 8, dtype=torch.uint8), r"frames-first \(F, C, H, W\).*permute\(1, 0, 2, 3\)"),
         (np.zeros((3, 8, 8), np.uint8), "channels-first"),
         (np.zeros((2, 2, 8, 8, 3), np.uint8), r"\(H, W, 3\)"),
     ],
@@ -88,57 +99,180 @@ def test_wrong_pixel_forms_are_named(bad, match):
         to_solution_image(bad)
 
 
-# --------------------------------------------------------------------------- verl-omni-style reward functions
+# ------------------------------------------------------------------ verl-omni's reward files and signatures
 
 
-def test_omni_style_functions_run_on_the_tensor_and_fail_on_numpy():
-    img, video = noise(0), noise(1, (6, 24, 32, 3))
-    out = rft.omni_style_permute_score("ds", to_solution_image(img), "gt", {})
-    assert out == {"score": pytest.approx(img[..., 0].mean() / 255), "width": 32}
-    out = rft.omni_style_permute_score("ds", to_solution_image(video), "gt", {})
-    assert out["score"] == pytest.approx(video[0, ..., 0].mean() / 255)
-    out = asyncio.run(rft.omni_style_frames_score("ds", to_solution_image(img), "gt", {}))
-    assert out == {"score": pytest.approx(img.mean() / 255), "frames": 1}
-    out = asyncio.run(rft.omni_style_frames_score("ds", to_solution_image(video), "gt", {"frame_interval": 2}))
-    assert out == {"score": pytest.approx(np.mean([f.mean() for f in video[::2]]) / 255), "frames": 3}
-    # The old contract: a numpy array has no .permute / .unsqueeze.
-    with pytest.raises(TypeError, match="uint8 torch tensor"):
-        rft.omni_style_permute_score("ds", img, "gt", {})
+def _load(path: str, name: str):
+    return check_reward_function(path, name)
 
 
-def test_omni_style_jpeg_scores_differ_per_image_with_tensors():
-    # Same first row, different content below: the numpy form scores only the first row (the reported bug).
+def test_verl_omni_jpeg_compressibility_scores_what_we_pass_and_fails_on_numpy():
+    upstream = _load(VERL_OMNI_JPEG, "compute_score")
     a, b = noise(0, (64, 64, 3)), noise(1, (64, 64, 3))
     b[0] = a[0]
     b[32:] = 255  # b compresses far better
-    with_numpy = [rft.omni_style_jpeg_score("ds", x) for x in (a, b)]
-    assert with_numpy[0] == with_numpy[1]
-    with_tensor = [rft.omni_style_jpeg_score("ds", to_solution_image(x)) for x in (a, b)]
-    assert with_tensor[0] != with_tensor[1] and with_tensor[1] > with_tensor[0]
+    with_tensor = [upstream(to_solution_image(x)) for x in (a, b)]
     assert with_tensor == [pytest.approx(-jpeg_kb_of(x) / 500) for x in (a, b)]
+    assert with_tensor[1] > with_tensor[0]
+    # Upstream does not check its input: a numpy (H, W, 3) array is iterated row by row and scores the first row,
+    # the same wrong score for both images -- the bug that passing verl-omni's tensor removes.
+    assert upstream(a) == upstream(b)
+
+
+def _manager(reward: dict) -> RewardManager:
+    cfg = OmegaConf.load(Path(contract.__file__).parents[1] / "config/flowgrpo_trainer.yaml").reward
+    for key, value in reward.items():
+        cfg[key] = value
+    return RewardManager(cfg)
+
+
+def _sample(pixels, ground_truth="g", extra_info=None) -> dict:
+    return {
+        "prompt": "p",
+        "data_source": "d",
+        "ground_truth": ground_truth,
+        "extra_info": dict(extra_info or {}),
+        "uid": "u",
+        "solution_image": pixels,
+    }
+
+
+def test_each_of_several_rewards_gets_only_the_arguments_it_declares():
+    """verl-omni's multi-reward recipe: its jpeg_compressibility.compute_score(solution_image) beside a function
+    with verl-omni's HTTP-client signature (an entry's extra field as a keyword): each is called with what it
+    declares (all with **kwargs) and they combine as the weighted sum, reported per key as verl-omni does."""
+    img = noise(3)
+    manager = _manager(
+        {
+            "reward_functions": {
+                "jpeg": {"path": VERL_OMNI_JPEG, "name": "compute_score", "weight": 0.5},
+                "red": {"path": TEST_REWARDS, "name": "http_client_signature", "weight": 0.5, "server_url": "u:1"},
+            }
+        }
+    )
+    out = asyncio.run(manager.score(_sample(img)))
+    assert out.ok, out.error
+    jpeg_part, red = -jpeg_kb_of(img) / 500, img[..., 0].mean() / 255
+    assert out.parts == {"jpeg": pytest.approx(jpeg_part), "red": pytest.approx(red)}
+    assert out.score == pytest.approx(0.5 * jpeg_part + 0.5 * red)
+    assert out.extra["server"] == "u:1" and out.extra["reward/combined"] == pytest.approx(out.score)
+    # The single reward is called with all four arguments, as verl-omni's VisualRewardManager calls it: a function
+    # that declares only solution_image is refused there at start, naming the key and the call.
+    single = {"custom_reward_function": {"path": VERL_OMNI_JPEG, "name": "compute_score", "reward_kwargs": {}}}
+    with pytest.raises(RewardConfigError, match=r"reward.custom_reward_function: compute_score\(solution_image\)"):
+        check_reward_function(VERL_OMNI_JPEG, "compute_score", "reward.custom_reward_function", {}, "image")
+    assert not asyncio.run(_manager(single).score(_sample(img))).ok  # and fails per sample if not checked first
+    assert check_reward_function(
+        VERL_OMNI_JPEG, "compute_score", "reward.reward_functions.jpeg", {}, "image", only_declared=True
+    )
+
+
+def test_a_reward_entry_missing_a_required_argument_is_refused_at_start(tmp_path):
+    mod = tmp_path / "r.py"
+    mod.write_text("def thresholded(solution_image, threshold):\n    return 1.0\n")
+    with pytest.raises(RewardConfigError) as e:
+        check_reward_function(str(mod), "thresholded", "reward.reward_functions.t", {}, "image", only_declared=True)
+    msg = str(e.value)
+    assert msg.startswith("reward.reward_functions.t:") and "threshold" in msg and "set them in the entry" in msg
+    # The entry's extra field supplies it.
+    check_reward_function(
+        str(mod), "thresholded", "reward.reward_functions.t", {"threshold": 0.5}, "image", only_declared=True
+    )
+
+
+class _FrameJudge:
+    """An OpenAI-compatible chat server on loopback that "reads" an image as ``text`` when its pixels are exactly
+    one of ``frames`` (PNG is lossless) and as ``""`` otherwise, recording which frame each request carried."""
+
+    def __init__(self, frames: np.ndarray, text: str):
+        from fastapi import FastAPI
+        from judge_test_servers import ThreadServer
+
+        self.index = {f.tobytes(): i for i, f in enumerate(frames)}
+        self.seen: list[int | None] = []
+        app = FastAPI()
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            import base64
+
+            body = await request.json()
+            url = next(p["image_url"]["url"] for p in body["messages"][1]["content"] if p["type"] == "image_url")
+            pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB"))
+            self.seen.append(self.index.get(pixels.tobytes()))
+            content = text if self.seen[-1] is not None else ""
+            return {
+                "id": "c",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [
+                    {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}
+                ],
+            }
+
+        self.server = ThreadServer(app)
+        self.address = f"127.0.0.1:{self.server.port}"
+
+
+def test_verl_omni_genrm_ocr_reads_our_videos_frame_by_frame(monkeypatch):
+    """verl-omni's own GenRM-OCR reward, as a sub-reward: it reads a 4-D tensor whose last axis is not 1 or 3 as
+    [C, F, H, W] and sends every 4th frame to the judge. With what we pass, the judge gets frames 0, 4, 8 of the
+    video, whole and in order (a frames-first tensor would reach it as 3 'frames' of F x H x W and fail)."""
+    monkeypatch.syspath_prepend(str(VERL_OMNI))  # upstream imports verl_omni.utils.reward_score.reward_utils
+    video = noise(9, (9, 16, 20, 3))
+    judge = _FrameJudge(video, "HELLO")
+    try:
+        manager = _manager(
+            {
+                "reward_functions": {
+                    "ocr": {
+                        "path": VERL_OMNI_GENRM,
+                        "name": "compute_score_ocr",
+                        "reward_router_address": judge.address,
+                    }
+                }
+            }
+        )
+        out = asyncio.run(manager.score(_sample(video, ground_truth="HELLO")))
+        assert out.ok, out.error
+        assert judge.seen == [0, 4, 8] and out.score == 1.0 and out.extra["genrm_response"] == "HELLO"
+        judge.seen.clear()
+        image = asyncio.run(manager.score(_sample(video[5], ground_truth="HELLO")))
+        assert image.ok and judge.seen == [5] and image.score == 1.0
+    finally:
+        judge.server.stop()
+
+
+def test_a_cfhw_only_video_reward_gets_cfhw_and_refuses_the_rest():
+    video = noise(10, (6, 16, 20, 3))
+    manager = _manager(
+        {"custom_reward_function": {"path": TEST_REWARDS, "name": "cfhw_video_score", "reward_kwargs": {}}}
+    )
+    out = asyncio.run(manager.score(_sample(video, extra_info={"frame_interval": 2})))
+    assert out.ok, out.error
+    assert out.extra["frames"] == 3
+    assert out.score == pytest.approx(np.mean([f[..., 0].mean() for f in video[::2]]) / 255)
+    with pytest.raises(ValueError, match=r"\[C, F, H, W\]"):
+        asyncio.run(rft.cfhw_video_score("d", torch.from_numpy(video).permute(0, 3, 1, 2), "g", {}))  # frames-first
+    with pytest.raises(TypeError, match="uint8 torch tensor"):
+        asyncio.run(rft.cfhw_video_score("d", video, "g", {}))
 
 
 def _manager_sample(pixels):
-    cfg = OmegaConf.load(Path(contract.__file__).parents[1] / "config/flowgrpo_trainer.yaml").reward
-    cfg.custom_reward_function = {
-        "path": TEST_REWARDS,
-        "name": "omni_style_http_signature",
-        "reward_kwargs": {"server_url": "x"},
-    }
-    # Both the manager's old ("image") and new ("solution_image") sample field.
-    sample = {
-        "prompt": "p",
-        "data_source": "d",
-        "ground_truth": "g",
-        "extra_info": {},
-        "uid": "u",
-        "image": pixels,
-        "solution_image": pixels,
-    }
-    return RewardManager(cfg), sample
+    manager = _manager(
+        {
+            "custom_reward_function": {
+                "path": TEST_REWARDS,
+                "name": "http_client_signature",
+                "reward_kwargs": {"server_url": "x"},
+            }
+        }
+    )
+    return manager, _sample(pixels)
 
 
-def test_reward_manager_passes_a_tensor_through_to_an_omni_style_function():
+def test_reward_manager_passes_a_tensor_through_to_an_upstream_signature():
     img = noise(3)
     manager, sample = _manager_sample(to_solution_image(img))
     out = asyncio.run(manager.score(sample))
@@ -228,7 +362,7 @@ def test_default_compute_score_ocr_and_jpeg_sources(no_network):
     noisy = noise(8)
     got = default_compute_score("jpeg_compressibility", solution_image=to_solution_image(noisy))
     assert got == pytest.approx(-jpeg_kb_of(noisy) / 500)
-    assert got == pytest.approx(rft.omni_style_jpeg_score("jpeg_compressibility", to_solution_image(noisy)))
+    assert got == pytest.approx(_load(VERL_OMNI_JPEG, "compute_score")(to_solution_image(noisy)))
 
 
 def test_default_compute_score_unknown_source_names_it_the_known_ones_and_the_fix():
@@ -255,7 +389,7 @@ def test_check_reward_function_loads_every_path_form(tmp_path, monkeypatch):
     assert check_reward_function(TEST_REWARDS, "Flaky").__name__ == "Flaky"
     assert check_reward_function("file://" + TEST_REWARDS, "slow_logged").__name__ == "slow_logged"
     monkeypatch.chdir(Path(TEST_REWARDS).parent)
-    assert callable(check_reward_function("rewards_for_tests.py", "omni_style_jpeg_score"))
+    assert callable(check_reward_function("rewards_for_tests.py", "cfhw_video_score"))
     assert check_reward_function(None, None) is default_compute_score  # no path: dispatch by data_source
     assert check_reward_function("", "compute_score") is default_compute_score
 
@@ -288,12 +422,12 @@ def test_check_reward_function_missing_module_and_broken_dependency(tmp_path, mo
 
 def test_check_reward_function_missing_name_lists_what_exists():
     with pytest.raises(RewardConfigError) as e:
-        check_reward_function(TEST_REWARDS, "omni_style_jpeg", "reward.reward_functions.jpeg")
+        check_reward_function(TEST_REWARDS, "cfhw_video", "reward.reward_functions.video")
     msg = str(e.value)
-    assert msg.startswith("reward.reward_functions.jpeg.name='omni_style_jpeg'") and TEST_REWARDS in msg
-    for name in ("Flaky", "slow_logged", "omni_style_jpeg_score", "omni_style_permute_score"):
+    assert msg.startswith("reward.reward_functions.video.name='cfhw_video'") and TEST_REWARDS in msg
+    for name in ("Flaky", "slow_logged", "cfhw_video_score", "http_client_signature"):
         assert name in msg
-    assert "did you mean 'omni_style_jpeg_score'" in msg
+    assert "did you mean 'cfhw_video_score'" in msg
     assert "zlib" not in msg and "to_pixels" not in msg  # only what the module defines
     with pytest.raises(RewardConfigError) as e:
         check_reward_function("pkg://omni_async.reward.scorers.jpeg", "compute")
@@ -322,15 +456,13 @@ def test_check_reward_function_class_and_signature(tmp_path):
     with pytest.raises(RewardConfigError, match="strict.*extra_info"):
         check_reward_function(str(mod), "strict", modality="image")
     # verl-omni's HTTP client signature (no data_source / extra_info, **kwargs) and a verl built-in both bind.
-    check_reward_function(
-        TEST_REWARDS, "omni_style_http_signature", reward_kwargs={"server_url": "u"}, modality="image"
-    )
+    check_reward_function(TEST_REWARDS, "http_client_signature", reward_kwargs={"server_url": "u"}, modality="image")
     check_reward_function("pkg://omni_async.reward.contract", "default_compute_score", modality="text")
     assert contract.check_reward_function is check_reward_function
 
 
 def test_http_scorer_client_encodes_the_tensor_form_reward_functions_receive():
-    """The shipped HTTP client gets verl-omni's (C, H, W) / (N, C, H, W) tensors from the manager; it must send the
+    """The shipped HTTP client gets verl-omni's (C, H, W) / (C, F, H, W) tensors from the manager; it must send the
     same image as for the channels-last array (the soak benchmark found it failing on every sample)."""
     from omni_async.reward.scorers.http import HttpScorer, encode_image
 

@@ -29,7 +29,7 @@ def as_pil(image: Any, name: str = "solution_image") -> Image.Image:
 
 
 def jpeg_kb(image: Any, quality: int = 95) -> float:
-    """JPEG size in kB; for a video (``(N, C, H, W)`` tensor, ``(T, H, W, 3)`` array, list of frames) the mean
+    """JPEG size in kB; for a video (``(C, F, H, W)`` tensor, ``(F, H, W, 3)`` array, list of frames) the mean
     over its frames."""
     sizes = []
     for frame in frames_of(image):

@@ -7,7 +7,7 @@ Score (flow_grpo's rule)::
 
 with the *substring shortcut* (on by default, as in flow_grpo): if ``gt`` occurs inside ``pred`` the score is 1.
 ``solution_image`` is verl-omni's uint8 tensor ``(C, H, W)`` (or a numpy ``(H, W, 3)`` array, or a PIL image).
-Video (``(N, C, H, W)`` tensor, ``(T, H, W, 3)`` array or a list of frames) scores the mean over frames sampled
+Video (``(C, F, H, W)`` tensor, ``(F, H, W, 3)`` array or a list of frames) scores the mean over frames sampled
 every ``frame_interval``.
 
 The default engine is ``rapidocr`` (PP-OCR ONNX models shipped in its wheel: works offline); ``backend=paddleocr``
@@ -184,7 +184,7 @@ def read_text(image: Any, engine: OcrEngine | None = None) -> str:
 
 
 def sample_frames(solution_image: Any, frame_interval: int = 1) -> list[np.ndarray]:
-    """An image as one uint8 ``(H, W, 3)`` frame; a video (verl-omni's ``(N, C, H, W)`` tensor, a ``(T, H, W, 3)``
+    """An image as one uint8 ``(H, W, 3)`` frame; a video (verl-omni's ``(C, F, H, W)`` tensor, a ``(F, H, W, 3)``
     array or a list of frames) as every ``frame_interval``-th frame (:func:`omni_async.reward.pixels.frames_of`)."""
     return frames_of(solution_image, frame_interval)
 

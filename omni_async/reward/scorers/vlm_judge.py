@@ -19,8 +19,8 @@ Backends:
   see :mod:`omni_async.reward.vllm_server`), image as a PNG data URI, temperature 0 by default, async httpx
   with retries (:mod:`omni_async.reward.http_client`); several ``base_url`` s least-loaded.
 
-``solution_image``: verl-omni's uint8 tensor ``(C, H, W)`` / ``(N, C, H, W)``, or numpy ``(H, W, 3)`` /
-``(T, H, W, 3)``, or PIL. The judge's text is kept in the extra info (``judge_text``). Video: frames every
+``solution_image``: verl-omni's uint8 tensor ``(C, H, W)`` / ``(C, F, H, W)``, or numpy ``(H, W, 3)`` /
+``(F, H, W, 3)``, or PIL. The judge's text is kept in the extra info (``judge_text``). Video: frames every
 ``frame_interval``, mean score.
 """
 

@@ -19,11 +19,19 @@ the vLLM behaviours a client has to get right, enforced rather than assumed:
   ``stats.max_in_flight`` is the most requests the server held at once. A request whose adapter is unloaded
   while it runs fails (a client must not unload an adapter it still uses).
 
-Sampling draws with ``torch.multinomial`` from a ``torch.Generator(seed)`` per request, as the project's
-``TextPolicy`` does, so with plain temperature sampling its tokens and processed log-probs match the actor's.
+The sampler is the server's own, not the actor's, so a test comparing the two compares two implementations, as
+against a real vLLM server: it follows vLLM v1's ``Sampler`` (``vllm/v1/sample/sampler.py`` and
+``ops/topk_topp_sampler.py``): logits cast to float32, raw log-probs taken before any processing, then penalties,
+temperature, min-p, vLLM's sort-based top-k / top-p mask, processed log-probs of what is left, and a draw by the
+exponential race ``argmax(probs / q)``. The ``q`` come from the stand-in's own RNG (numpy's PCG64 seeded with the
+request's ``seed``; an unseeded request draws from the engine's RNG, seeded by ``--seed``), so the stand-in's
+tokens for a seed are not the actor's (``torch.multinomial`` on a ``torch.Generator(seed)``): tests can compare
+log-probs and distributions, not token ids. ``dtype`` (``--dtype``) is the precision the model runs in (``auto``:
+the checkpoint's), as vLLM's flag.
 
 Run as ``python vllm_api_server.py --model DIR [...]`` (or as a fake ``vllm.entrypoints.openai.api_server``, see
-``test_vllm_server_launch.py``), or in-process with :func:`make_app`.
+``test_vllm_server_launch.py``), or in-process with :func:`make_app`. ``--port 0`` binds a free port and prints
+``vllm_api_server listening on http://HOST:PORT`` on stdout.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -86,6 +95,63 @@ def read_generation_config(model_path: str | None, mode: str) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
+# vLLM's --dtype choices besides "auto".
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+# ---- the sampler: vLLM v1's steps, written from vLLM's code, sharing nothing with the actor's ----------------
+
+
+def apply_penalties(
+    logits: torch.Tensor, prompt: list[int], output: list[int], repetition: float, presence: float, frequency: float
+) -> torch.Tensor:
+    """vLLM's ``apply_penalties``: the repetition penalty on every token seen in the prompt or the output (positive
+    logits divided by it, negative ones multiplied), frequency and presence penalties on the output's tokens only."""
+    vocab = logits.shape[-1]
+    prompt_seen = torch.zeros(vocab, dtype=torch.bool)
+    prompt_seen[torch.tensor(prompt, dtype=torch.long)] = True
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)[:vocab].to(logits.dtype)
+    output_seen = counts > 0
+    penalties = torch.where(prompt_seen | output_seen, repetition, 1.0).to(logits.dtype)
+    logits = logits * torch.where(logits > 0, 1.0 / penalties, penalties)
+    return logits - frequency * counts - presence * output_seen.to(logits.dtype)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """vLLM's ``MinPLogitsProcessor``: tokens less likely than ``min_p`` times the most likely one are masked."""
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, k: int | None, p: float | None) -> torch.Tensor:
+    """vLLM's ``apply_top_k_top_p``: logits sorted ascending; top-k masks those below the k-th largest; top-p masks
+    the lowest ones whose cumulative probability is at most ``1 - p`` (the largest is always kept)."""
+    if k is None and p is None:
+        return logits
+    logits_sort, order = logits.sort(descending=False)
+    if k is not None:
+        logits_sort = logits_sort.masked_fill(logits_sort < logits_sort[logits_sort.numel() - k], float("-inf"))
+    if p is not None:
+        low = logits_sort.softmax(-1).cumsum(-1) <= 1 - p
+        low[-1] = False
+        logits_sort = logits_sort.masked_fill(low, float("-inf"))
+    return logits_sort.scatter(-1, order, logits_sort)
+
+
+def exponential_race(probs: torch.Tensor, rng: np.random.Generator) -> int:
+    """vLLM's ``random_sample``: ``argmax(probs / q)`` with ``q ~ Exp(1)`` per token is a draw from ``probs``. The
+    ``q`` come from the server's own RNG (numpy's), not from a torch generator the actor could share."""
+    q = torch.from_numpy(rng.standard_exponential(probs.shape[-1])).to(probs.dtype)
+    return int((probs / q).argmax())
+
+
 def make_app(
     policy=None,
     *,
@@ -97,13 +163,19 @@ def make_app(
     runtime_lora_updating: bool = True,
     served_model_name: str = "base",
     policy_factory=None,
+    dtype: str = "auto",
+    seed: int = 0,
 ) -> FastAPI:
-    """``policy``: a ``TextPolicy`` whose LoRA layout the adapters match; or ``policy_factory(r, alpha, modules)``
-    builds one per adapter layout (the command-line server). ``model_path``: where ``generation_config.json`` is."""
+    """``policy``: a ``TextPolicy`` (the server's own instance: its model is converted to ``dtype``) whose LoRA layout
+    the adapters match; or ``policy_factory(r, alpha, modules)`` builds one per adapter layout (the command-line
+    server). ``model_path``: where ``generation_config.json`` is. ``dtype``: vLLM's ``--dtype`` (``auto``: as
+    loaded). ``seed``: vLLM's ``--seed``, the engine RNG that unseeded requests draw from."""
     if max_lora_rank not in MAX_LORA_RANKS:  # vLLM refuses it before serving anything
         raise ValueError(f"max_lora_rank ({max_lora_rank}) must be one of {MAX_LORA_RANKS}.")
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode {logprobs_mode!r} must be one of {LOGPROBS_MODES}")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
     gen = read_generation_config(model_path, generation_config)
     defaults = {
         **VLLM_DEFAULTS,
@@ -124,14 +196,21 @@ def make_app(
     policies: dict[tuple, Any] = {}  # LoRA layout -> policy; policy -> (its base weights, adapter now in it)
     adapters: dict[str, tuple[tuple, dict[str, torch.Tensor]]] = {}  # name -> (layout, weights)
     current: dict[int, str] = {}
-    base = policy if policy is not None else policy_factory(1, 1, ["q_proj"])  # LoRA B = 0: the base model
+    engine_rng = np.random.default_rng(seed)
+
+    def served(pol):
+        if dtype != "auto":
+            pol.model.to(DTYPES[dtype])
+        return pol
+
+    base = served(policy if policy is not None else policy_factory(1, 1, ["q_proj"]))  # LoRA B = 0: the base model
     base_state = {id(base): base.weights_state_dict()}
 
     def policy_for(layout: tuple):
         if policy is not None:
             return policy
         if layout not in policies:
-            policies[layout] = policy_factory(layout[0], layout[1], list(layout[2]))
+            policies[layout] = served(policy_factory(layout[0], layout[1], list(layout[2])))
             base_state[id(policies[layout])] = policies[layout].weights_state_dict()
         return policies[layout]
 
@@ -216,60 +295,53 @@ def make_app(
         stop = set(p["stop_token_ids"] or [])
         if not p["ignore_eos"]:
             stop |= gen_eos | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
-        gen = torch.Generator()
-        gen.manual_seed(int(p["seed"]) if p["seed"] is not None else int(torch.randint(0, 2**31 - 1, ()).item()))
-        temp, top_k, top_p, min_p = float(p["temperature"]), int(p["top_k"]), float(p["top_p"]), float(p["min_p"])
-        ids = torch.tensor([prompt])
-        mask, cur, past = torch.ones_like(ids), ids, None
-        out_tokens, out_lps, finish = [], [], "length"
+        # vLLM gives a seeded request its own generator and lets the others draw from the engine's.
+        rng = np.random.default_rng(int(p["seed"])) if p["seed"] is not None else engine_rng
+        temp, min_p = float(p["temperature"]), float(p["min_p"])
+        penalised = (p["repetition_penalty"], p["presence_penalty"], p["frequency_penalty"]) != (1.0, 0.0, 0.0)
+        cur, past = list(prompt), None
+        out_tokens, out_lps, finish, stop_reason = [], [], "length", None
         for _ in range(int(p["max_tokens"])):
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -cur.shape[1] :]
-            out = model(input_ids=cur, attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True)
+            out = model(input_ids=torch.tensor([cur]), past_key_values=past, use_cache=True)
             past = out.past_key_values
-            logits = out.logits[0, -1].float()
-            raw = logits.clone()
+            logits = out.logits[0, -1].to(torch.float32)  # vLLM samples and takes log-probs in float32
+            vocab = logits.shape[-1]
+            top_k = int(p["top_k"]) if 0 < int(p["top_k"]) < vocab else None  # 0 and -1 both mean "off"
+            top_p = float(p["top_p"]) if float(p["top_p"]) < 1.0 else None
             x = logits
-            if p["repetition_penalty"] != 1.0:
-                seen = torch.tensor(sorted(set(prompt) | set(out_tokens)), dtype=torch.long)
-                v = x[seen]
-                x[seen] = torch.where(v > 0, v / p["repetition_penalty"], v * p["repetition_penalty"])
-            if out_tokens and (p["presence_penalty"] or p["frequency_penalty"]):
-                counts = torch.bincount(torch.tensor(out_tokens), minlength=x.shape[0]).float()
-                x = x - p["frequency_penalty"] * counts - p["presence_penalty"] * (counts > 0).float()
-            if temp < 1e-5:  # greedy
-                logp = torch.log_softmax(x, -1)
-                nxt = int(logp.argmax())
+            if penalised:
+                x = apply_penalties(
+                    x,
+                    prompt,
+                    out_tokens,
+                    float(p["repetition_penalty"]),
+                    float(p["presence_penalty"]),
+                    float(p["frequency_penalty"]),
+                )
+            if temp < SAMPLING_EPS:
+                nxt = int(x.argmax())
             else:
                 x = x / temp
                 if min_p > 0:
-                    probs = torch.softmax(x, -1)
-                    x = x.masked_fill(probs < min_p * probs.max(), float("-inf"))
-                if 0 < top_k < x.shape[0]:
-                    x = x.masked_fill(x < torch.topk(x, top_k).values[-1], float("-inf"))
-                if top_p < 1.0:
-                    sorted_x, order = torch.sort(x, descending=True)
-                    cum = torch.softmax(sorted_x, -1).cumsum(-1)
-                    drop = cum - torch.softmax(sorted_x, -1) >= top_p  # keep the smallest prefix reaching top_p
-                    x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-                logp = torch.log_softmax(x, -1)
-                nxt = int(torch.multinomial(logp.exp(), 1, generator=gen)[0])
-            lp = {
-                "raw_logprobs": torch.log_softmax(raw, -1)[nxt],
-                "raw_logits": raw[nxt],
-                "processed_logprobs": logp[nxt],
-                "processed_logits": x[nxt],
-            }[logprobs_mode]
+                    x = apply_min_p(x, min_p)
+                x = apply_top_k_top_p(x, top_k, top_p)
+                nxt = exponential_race(x.softmax(-1, dtype=torch.float32), rng)
+            # Raw: the model's logits before any processing; processed: what the token was drawn from.
+            scores = logits if logprobs_mode.startswith("raw_") else x
+            lp = scores.log_softmax(-1, dtype=torch.float32)[nxt] if logprobs_mode.endswith("logprobs") else scores[nxt]
             out_tokens.append(nxt)
-            out_lps.append(float(lp))
+            out_lps.append(max(float(lp), -9999.0))  # vLLM's clamp: JSON has no -inf
             if nxt in stop:
                 finish = "stop"
+                # vLLM's stop_reason: the stop token when it is one of stop_token_ids, None for an EOS stop.
+                stop_reason = nxt if nxt in set(p["stop_token_ids"] or []) else None
                 break
-            cur = torch.tensor([[nxt]])
-            mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype)], dim=1)
+            cur = [nxt]
         return {
             "tokens": out_tokens,
             "logprobs": out_lps,
             "finish_reason": finish,
+            "stop_reason": stop_reason,
             "text": tok.decode(out_tokens, skip_special_tokens=True),
         }
 
@@ -306,7 +378,14 @@ def make_app(
                 "object": "text_completion",
                 "model": name,
                 "choices": [
-                    {"index": 0, "text": res["text"], "logprobs": logprobs, "finish_reason": res["finish_reason"]}
+                    {
+                        "index": 0,
+                        "text": res["text"],
+                        "logprobs": logprobs,
+                        "finish_reason": res["finish_reason"],
+                        "stop_reason": res["stop_reason"],
+                        "prompt_logprobs": None,
+                    }
                 ],
                 "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(res["tokens"])},
             }
@@ -325,10 +404,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-lora-rank", type=int, default=16, choices=MAX_LORA_RANKS)
     ap.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES)
     ap.add_argument("--generation-config", default="auto")
+    ap.add_argument("--dtype", default="auto", choices=("auto", *DTYPES))
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--host", default="0.0.0.0")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=int, default=8000, help="0: a free port, printed on stdout once bound")
     return ap.parse_args(argv)
 
 
@@ -352,6 +433,8 @@ def main(argv: list[str] | None = None) -> None:
         runtime_lora_updating=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
         served_model_name=args.served_model_name or args.model,
         policy_factory=factory,
+        dtype=args.dtype,
+        seed=args.seed,
     )
 
     @app.get("/stats")  # the stand-in's own route, for tests of a server in another process
@@ -365,7 +448,10 @@ def main(argv: list[str] | None = None) -> None:
             "requests": s.requests,
         }
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    sock = config.bind_socket()  # bound here, so --port 0 has a port to report before serving
+    print(f"vllm_api_server listening on http://{args.host}:{sock.getsockname()[1]}", flush=True)
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":

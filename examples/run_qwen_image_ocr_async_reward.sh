@@ -153,8 +153,7 @@ case "$ALGO" in
       'actor_rollout_ref.model.policy_state_adapters=["default","old"]'
       actor_rollout_ref.actor.diffusion_loss.old_kl_coef="${OLD_KL_COEF:-1.0}"
       actor_rollout_ref.actor.diffusion_loss.ref_kl_coef=0.003 actor_rollout_ref.actor.diffusion_loss.clip_ratio=1.0
-      algorithm.old_policy_decay_schedule=linear_to_0_3
-      algorithm.timestep_fraction="${TIMESTEP_FRACTION:-0.5}")
+      algorithm.old_policy_decay_schedule=linear_to_0_3)  # training steps: the authors' draw (the config's default)
     ;;
   *) echo "ALGO=$ALGO: use flow_grpo, diffusion_nft or awm" >&2; exit 2 ;;
 esac

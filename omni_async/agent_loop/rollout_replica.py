@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 SEED_SAMPLE, SEED_WINDOW, SEED_VALIDATION = 0, 1, 2  # independent random streams
 SEED_NFT_STEPS, SEED_NFT_NOISE = 3, 4  # DiffusionNFT: a sample's training steps and forward noise (its own seed's)
+SEED_AWM_STEPS = 5  # AWM: a mini-batch's shared training steps (from its samples' seeds)
 
 
 def sample_seed(base_seed: int, step: int, index: int, stream: int = SEED_SAMPLE) -> int:

@@ -12,6 +12,12 @@ authors' ``train.off_policy=False`` in every recipe), one reward each, FlowGRPO'
 **Forward process** (``diffusion_nft.forward_noised``): at the rollout's sigma ``t`` of a training step,
 ``x_t = (1 - t) x0 + t eps``, ``eps ~ N(0, I)``, target velocity ``v = eps - x0``.
 
+**Training steps** (the authors' ``time_type=discrete_wo_init``, their GenEval and OCR recipes:
+:func:`stratified_train_steps`): ``K`` (``train_timesteps``, 6) of the rollout's ``N`` denoising steps, one per
+stratum of ``1 .. M``, ``M = int(N * timestep_fraction)`` (their 0.9), the same ``K`` steps for every sample of a
+micro-batch (they repeat one draw over the micro-batch's samples); step 0 (``t = 1``, pure noise) and the steps from
+``M`` on are never trained.
+
 **Matching log-likelihood** of sample ``i`` at training step ``t`` (the authors' ``log_prob``, per ``weighting``)::
 
     e_i,t  = mean_dims (v_theta(x_t, t) - (eps - x0))^2                   the flow-matching error
@@ -52,6 +58,36 @@ from omni_async.algos.masked_stats import masked_mean
 
 WEIGHTINGS = ("uniform", "ghuber")
 GHUBER_DELTA = 1e-10  # the authors' offset inside the power (keeps its gradient finite at a zero error)
+
+
+def stratified_train_steps(num_steps: int, count: int, fraction: float, u: torch.Tensor) -> torch.Tensor:
+    """The AWM authors' training steps (``time_type=discrete_wo_init``; ``train_sd3_awm.py``): ``count`` (``K``)
+    indices into the rollout's ``num_steps`` (``N``) denoising steps, one per stratum of ``1 .. M``::
+
+        M      = int(N * fraction)                                  (their train.timestep_fraction, 0.9)
+        b_k    = 1 + k (M - 1) / K,                k = 0..K         the strata's bounds
+        lo_k   = floor(b_k),   hi_k = floor(b_{k+1})
+        step_k = lo_k + floor(u_k (hi_k - lo_k)),  u_k ~ U[0, 1)    a stratum narrower than a step gives lo_k
+
+    so step 0 (``t = 1``) and the steps from ``M`` on are never drawn (``M = 1``: every step is step 1). ``u`` [K],
+    in [0, 1). The bounds are computed exactly (integer arithmetic); the authors' float32 ``torch.linspace`` agrees
+    at their recipes' sizes and can round an exact integer bound down by one at some others (``M = 15, K = 26``).
+    Returns ``[K]`` (int64), in stratum order."""
+    n, k, top = int(num_steps), int(count), int(int(num_steps) * float(fraction))
+    if k < 1 or n < 2 or top < 1:
+        raise ValueError(
+            f"AWM's stratified steps need count >= 1, num_steps >= 2 and int(num_steps x fraction) >= 1; got count "
+            f"{k}, num_steps {n}, fraction {fraction}"
+        )
+    bounds = torch.tensor([1 + (j * (top - 1)) // k for j in range(k + 1)], dtype=torch.long)
+    lo, hi = bounds[:-1], bounds[1:]
+    return lo + (u.double() * (hi - lo).double()).floor().long()
+
+
+def draw_train_steps(num_steps: int, count: int, fraction: float, generator: torch.Generator) -> torch.Tensor:
+    """:func:`stratified_train_steps` with ``u ~ U[0, 1)^K`` from ``generator`` (one draw, shared by the samples
+    that train together)."""
+    return stratified_train_steps(num_steps, count, fraction, torch.rand(int(count), generator=generator))
 
 
 def matching_log_prob(

@@ -390,6 +390,30 @@ def _check_awm(cfg: DictConfig) -> None:
         "itself",
         "set algorithm.adv_mode=continuous",
     )
+    # the training steps: the authors' stratified draw (algos.awm.stratified_train_steps)
+    _check(
+        algo.timestep_fraction == 1.0,
+        "algorithm.timestep_fraction",
+        f"{algo.timestep_fraction} is DiffusionNFT's share of steps trained per sample; AWM trains its authors' "
+        "stratified steps",
+        "leave it at 1.0 and set actor_rollout_ref.actor.diffusion_loss.awm_train_timesteps (how many, the authors' "
+        "6) / awm_timestep_fraction (the strata's top, the authors' 0.9)",
+    )
+    _check(
+        dl.awm_train_timesteps >= 1,
+        "actor_rollout_ref.actor.diffusion_loss.awm_train_timesteps",
+        f"must be >= 1, got {dl.awm_train_timesteps}",
+        "e.g. 6 (the AWM authors')",
+    )
+    steps = int(cfg.actor_rollout_ref.rollout.pipeline.num_inference_steps)
+    _check(
+        0 < dl.awm_timestep_fraction <= 1 and steps >= 2 and int(steps * dl.awm_timestep_fraction) >= 1,
+        "actor_rollout_ref.actor.diffusion_loss.awm_timestep_fraction",
+        f"{dl.awm_timestep_fraction} of {steps} rollout steps leaves no step to draw from (AWM trains steps 1 .. "
+        "int(num_inference_steps x awm_timestep_fraction), never step 0)",
+        "a fraction in (0, 1] with int(num_inference_steps x fraction) >= 1 and num_inference_steps >= 2 (the "
+        "authors' 0.9)",
+    )
 
 
 def _check_final_latents(cfg: DictConfig, name: str) -> None:

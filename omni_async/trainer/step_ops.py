@@ -19,8 +19,9 @@ from omegaconf import DictConfig
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from verl import DataProto
 
-from omni_async.agent_loop.rollout_replica import SEED_NFT_NOISE, SEED_NFT_STEPS, sample_seed
+from omni_async.agent_loop.rollout_replica import SEED_AWM_STEPS, SEED_NFT_NOISE, SEED_NFT_STEPS, sample_seed
 from omni_async.algos.advantages import group_advantages
+from omni_async.algos.awm import draw_train_steps
 from omni_async.algos.diffusion_nft import old_policy_decay, optimality_probability, refreshes_after, train_steps
 from omni_async.algos.loss import BYPASS_CORRECTION_FIELDS, BYPASS_CORRECTION_KEY
 from omni_async.modality import REF_TIME_KEY, Modality
@@ -41,15 +42,23 @@ class ActorRankDiedError(RuntimeError):
     """An actor rank's process died: the optimizer state is gone, the run must resume from a checkpoint."""
 
 
-def minibatches(batch: DataProto, prompts_per_minibatch: int) -> list[DataProto]:
-    """Split a batch into mini-batches of whole ``uid`` groups, in order of first appearance."""
+def group_chunks(uids: Any, prompts_per_chunk: int) -> list[list[int]]:
+    """The row indices of consecutive chunks of ``prompts_per_chunk`` whole ``uid`` groups, in order of first
+    appearance: the mini-batches of :func:`minibatches`."""
     groups: dict[str, list[int]] = defaultdict(list)
-    for i, u in enumerate(batch.non_tensor_batch["uid"]):
+    for i, u in enumerate(uids):
         groups[u].append(i)
     order = list(groups)
     return [
-        batch.select_idxs(np.array([i for u in order[k : k + prompts_per_minibatch] for i in groups[u]]))
-        for k in range(0, len(order), prompts_per_minibatch)
+        [i for u in order[k : k + prompts_per_chunk] for i in groups[u]]
+        for k in range(0, len(order), prompts_per_chunk)
+    ]
+
+
+def minibatches(batch: DataProto, prompts_per_minibatch: int) -> list[DataProto]:
+    """Split a batch into mini-batches of whole ``uid`` groups, in order of first appearance."""
+    return [
+        batch.select_idxs(np.array(rows)) for rows in group_chunks(batch.non_tensor_batch["uid"], prompts_per_minibatch)
     ]
 
 
@@ -131,14 +140,36 @@ class StepOps:
 
     def forward_process_batch(self, batch: DataProto, samples: list[Sample]) -> None:
         """A final-latent loss's tensors (DiffusionNFT: verl-omni's ``DiffusionNFTLoss.prepare_actor_batch``, where
-        ``reward_prob`` is added beside them; AWM): the denoising steps each sample trains on (``train_steps``:
-        ``algorithm.timestep_fraction`` of the rollout's steps) and its forward-noise seed, both from the sample's own
-        seed, so a sample trains the same whichever batch, rank or resume it lands in."""
-        algo = self.cfg.algorithm
+        ``reward_prob`` is added beside them; AWM): the denoising steps each sample trains on (``train_steps``) and its
+        forward-noise seed (from the sample's own seed).
+
+        DiffusionNFT: ``algorithm.timestep_fraction`` of the rollout's steps, a random subset per sample from its own
+        seed, so a sample trains the same whichever batch, rank or resume it lands in. AWM: its authors' draw,
+        ``diffusion_loss.awm_train_timesteps`` steps stratified over ``1 .. int(N x awm_timestep_fraction)``
+        (``algos.awm.stratified_train_steps``), one draw shared by every sample of a mini-batch (the authors share
+        one per micro-batch; a mini-batch is the finest unit fixed before the ranks split it, so the step-start
+        recompute of ``lp_old`` and every micro-batch see the same steps), seeded by the mini-batch's sample seeds
+        (the same on a resume)."""
         steps = int(self.cfg.actor_rollout_ref.rollout.pipeline.num_inference_steps)
-        gens = [torch.Generator().manual_seed(sample_seed(s.seed, 0, 0, SEED_NFT_STEPS)) for s in samples]
-        batch.batch["train_steps"] = torch.stack([train_steps(steps, algo.timestep_fraction, g) for g in gens])
+        if self.modality.loss_mode == "awm":
+            batch.batch["train_steps"] = self._awm_train_steps(samples, steps)
+        else:
+            gens = [torch.Generator().manual_seed(sample_seed(s.seed, 0, 0, SEED_NFT_STEPS)) for s in samples]
+            fraction = self.cfg.algorithm.timestep_fraction
+            batch.batch["train_steps"] = torch.stack([train_steps(steps, fraction, g) for g in gens])
         batch.batch["noise_seed"] = torch.tensor([sample_seed(s.seed, 0, 0, SEED_NFT_NOISE) for s in samples])
+
+    def _awm_train_steps(self, samples: list[Sample], num_steps: int) -> torch.Tensor:
+        """AWM's ``train_steps`` [B, K]: one stratified draw per mini-batch (:func:`group_chunks`, as
+        :meth:`train_epochs` will split the batch), repeated over its samples."""
+        actor = self.cfg.actor_rollout_ref.actor
+        count, fraction = int(actor.diffusion_loss.awm_train_timesteps), actor.diffusion_loss.awm_timestep_fraction
+        out = torch.empty(len(samples), count, dtype=torch.long)
+        for rows in group_chunks([s.uid for s in samples], int(actor.ppo_mini_batch_size)):
+            seeds = sorted(int(samples[i].seed) for i in rows)
+            seed = int(np.random.SeedSequence([SEED_AWM_STEPS, *seeds]).generate_state(1)[0] & 0x7FFFFFFF)
+            out[rows] = draw_train_steps(num_steps, count, fraction, torch.Generator().manual_seed(seed))
+        return out
 
     def refresh_old_policy(self, step: int) -> dict[str, float]:
         """DiffusionNFT's old policy or AWM's anchor, after training step ``step`` (1-based): every

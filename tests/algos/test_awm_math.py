@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from omni_async.algos.awm import GHUBER_DELTA, awm_loss, matching_log_prob
+from omni_async.algos.awm import GHUBER_DELTA, awm_loss, draw_train_steps, matching_log_prob, stratified_train_steps
 from omni_async.algos.diffusion_nft import DECAY_SCHEDULES, forward_noised, old_policy_decay
 
 
@@ -133,3 +133,49 @@ def test_awm_anchor_schedule_is_the_authors_linear_to_0_3():
     assert DECAY_SCHEDULES["linear_to_0_3"] == (0, 0.001, 0.3)
     for k in (1, 2, 150, 300, 301, 5000):
         assert old_policy_decay(k, "linear_to_0_3") == pytest.approx(min(0.001 * k, 0.3))
+
+
+# ---- training steps: the authors' time_type=discrete_wo_init --------------------------------------------------
+# Their OCR / GenEval recipe: N = 14 rollout steps, timestep_fraction 0.9 -> M = int(12.6) = 12, K = 6 strata with
+# bounds b_k = 1 + 11 k / 6 = 1, 2.83, 4.67, 6.5, 8.33, 10.17, 12 -> floors 1, 2, 4, 6, 8, 10, 12: [lo_k, hi_k) =
+# [1, 2), [2, 4), [4, 6), [6, 8), [8, 10), [10, 12); step_k = lo_k + floor(u_k (hi_k - lo_k)).
+RECIPE_STRATA = [(1, 2), (2, 4), (4, 6), (6, 8), (8, 10), (10, 12)]
+
+
+@pytest.mark.parametrize("u", [[0.0] * 6, [0.49] * 6, [0.5] * 6, [0.999] * 6, [0.1, 0.6, 0.3, 0.9, 0.5, 0.75]])
+def test_stratified_steps_are_the_authors_strata_at_their_recipe(u):
+    got = stratified_train_steps(14, 6, 0.9, torch.tensor(u)).tolist()
+    want = [lo + math.floor(uk * (hi - lo)) for (lo, hi), uk in zip(RECIPE_STRATA, u, strict=True)]
+    assert got == want
+
+
+def test_stratified_steps_never_train_step_0_nor_past_the_fraction_and_cover_every_stratum():
+    seen: list[set[int]] = [set() for _ in range(6)]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        for k, step in enumerate(draw_train_steps(14, 6, 0.9, g).tolist()):
+            seen[k].add(step)
+    assert seen == [set(range(lo, hi)) for lo, hi in RECIPE_STRATA]  # steps 1..11: not 0, not 12 or 13
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "fraction", "want_lo"),
+    [
+        (10, 6, 0.9, [1, 2, 3, 5, 6, 7]),  # the main job's 10 steps: M = 9, b_k = 1 + 8 k / 6
+        (10, 4, 1.0, [1, 3, 5, 7]),  # M = 10, b_k = 1 + 9 k / 4 = 1, 3.25, 5.5, 7.75, 10
+        (4, 6, 0.9, [1, 1, 1, 2, 2, 2]),  # M = 3: strata narrower than a step give lo_k (steps repeat)
+        (5, 3, 0.3, [1, 1, 1]),  # M = 1: every step is step 1
+    ],
+)
+def test_stratified_steps_lower_bounds_are_floor_of_the_exact_bounds(n, k, fraction, want_lo):
+    m = int(n * fraction)
+    assert stratified_train_steps(n, k, fraction, torch.zeros(k)).tolist() == want_lo
+    assert want_lo == [1 + (j * (m - 1)) // k for j in range(k)]  # floor(1 + j (M - 1) / K)
+    top = stratified_train_steps(n, k, fraction, torch.full((k,), 0.999999)).tolist()
+    assert all(1 <= s <= max(m - 1, 1) for s in top)
+
+
+def test_stratified_steps_refuse_an_empty_range():
+    for n, k, fraction in ((1, 6, 1.0), (10, 0, 0.9), (10, 6, 0.05)):
+        with pytest.raises(ValueError, match="num_steps >= 2"):
+            stratified_train_steps(n, k, fraction, torch.zeros(max(k, 1)))

@@ -5,12 +5,16 @@ anchor; samples carry final latents only; every group is trained once."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import SMALL_LORA, Trainers, drawn_latents, record_trained_uids, write_prompts
+from verl import DataProto
 
 from omni_async.modality import modality_of
+from omni_async.sample import PromptRow, Sample
 from omni_async.trainer.config import ConfigError, compose, validate
+from omni_async.trainer.step_ops import StepOps, minibatches
 
 # The AWM authors' recipe (config/dgx_awm.py, OCR) in this project's keys, the sizes aside.
 AWM = [
@@ -23,7 +27,7 @@ AWM = [
     "actor_rollout_ref.actor.diffusion_loss.awm_weighting=ghuber",
     "actor_rollout_ref.actor.diffusion_loss.awm_ghuber_power=0.25",
     "algorithm.old_policy_decay_schedule=linear_to_0_3",
-    "algorithm.timestep_fraction=0.5",
+    "actor_rollout_ref.actor.diffusion_loss.awm_train_timesteps=2",  # a size: the authors' 6, 2 keeps the runs short
 ]
 
 
@@ -44,6 +48,43 @@ def test_awm_composes_samples_final_latents_and_carries_its_weighting():
     bare = valid("actor_rollout_ref.model.algorithm=awm", "algorithm.trainer_type=direct_preference")
     assert list(bare.actor_rollout_ref.model.policy_state_adapters) == ["default"]
     assert bare.actor_rollout_ref.actor.diffusion_loss.awm_weighting == "ghuber"
+
+
+def test_awm_batch_trains_its_authors_stratified_steps_one_draw_per_minibatch():
+    """The AWM authors' draw (``time_type=discrete_wo_init``): K steps, step k in the k-th stratum of 1 .. M
+    (M = int(N x 0.9) = 9 of the 10 rollout steps, bounds floor(1 + 8 k / 3) = 1, 3, 6, 9), never step 0; one draw
+    shared by every sample of a mini-batch (the authors share one per micro-batch), a new one per mini-batch, the same
+    when the batch is built again (a resume)."""
+    cfg = valid(
+        *AWM,
+        "actor_rollout_ref.rollout.num_inference_steps=10",
+        "actor_rollout_ref.actor.diffusion_loss.awm_train_timesteps=3",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+    )
+    assert cfg.actor_rollout_ref.actor.diffusion_loss.awm_timestep_fraction == 0.9  # the authors' default
+    uids = [f"g{i % 4}" for i in range(12)]  # 4 groups of 3, interleaved
+    samples = [Sample(i, u, PromptRow(f"p{u}", "x", ""), 1000 + 7 * i) for i, u in enumerate(uids)]
+
+    def build() -> DataProto:
+        batch = DataProto.from_dict(
+            tensors={"loss_mask": torch.ones(12, dtype=torch.bool)},
+            non_tensors={"uid": np.array(uids, dtype=object)},
+        )
+        StepOps(cfg, modality_of(cfg), None, None).forward_process_batch(batch, samples)
+        return batch
+
+    batch = build()
+    steps = batch.batch["train_steps"]
+    assert steps.shape == (12, 3)
+    strata = [(1, 3), (3, 6), (6, 9)]
+    assert all(lo <= s < hi for row in steps.tolist() for s, (lo, hi) in zip(row, strata, strict=True))
+    draws = []
+    for mb in minibatches(batch, 1):  # the trainer's split: one group per mini-batch here
+        rows = mb.batch["train_steps"]
+        assert (rows == rows[0]).all()  # shared by the mini-batch's samples
+        draws.append(tuple(rows[0].tolist()))
+    assert len(set(draws)) > 1  # each mini-batch its own draw
+    assert torch.equal(build().batch["train_steps"], steps)  # from the samples' seeds: the same on a resume
 
 
 @pytest.mark.parametrize(
@@ -74,6 +115,13 @@ def test_awm_composes_samples_final_latents_and_carries_its_weighting():
         ([*AWM, "algorithm.adv_mode=binary"], "algorithm.adv_mode", "continuous"),
         ([*AWM, "actor_rollout_ref.actor.diffusion_loss.awm_weighting=huber"], "awm_weighting", "uniform, ghuber"),
         ([*AWM, "actor_rollout_ref.actor.diffusion_loss.awm_ghuber_power=0"], "awm_ghuber_power", "> 0"),
+        ([*AWM, "algorithm.timestep_fraction=0.5"], "algorithm.timestep_fraction", "awm_train_timesteps"),
+        ([*AWM, "actor_rollout_ref.actor.diffusion_loss.awm_train_timesteps=0"], "awm_train_timesteps", "6"),
+        (
+            [*AWM, "actor_rollout_ref.actor.diffusion_loss.awm_timestep_fraction=0.05"],
+            "awm_timestep_fraction",
+            "0.9",
+        ),  # the default 10 rollout steps: int(0.5) = 0 leaves no step
         ([*AWM[:2], "actor_rollout_ref.actor.diffusion_loss.old_kl_coef=-1"], "old_kl_coef", ">= 0"),
         (["actor_rollout_ref.actor.diffusion_loss.old_kl_coef=1.0"], "old_kl_coef", "loss_mode=awm"),
         ([*AWM, "actor_rollout_ref.model.lora_rank=0"], "ref_kl_coef", "lora_rank=8"),

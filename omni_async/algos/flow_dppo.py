@@ -16,8 +16,9 @@ For one window step, per sample ``i`` (``sigma_i = std_dev_t_i * sqrt_dt_i``, th
     L      = L_pg + beta * mean_i KL_i
 
 The mask is a stop-gradient choice (no gradient through ``D``); the kept terms are unclipped. This is verl-omni's
-``FlowDPPOLoss`` at a1139ba, scales per sample (unlike GRPO-Guard's batch-mean scale) and advantages as given (it
-clips none in the loss; here ``algorithm.adv_clip_max`` has clipped them when the batch was built). Means run over
+``FlowDPPOLoss`` at a1139ba, scales per sample (unlike GRPO-Guard's batch-mean scale) and advantages as given,
+unclipped: verl-omni clips none, and here the batch's advantages are not clipped to ``diffusion_loss.adv_clip_max``
+for this loss either (``loss_modes.LossMode.clips_advantages``; FlowGRPO and GRPO-Guard clip them). Means run over
 the kept samples (``mask``); ``w_i``: verl's decoupled-mode rollout-correction weights, as in ``loss.flow_grpo_loss``.
 A sample with ``sigma = 0`` (noise level 0) has ``D = 0``, never inf.
 

@@ -31,6 +31,10 @@ class LossMode:
     algorithm: str  # the actor_rollout_ref.model.algorithm it runs under (verl-omni's pairing)
     built: bool = True
     old_means: bool = False  # the loss reads pi_old's window-step means (batch key ``old_means``)
+    # the batch's advantages clipped to +-diffusion_loss.adv_clip_max when it is built (verl-omni's FlowGRPOLoss and
+    # GRPOGuardLoss clip them; AWM clips, then scales); false: DiffusionNFT (its map to r clips), Flow-DPPO
+    # (verl-omni's FlowDPPOLoss takes them as they are)
+    clips_advantages: bool = True
     instead: str = ""  # not built: the built loss mode that trains on the same data, named by the refusal
 
 
@@ -41,10 +45,10 @@ LOSS_MODES: dict[str, LossMode] = {
     m.name: m
     for m in (
         LossMode("flow_grpo", SDE_WINDOW, "flow_grpo"),
-        LossMode("diffusion_nft", FINAL_LATENTS, "diffusion_nft"),
+        LossMode("diffusion_nft", FINAL_LATENTS, "diffusion_nft", clips_advantages=False),
         # verl-omni's other modes (issue 38), and AWM (which verl-omni names but has no loss for).
         LossMode("grpo_guard", SDE_WINDOW, "flow_grpo", old_means=True),
-        LossMode("flow_dppo", SDE_WINDOW, "flow_grpo", old_means=True),
+        LossMode("flow_dppo", SDE_WINDOW, "flow_grpo", old_means=True, clips_advantages=False),
         LossMode("awm", FINAL_LATENTS, "awm"),
         # Not built. verl-omni registers dance_grpo to its FlowGRPO loss (DanceGRPO differs in its Wan 2.2 rollout);
         # its dpo (online Diffusion-DPO on each group's best and worst sample) trains on final latents, as AWM does.

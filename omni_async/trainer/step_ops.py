@@ -24,6 +24,7 @@ from omni_async.algos.advantages import group_advantages
 from omni_async.algos.awm import draw_train_steps
 from omni_async.algos.diffusion_nft import old_policy_decay, optimality_probability, refreshes_after, train_steps
 from omni_async.algos.loss import BYPASS_CORRECTION_FIELDS, BYPASS_CORRECTION_KEY
+from omni_async.algos.loss_modes import loss_mode
 from omni_async.modality import REF_TIME_KEY, Modality
 from omni_async.models.lora import OLD_ADAPTER
 from omni_async.reward.wiring import RewardSide
@@ -107,6 +108,8 @@ class StepOps:
         # images: verl-omni's diffusion_loss.adv_clip_max (flow_grpo and DiffusionNFT); text: algorithm.adv_clip_max
         clip = self.cfg.actor_rollout_ref.actor.diffusion_loss.adv_clip_max if image else algo.adv_clip_max
         nft = image and self.modality.loss_mode == "diffusion_nft"
+        # DiffusionNFT clips inside the map to the optimality probability (below); Flow-DPPO takes them unclipped
+        clipped = not image or loss_mode(self.modality.loss_mode).clips_advantages
         final = image and self.modality.final_latents  # DiffusionNFT, AWM: trained on the forward process
         batch = DataProto.from_dict(
             tensors=self.modality.batch_tensors(samples),
@@ -124,8 +127,7 @@ class StepOps:
             std_unbiased=algo.adv_std_unbiased,
             norm_by_std=algo.norm_adv_by_std_in_grpo,
             global_std=algo.global_std,
-            # DiffusionNFT clips inside the map to the optimality probability (below)
-            adv_clip_max=None if nft else clip,
+            adv_clip_max=clip if clipped else None,
         )
         if nft:
             batch.batch["reward_prob"] = optimality_probability(adv, adv_clip_max=clip, adv_mode=algo.adv_mode)[:, None]

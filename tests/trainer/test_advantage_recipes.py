@@ -174,3 +174,30 @@ def test_the_image_default_is_the_batch_wide_std_and_fully_async_keeps_it():
         validate(compose([*lora, "async_reward.update_pipeline=true"]))
     for preset in ("stream+pipeline", "all"):
         assert mode_of(validate(compose([*lora, *MODE_OVERRIDES[preset]]))).pipelined
+
+
+@pytest.mark.parametrize(("loss_mode", "clipped"), [("flow_grpo", True), ("grpo_guard", True), ("flow_dppo", False)])
+def test_flow_dppo_takes_the_advantages_unclipped_as_verl_omnis_loss(loss_mode, clipped):
+    """verl-omni clips the advantages to +-``diffusion_loss.adv_clip_max`` in ``FlowGRPOLoss`` and ``GRPOGuardLoss``,
+    not in ``FlowDPPOLoss`` (its per-sample term is ``-A rho`` with ``A`` as given). With ``adv_clip_max`` 0.5 the
+    batch's advantages are the group advantages clipped to [-0.5, 0.5] for the first two, unclipped for Flow-DPPO."""
+    cfg = validate(
+        compose(
+            [
+                "data.train_files=x.jsonl",
+                "algorithm.global_std=true",
+                "algorithm.adv_std_unbiased=true",
+                "actor_rollout_ref.actor.diffusion_loss.adv_clip_max=0.5",
+                f"actor_rollout_ref.actor.diffusion_loss.loss_mode={loss_mode}",
+                "actor_rollout_ref.rollout.algo.sde_type=sde",
+            ]
+        )
+    )
+    samples = image_samples(GROUPS)
+    for s in samples:
+        s.result.window_means = torch.zeros(2, 4)
+    batch = StepOps(cfg, get_modality("image", loss_mode), None, None).build_batch(samples)
+    raw = verl_omni_advantages(torch.tensor([r for g in GROUPS for r in g]), np.array(batch.non_tensor_batch["uid"]))
+    assert raw.abs().max() > 0.5  # the clip would show
+    want = raw.clamp(-0.5, 0.5) if clipped else raw
+    assert torch.allclose(batch.batch["advantages"], want, atol=1e-6)

@@ -105,6 +105,26 @@ def score_on_one_worker(
         shutdown_ray()
 
 
+def record_client_sleeps(monkeypatch, wait: bool = True) -> list[float]:
+    """The delays the HTTP reward client (``omni_async.reward.http_client``) sleeps between attempts, in order: what a
+    test asserts instead of timing the call (a Retry-After honoured is a sleep of that length, on any machine).
+    ``wait=False`` records without waiting (the retry comes at once)."""
+    from omni_async.reward import http_client
+
+    slept: list[float] = []
+
+    class RecordingAsyncio:
+        def __getattr__(self, name: str):
+            return getattr(asyncio, name)
+
+        async def sleep(self, delay: float, *args, **kwargs):
+            slept.append(float(delay))
+            await asyncio.sleep(delay if wait else 0, *args, **kwargs)
+
+    monkeypatch.setattr(http_client, "asyncio", RecordingAsyncio())
+    return slept
+
+
 def write_prompts(path: Path, n: int, data_source: str = "x") -> Path:
     """``n`` prompt rows ``p0..`` in the trainer's jsonl format (empty ground truth)."""
     path.write_text(

@@ -61,13 +61,13 @@ def test_rollout_worker_killed_mid_step_regenerates_the_same_samples(tmp_path):
 
 
 def test_blocking_reward_runs_at_the_workers_full_concurrency():
-    """16 blocking 0.5 s calls on one reward worker with max_inflight_per_worker=32 take ~0.5 s, not 16 x 0.5 s
-    (nor the ~2 s of the event loop's default pool of min(32, cpu + 4) = 6 threads on this 2-core box)."""
-    outcomes, elapsed = score_on_one_worker("blocking_sleep", {"delay_s": 0.5}, samples=16, max_inflight=32)
-    assert all(o.ok for o in outcomes)
-    assert elapsed < 2.0, elapsed
-    # The metric measures the call itself (0.5 s), not the wait for a thread.
-    assert max(o.compute_s for o in outcomes) < 0.9 and all(o.compute_s >= 0.49 for o in outcomes)
+    """16 blocking calls on one reward worker with max_inflight_per_worker=32 all hold a thread at the same time:
+    each returns only once all 16 are in (a barrier), which the event loop's default pool of min(32, cpu + 4) = 6
+    threads on this 2-core box could never reach (its calls would fail at the barrier's timeout)."""
+    outcomes, _ = score_on_one_worker("blocking_rendezvous", {"parties": 16}, samples=16, max_inflight=32)
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes if not o.ok]
+    # The metric covers the call itself: at least the time the function measured inside it.
+    assert all(o.compute_s >= o.extra["own_s"] for o in outcomes)
 
 
 @pytest.mark.parametrize("resume_at", [2, 0])

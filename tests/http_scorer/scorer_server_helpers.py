@@ -87,12 +87,15 @@ def hold_scorer(images, prompts, ground_truths, metadata):
 
 
 def pid_scorer(images, prompts, ground_truths, metadata):
-    """Holds its batch ``metadata.hold_s`` (default 0) and says which scorer process scored each item; with
-    ``metadata.crash`` the process dies mid-batch, as a segfault in native code would."""
+    """Holds its batch ``metadata.hold_s`` (default 0) and says which scorer process scored each item and when the
+    batch started and ended (``time.time()``: one clock for every process); with ``metadata.crash`` the process dies
+    mid-batch, as a segfault in native code would."""
     if metadata.get("crash"):
         os._exit(7)
+    start = time.time()
     time.sleep(float(metadata.get("hold_s", 0)))
-    return [{"score": 1.0, "pid": os.getpid(), "batch": len(images)} for _ in images]
+    end = time.time()
+    return [{"score": 1.0, "pid": os.getpid(), "batch": len(images), "start": start, "end": end} for _ in images]
 
 
 def small_side_scorer(images, prompts, ground_truths, metadata):

@@ -296,13 +296,15 @@ def test_worker_processes_share_one_queue_metrics_count_all_timeouts_and_crashes
         async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=4)) as client:
             return await asyncio.gather(*(client.post(url, json=body(hold_s=0.6)) for _ in range(4)))
 
-    t0 = time.monotonic()
     responses = asyncio.run(four())
-    wall = time.monotonic() - t0
     assert [r.status_code for r in responses] == [200] * 4, [r.text for r in responses]
-    pids = [r.json()["details"][0]["pid"] for r in responses]
+    details = [r.json()["details"][0] for r in responses]
+    pids = [d["pid"] for d in details]
     assert len(set(pids)) == 2 and max(pids.count(p) for p in pids) <= 3, pids
-    assert wall < 4 * 0.6, wall  # never all behind one process
+    # Never all behind one process: a batch of each process ran at the same time as one of the other's.
+    assert any(
+        a["pid"] != b["pid"] and a["start"] < b["end"] and b["start"] < a["end"] for a in details for b in details
+    ), details
     # /metrics is the one HTTP process's, and it counted the batches of both scorer processes.
     text = httpx.get(f"{server.url}/metrics").text
     assert 'scorer_requests_total{route="/v1/score"} 4.0' in text

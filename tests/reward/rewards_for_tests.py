@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 import zlib
 
@@ -26,6 +27,33 @@ def _log(record: dict) -> None:
     if LOG:
         with open(LOG, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+# Rendezvous points, per reward-worker process: a call that waits at one returns only once ``parties`` calls are
+# inside the reward function at the same time. A test of concurrency then asserts that the calls succeeded, which
+# holds on a machine of any speed; a worker running fewer calls at once leaves them waiting until ``timeout_s`` and
+# they fail.
+_THREAD_BARRIERS: dict[int, threading.Barrier] = {}
+_ASYNC_GATES: dict[int, _AsyncGate] = {}
+
+
+class _AsyncGate:
+    def __init__(self, parties: int):
+        self.parties, self.arrived, self.opened = parties, 0, asyncio.Event()
+
+    async def wait(self, timeout_s: float) -> None:
+        self.arrived += 1
+        if self.arrived >= self.parties:
+            self.opened.set()
+        try:
+            await asyncio.wait_for(self.opened.wait(), timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"{self.arrived} of {self.parties} calls had come when this one gave up") from None
+
+
+async def running_together(parties: int, timeout_s: float) -> None:
+    """Wait (on the event loop) until ``parties`` async calls have reached this point."""
+    await _ASYNC_GATES.setdefault(parties, _AsyncGate(parties)).wait(timeout_s)
 
 
 class Flaky:
@@ -52,14 +80,20 @@ async def slow_logged(data_source, solution_image, ground_truth, extra_info, del
 
 
 class GroupCentred:
-    """An async slow scorer whose ``post_process_scores`` subtracts the group mean (and logs the group size)."""
+    """An async slow scorer whose ``post_process_scores`` subtracts the group mean (and logs the group size). With
+    ``parties``, a call starts its ``delay_s`` only once ``parties`` calls are in (:func:`running_together`). Each
+    result carries the call's own duration, ``own_s``."""
 
-    def __init__(self, delay_s: float = 1.0):
-        self.delay_s = delay_s
+    def __init__(self, delay_s: float = 1.0, parties: int = 0, timeout_s: float = 100.0):
+        self.delay_s, self.parties, self.timeout_s = delay_s, parties, timeout_s
 
     async def compute_score(self, data_source, solution_image, ground_truth, extra_info, **kw):
+        t0 = time.perf_counter()
+        if self.parties:
+            await running_together(self.parties, self.timeout_s)
         await asyncio.sleep(self.delay_s)
-        return {"score": float(sample_key(solution_image) % 1000) / 1000.0, "tag": "ok"}
+        own_s = time.perf_counter() - t0
+        return {"score": float(sample_key(solution_image) % 1000) / 1000.0, "tag": "ok", "own_s": own_s}
 
     def post_process_scores(self, scores):
         _log({"group_size": len(scores)})
@@ -90,8 +124,11 @@ class FailingThenRepaired:
         return [mean if s is None else s for s in scores]
 
 
-async def slow_constant(data_source, solution_str=None, ground_truth=None, extra_info=None, delay_s=1.0, **kw):
-    await asyncio.sleep(delay_s)
+async def async_rendezvous(
+    data_source, solution_str=None, ground_truth=None, extra_info=None, parties=2, timeout_s=25.0, **kw
+):
+    """An async reward (like a remote judge) that returns only once ``parties`` calls are in flight together."""
+    await running_together(parties, timeout_s)
     return 1.0
 
 
@@ -143,12 +180,24 @@ async def http_client_signature(solution_image, ground_truth, server_url, max_re
     return {"score": float(solution_image.permute(1, 2, 0)[..., 0].float().mean()) / 255.0, "server": server_url}
 
 
-def blocking_sleep(
-    data_source, solution_str=None, solution_image=None, ground_truth=None, extra_info=None, delay_s=0.5, **kw
+def blocking_rendezvous(
+    data_source,
+    solution_str=None,
+    solution_image=None,
+    ground_truth=None,
+    extra_info=None,
+    parties=2,
+    timeout_s=25.0,
+    **kw,
 ):
-    """A sync (blocking) reward, like a judge called with a blocking HTTP client: holds a thread for delay_s."""
-    time.sleep(delay_s)
-    return 1.0
+    """A sync (blocking) reward, like a judge called with a blocking HTTP client: holds its thread until ``parties``
+    calls hold one each (a barrier; too few threads and it breaks after ``timeout_s``). Returns its own duration."""
+    t0 = time.perf_counter()
+    try:
+        _THREAD_BARRIERS.setdefault(parties, threading.Barrier(parties)).wait(timeout_s)
+    except threading.BrokenBarrierError:
+        raise TimeoutError(f"fewer than {parties} calls ever ran at once") from None
+    return {"score": 1.0, "own_s": time.perf_counter() - t0}
 
 
 async def genrm_ocr_style(

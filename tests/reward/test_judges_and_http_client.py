@@ -16,11 +16,13 @@ import httpx
 import numpy as np
 import pytest
 import ray
+from helpers import record_client_sleeps
 from judge_test_servers import Control, ThreadServer, make_app
 from omegaconf import OmegaConf
 from PIL import Image, ImageDraw, ImageFont
 
 from omni_async.cluster import init_ray, shutdown_ray
+from omni_async.reward import http_client
 from omni_async.reward.http_client import RetryTally, RewardHTTPError, retry_after_seconds
 from omni_async.reward.scorers import jpeg, vlm_judge
 from omni_async.reward.scorers.http import HttpScorer
@@ -187,32 +189,46 @@ def test_http_client_retry_policy_and_malicious_pickle(fake_servers, tmp_path):
     control.mode = "ok"
 
 
-def test_http_client_honours_retry_after_and_counts_retries_and_timeouts(fake_servers):
+def test_http_client_honours_retry_after_and_counts_retries_and_timeouts(fake_servers, monkeypatch):
     control, server = fake_servers
     img = np.zeros((16, 16, 3), np.uint8)
+    # What the client sleeps between attempts (not waited here: the fake server's answers do not depend on time).
+    slept = record_client_sleeps(monkeypatch, wait=False)
 
     def call(**kw):
-        t0 = time.monotonic()
-        out = asyncio.run(HttpScorer(server.url, backoff_s=0.01, max_wait_ms=1, **kw).compute_score("x", img, "gt"))
-        return out, time.monotonic() - t0
+        slept.clear()
+        return asyncio.run(HttpScorer(server.url, backoff_s=0.01, max_wait_ms=1, **kw).compute_score("x", img, "gt"))
 
     control.mode, control.failures_left, control.retry_after, control.calls = "busy_then_ok", 2, "1", 0
-    out, wall = call()
+    out = call()
     assert out["score"] == 0.5 and out["http_retries"] == 2 and out["http_timeouts"] == 0 and control.calls == 3
-    assert wall >= 2.0  # waited the server's Retry-After twice (the client's own backoff is 10 ms)
+    # The server's Retry-After, twice, plus at most the 10 ms jitter (the client's own backoff alone: <= 10 ms).
+    assert len(slept) == 2 and all(1.0 <= d <= 1.01 for d in slept), slept
 
     control.mode, control.failures_left, control.retry_after, control.calls = "busy_then_ok", 1, "3600", 0
-    out, wall = call(max_retry_after_s=0.2)
-    assert out["http_retries"] == 1 and wall < 60  # a huge Retry-After is capped by max_retry_after_s
+    out = call(max_retry_after_s=0.2)
+    assert out["http_retries"] == 1 and len(slept) == 1 and 0.2 <= slept[0] <= 0.21, slept  # capped, not 3600
 
     control.mode, control.failures_left, control.calls = "slow_then_ok", 1, 0
-    out, _ = call(timeout_s=0.5)
+    out = call(timeout_s=0.5)
     assert out["score"] == 0.5 and out["http_timeouts"] == 1 and out["http_retries"] == 1 and control.calls == 2
     control.mode = "ok"
 
     assert retry_after_seconds("7") == 7.0 and retry_after_seconds(None) is None
     assert retry_after_seconds("soon") is None
-    assert 5 <= retry_after_seconds(email.utils.formatdate(time.time() + 10, usegmt=True)) <= 11
+    # An HTTP date is read against the clock: pinned here, so the answer is exact.
+    now = 1_700_000_000.0
+
+    class PinnedTime:
+        def __getattr__(self, name: str):
+            return getattr(time, name)
+
+        def time(self) -> float:
+            return now
+
+    monkeypatch.setattr(http_client, "time", PinnedTime())
+    assert retry_after_seconds(email.utils.formatdate(now + 10, usegmt=True)) == 10.0
+    assert retry_after_seconds(email.utils.formatdate(now - 10, usegmt=True)) == 0.0  # a date past: no wait
 
 
 def test_unreachable_scorer_error_names_the_url():

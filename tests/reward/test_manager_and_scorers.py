@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import numpy as np
 import pytest
@@ -59,21 +58,28 @@ def test_normalize_result_accepts_the_conventions_and_names_bad_returns():
 
 def test_multi_reward_runs_concurrently_weighted_and_optional_failure_is_left_out(tmp_path):
     mod = tmp_path / "rewards.py"
+    events = tmp_path / "events.txt"
+    # Each call writes when it starts and when it ends; the sleep is an await point where a sequential manager would
+    # run the call to its end before starting the next.
     mod.write_text(
         "import asyncio\n"
-        "async def slow(data_source, solution_image, ground_truth, extra_info, value=1.0, **kw):\n"
-        "    await asyncio.sleep(0.5)\n    return value\n"
+        "async def slow(data_source, solution_image, ground_truth, extra_info, value=1.0, events='', **kw):\n"
+        "    with open(events, 'a') as f:\n        f.write(f'start {value}\\n')\n"
+        "    await asyncio.sleep(0.05)\n"
+        "    with open(events, 'a') as f:\n        f.write(f'end {value}\\n')\n"
+        "    return value\n"
         "def broken(**kw):\n    raise ValueError('judge down')\n"
     )
     fns = {
-        "a": {"path": str(mod), "name": "slow", "weight": 2.0, "value": 0.25},
-        "b": {"path": str(mod), "name": "slow", "weight": 1.0, "value": 1.0},
+        "a": {"path": str(mod), "name": "slow", "weight": 2.0, "value": 0.25, "events": str(events)},
+        "b": {"path": str(mod), "name": "slow", "weight": 1.0, "value": 1.0, "events": str(events)},
         "c": {"path": str(mod), "name": "broken", "required": False},
     }
     manager = RewardManager(reward_cfg(reward_functions=fns))
-    t0 = time.perf_counter()
     out = asyncio.run(manager.score(sample(np.zeros((8, 8, 3), np.uint8))))
-    assert time.perf_counter() - t0 < 0.9  # two 0.5 s functions, concurrently
+    # Concurrently: both functions started before either ended (one after the other: start, end, start, end).
+    order = events.read_text().split("\n")[:-1]
+    assert sorted(order[:2]) == ["start 0.25", "start 1.0"] and sorted(order[2:]) == ["end 0.25", "end 1.0"], order
     assert out.ok and out.score == pytest.approx(2 * 0.25 + 1.0)
     assert out.extra["reward/a"] == 0.25 and out.extra["reward/combined"] == pytest.approx(1.5)
     assert "judge down" in out.extra["reward/c_failed"]

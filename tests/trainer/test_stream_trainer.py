@@ -145,16 +145,19 @@ def test_post_process_sees_whole_groups_and_async_reward_runs_concurrently(make_
         "reward.num_workers=1",
         "reward.streaming=true",
         "+reward.custom_reward_function.reward_kwargs.delay_s=1.0",
+        "+reward.custom_reward_function.reward_kwargs.parties=8",
     )
     metrics, samples = trainer.train_step(0)
     assert [json.loads(x)["group_size"] for x in log.read_text().splitlines()] == [4, 4]
     for uid in {s.uid for s in samples}:
         assert sum(s.outcome.score for s in samples if s.uid == uid) == pytest.approx(0.0, abs=1e-9)
     assert all(s.outcome.extra["tag"] == "ok" for s in samples)
-    # 8 calls of 1 s each on one worker: concurrent, so the scoring span is about one latency, not eight.
-    span = max(s.times.scored for s in samples) - min(s.times.sent for s in samples)
-    assert metrics["timing_s/reward_compute/mean"] >= 1.0
-    assert span < 0.5 * 8 * 1.0, span
+    # 8 calls of 1 s each on one worker, concurrent (so the scoring span is about one latency, not eight): each
+    # call starts its second only once all 8 are in, and the step succeeded, so they were in flight together.
+    assert all(s.outcome.ok for s in samples)
+    # reward_compute measures the calls themselves: at least what each call measured inside it.
+    own = [s.outcome.extra["own_s"] for s in samples]
+    assert metrics["timing_s/reward_compute/mean"] >= sum(own) / len(own) - 1e-6, (metrics, own)
 
 
 def test_sync_reward_with_post_process_and_wrong_type_error(make_trainer):

@@ -1,4 +1,7 @@
-"""``python -m http_scorer serve --scorer ocr --host 127.0.0.1 --port 19082 [options]`` (``--help`` lists them)."""
+"""``python -m http_scorer serve --scorer ocr --host 127.0.0.1 --port 19082 [options]`` (``--help`` lists them).
+
+Once the port is bound the server prints ``http_scorer listening on http://HOST:PORT`` on stdout (flushed), so a
+launcher that asks for ``--port 0`` (a free port the OS picks) reads the port it got from that line."""
 
 from __future__ import annotations
 
@@ -34,7 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--scorer", default="ocr", help="ocr (PP-OCR, flow_grpo's edit-distance rule) | jpeg | sleep | module:function"
     )
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
-    s.add_argument("--port", type=int, default=19082, help="TCP port to listen on")
+    s.add_argument(
+        "--port",
+        type=int,
+        default=19082,
+        help="TCP port to listen on; 0: a free port picked by the OS. Either way, once bound, the server prints "
+        "'http_scorer listening on http://HOST:PORT' on stdout",
+    )
     s.add_argument(
         "--workers",
         type=int,
@@ -130,10 +139,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        uvicorn.run(create_app(config, pool), host=args.host, port=args.port, log_level="warning")
+        server = uvicorn.Config(create_app(config, pool), host=args.host, port=args.port, log_level="warning")
+        sock = server.bind_socket()  # bound here, before serving, so the port (--port 0: the OS's pick) is known
+        print(f"http_scorer listening on {listen_url(args.host, sock.getsockname()[1])}", flush=True)
+        uvicorn.Server(server).run(sockets=[sock])
     finally:
         pool.stop()
     return 0
+
+
+def listen_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@ installed as a fake ``vllm`` package, so vLLM's argument checks (allowed --max-l
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -84,6 +86,32 @@ def test_standin_refuses_a_max_lora_rank_vllm_refuses(vllm_python):
             "k",
             startup_timeout_s=120,
         )
+
+
+def test_standin_on_port_0_reports_the_port_it_bound(model_dir):
+    """Run by hand or by a test, the stand-in binds ``--port 0`` itself and prints the port it got."""
+    proc = subprocess.Popen(
+        [sys.executable, str(STANDIN), "--model", model_dir, "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # Its stdout's first line (pytest-timeout bounds a server that never prints it).
+        line = proc.stdout.readline()
+        m = re.fullmatch(r"vllm_api_server listening on (http://127\.0\.0\.1:([1-9]\d*))\n", line)
+        assert m, line
+        for _ in range(600):  # bound before uvicorn listens on it: refused until then
+            try:
+                assert httpx.get(f"{m.group(1)}/health", timeout=5).status_code == 200
+                break
+            except httpx.ConnectError:
+                assert proc.poll() is None
+                time.sleep(0.1)
+        else:
+            raise AssertionError("the stand-in never answered /health")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_judge_server_args_rank_is_rounded():

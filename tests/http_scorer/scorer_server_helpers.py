@@ -5,9 +5,11 @@ from __future__ import annotations
 import base64
 import io
 import os
-import socket
+import queue
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,39 +17,61 @@ import httpx
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+LISTENING = re.compile(r"http_scorer listening on (http://\S+)")
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def launch(cmd: list, timeout_s: float = 60.0, **popen: object) -> tuple[subprocess.Popen, str, list[str]]:
+    """Start a scorer server ``cmd`` (``serve --port 0 ...``) and return it with the URL it reports once its port is
+    bound (no free-port guess that another process could take first) and its output so far. A thread keeps reading
+    the output (into the returned list), so a chatty server never blocks on a full pipe."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    output: list[str] = []
+    urls: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stdout:
+            output.append(line)
+            if m := LISTENING.search(line):
+                urls.put(m.group(1))
+        urls.put(None)  # end of output: the process is gone
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        url = urls.get(timeout=timeout_s)
+    except queue.Empty:
+        proc.kill()
+        raise RuntimeError(f"server reported no port within {timeout_s:g}s: {''.join(output)}") from None
+    if url is None:
+        raise RuntimeError(f"server exited (code {proc.wait()}): {''.join(output)}")
+    return proc, url, output
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, output: list[str], timeout_s: float = 60.0) -> None:
+    """Until ``/health`` answers 200 (the port is bound before the app has started)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited (code {proc.returncode}): {''.join(output)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise RuntimeError(f"server did not come up: {''.join(output)}")
 
 
 class Server:
     def __init__(self, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         # This directory is importable in the server, so `--scorer scorer_server_helpers:hold_scorer` works.
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
         }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "http_scorer", "serve", "--port", str(self.port), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
+        self.proc, self.url, self.output = launch(
+            [sys.executable, "-m", "http_scorer", "serve", "--port", "0", *args], env=env
         )
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError("server did not come up")
+        self.port = int(self.url.rsplit(":", 1)[1])
+        wait_healthy(self.proc, self.url, self.output)
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -388,6 +388,16 @@ def test_ocr_without_target_text_is_422_and_bare_ground_truth_is_the_target(ocr_
     assert r.status_code == 422 and "prompts[0]" in pickle.loads(r.content)["error"]
 
 
+def test_port_0_binds_a_port_the_os_picks_and_reports_it(server_factory):
+    """``--port 0`` (what every server in these tests is started with): the server binds a free port and prints it
+    on stdout; two servers get two ports, each serving at the port it reported."""
+    a, b = server_factory("--scorer", "jpeg"), server_factory("--scorer", "jpeg")
+    assert a.port != b.port and 0 not in (a.port, b.port)
+    for server in (a, b):
+        assert f"http_scorer listening on http://127.0.0.1:{server.port}\n" in server.output
+        assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
 @pytest.mark.parametrize("command", [["serve", "--help"], ["--help"]])
 def test_help_shows_every_flag_with_help_text_and_its_default(command):
     from http_scorer.__main__ import build_parser

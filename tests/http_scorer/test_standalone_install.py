@@ -14,12 +14,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from scorer_server_helpers import BLANK, b64, encode, free_port, text_image
+from scorer_server_helpers import BLANK, b64, encode, launch, text_image, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCK = ROOT / "requirements/constraints-cpu.txt"
@@ -102,26 +101,14 @@ def test_scorer_server_runs_from_its_own_install_without_torch(tmp_path):
     no_torch = subprocess.run([python, "-c", "import torch"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert no_torch.returncode != 0 and "No module named 'torch'" in no_torch.stderr
 
-    port = free_port()
-    server = subprocess.Popen(
-        [venv / "bin/omni-async-scorer", "serve", "--scorer", "ocr", "--port", str(port)],
+    server, url, output = launch(
+        [venv / "bin/omni-async-scorer", "serve", "--scorer", "ocr", "--port", "0"],
+        timeout_s=180,
         cwd=tmp_path,
         env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
     )
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 180
-        while True:
-            assert server.poll() is None, server.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                assert time.time() < deadline, "the standalone server did not come up"
-                time.sleep(0.3)
+        wait_healthy(server, url, output, timeout_s=180)
         r = httpx.post(
             f"{url}/v1/score",
             json={

@@ -7,7 +7,6 @@ import asyncio
 import base64
 import io
 import pickle
-import socket
 import threading
 import time
 
@@ -85,19 +84,22 @@ def make_app(control: Control, judge=None) -> FastAPI:
 
 
 class ThreadServer:
-    """uvicorn in a background thread of the test process, on a free loopback port."""
+    """uvicorn in a background thread of the test process, on a loopback port the OS picked: the socket is bound
+    (port 0) here and handed to uvicorn, so no other process can take the port between choosing and serving it."""
 
     def __init__(self, app: FastAPI):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+        sock = config.bind_socket()
+        self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started and time.time() < deadline:
+        deadline = time.monotonic() + 30
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
+        if not self.server.started:
+            raise RuntimeError(f"the test server on {self.url} did not start")
 
     def stop(self) -> None:
         self.server.should_exit = True

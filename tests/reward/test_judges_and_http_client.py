@@ -232,12 +232,14 @@ def test_http_client_honours_retry_after_and_counts_retries_and_timeouts(fake_se
 
 
 def test_unreachable_scorer_error_names_the_url():
+    # A port this test holds bound but never listens on: connections to it are refused, and no other process can
+    # start listening there meanwhile (as it could on a port closed after picking it).
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens here once the socket is closed
-    client = HttpScorer(url, max_retries=1, backoff_s=0.01, max_wait_ms=1)
-    with pytest.raises(RewardHTTPError, match=re.escape(f"{url}/v1/score")) as err:
-        asyncio.run(client.compute_score("x", np.zeros((8, 8, 3), np.uint8), "gt"))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+        client = HttpScorer(url, max_retries=1, backoff_s=0.01, max_wait_ms=1)
+        with pytest.raises(RewardHTTPError, match=re.escape(f"{url}/v1/score")) as err:
+            asyncio.run(client.compute_score("x", np.zeros((8, 8, 3), np.uint8), "gt"))
     assert "ConnectError" in str(err.value) and "failed after 2 attempts" in str(err.value)
 
 

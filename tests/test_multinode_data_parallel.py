@@ -36,6 +36,9 @@ DP = [
     "trainer.log_timeline_freq=-1",
     "reward.streaming=true",
     "trainer.total_training_steps=8",  # 7 trained, the 8th stopped by a dead rank
+    # pi_old = the rollout's log-probs in every mode the run switches through (one-step-off needs it; lock-step's
+    # default would recompute it)
+    "algorithm.rollout_correction.bypass_mode=true",
     # One sample per device batch: which samples share a batch depends on arrival times (load), and a batch of two
     # rounds differently from two of one; the resumes below compare rewards to 1e-5.
     "actor_rollout_ref.rollout.agent.max_batch_size=1",

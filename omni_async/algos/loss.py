@@ -80,7 +80,13 @@ def flow_grpo_loss(
 # or rollout_rs): the trainer puts them in the batch's meta_info under this key, as verl's apply_bypass_mode hands
 # them to the actor's policy loss, and the loss computes the weights and the mask per micro-batch.
 BYPASS_CORRECTION_KEY = "rollout_correction"
-BYPASS_CORRECTION_FIELDS = ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold")
+BYPASS_CORRECTION_FIELDS = (
+    "rollout_is",
+    "rollout_is_threshold",
+    "rollout_is_batch_normalize",
+    "rollout_rs",
+    "rollout_rs_threshold",
+)
 
 
 def bypass_rollout_correction(

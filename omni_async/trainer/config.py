@@ -19,8 +19,12 @@ from omni_async.reward.config_checks import check_reward
 from omni_async.reward.wiring import streaming_enabled
 from omni_async.trainer.config_schema import CONFIG_DIR, CONFIG_NAMES, compose_untyped, typed
 from omni_async.trainer.layout import check_layout, layout
-from omni_async.trainer.mode import check_mode, interrupts_at_sync, mode_of, resolve_trainer_mode
+from omni_async.trainer.mode import check_mode, interrupts_at_sync, mode_of, resolve_bypass_mode, resolve_trainer_mode
 from omni_async.trainer.overrides import check_overrides
+
+# verl's actor kl_loss_coef default (verl/trainer/config/actor/actor.yaml; verl-omni's diffusion actor too): the KL
+# coefficient of actor.use_kl_loss=true when kl_loss_coef is not set
+VERL_KL_LOSS_COEF = 0.001
 
 __all__ = [
     "CONFIG_DIR",
@@ -82,6 +86,7 @@ def validate(cfg: DictConfig) -> DictConfig:
         "(examples/data/prepare_ocr_prompts.py writes a small set)",
     )
     _resolve_aliases(cfg)
+    resolve_bypass_mode(cfg)
 
     data, arr = cfg.data, cfg.actor_rollout_ref
     rollout, actor = arr.rollout, arr.actor
@@ -108,6 +113,8 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(actor.ppo_epochs >= 1, "actor_rollout_ref.actor.ppo_epochs", "must be >= 1", "set it to 1")
     if actor.use_kl_loss is False:
         actor.kl_loss_coef = 0.0  # verl's meaning: the switch turns the KL term off whatever the coefficient
+    elif actor.kl_loss_coef is None:  # verl's actor default with the switch on; off without it
+        actor.kl_loss_coef = VERL_KL_LOSS_COEF if actor.use_kl_loss else 0.0
     _check_optimizer(actor.optim)
     _check(
         not (actor.kl_loss_coef > 0 and arr.model.lora_rank == 0),
@@ -210,6 +217,12 @@ def _check_rollout_correction(cfg: DictConfig) -> None:
         f"{key}.rollout_is",
         f"unknown level {rc.rollout_is!r}",
         "use null, token or sequence (verl's values)",
+    )
+    _check(
+        not rc.rollout_is_batch_normalize or rc.rollout_is is not None,
+        f"{key}.rollout_is_batch_normalize",
+        "normalises the IS weights, which rollout_is=null does not compute",
+        "set algorithm.rollout_correction.rollout_is=token (or sequence), or drop rollout_is_batch_normalize",
     )
     if rc.rollout_is is None and rc.rollout_rs is None:
         return

@@ -59,6 +59,7 @@ NULLABLE: dict[str, Any] = {
     "rollout.n_gpus_per_node": int,
     "async_training.trigger_parameter_sync_step": int,
     "rollout.total_rollout_steps": int,
+    "algorithm.rollout_correction.bypass_mode": bool,
     "algorithm.rollout_correction.rollout_is": str,
     "algorithm.rollout_correction.rollout_rs": str,
     # verl's thresholds: a number, or a string ("lower_upper", one per comma-separated rollout_rs option)
@@ -70,6 +71,7 @@ NULLABLE: dict[str, Any] = {
     "trainer.ray.num_cpus": int,
     "trainer.ray.gpu_worker_torch_threads": int,
     "actor_rollout_ref.actor.use_kl_loss": bool,
+    "actor_rollout_ref.actor.kl_loss_coef": float,
     "actor_rollout_ref.actor.optim.override_optimizer_config": dict[str, Any],
     "actor_rollout_ref.rollout.seed": int,
     "actor_rollout_ref.rollout.algo.sde_window_seed": int,

@@ -353,11 +353,35 @@ def check_mode(cfg: DictConfig) -> None:
     )
 
 
-# The named presets of the benchmarks and tests, as config overrides (the pipeline needs each group's own std).
+def trains_off_policy(cfg: DictConfig) -> bool:
+    """Whether the mode trains on samples drawn by weights older than the ones being trained, so pi_old must be the
+    rollout's log-probs (or, fully async, be corrected toward them): one-step-off, the update pipeline, fully async,
+    or a weight sync every more than one step (``async_training.trigger_parameter_sync_step``)."""
+    a, k = cfg.async_reward, cfg.async_training.trigger_parameter_sync_step
+    mb, tbs = int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size), int(cfg.data.train_batch_size)
+    period = k is not None and int(k) * mb // tbs > 1  # steps between two syncs (layout.check_layout's)
+    return bool(a.one_step_off_policy or a.update_pipeline or a.fully_async or period)
+
+
+def resolve_bypass_mode(cfg: DictConfig) -> None:
+    """``algorithm.rollout_correction.bypass_mode`` null: the mode's default, as verl's configs give it. Lock-step:
+    false, pi_old recomputed (verl's ``ppo_trainer.yaml``, verl-omni's ``diffusion_trainer.yaml``); the off-policy
+    modes (:func:`trains_off_policy`): true, pi_old = the rollout's log-probs (verl's ``one_step_off_ppo_trainer.yaml``
+    and ``fully_async_ppo_trainer.yaml``; :func:`check_mode` refuses a recompute there without IS weights). A value
+    given stays. Idempotent."""
+    rc = cfg.algorithm.rollout_correction
+    if rc.bypass_mode is None:
+        rc.bypass_mode = trains_off_policy(cfg)
+
+
+# The named presets of the benchmarks and tests, as config overrides (the pipeline needs each group's own std). The
+# lock-step ones keep pi_old = the rollout's log-probs (bypass), as the off-policy ones must, so the presets compare
+# the modes at the same loss (without the key, lock-step recomputes pi_old: verl's and verl-omni's default).
 PIPELINE = ["async_reward.update_pipeline=true", "algorithm.global_std=false"]
+LOCK_STEP_BYPASS = "algorithm.rollout_correction.bypass_mode=true"
 MODE_OVERRIDES: dict[str, list[str]] = {
-    "sync": ["reward.streaming=false"],
-    "stream": ["reward.streaming=true"],
+    "sync": ["reward.streaming=false", LOCK_STEP_BYPASS],
+    "stream": ["reward.streaming=true", LOCK_STEP_BYPASS],
     "stream+pipeline": ["reward.streaming=true", *PIPELINE],
     "stream+one_step_off": ["reward.streaming=true", "async_reward.one_step_off_policy=true"],
     "all": ["reward.streaming=true", *PIPELINE, "async_reward.one_step_off_policy=true"],

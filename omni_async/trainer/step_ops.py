@@ -240,7 +240,9 @@ class StepOps:
     def rollout_correction(self, batch: DataProto, rollout_log_probs: torch.Tensor) -> None:
         """verl's decoupled-mode rollout correction (``algorithm.rollout_correction.rollout_is`` / ``rollout_rs``),
         computed by verl's ``compute_rollout_correction_and_rejection_mask`` between pi_old (recomputed) and the
-        rollout's log-probs: truncated IS weights ``rollout_is_weights`` and a rejection mask ``rollout_rs_mask``,
+        rollout's log-probs: truncated IS weights ``rollout_is_weights`` (with ``rollout_is_batch_normalize``
+        divided by their mean over the batch's kept tokens / window steps, verl's rule) and a rejection mask
+        ``rollout_rs_mask``,
         per token (text) or per SDE-window step (image), which the loss applies (images: a 0 weight inside the
         step's mean, as verl-omni; text: out of the token-mean and its denominator, as verl's driver takes it out of
         ``response_mask``); ``rollout_corr/*`` metrics."""
@@ -264,6 +266,7 @@ class StepOps:
             response_mask=mask.float(),
             rollout_is=rc.rollout_is,
             rollout_is_threshold=rc.rollout_is_threshold,
+            rollout_is_batch_normalize=bool(rc.rollout_is_batch_normalize),
             rollout_rs=rc.rollout_rs,
             rollout_rs_threshold=rc.rollout_rs_threshold,
         )

@@ -283,3 +283,17 @@ def test_a_checkpoint_of_a_pipeline_not_trained_here_is_refused_before_ray_with_
     assert check_at_start(cfg) is cfg  # a supported pipeline starts
     with pytest.raises(ConfigError, match=r"^reward\.custom_reward_function\.path"):  # one problem: a plain one
         check_at_start(compose([*BASE, bad_reward]))
+
+
+def test_use_kl_loss_true_without_a_coefficient_takes_verls_default():
+    """verl's actor config (``verl/trainer/config/actor/actor.yaml``; verl-omni's ``diffusion_actor.yaml`` alike):
+    ``use_kl_loss: false``, ``kl_loss_coef: 0.001``, so switching the term on without a coefficient trains with
+    0.001. Neither key set: no KL term; the coefficient alone (``use_kl_loss`` unset): that coefficient."""
+    lora = "actor_rollout_ref.model.lora_rank=8"
+    for config_name in ("flowgrpo_trainer", "grpo_text_trainer"):
+        on = validate(compose([*BASE, lora, "actor_rollout_ref.actor.use_kl_loss=True"], config_name=config_name))
+        assert on.actor_rollout_ref.actor.kl_loss_coef == 0.001
+        off = validate(compose([*BASE, lora], config_name=config_name))
+        assert off.actor_rollout_ref.actor.kl_loss_coef == 0.0
+        alone = validate(compose([*BASE, lora, "actor_rollout_ref.actor.kl_loss_coef=0.02"], config_name=config_name))
+        assert alone.actor_rollout_ref.actor.kl_loss_coef == 0.02

@@ -29,10 +29,15 @@ DECOUPLED = ["algorithm.rollout_correction.bypass_mode=false"]
 BYPASS_SPEC = {
     "rollout_is": "token",
     "rollout_is_threshold": 2.0,
+    "rollout_is_batch_normalize": True,  # in bypass mode verl normalises the reported weights per loss call
     "rollout_rs": "token_k1",
     "rollout_rs_threshold": "0.6_1.5",
 }
-BYPASS = [f"algorithm.rollout_correction.{k}={v}" for k, v in BYPASS_SPEC.items()]
+# bypass_mode=true given: lock-step's default is verl-omni's false (pi_old recomputed)
+BYPASS = [
+    "algorithm.rollout_correction.bypass_mode=true",
+    *[f"algorithm.rollout_correction.{k}={v}" for k, v in BYPASS_SPEC.items()],
+]
 
 
 # The image config's keys here were written with LoRA (rank 8, alpha 16: this project's earlier default; verl's 0, a
@@ -101,7 +106,12 @@ def test_losses_multiply_each_clipped_term_by_its_weight():
 @pytest.mark.parametrize(
     ("overrides", "key", "fix"),
     [
-        (["algorithm.rollout_correction.rollout_rs=seq_mean_k1"], "rollout_rs_threshold", "0.5_2.0"),  # bypass too
+        (BYPASS[:1] + ["algorithm.rollout_correction.rollout_rs=seq_mean_k1"], "rollout_rs_threshold", "0.5_2.0"),
+        (
+            ["algorithm.rollout_correction.rollout_is_batch_normalize=true"],
+            "rollout_is_batch_normalize",
+            "rollout_is=token",
+        ),
         ([*DECOUPLED, "algorithm.rollout_correction.rollout_is=geometric"], "rollout_is", "token or sequence"),
         (
             [
@@ -189,7 +199,7 @@ def test_bypass_mode_composes_and_the_batch_carries_the_settings_to_the_loss():
     assert "rollout_is_weights" not in b.batch.keys() and o.take_corr_metrics() == {}  # nothing on the driver
     assert all(mb.meta_info[BYPASS_CORRECTION_KEY] == BYPASS_SPEC for mb in minibatches(b, 1))
     plain = batch(ROLLOUT, LOSS_MASK.tolist())
-    ops().recompute_old_log_probs(plain, Timer())
+    ops(*BYPASS[:1]).recompute_old_log_probs(plain, Timer())
     assert BYPASS_CORRECTION_KEY not in plain.meta_info  # bypass without rollout_is / rollout_rs: as before
 
 
@@ -393,3 +403,71 @@ def test_decoupled_text_rejection_leaves_the_token_mean_and_its_denominator_over
     kept = response_mask * LOSS_MASK[:, None] * rs
     ((per * is_w * kept).sum() / kept.sum()).backward()
     torch.testing.assert_close(policy.theta.grad, theta_v.grad)
+
+
+# ---- rollout_is_batch_normalize (verl's rule, decoupled mode) ---------------------------------------------------
+def test_batch_normalize_divides_the_truncated_token_weights_by_their_mean_over_the_kept_steps():
+    """verl's ``rollout_is_batch_normalize`` at ``rollout_is=token``: ``w = min(pi_old / pi_rollout, C)`` on the
+    valid elements (0 elsewhere), then ``w / mean_valid(w)``: the mean over the batch's valid elements is 1; a sample
+    out of the loss has weight 0 and stays out of the mean."""
+    o = ops(
+        *DECOUPLED,
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_is_batch_normalize=true",
+    )
+    ratios = torch.tensor([[1.0, 3.0], [0.25, 1.2], [5.0, 5.0]])  # the last sample is out of the loss
+    b = batch(torch.log(ratios), [True, True, False])
+    o.rollout_correction(b, torch.zeros(3, 2))
+    truncated = [1.0, 2.0, 0.25, 1.2]  # min(ratio, 2) over the 4 kept window steps
+    mean = sum(truncated) / 4
+    want = torch.tensor([[1.0, 2.0], [0.25, 1.2], [0.0, 0.0]]) / mean
+    torch.testing.assert_close(b.batch["rollout_is_weights"], want)
+    assert float(b.batch["rollout_is_weights"][:2].mean()) == pytest.approx(1.0)
+    assert o.take_corr_metrics()["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(mean)
+
+
+def test_batch_normalize_at_sequence_level_averages_one_weight_per_sample():
+    """``rollout_is=sequence``: each sample's weight ``min(prod_t ratio_t, C)``, normalised by the mean of the
+    samples' weights (not of the elements): sample weights 3 and 0.25 -> mean 1.625."""
+    o = ops(
+        *DECOUPLED,
+        "algorithm.rollout_correction.rollout_is=sequence",
+        "algorithm.rollout_correction.rollout_is_threshold=5.0",
+        "algorithm.rollout_correction.rollout_is_batch_normalize=true",
+    )
+    b = batch(torch.log(torch.tensor([[1.5, 2.0], [0.5, 0.5]])), [True, True])
+    o.rollout_correction(b, torch.zeros(2, 2))
+    torch.testing.assert_close(b.batch["rollout_is_weights"], torch.tensor([[3.0, 3.0], [0.25, 0.25]]) / 1.625)
+
+
+# ---- bypass_mode's default -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "bypass"),
+    [
+        ([], False),  # lock-step: verl's and verl-omni's default, pi_old recomputed
+        (["reward.streaming=false"], False),
+        (["async_reward.one_step_off_policy=true"], True),  # verl's one_step_off trainer's default
+        (["async_reward.update_pipeline=true", "algorithm.global_std=false"], True),
+        (["actor_rollout_ref.rollout.nnodes=1", "async_reward.fully_async=true"], True),  # verl's fully_async's
+        (
+            [
+                "actor_rollout_ref.rollout.nnodes=1",
+                "async_reward.fully_async=true",
+                *DECOUPLED,
+                "algorithm.rollout_correction.rollout_is=token",
+            ],
+            False,  # given: kept (verl's decoupled mode in fully async)
+        ),
+        (
+            [
+                "actor_rollout_ref.rollout.nnodes=1",
+                "data.train_batch_size=4",
+                "async_training.trigger_parameter_sync_step=4",  # 4 updates of 2 prompts: a sync every 2 steps
+            ],
+            True,
+        ),
+        (["algorithm.rollout_correction.bypass_mode=true"], True),  # given: kept
+    ],
+)
+def test_bypass_mode_defaults_to_the_modes_as_verls_configs(overrides, bypass):
+    assert cfg(*overrides).algorithm.rollout_correction.bypass_mode is bypass

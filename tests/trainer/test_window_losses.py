@@ -57,7 +57,11 @@ def test_sync_steps_start_at_the_rollouts_policy_and_train(trainers, loss):
     # GRPO-Guard at lr 5e-2 (the weights move far in one step) goes on one-step-off below; the sync assertions hold
     # at any lr (each step's one mini-batch starts at the rollout's policy).
     recipe = [*GUARD, "actor_rollout_ref.actor.optim.lr=5e-2"] if loss == "grpo_guard" else DPPO
-    trainer = trainers(*recipe, *QUIET, *ONE_MINIBATCH, "reward.streaming=false")
+    # bypass mode given: lock-step's default is verl-omni's recompute (tested below, decoupled), and one-step-off
+    # must read the rollout's stored means
+    trainer = trainers(
+        *recipe, *QUIET, *ONE_MINIBATCH, "reward.streaming=false", "algorithm.rollout_correction.bypass_mode=true"
+    )
     for step in range(2):
         metrics, samples = trainer.train_step(step)
         assert all(s.result.window_means is not None and s.result.window_means.shape[0] == 2 for s in samples)

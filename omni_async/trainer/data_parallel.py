@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from omni_async.modality import REF_TIME_KEY
+from omni_async.trainer.atomic_files import torch_save_atomic
 
 DP_INDEX_KEY = "dp_index"  # meta_info of a rank's share: its rows' indices in the dispatched batch (-1: padding)
 SAMPLES_KEY = "perf/samples_per_rank"  # the most samples a rank trained on in a mini-batch
@@ -470,7 +471,7 @@ def save_actor(path: str | Path, policy: Any, optimizer: torch.optim.Optimizer, 
         state = {"weights": policy.weights_state_dict(), "optimizer": optimizer.state_dict()}
         if getattr(policy, "has_old_policy", False):  # DiffusionNFT: the old policy resumes where it was
             state["old_weights"] = policy.old_state_dict()
-        torch.save(state, path / LORA_CKPT)
+        torch_save_atomic(state, path / LORA_CKPT)
     dp.barrier()
 
 

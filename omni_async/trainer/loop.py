@@ -40,6 +40,7 @@ from omni_async.cluster import init_ray, reward_pool_size
 from omni_async.modality import modality_of
 from omni_async.reward.wiring import RewardSide
 from omni_async.sample import Sample
+from omni_async.trainer.atomic_files import write_text_atomic
 from omni_async.trainer.config import total_training_steps
 from omni_async.trainer.dataset import PromptSampler, check_prompt_lengths, first_rows, load_prompts
 from omni_async.trainer.layout import make_layout
@@ -375,7 +376,8 @@ class RLTrainer:
             position = self.agent.on_loop(self.rollouter.position)
         else:
             position = {"draw": step, "sampler": self.sampler.state_dict(), "finished": {}}
-        (path / "trainer.json").write_text(json.dumps({"step": step, **position}))
+        # Written last and atomically: its presence marks the checkpoint complete (a kill before leaves the last one).
+        write_text_atomic(path / "trainer.json", json.dumps({"step": step, **position}))
         self._last_save = time.monotonic()
         logger.info("checkpoint saved at step %d: %s (next draw %d)", step, path, position["draw"])
         keep = int(self.cfg.trainer.max_ckpt_to_keep)

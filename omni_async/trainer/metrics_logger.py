@@ -22,6 +22,7 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+from omni_async.trainer.atomic_files import write_text_atomic
 from omni_async.trainer.reward_plot import plot_reward
 
 log = logging.getLogger(__name__)
@@ -114,4 +115,4 @@ def _drop_rows_after(path: Path, step: int) -> None:
     kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
     if len(kept) != len(rows):
         log.info("resuming at step %d: dropping %d metrics.jsonl row(s) of later steps", step, len(rows) - len(kept))
-        path.write_text("".join(line + "\n" for line in kept))
+        write_text_atomic(path, "".join(line + "\n" for line in kept))

@@ -241,3 +241,20 @@ async def genrm_ocr_style(
     gt, got = ground_truth.replace(" ", "").lower(), text.replace(" ", "").lower()
     dist = min(Levenshtein.distance(got, gt), len(gt))
     return {"score": 1 - dist / len(gt), "genrm_response": text, "router": reward_router_address, "model": model_name}
+
+
+_CALLS = {"n": 0}
+
+
+async def blocks_after(data_source, solution_image=None, solution_str=None, ground_truth=None, extra_info=None, **kw):
+    """JPEG compressibility (text: length mod 3), until call ``$OMNI_ASYNC_TEST_KILL_AFTER`` of this worker process:
+    from then on it touches ``$OMNI_ASYNC_TEST_KILL_READY`` and never returns, so a test can kill the trainer with
+    reward calls in flight (and, in the streaming modes, samples still generating)."""
+    _CALLS["n"] += 1
+    after = int(os.environ.get("OMNI_ASYNC_TEST_KILL_AFTER", "-1"))
+    if 0 <= after < _CALLS["n"]:
+        open(os.environ["OMNI_ASYNC_TEST_KILL_READY"], "a").close()
+        await asyncio.sleep(3600)
+    if solution_str is not None:
+        return float(len(solution_str) % 3)
+    return jpeg_score(data_source, solution_image, ground_truth, extra_info)

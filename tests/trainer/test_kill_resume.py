@@ -1,0 +1,141 @@
+"""Exactly-once training across a real kill: the trainer process is killed with SIGKILL at a named point of a step
+(mid reward -- with samples still generating in the streaming modes --, mid update, mid checkpoint write), then run
+again with ``trainer.resume_mode=auto``. Across the two runs every group is trained exactly once (the killed run's
+steps after its last complete checkpoint count as not trained), the metrics hold one row per step, and a kill during
+a checkpoint's write resumes from the previous complete checkpoint. One case per mode, layout and training method:
+the kill points are spread over them (each point's code is the same in every mode).
+
+The fully async kill (partial rollout, text) is in ``test_fully_async.py``. The killed run starts its own Ray cluster
+(killed with it); the resumed run joins the test session's (``RAY_ADDRESS``), as ``python -m
+omni_async.trainer.main`` joins a running cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from helpers import ROOT, SMALL_IMAGE_TRAINER, TEST_REWARDS, write_prompts
+from test_awm_trainer import AWM
+from test_diffusion_nft import NFT
+
+QUIET = ["trainer.log_image_freq=-1", "trainer.log_timeline_freq=-1", "trainer.save_interval_min=-1"]
+POOL = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
+SPLIT = ["actor_rollout_ref.hybrid_engine=false"]
+IMAGE = [*SMALL_IMAGE_TRAINER, "actor_rollout_ref.actor.ppo_mini_batch_size=2"]  # one optimizer step per step
+TEXT = [
+    "data.train_batch_size=2",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.rollout.response_length=8",
+    "data.shuffle=false",
+    "trainer.logger=[jsonl]",
+]
+STEPS = 3  # 2 prompts x 4 samples a step; a checkpoint after every step
+# case -> (config, overrides, kill point, step of the kill (0-based)); the reward point kills at the first reward call
+# of that step (text: the trainer scores, one worker; images: the step's draw after the earlier steps' 8 samples each)
+CASES = {
+    "sync-hybrid-checkpoint": ("flowgrpo_trainer", [*IMAGE, "reward.streaming=false"], "checkpoint", 1),
+    "stream-split-reward": ("flowgrpo_trainer", [*IMAGE, *SPLIT, "reward.streaming=true"], "reward", 1),
+    "one_step_off-disaggregated-update": (
+        "flowgrpo_trainer",
+        [*IMAGE, *POOL, "async_reward.one_step_off_policy=true"],
+        "update",
+        1,
+    ),
+    "pipeline-hybrid-nft-update": (
+        "flowgrpo_trainer",
+        [*IMAGE, *NFT, "async_reward.update_pipeline=true", "algorithm.global_std=false"],
+        "update",
+        1,
+    ),
+    "fully_async-split-awm-checkpoint": (
+        "flowgrpo_trainer",
+        [*IMAGE, *AWM, *SPLIT, "async_reward.fully_async=true", "async_training.staleness_threshold=1"],
+        "checkpoint",
+        1,
+    ),
+    "text-sync-hybrid-update": ("grpo_text_trainer", [*TEXT, "reward.streaming=false"], "update", 1),
+}
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    family = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for p in family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(30)
+
+
+def _rows(path) -> list[tuple[int, str, int, int]]:
+    if not path.exists():
+        return []
+    return [(int(s), uid, int(i), int(seed)) for s, uid, i, seed in (x.split() for x in path.read_text().splitlines())]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_kill_then_resume_trains_every_group_exactly_once(tmp_path, case):
+    config_name, base, point, at = CASES[case]
+    data = write_prompts(tmp_path / "train.jsonl", 2 * STEPS)
+    run, ready = tmp_path / "run", tmp_path / "ready"
+    overrides = [
+        f"data.train_files={data}",
+        f"trainer.run_dir={run}",
+        *base,
+        *QUIET,
+        f"reward.custom_reward_function.path={TEST_REWARDS}",
+        "reward.custom_reward_function.name=blocks_after",
+        "reward.num_workers=1",
+        "trainer.resume_mode=auto",
+        f"trainer.total_training_steps={STEPS}",
+        "trainer.save_freq=1",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CONFIG_NAME": config_name}
+    runner = [sys.executable, str(ROOT / "tests/trainer/logging_trainer.py")]
+    logs = [tmp_path / "killed.log", tmp_path / "resumed.log"]
+    kill_env = {"KILL_AT": f"{point}:{at}", "KILL_READY": str(ready)}
+    if point == "reward":
+        kill_env = {"OMNI_ASYNC_TEST_KILL_AFTER": str(8 * at), "OMNI_ASYNC_TEST_KILL_READY": str(ready)}
+    # The killed run starts a Ray cluster of its own, so the SIGKILL of its process tree takes its actors too, as a
+    # machine's crash would (joined to the session's cluster, its actors would outlive it until Ray noticed).
+    own_cluster = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}
+    killed = subprocess.Popen(
+        [*runner, str(logs[0]), *overrides],
+        env={**own_cluster, **kill_env},
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "killed.err", "w"),  # noqa: SIM115 -- the child's, closed with it
+    )
+    deadline = time.time() + 300
+    while not ready.exists() and killed.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert ready.exists() and killed.poll() is None, (tmp_path / "killed.err").read_text()[-3000:]
+    _kill_tree(killed)
+    complete = sorted(int(p.parent.name[5:]) for p in (run / "checkpoints").glob("step_*/trainer.json"))
+    resumed_from = complete[-1] if complete else 0
+    if point == "checkpoint":  # the half-written marker was never renamed: the previous checkpoint is the last one
+        assert resumed_from == at and list((run / f"checkpoints/step_{at + 1:06d}").glob(".trainer.json.*.tmp"))
+    resumed = subprocess.run(
+        [*runner, str(logs[1]), *overrides], env=env, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    assert resumed.returncode == 0, resumed.stderr.decode()[-3000:]
+
+    first, second = _rows(logs[0]), _rows(logs[1])
+    kept = [r for r in first if r[0] < resumed_from]
+    assert {r[0] for r in second} == set(range(resumed_from, STEPS))  # resumed after the last complete checkpoint
+    trained = [(uid, index) for _, uid, index, _ in kept + second]
+    assert len(trained) == len(set(trained)) == STEPS * 2 * 4  # every sample of every group, once
+    assert len({uid for uid, _ in trained}) == STEPS * 2
+    seeds = {(uid, index): seed for _, uid, index, seed in first + second}
+    assert all(seeds[(uid, index)] == seed for _, uid, index, seed in first + second)  # regenerated alike
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))  # one row per step, the killed ones replaced

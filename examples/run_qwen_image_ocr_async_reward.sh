@@ -22,7 +22,8 @@
 # A real MODEL_PATH selects the GPU recipe: 512x512, 10 denoising steps, 300 steps of 16 prompts x 8 samples, LoRA
 # r64 on the eight attention projections, bf16 frozen weights, gradient checkpointing, micro-batch 4 up to 512x512
 # and 1 above (MICRO_BATCH; 4 cut the update by 32 % on an H200 at 65 GB peak, docs/gpu_and_memory.md),
-# true CFG 4 (CFG); each is an env variable or a Hydra override. One hybrid worker per actor GPU; each optimizer
+# true CFG 4 (CFG; ALGO=diffusion_nft: verl-omni's NFT recipe instead, CFG-free, groups of 16, LoRA on the MLPs too,
+# old policy delayed_linear_to_0_999 every 2 steps, reference KL 1e-4); each is an env variable or a Hydra override. One hybrid worker per actor GPU; each optimizer
 # step takes 2 prompts (groups) per actor GPU (MINI_BATCH, default 2 x NUM_GPUS_ACTOR_ROLLOUT x NNODES: a group is
 # never split across GPUs, so fewer groups than GPUs would leave GPUs idle; BATCH is rounded up to a multiple).
 # Also: LR, LORA_RANK, LORA_ALPHA, NOISE_LEVEL, VAL_FREQ (validation every N steps), STEPS, BATCH, GROUP; on the
@@ -56,6 +57,7 @@ else
   # No reward GPU: OCR workers as CPU actors beside the trainer (streaming still on), no device reserved.
   REWARD_POOL=(reward.reward_model.enable_resource_pool=False reward.num_workers="${NUM_REWARD_WORKERS:-2}")
 fi
+ALGO="${ALGO:-flow_grpo}"
 GPU_RECIPE=()
 CPU_RECIPE=()
 WINDOW_KEYS=()  # Flow-GRPO's SDE window on the tiny renderers
@@ -68,12 +70,20 @@ if [[ "$MODEL_PATH" != tiny:* ]]; then
   LORA_RANK="${LORA_RANK:-64}"
   LORA_ALPHA="${LORA_ALPHA:-128}"
   (( HEIGHT * WIDTH <= 512 * 512 )) && MICRO_BATCH="${MICRO_BATCH:-4}"
+  TARGETS="to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out"
+  if [[ "$ALGO" == diffusion_nft ]]; then
+    # verl-omni's Qwen-Image DiffusionNFT recipe (examples/diffusionnft_trainer/qwen_image/run_qwen_image_ocr_lora.sh),
+    # as NVlabs train it: CFG-free (true_cfg_scale 1), groups of 16, LoRA also on the blocks' MLPs.
+    CFG="${CFG:-1.0}"
+    GROUP="${GROUP:-16}"
+    TARGETS="$TARGETS,img_mlp.net.0.proj,img_mlp.net.2,txt_mlp.net.0.proj,txt_mlp.net.2"
+  fi
   GPU_RECIPE=(
     actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16
     actor_rollout_ref.model.enable_gradient_checkpointing=True
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="${MICRO_BATCH:-1}"
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu="${MICRO_BATCH:-1}"
-    "actor_rollout_ref.model.target_modules=[to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out]"
+    "actor_rollout_ref.model.target_modules=[$TARGETS]"
     actor_rollout_ref.rollout.pipeline.true_cfg_scale="${CFG:-4.0}"
   )
 fi
@@ -123,7 +133,6 @@ else
   LR="${LR:-3e-4}"
   NOISE_LEVEL="${NOISE_LEVEL:-0.7}"
 fi
-ALGO="${ALGO:-flow_grpo}"
 ALGO_RECIPE=()
 case "$ALGO" in
   flow_grpo) ALGO_RECIPE=(${WINDOW_KEYS[@]+"${WINDOW_KEYS[@]}"}) ;;
@@ -134,6 +143,15 @@ case "$ALGO" in
     # weights the recipe's lr and all 10 steps, as verl-omni's recipe.
     [[ "$MODEL_PATH" == tiny:* ]] && NFT_LR="${NFT_LR:-3e-3}" && TIMESTEP_FRACTION="${TIMESTEP_FRACTION:-0.5}"
     LR="${NFT_LR:-$LR}"
+    NFT_GPU=()
+    if [[ "$MODEL_PATH" != tiny:* ]]; then
+      # Real weights: the rest of verl-omni's recipe (its old-policy schedule, reference KL, clip, weight decay).
+      OLD_DECAY_SCHEDULE="${OLD_DECAY_SCHEDULE:-delayed_linear_to_0_999}"
+      OLD_UPDATE_INTERVAL="${OLD_UPDATE_INTERVAL:-2}"
+      NFT_GPU=(actor_rollout_ref.actor.diffusion_loss.ref_kl_coef=0.0001
+        actor_rollout_ref.actor.diffusion_loss.clip_ratio=1e-5 actor_rollout_ref.actor.diffusion_loss.adv_clip_max=5.0
+        actor_rollout_ref.actor.optim.weight_decay=0.0001 algorithm.adv_mode=continuous)
+    fi
     ALGO_RECIPE=(actor_rollout_ref.model.algorithm=diffusion_nft actor_rollout_ref.model.model_type=diffusion_nft_model
       'actor_rollout_ref.model.policy_state_adapters=["default","old"]'
       actor_rollout_ref.actor.diffusion_loss.loss_mode=diffusion_nft
@@ -142,7 +160,7 @@ case "$ALGO" in
       algorithm.trainer_type=direct_preference algorithm.sample_source=online
       algorithm.timestep_fraction="${TIMESTEP_FRACTION:-1.0}"
       algorithm.old_policy_decay_schedule="${OLD_DECAY_SCHEDULE:-copy}"
-      algorithm.old_policy_update_interval="${OLD_UPDATE_INTERVAL:-1}")
+      algorithm.old_policy_update_interval="${OLD_UPDATE_INTERVAL:-1}" ${NFT_GPU[@]+"${NFT_GPU[@]}"})
     ;;
   awm)
     # Advantage-weighted matching with the AWM authors' recipe (config/dgx_awm.py): the live weights sample (ODE,

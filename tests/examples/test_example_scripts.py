@@ -87,6 +87,30 @@ def test_gpu_recipe_composes_and_validates(gpus, nodes, tmp_path):
     assert arr["actor"]["ppo_micro_batch_size_per_gpu"] == 4 == arr["rollout"]["log_prob_micro_batch_size_per_gpu"]
 
 
+def test_gpu_recipe_nft_is_verl_omnis_nft_recipe(tmp_path):
+    """``ALGO=diffusion_nft`` with real weights composes verl-omni's Qwen-Image DiffusionNFT recipe
+    (examples/diffusionnft_trainer/qwen_image/run_qwen_image_ocr_lora.sh): CFG-free, its old-policy schedule and
+    interval, reference KL, clip, group size, lr, weight decay and LoRA targets; Flow-GRPO keeps CFG 4."""
+    cfg = run_example(
+        "run_qwen_image_ocr_async_reward.sh", tmp_path, MODEL_PATH="/models/Qwen-Image", ALGO="diffusion_nft"
+    )
+    arr, algo = cfg["actor_rollout_ref"], cfg["algorithm"]
+    loss = arr["actor"]["diffusion_loss"]
+    assert arr["rollout"]["pipeline"]["true_cfg_scale"] == 1.0
+    assert (algo["old_policy_decay_schedule"], algo["old_policy_update_interval"]) == ("delayed_linear_to_0_999", 2)
+    assert (loss["ref_kl_coef"], loss["clip_ratio"], loss["adv_clip_max"], loss["mix_beta"]) == (1e-4, 1e-5, 5.0, 0.1)
+    assert arr["rollout"]["n"] == 16 and algo["timestep_fraction"] == 1.0 and algo["adv_mode"] == "continuous"
+    assert arr["actor"]["optim"]["lr"] == 3e-4 and arr["actor"]["optim"]["weight_decay"] == 1e-4
+    assert (arr["model"]["lora_rank"], arr["model"]["lora_alpha"]) == (64, 128)
+    assert set(arr["model"]["target_modules"]) == {
+        *("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+        *("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"),
+    }
+    (tmp_path / "grpo").mkdir()
+    grpo = run_example("run_qwen_image_ocr_async_reward.sh", tmp_path / "grpo", MODEL_PATH="/models/Qwen-Image")
+    assert grpo["actor_rollout_ref"]["rollout"]["pipeline"]["true_cfg_scale"] == 4.0
+
+
 def test_gpu_recipe_without_a_reward_gpu_scores_ocr_on_cpu_actors(tmp_path):
     """NUM_GPUS_REWARD=0: no reward pool (no device reserved for a CPU scorer); OCR workers are CPU actors."""
     cfg = run_example(

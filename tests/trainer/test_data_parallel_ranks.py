@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import os
-import time
 
 import pytest
 import ray
@@ -174,16 +173,17 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_batch(case, ray_sess
         if case == "text-lora":  # last: rank 1 raises between collectives (out-of-vocabulary tokens in its group)
             bad = copy.deepcopy(batch)
             bad.batch["response_ids"][3:6] = 10**6  # group 1: rank 1's share
-            t0 = time.monotonic()
             refs = [w.update_minibatch.remote(s) for w, s in zip(wg.workers, shard_batch(bad, 2), strict=True)]
             errors = []
             for ref in refs:  # rank 0 waits in the gradient all-reduce: it must not wait for nccl_timeout (600 s)
                 with pytest.raises(RayTaskError) as exc:
-                    ray.get(ref, timeout=60)
+                    ray.get(ref, timeout=120)  # a guard against a hang, far below nccl_timeout; not what is tested
                 errors.append(str(exc.value))
-            assert time.monotonic() - t0 < 60
             assert "IndexError" in errors[1]  # rank 1's own error
             assert "RankFailedError: actor rank 1 failed" in errors[0] and "IndexError" in errors[0], errors[0]
+            # What ended rank 0's all-reduce: rank 1 tearing the group down (gloo: the peer closed the connection),
+            # not the collective's timeout (gloo: "Timed out waiting ...").
+            assert "closed by peer" in errors[0] and "Timed out" not in errors[0], errors[0]
     finally:
         for w in wg.workers:
             ray.kill(w)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -130,13 +131,29 @@ def trainers(tmp_path):
 
 
 def slow_generation(handle, seconds: float) -> None:
-    """Each device batch of ``handle`` (a rollout worker or a trainer rank) takes ``seconds`` longer."""
+    """Each device batch of ``handle`` (a rollout worker or a trainer rank) takes ``seconds`` longer (set again: the
+    new delay replaces the old). A trainer rank's batches are recorded in ``device_batches``: the lend they ran in
+    and whether the rank was being reclaimed (``withdrawing``) when each ended."""
 
     def slow(self):
-        generate = self.batcher.generate
-        self.batcher.generate = lambda *a, **k: (time.sleep(seconds), generate(*a, **k))[1]
+        self.test_delay_s = seconds
+        if not hasattr(self, "test_batches"):
+            self.test_batches, generate = [], self.batcher.generate
+
+            def delayed(*a, **k):
+                time.sleep(self.test_delay_s)
+                out = generate(*a, **k)
+                lend = getattr(self, "_lent_at", None)
+                self.test_batches.append({"lend": lend, "drained": bool(getattr(self, "withdrawing", False))})
+                return out
+
+            self.batcher.generate = delayed
 
     ray.get(handle.__ray_call__.remote(slow))
+
+
+def device_batches(handle) -> list[dict]:
+    return ray.get(handle.__ray_call__.remote(lambda self: list(self.test_batches)))
 
 
 def switch_trainer(trainers, *extra: str):
@@ -168,7 +185,8 @@ def test_trainer_rank_generates_the_same_samples_and_every_group_trains_once_acr
     rows, all_samples = [], []
     for step in range(t.total_steps):
         if step == 3:
-            slow_generation(rank0, 2.6)
+            slow_generation(rank0, 3.0)
+            late_lends_from = len(device_batches(rank0))
         metrics, samples = t.train_step(step)
         rows.append(metrics)
         if step == 0:  # the timeline of a switch: the trainer's switch phases and the samples its device made
@@ -190,18 +208,21 @@ def test_trainer_rank_generates_the_same_samples_and_every_group_trains_once_acr
     # Every group of the 6 steps trained exactly once, whole, none dropped; nothing lost at a switch back.
     assert sorted(trained) == sorted(s.uid for s in all_samples) and len(all_samples) == 6 * 4
     assert len({s.uid for s in all_samples}) == 6
-    in_flight = [
-        r["separate_async/switch/requeued"] + r.get("separate_async/switch/drain_seconds", 0.0) > 0.05 for r in rows[3:]
-    ]
-    assert any(in_flight)  # a switch back met requests on the trainer rank (withdrawn, or its batch drained)
+    batches = device_batches(rank0)
+    # A switch back from step 3 on met requests on the trainer rank: requeued elsewhere, or its batch drained.
+    assert any(r["separate_async/switch/requeued"] for r in rows[3:]) or any(
+        b["drained"] for b in batches[late_lends_from:]
+    ), (rows[3:], batches)
     assert all(s.outcome.ok for s in all_samples)
     assert rows[-1]["fully_async/count/dropped_stale_samples"] == 0
     # images in flight at a switch back finish (verl-omni aborts and regenerates them): nothing thrown away
     assert all(r["rollout/discarded_at_sync"] == 0 and r["training/discarded_samples"] == 0 for r in rows)
     lent_busy = sum(r["separate_async/switch/lent_busy_seconds"] for r in rows)
     assert lent_busy > 0
-    # The update waited at most one device batch of the lent rank (3 s + generation) at each switch back.
-    assert max(r.get("separate_async/switch/drain_seconds", 0.0) for r in rows) < 3.0 + 5.0
+    # The update waited at most one device batch of the lent rank at each switch back: of each lend's batches, at
+    # most one ended while the rank was being reclaimed (the queued ones were withdrawn, not run).
+    drained_per_lend = Counter(b["lend"] for b in batches if b["drained"])
+    assert max(drained_per_lend.values(), default=0) <= 1, batches
     print(
         "switch metrics:",
         [

@@ -271,3 +271,31 @@ def switch_mode(trainer, *, streaming: bool | None = None, **async_reward: bool)
         if not streaming:
             trainer.agent.dispatcher = None
     trainer.set_mode(mode_of(cfg))
+
+
+LOCK_STEP_MODES = (  # (name, switch_mode arguments) in the order a streaming trainer goes through them
+    ("stream+pipeline", {"update_pipeline": True}),
+    ("stream+one_step_off", {"update_pipeline": False, "one_step_off_policy": True}),
+    ("all", {"update_pipeline": True}),
+)
+
+
+def through_lock_step_modes(trainer, step: int, loss_metric: str) -> int:
+    """Go on training a streaming ``trainer`` (built with ``reward.streaming=true``: the reward queue exists) one step
+    in each other lock-step mode (the pipeline, one-step-off and both), asserting each step trained (a finite
+    ``loss_metric``, a gradient, no failed reward) and every group was trained whole and once across the switches;
+    returns the next step. The loss x mode matrix docs/losses.md states is this plus each loss's own tests."""
+    import math
+    from collections import Counter
+
+    assert trainer.agent.dispatcher is not None, "build the trainer with reward.streaming=true"
+    trained = record_trained_uids(trainer.ops)
+    for name, switch in LOCK_STEP_MODES:
+        switch_mode(trainer, **switch)
+        metrics, _ = trainer.train_step(step)
+        assert math.isfinite(metrics[loss_metric]) and metrics["actor/grad_norm"] > 0, (name, metrics)
+        assert metrics["reward/failed"] == 0, name
+        step += 1
+    group = int(trainer.cfg.actor_rollout_ref.rollout.n)
+    assert set(Counter(trained).values()) == {group}  # every group whole and once across the switches
+    return step

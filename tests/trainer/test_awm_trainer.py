@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import SMALL_LORA, Trainers, drawn_latents, record_trained_uids, write_prompts
+from helpers import SMALL_LORA, Trainers, drawn_latents, record_trained_uids, through_lock_step_modes, write_prompts
 from verl import DataProto
 
 from omni_async.modality import modality_of
@@ -159,6 +159,12 @@ MODES = {
     # two mini-batches per step: the second sees the weights the first moved, against lp_old from the step's start
     "sync_hybrid_recompute": ["reward.streaming=false", "algorithm.rollout_correction.bypass_mode=false"],
     "fully_async_disaggregated": [*POOL, "async_reward.fully_async=true", "async_training.staleness_threshold=1"],
+    # then through the pipeline, one-step-off and both (helpers.through_lock_step_modes)
+    "stream_hybrid": [
+        "reward.streaming=true",
+        "algorithm.rollout_correction.bypass_mode=true",
+        "trainer.total_training_steps=8",
+    ],
 }
 
 
@@ -202,3 +208,5 @@ def test_trains_sampling_with_the_live_policy(trainers, mode, tmp_path):
     assert (got - drawn_latents(later)).abs().max() > 1e-2  # not the anchor's (= the base model's) samples
     uids = [s.uid for _, samples in steps for s in samples]
     assert sorted(set(trained)) == sorted(set(uids)) and len(trained) == len(uids)  # each sample trained once
+    if mode == "stream_hybrid":
+        through_lock_step_modes(trainer, len(steps), "actor/pg_loss")

@@ -1,16 +1,17 @@
 """GRPO-Guard, Flow-DPPO and MixGRPO through the trainer (real Ray, tiny SD3), with verl-omni's recipe keys.
 
-- sync, hybrid: every step's one mini-batch starts at pi_theta = pi_old (bypass mode: the rollout's log-probs and
+- stream (lock-step, staleness 0), hybrid: every step's one mini-batch starts at pi_theta = pi_old (bypass mode: the rollout's log-probs and
   window means), so the regulated ratio is 1 and Flow-DPPO's divergence 0; the update moves the weights;
 - ``bypass_mode=false``: the recompute returns the log-probs *and* the means, the same start;
 - one-step-off (the same GRPO-Guard trainer going on in that mode): a step trains samples drawn by the previous
   weights, so GRPO-Guard's bias term is > 0 (the stored means are the rollout's, not the trainer's);
-- MixGRPO: every sample of step g runs the schedule's window of step g, and a resumed run draws the same windows."""
+- MixGRPO: every sample of step g runs the schedule's window of step g, and a resumed run draws the same windows;
+- each loss then goes on through the pipeline, one-step-off and both (``helpers.through_lock_step_modes``)."""
 
 from __future__ import annotations
 
 import pytest
-from helpers import Trainers, switch_mode, write_prompts
+from helpers import Trainers, switch_mode, through_lock_step_modes, write_prompts
 
 from omni_async.algos.mix_grpo import mix_grpo_window
 
@@ -40,7 +41,7 @@ MIX = [
     "actor_rollout_ref.rollout.algo.sde_window_size=2",
     "actor_rollout_ref.rollout.algo.noise_level=1.2",
 ]
-QUIET = ["trainer.log_image_freq=-1", "trainer.log_timeline_freq=-1"]
+QUIET = ["trainer.log_image_freq=-1", "trainer.log_timeline_freq=-1", "trainer.total_training_steps=10"]
 ONE_MINIBATCH = ["actor_rollout_ref.actor.ppo_mini_batch_size=2"]  # the step's 2 groups: one optimizer step
 
 
@@ -60,7 +61,7 @@ def test_sync_steps_start_at_the_rollouts_policy_and_train(trainers, loss):
     # bypass mode given: lock-step's default is verl-omni's recompute (tested below, decoupled), and one-step-off
     # must read the rollout's stored means
     trainer = trainers(
-        *recipe, *QUIET, *ONE_MINIBATCH, "reward.streaming=false", "algorithm.rollout_correction.bypass_mode=true"
+        *recipe, *QUIET, *ONE_MINIBATCH, "reward.streaming=true", "algorithm.rollout_correction.bypass_mode=true"
     )
     for step in range(2):
         metrics, samples = trainer.train_step(step)
@@ -74,8 +75,12 @@ def test_sync_steps_start_at_the_rollouts_policy_and_train(trainers, loss):
             assert metrics["actor/masked_fraction"] == 0.0
     if loss == "flow_dppo":
         decoupled_step_recomputes_the_means_with_the_log_probs(trainer, 2)
+        trainer.ops.cfg.algorithm.rollout_correction.bypass_mode = True  # the overlap modes' default
+        through_lock_step_modes(trainer, 3, "actor/pg_loss")
     else:
         one_step_off_trains_on_the_rollouts_stale_means(trainer, 2)
+        switch_mode(trainer, one_step_off_policy=False)
+        through_lock_step_modes(trainer, 4, "actor/pg_loss")
 
 
 def decoupled_step_recomputes_the_means_with_the_log_probs(trainer, step: int) -> None:
@@ -114,7 +119,7 @@ def one_step_off_trains_on_the_rollouts_stale_means(trainer, step: int) -> None:
 @pytest.mark.slow
 def test_mix_grpo_windows_follow_the_schedule_and_a_resumed_run_draws_the_same(trainers, tmp_path):
     ckpt = tmp_path / "ckpt"
-    base = [*MIX, *QUIET, "reward.streaming=false", "trainer.resume_mode=auto", f"trainer.default_local_dir={ckpt}"]
+    base = [*MIX, *QUIET, "reward.streaming=true", "trainer.resume_mode=auto", f"trainer.default_local_dir={ckpt}"]
     first = trainers(*base)
     windows = {}
     for step in range(3):
@@ -129,6 +134,9 @@ def test_mix_grpo_windows_follow_the_schedule_and_a_resumed_run_draws_the_same(t
         assert all(s.result.window_start == want.start for s in samples)
         windows[step] = want
     assert len(set(windows.values())) > 1  # the schedule moves it
+
+    first.ops.cfg.algorithm.rollout_correction.bypass_mode = True  # the overlap modes' default
+    through_lock_step_modes(first, 3, "actor/pg_loss")
 
     resumed = trainers(*base)
     assert resumed.resume() == 2

@@ -23,7 +23,7 @@ from omni_async.modality.base import model_dtype
 from omni_async.sample import PromptRow, RewardOutcome, Sample
 from omni_async.trainer.actor_core import compute_log_prob, update_minibatch
 from omni_async.trainer.actor_worker import ActorWorker
-from omni_async.trainer.config import compose
+from omni_async.trainer.config import compose, validate
 from omni_async.trainer.data_parallel import DataParallel, load_actor, shard_batch
 from omni_async.trainer.placement import ActorWorkerGroup
 from omni_async.trainer.step_ops import StepOps
@@ -124,7 +124,8 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_batch(case, ray_sess
     monkeypatch.setattr(verl_ray, "get_master_addr_port", None)
 
     config_name, overrides = CASES[case]
-    cfg = compose([*COMMON, *overrides], config_name=config_name)
+    # validated as a run is: its null defaults (kl_loss_coef, bypass_mode) resolved
+    cfg = validate(compose(["data.train_files=unused.jsonl", *COMMON, *overrides], config_name=config_name))
     modality, policy, optimizer = one_process(cfg)
     batch, window = make_batch(cfg, modality, policy)
     log_probs = compute_log_prob(modality, policy, batch)

@@ -20,6 +20,7 @@ import time
 
 import psutil
 import pytest
+import torch
 from helpers import ROOT, SMALL_IMAGE_TRAINER, TEST_REWARDS, write_prompts
 from test_awm_trainer import AWM
 from test_diffusion_nft import NFT
@@ -139,3 +140,8 @@ def test_kill_then_resume_trains_every_group_exactly_once(tmp_path, case):
     assert all(seeds[(uid, index)] == seed for _, uid, index, seed in first + second)  # regenerated alike
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))  # one row per step, the killed ones replaced
+    # The optimizer resumed from the checkpoint's state: one optimizer step per training step over both runs (a fresh
+    # optimizer would count only the resumed run's); the old policy, where the loss keeps one, was saved beside it.
+    state = torch.load(run / f"checkpoints/step_{STEPS:06d}/actor.pt", weights_only=True)
+    assert {float(s["step"]) for s in state["optimizer"]["state"].values()} == {float(STEPS)}
+    assert ("old_weights" in state) == (case.startswith(("pipeline-hybrid-nft", "fully_async-split-awm")))

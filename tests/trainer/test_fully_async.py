@@ -226,7 +226,7 @@ def test_image_run_with_a_slow_trainer_and_a_killed_rollout_worker_stays_in_boun
     assert sorted(trained) == sorted(f"{d}-{p}" for d in range(4) for p in range(2) for _ in range(4))
     assert len(trained) == 8 * 4
     assert rows[-1]["fully_async/count/dropped_stale_samples"] == 0
-    assert max(r["fully_async/rollouter/idle_ratio"] for r in rows[1:]) > 0.3  # paused at the bound
+    assert max(r["fully_async/rollouter/window"] for r in rows) == 4  # it filled its window: paused at the cap
     assert all(r["actor/grad_norm"] > 0 for r in rows)
 
 

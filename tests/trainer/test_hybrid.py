@@ -51,8 +51,6 @@ def test_hybrid_one_pipeline_per_device_no_transfer_same_samples_as_split(make_t
     stats = ray.get([w.stats.remote() for w in workers])
     assert all(s["weights_shipped"] == 0 for s in stats)  # a sync is a version bump, no weights leave the device
     assert all(s["batch_sizes"] for s in stats)  # both devices generated
-    for metrics, _ in h_steps:
-        assert metrics["timing_s/weight_sync"] < 0.1 * metrics["timing_s/step"]
     assert h_steps[1][0]["rollout/policy_version"] == 1.0
 
     split = make_trainer(*TWO_DEVICES, "reward.streaming=true", "actor_rollout_ref.hybrid_engine=false")

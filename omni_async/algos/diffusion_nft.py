@@ -42,6 +42,9 @@ training steps, after step ``k`` (1-based)::
     old <- d_k * old + (1 - d_k) * theta,     d_k = 0 if k < k0 else min((k - k0) * rate, d_max)
 
 with ``(k0, rate, d_max)`` per schedule (:data:`DECAY_SCHEDULES`), or ``d_k = algorithm.old_policy_decay`` when set.
+``delayed_linear_to_0_999`` is ``(75, 0.0075, 0.999)``; ``delayed_linear_to_0_999_x15`` is the same ramp with time
+compressed 15-fold for short runs, ``(5, 0.1125, 0.999)``: ``d_k = 0`` for ``k < 5``, ``min(0.1125 (k - 5), 0.999)``
+after (0.999 from ``k = 14``).
 
 **Which v_old a late sample is trained against** (fully async, one-step-off: a sample drawn by the old policy of
 version ``g`` is trained at version ``v > g``). The loss uses the trainer's *current* old policy, ``old_v``:
@@ -79,13 +82,18 @@ from omni_async.algos.masked_stats import masked_mean
 # verl-omni's algorithm.adv_mode values (DiffusionAlgoConfig).
 ADV_MODES = ("continuous", "positive_only", "negative_only", "one_only", "binary")
 
-# (flat steps k0, ramp per step, ceiling d_max): NVlabs' decay_type 0 / 1 / 2 under verl-omni's names, and AWM's
-# anchor (its authors' kl_ema_decay_type=linear, kl_ema_decay=0.3: algos.awm).
+# (flat steps k0, ramp per step, ceiling d_max): NVlabs' decay_type 0 / 1 / 2 under verl-omni's names, AWM's
+# anchor (its authors' kl_ema_decay_type=linear, kl_ema_decay=0.3: algos.awm), and the delayed ramp compressed for
+# short runs.
 DECAY_SCHEDULES: dict[str, tuple[int, float, float]] = {
     "copy": (0, 0.0, 0.0),
     "linear_to_0_5": (0, 0.001, 0.5),
     "delayed_linear_to_0_999": (75, 0.0075, 0.999),
     "linear_to_0_3": (0, 0.001, 0.3),
+    # delayed_linear_to_0_999 with time compressed 15-fold (k0 75 / 15, rate 0.0075 x 15): d_k = 0 for k < 5, then
+    # min(0.1125 (k - 5), 0.999), 0.999 from step 14 on; over the CPU main job's 20 steps it copies for the first
+    # quarter and holds the anchor from step 14, as the reference ramp does over 300 steps (flat 75, 0.999 at 208).
+    "delayed_linear_to_0_999_x15": (5, 0.1125, 0.999),
 }
 
 # The rollout schedule's timesteps are sigma x this (diffusers' FlowMatchEulerDiscreteScheduler).

@@ -155,7 +155,9 @@ def test_ref_kl_adds_mean_squared_prediction_distance():
     assert float(with_ref) == pytest.approx(float(base) + 0.01 * float(kl), rel=1e-6)
 
 
-@pytest.mark.parametrize("schedule", [s for s in DECAY_SCHEDULES if s != "linear_to_0_3"])  # AWM's: test_awm_math
+@pytest.mark.parametrize(
+    "schedule", [s for s in DECAY_SCHEDULES if s not in ("linear_to_0_3", "delayed_linear_to_0_999_x15")]
+)  # AWM's: test_awm_math; the compressed ramp: below
 def test_decay_schedules_are_nvlabs_return_decay(schedule):
     # NVlabs' return_decay(step, decay_type): (flat, uprate, uphold) per type 0 / 1 / 2
     flat, uprate, uphold = {"copy": (0, 0.0, 0.0), "linear_to_0_5": (0, 0.001, 0.5)}.get(schedule, (75, 0.0075, 0.999))
@@ -163,6 +165,16 @@ def test_decay_schedules_are_nvlabs_return_decay(schedule):
         want = 0.0 if step < flat else min((step - flat) * uprate, uphold)
         assert old_policy_decay(step, schedule) == pytest.approx(want)
     assert old_policy_decay(500, schedule, fixed=0.9) == 0.9
+
+
+def test_compressed_delayed_ramp_is_nvlabs_ramp_at_step_times_15():
+    # d_k = 0 for k < 5, then min(0.1125 (k - 5), 0.999): NVlabs' decay_type 2 evaluated at 15 k
+    want = {1: 0.0, 4: 0.0, 5: 0.0, 6: 0.1125, 7: 0.225, 10: 0.5625, 13: 0.9, 14: 0.999, 20: 0.999}
+    for step, d in want.items():
+        assert old_policy_decay(step, "delayed_linear_to_0_999_x15") == pytest.approx(d)
+        assert old_policy_decay(step, "delayed_linear_to_0_999_x15") == pytest.approx(
+            old_policy_decay(15 * step, "delayed_linear_to_0_999")
+        )
 
 
 def test_decay_examples_and_refresh_interval():

@@ -37,7 +37,7 @@ def measure_tiny(model: str, size: int, steps: int, window: int, n: int = 4) -> 
     """Real samples of a tiny model through the real record, batch and reward-chunk code."""
     from verl import DataProto
 
-    from omni_async.agent_loop.rollout_replica import SEED_NFT_NOISE, sample_seed
+    from omni_async.agent_loop.draws import SEED_NFT_NOISE, sample_seed
     from omni_async.algos.diffusion_nft import optimality_probability, train_steps
     from omni_async.modality.image import ImageModality
     from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig

@@ -2,7 +2,7 @@
 
 :class:`StandInRollout` is a Ray async actor with the rollout worker's ``generate`` signature. It waits a
 generation time drawn from a lognormal distribution (seeded by the sample's seed, so a run is repeatable) and
-answers a :class:`~omni_async.agent_loop.rollout_replica.Generation` holding a small but complete
+answers a :class:`~omni_async.agent_loop.batcher.Generation` holding a small but complete
 :class:`~omni_async.sample.ImageResult`: uint8 pixels, SDE-window latents, window log-probs and prompt encodings.
 
 The actor never imports torch (64 of them share 2 cores): its result's tensors travel as a pickle made once on the
@@ -66,7 +66,7 @@ def rebuild_generation(
     template: bytes, pixels: np.ndarray, version: int, gen_start: float, gen_end: float, window_start: int
 ) -> Any:
     """On the driver, while Ray deserializes a stand-in's answer: the ``Generation`` a real worker would have sent."""
-    from omni_async.agent_loop.rollout_replica import Generation
+    from omni_async.agent_loop.batcher import Generation
     from omni_async.sample import ImageResult
 
     parts = pickle.loads(template)

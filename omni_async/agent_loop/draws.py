@@ -14,12 +14,21 @@ step ``g = d + 1`` under ``rollout.algo.sample_strategy`` (``algos.mix_grpo.mix_
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from omni_async.agent_loop.rollout_replica import SEED_WINDOW, sample_seed
 from omni_async.algos.mix_grpo import mix_grpo_window
 from omni_async.algos.sde import sde_window
 from omni_async.sample import Sample
+
+SEED_SAMPLE, SEED_WINDOW, SEED_VALIDATION = 0, 1, 2  # independent random streams
+SEED_NFT_STEPS, SEED_NFT_NOISE = 3, 4  # DiffusionNFT: a sample's training steps and forward noise (its own seed's)
+SEED_AWM_STEPS = 5  # AWM: a mini-batch's shared training steps (from its samples' seeds)
+
+
+def sample_seed(base_seed: int, step: int, index: int, stream: int = SEED_SAMPLE) -> int:
+    """A 31-bit seed that depends only on (base seed, stream, step, sample index)."""
+    return int(np.random.SeedSequence([base_seed, stream, step, index]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
 class Draws:

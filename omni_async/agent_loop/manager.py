@@ -37,7 +37,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from omni_async.agent_loop.rollout_replica import Generation
+from omni_async.agent_loop.batcher import Generation
 from omni_async.cluster import wait_for_restart
 from omni_async.reward.dispatcher import RewardDispatcher
 from omni_async.reward.worker import sample_to_proto

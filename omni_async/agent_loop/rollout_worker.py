@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from omni_async.agent_loop.rollout_replica import Generation, GenerationBatcher
+    from omni_async.agent_loop.batcher import Generation, GenerationBatcher
     from omni_async.sample import Result
 
 

@@ -4,7 +4,7 @@ A weight sync that reaches a rollout worker while it generates is received into 
 thread: the object store's state dict, or the one bucket of a broadcast, ``agent_loop.weight_sync``), so the sync does
 not wait for the batch on the device and generation does not stop for the transfer. The device thread writes the
 staged set into the model between two device batches, before the first batch that asks for it
-(``rollout_replica.GenerationBatcher``): a request names the weights version it is for (lock-step modes: the version
+(``batcher.GenerationBatcher``): a request names the weights version it is for (lock-step modes: the version
 the trainer published when it started the step's collection), so the requests of an older version queued at the worker
 finish on the weights they were made for, and a batch never runs on half-written weights.
 

@@ -140,7 +140,7 @@ class TextPolicy(TrainableModule):
         capacity: int,
         should_stop: Callable[[], bool] | None = None,
     ) -> None:
-        """Continuous batching (a rollout worker's session, ``rollout_replica.GenerationBatcher``): ``admit(free)``
+        """Continuous batching (a rollout worker's session, ``batcher.GenerationBatcher``): ``admit(free)``
         returns up to ``free`` new requests ``(key, prompt, seed, resume)`` and is asked before every token while
         fewer than ``capacity`` responses are in flight; each response goes to ``emit(key, result)`` the moment it
         ends, so it reaches its reward while the others go on. Returns when nothing is in flight and ``admit`` gives

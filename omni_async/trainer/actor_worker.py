@@ -40,7 +40,7 @@ from verl import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
-from omni_async.agent_loop.rollout_replica import DeviceThread, Generation, GenerationBatcher
+from omni_async.agent_loop.batcher import DeviceThread, Generation, GenerationBatcher
 from omni_async.agent_loop.rollout_worker import RolloutWorker
 from omni_async.agent_loop.weight_sync import WeightGroup, fits_one_bucket, free_address, tensor_meta
 from omni_async.cluster import configure_worker, resume_gc

@@ -151,8 +151,6 @@ def compose_untyped(overrides: list[str] | None = None, config_name: str = "flow
     and the recipe checks compose hundreds of times. ``hydra.*`` and group overrides go the whole way."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
-    from omni_async.trainer.overrides import parse
-
     parsed = parse(list(overrides or []))
     if all(o.package is None and "/" not in o.key_or_group and not o.is_hydra_override() for o in parsed):
         cfg = copy.deepcopy(_loaded(config_name))
@@ -244,3 +242,26 @@ def _example(key: str) -> str:
     if f.default_factory is not MISSING:
         return str(f.default_factory()).replace(" ", "").replace("'", "")
     return {int: "1", float: "1.0", bool: "true", str: "<text>"}.get(NULLABLE.get(key), "...")
+
+
+@functools.lru_cache(maxsize=65536)
+def _parse_one(line: str) -> Any:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_override(line)
+
+
+def parse(overrides: list[str]) -> list[Any]:
+    """Hydra's parse of override lines (each line parsed once per process: tests and the recipe checks compose the
+    same lines hundreds of times). Raises :class:`ConfigError` naming the line that does not parse."""
+    from hydra.errors import HydraException
+
+    out = []
+    for line in overrides:
+        try:
+            out.append(_parse_one(line))
+        except HydraException as err:
+            raise ConfigError(
+                f"{line}: {err}. Fix: write each override as key=value (Hydra's override grammar)"
+            ) from None
+    return out

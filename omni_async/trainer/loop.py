@@ -31,9 +31,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from omni_async.agent_loop.draws import Draws
+from omni_async.agent_loop.draws import SEED_VALIDATION, Draws, sample_seed
 from omni_async.agent_loop.manager import AgentLoopManager, RolloutWorkersLostError
-from omni_async.agent_loop.rollout_replica import SEED_VALIDATION, sample_seed
 from omni_async.agent_loop.rollouter import Group, Rollouter
 from omni_async.algos.sde import sde_window
 from omni_async.cluster import init_ray, reward_pool_size

@@ -20,35 +20,15 @@ import difflib
 import functools
 import json
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from omegaconf import OmegaConf
 
 from omni_async.config_error import ConfigError
+from omni_async.trainer.config_schema import compose_untyped, parse
+from omni_async.trainer.upstream_keys import RULES, Get, Rule
 
 logger = logging.getLogger(__name__)
-
-Get = Callable[[str], Any]  # a key's value on the command line, else its default here (None when it has none)
-Kind = Literal["same", "no_effect", "refused", "renamed"]
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What a verl / verl-omni key means here.
-
-    ``same``: accepted silently where ``accepts`` (means what this project does, ``why`` says how); ``no_effect``:
-    accepted with one log line (it tunes an engine this project does not run, ``why`` says which); ``refused``: always
-    refused; ``renamed``: this project spells it ``canonical`` (``convert`` maps the value). A value ``accepts``
-    rejects is refused with ``why`` and ``fix``."""
-
-    kind: Kind
-    why: str
-    fix: str = ""
-    accepts: Callable[[Any, Get], bool] | None = None
-    canonical: str = ""
-    convert: Callable[[Any], Any] | None = None
 
 
 class OverrideError(ConfigError):
@@ -79,8 +59,6 @@ def render(value: Any) -> str:
 @functools.cache
 def _defaults(config_name: str) -> tuple[dict[str, Any], frozenset[str]]:
     """(every key of ``config_name`` -> its default, incl. sections; the open mappings users add keys to)."""
-    from omni_async.trainer.config_schema import compose_untyped
-
     flat: dict[str, Any] = {}
     open_maps: set[str] = set()
 
@@ -127,8 +105,6 @@ def _unknown(key: str, config_name: str) -> str:
 
 def rule_key(key: str) -> str | None:
     """The entry of ``upstream_keys.RULES`` that covers ``key``: the key itself, or the nearest ``<prefix>.*``."""
-    from omni_async.trainer.upstream_keys import RULES
-
     if key in RULES:
         return key
     parts = key.split(".")
@@ -139,33 +115,8 @@ def rule_key(key: str) -> str | None:
 
 
 def rule_for(key: str) -> Rule | None:
-    from omni_async.trainer.upstream_keys import RULES
-
     pattern = rule_key(key)
     return RULES[pattern] if pattern is not None else None
-
-
-@functools.lru_cache(maxsize=65536)
-def _parse_one(line: str) -> Any:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    return OverridesParser.create().parse_override(line)
-
-
-def parse(overrides: list[str]) -> list[Any]:
-    """Hydra's parse of override lines (each line parsed once per process: tests and the recipe checks compose the
-    same lines hundreds of times). Raises :class:`ConfigError` naming the line that does not parse."""
-    from hydra.errors import HydraException
-
-    out = []
-    for line in overrides:
-        try:
-            out.append(_parse_one(line))
-        except HydraException as err:
-            raise ConfigError(
-                f"{line}: {err}. Fix: write each override as key=value (Hydra's override grammar)"
-            ) from None
-    return out
 
 
 def _accepts(rule: Rule, value: Any, get: Get) -> bool:

@@ -34,7 +34,7 @@ class Pools:
 class Placement:
     pools: Any  # verl ResourcePoolManager
     actor_wg: Any  # verl RayWorkerGroup of ActorWorker
-    rollout_workers: list[Any]  # Ray actor handles implementing agent_loop.rollout_replica.RolloutWorker
+    rollout_workers: list[Any]  # Ray actor handles implementing agent_loop.rollout_worker.RolloutWorker
     reward_pool: Any | None
     judge_pg: Any | None
 

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from verl import DataProto
 
-from omni_async.agent_loop.rollout_replica import SEED_AWM_STEPS, SEED_NFT_NOISE, SEED_NFT_STEPS, sample_seed
+from omni_async.agent_loop.draws import SEED_AWM_STEPS, SEED_NFT_NOISE, SEED_NFT_STEPS, sample_seed
 from omni_async.algos.advantages import group_advantages
 from omni_async.algos.awm import draw_train_steps
 from omni_async.algos.diffusion_nft import old_policy_decay, optimality_probability, refreshes_after, train_steps

@@ -9,9 +9,30 @@ are in ``omni_async/config/flowgrpo_trainer.yaml``. A key ending in ``.*`` cover
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from omni_async.trainer.overrides import Get, Rule
+Get = Callable[[str], Any]  # a key's value on the command line, else its default here (None when it has none)
+Kind = Literal["same", "no_effect", "refused", "renamed"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a verl / verl-omni key means here.
+
+    ``same``: accepted silently where ``accepts`` (means what this project does, ``why`` says how); ``no_effect``:
+    accepted with one log line (it tunes an engine this project does not run, ``why`` says which); ``refused``: always
+    refused; ``renamed``: this project spells it ``canonical`` (``convert`` maps the value). A value ``accepts``
+    rejects is refused with ``why`` and ``fix``."""
+
+    kind: Kind
+    why: str
+    fix: str = ""
+    accepts: Callable[[Any, Get], bool] | None = None
+    canonical: str = ""
+    convert: Callable[[Any], Any] | None = None
+
 
 ARR = "actor_rollout_ref"
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "float": "float32", "half": "float16"}

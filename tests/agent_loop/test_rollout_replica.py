@@ -13,7 +13,8 @@ import pytest
 import ray
 import torch
 
-from omni_async.agent_loop.rollout_replica import RolloutReplica, sample_seed
+from omni_async.agent_loop.draws import sample_seed
+from omni_async.agent_loop.rollout_replica import RolloutReplica
 from omni_async.agent_loop.weight_sync import WeightGroup
 from omni_async.cluster import init_ray, shutdown_ray
 from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from omni_async.agent_loop.rollout_replica import DeviceThread, GenerationBatcher
+from omni_async.agent_loop.batcher import DeviceThread, GenerationBatcher
 from omni_async.models.text_policy import TextPolicy, TextSamplingConfig
 
 ALPHA = 1.2  # the long tail of the benchmark: budgets from 6 to 64 tokens

@@ -15,7 +15,7 @@ import ray
 import torch
 from helpers import SMALL_LORA, Trainers, record_trained_uids, train_step_killing_rollout, write_prompts
 
-from omni_async.agent_loop.rollout_replica import sample_seed
+from omni_async.agent_loop.draws import sample_seed
 from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import (
     ConfigError,

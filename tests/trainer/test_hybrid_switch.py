@@ -17,7 +17,7 @@ import ray
 import torch
 from helpers import SMALL_LORA, Trainers, record_trained_uids, write_prompts
 
-from omni_async.agent_loop.rollout_replica import GenerationBatcher
+from omni_async.agent_loop.batcher import GenerationBatcher
 from omni_async.trainer.config import ConfigError, compose, validate
 from omni_async.trainer.hybrid_switch import SwitchConfig, SwitchPolicy
 from omni_async.trainer.step_ops import ActorRankDiedError

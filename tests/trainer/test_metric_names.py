@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from omni_async.agent_loop.batcher import Generation
 from omni_async.agent_loop.manager import AgentLoopManager
-from omni_async.agent_loop.rollout_replica import Generation
 from omni_async.sample import ImageResult, PromptRow, RewardOutcome, Sample, TextResult
 from omni_async.trainer.metrics import (
     advantage_metrics,

@@ -19,7 +19,7 @@ from helpers import SMALL_IMAGE_TRAINER, write_ocr_rows
 from omegaconf import OmegaConf
 from PIL import Image
 
-from omni_async.agent_loop.rollout_replica import GenerationBatcher
+from omni_async.agent_loop.batcher import GenerationBatcher
 from omni_async.cluster import shutdown_ray
 from omni_async.modality import get_modality
 from omni_async.reward.manager import RewardManager

@@ -185,6 +185,17 @@ def check_overrides(overrides: list[str], config_name: str = "flowgrpo_trainer")
             continue
         if rule.kind == "no_effect":
             logger.warning("%s=%s has no effect here: %s", key, text, rule.why)
+        for canonical, new in (rule.sets(value) if rule.sets else {}).items():
+            if canonical in given and given[canonical] != new:
+                problems.append(
+                    (
+                        key,
+                        f"{key}={text} sets {canonical}={render(new)} here, but {canonical}="
+                        f"{render(given[canonical])} is given too. Fix: {rule.fix}",
+                    )
+                )
+            elif canonical not in given:
+                kept.append(f"++{canonical}={render(new)}")
     if problems:
         raise OverrideError(problems)
     return kept

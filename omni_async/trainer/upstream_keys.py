@@ -32,6 +32,8 @@ class Rule:
     accepts: Callable[[Any, Get], bool] | None = None
     canonical: str = ""
     convert: Callable[[Any], Any] | None = None
+    # an accepted value's meaning in this project's keys: {key: value} set with it (a key given otherwise is refused)
+    sets: Callable[[Any], dict[str, Any]] | None = None
 
 
 ARR = "actor_rollout_ref"
@@ -258,9 +260,16 @@ RULES: dict[str, Rule] = {
     ),
     f"{ARR}.actor.fsdp_config.offload_policy": Rule(
         "same",
-        "FSDP2's CPU offload policy is not used here",
-        "set actor_rollout_ref.actor.fsdp_config.param_offload / optimizer_offload, which this project implements",
-        _one_of(False),
+        "FSDP2's CPU offload policy (verl: parameters and optimizer state on the CPU) is this project's "
+        "param_offload + optimizer_offload: true sets both (the frozen text encoder / VAE and the AdamW state off the "
+        "device while they are not used)",
+        "give offload_policy=true without param_offload / optimizer_offload=false, or drop it",
+        lambda v, get: isinstance(v, bool),
+        sets=lambda v: (
+            {f"{ARR}.actor.fsdp_config.param_offload": True, f"{ARR}.actor.fsdp_config.optimizer_offload": True}
+            if v
+            else {}
+        ),
     ),
     f"{ARR}.actor.fsdp_config.ulysses_sequence_parallel_size": Rule(
         "same",

@@ -297,3 +297,22 @@ def test_use_kl_loss_true_without_a_coefficient_takes_verls_default():
         assert off.actor_rollout_ref.actor.kl_loss_coef == 0.0
         alone = validate(compose([*BASE, lora, "actor_rollout_ref.actor.kl_loss_coef=0.02"], config_name=config_name))
         assert alone.actor_rollout_ref.actor.kl_loss_coef == 0.02
+
+
+def test_fsdp2_offload_policy_is_param_and_optimizer_offload():
+    """verl's ``fsdp_config.offload_policy=true`` (FSDP2 keeps parameters and optimizer state on the CPU) composes
+    to this project's param_offload + optimizer_offload; false changes nothing; a contradicting value is refused."""
+    from omni_async.trainer.config import compose
+    from omni_async.trainer.overrides import OverrideError
+
+    key = "actor_rollout_ref.actor.fsdp_config"
+    on = compose([f"{key}.offload_policy=true"]).actor_rollout_ref.actor.fsdp_config
+    assert on.param_offload is True and on.optimizer_offload is True
+    off = compose([f"{key}.offload_policy=false"]).actor_rollout_ref.actor.fsdp_config
+    assert off.param_offload is False and off.optimizer_offload is False
+    both = compose([f"{key}.offload_policy=true", f"{key}.param_offload=true"]).actor_rollout_ref.actor.fsdp_config
+    assert both.param_offload is True and both.optimizer_offload is True
+    with pytest.raises(
+        OverrideError, match=r"offload_policy=true sets .*optimizer_offload=true.*optimizer_offload=false"
+    ):
+        compose([f"{key}.offload_policy=true", f"{key}.optimizer_offload=false"])

@@ -44,6 +44,8 @@ RUNS: dict[str, list[str]] = {
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora": [
         "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora",
         "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_fsdp2_fa3",  # clip_ratio; attention backends (no effect)
+        # two nodes (one here, ON_CPU); offload_policy=true = the param_offload + optimizer_offload it also sets
+        "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_multi_node",
     ],
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_async_reward": [
         "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_async_reward"

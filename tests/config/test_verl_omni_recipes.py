@@ -97,9 +97,7 @@ EXPECTED_REFUSED: dict[str, set[str]] = {
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora": set(),
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_async_reward": set(),
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_fsdp2_fa3": set(),
-    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_multi_node": {
-        "actor_rollout_ref.actor.fsdp_config.offload_policy"
-    },
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_multi_node": set(),  # offload_policy: param + optimizer
     # bypass-mode rollout correction: IS weights reported, the rejection mask applied per SDE step (as verl-omni)
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_rollout_corr": set(),
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_sp2": {

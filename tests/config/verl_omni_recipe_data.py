@@ -96,6 +96,7 @@ ON_CPU: dict[str, tuple[str, str]] = {
     "actor_rollout_ref.rollout.agent.num_workers": ("1", "one rollout worker"),
     "actor_rollout_ref.rollout.n_gpus_per_node": ("1", "a one-device rollout pool (separate_async)"),
     "trainer.n_gpus_per_node": ("1", "one (logical) trainer device"),
+    "trainer.nnodes": ("1", "one node (the multi-node recipe's 2: a Ray cluster of one machine here)"),
     "reward.num_workers": ("1", "one reward worker"),
     "trainer.total_training_steps": ("1", "one step"),
     "trainer.logger": ("[console]", "wandb needs an account and the network; metrics.jsonl is written anyway"),

@@ -49,7 +49,7 @@ from omni_async.modality.base import model_dtype
 from omni_async.models.lora import LIVE_ADAPTER, OLD_ADAPTER
 from omni_async.trainer import data_parallel as dpm
 from omni_async.trainer.actor_core import begin_step, old_log_prob, train_minibatch
-from omni_async.trainer.mode import interrupts_at_sync, mode_of
+from omni_async.trainer.mode import interrupts_at_sync
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +57,13 @@ TRAINED_ROWS_KEPT = 1 << 16  # the (uid, index) rows this rank trained on, newes
 
 
 class ActorWorker(Worker, RolloutWorker):
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: dict[str, Any], snapshot_rollout: bool = False, lendable: bool = False):
+        """``snapshot_rollout`` and ``lendable``: the layout's decisions for this worker
+        (``Layout.actor_worker_args``), handed down rather than derived again from ``config``; the defaults are the
+        lock-step hybrid layout's."""
         super().__init__()
         self.cfg = OmegaConf.create(config)
+        self._snapshot_rollout, self._lendable = bool(snapshot_rollout), bool(lendable)
         self.device = configure_worker()
         self.modality = modality_of(self.cfg)
         self._device_thread = DeviceThread("actor-device")
@@ -131,9 +135,7 @@ class ActorWorker(Worker, RolloutWorker):
         self.rollout_old = r.rollout_adapter == OLD_ADAPTER
         if OLD_ADAPTER in m.policy_state_adapters:
             self.policy.init_old_policy()
-        overlap = mode_of(cfg).overlaps_update
-        hybrid = cfg.actor_rollout_ref.hybrid_engine and int(r.nnodes) == 0  # not with a rollout pool
-        self.snapshot = bool(hybrid and overlap)
+        self.snapshot = self._snapshot_rollout  # the hybrid layout with updates overlapping generation
         self.weight_group: WeightGroup | None = None  # rank 0 with a rollout pool (checkpoint_engine.backend=nccl)
         self._last_sent: list[torch.Tensor] | None = None  # the last set broadcast, when it is one bucket
         self.batcher = GenerationBatcher(
@@ -169,9 +171,7 @@ class ActorWorker(Worker, RolloutWorker):
     def _stops_text(self) -> bool:
         """Lent to generation (disaggregated layout), a text batch stops after its current token when the rank is
         reclaimed; an image batch (one device batch of denoising steps) finishes."""
-        return (
-            self.cfg.actor_rollout_ref.model.modality == "text" and int(self.cfg.actor_rollout_ref.rollout.nnodes) > 0
-        )
+        return self.cfg.actor_rollout_ref.model.modality == "text" and self._lendable
 
     async def generate(self, prompt, seed, window, *, sampling=None, version=None, resume=None):
         """The rollout contract (``RolloutWorker.generate``); a rank going back to training (``reclaim``) answers

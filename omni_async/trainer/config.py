@@ -8,6 +8,7 @@ checked here, at start, before any Ray actor exists, and each error names the ke
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -18,8 +19,15 @@ from omni_async.modality.config_checks import check_loss, check_rollout
 from omni_async.reward.config_checks import check_reward
 from omni_async.reward.wiring import streaming_enabled
 from omni_async.trainer.config_schema import CONFIG_DIR, CONFIG_NAMES, compose_untyped, typed
-from omni_async.trainer.layout import check_layout, layout
-from omni_async.trainer.mode import check_mode, interrupts_at_sync, mode_of, resolve_bypass_mode, resolve_trainer_mode
+from omni_async.trainer.layout import Layout, check_layout, layout_class
+from omni_async.trainer.mode import (
+    Mode,
+    check_mode,
+    interrupts_at_sync,
+    mode_of,
+    resolve_bypass_mode,
+    resolve_trainer_mode,
+)
 from omni_async.trainer.overrides import check_overrides
 
 # verl's actor kl_loss_coef default (verl/trainer/config/actor/actor.yaml; verl-omni's diffusion actor too): the KL
@@ -35,6 +43,8 @@ __all__ = [
     "compose",
     "interrupts_at_sync",
     "layout",
+    "Plan",
+    "plan",
     "streaming_enabled",
     "total_training_steps",
     "validate",
@@ -49,7 +59,27 @@ def compose(overrides: list[str] | None = None, config_name: str = "flowgrpo_tra
     return typed(compose_untyped(check_overrides(list(overrides or []), config_name), config_name))
 
 
-def total_training_steps(cfg: DictConfig, train_rows: int) -> int:
+@dataclass(frozen=True)
+class Plan:
+    """What a validated config decides for the whole run, decided once (:func:`plan`) and handed down: the trainer
+    gives the mode to the producer, the update and the layout, and the layout what its workers and switch need."""
+
+    mode: Mode
+    layout: type[Layout]
+
+
+def plan(cfg: DictConfig) -> Plan:
+    """The run's mode and layout from a config :func:`validate` resolved: the one place either is built from the
+    config (a structure test keeps it so)."""
+    return Plan(mode_of(cfg), layout_class(cfg))
+
+
+def layout(cfg: DictConfig) -> str:
+    """The config's layout's name (logs, tests): ``disaggregated``, ``hybrid`` or ``split``."""
+    return layout_class(cfg).name
+
+
+def total_training_steps(cfg: DictConfig, train_rows: int, mode: Mode | None = None) -> int:
     """verl's rule: ``trainer.total_training_steps`` when set, else ``trainer.total_epochs`` passes over the training
     data, each ``train_rows // data.train_batch_size`` steps (the last partial batch is dropped, as verl's loader).
 
@@ -65,7 +95,7 @@ def total_training_steps(cfg: DictConfig, train_rows: int) -> int:
         return steps
     prompts = cfg.rollout.total_rollout_steps
     prompts = int(prompts) if prompts is not None else steps * int(cfg.data.train_batch_size)
-    return prompts // mode_of(cfg).groups_per_step
+    return prompts // (mode or plan(cfg).mode).groups_per_step  # (mode: the trainer's, decided once)
 
 
 def actor_ranks(cfg: DictConfig) -> int:
@@ -172,7 +202,8 @@ def validate(cfg: DictConfig) -> DictConfig:
         "the actor/rollout pool has no devices",
         "set trainer.n_gpus_per_node=1 (or more)",
     )
-    check_layout(cfg)
+    decided = plan(cfg)
+    check_layout(cfg, decided.mode, decided.layout)
     _check_mini_batch_feeds_ranks(cfg)
     return cfg
 

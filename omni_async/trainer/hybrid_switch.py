@@ -148,8 +148,9 @@ class SwitchPolicy:
         return Decision(lend, threshold, metrics)
 
 
-def check_switch(cfg: DictConfig, layout_name: str) -> None:
-    """``trainer.v1.separate_async.hybrid_rollout``: ranges, and where the switch can run."""
+def check_switch(cfg: DictConfig, rollout_pool: bool, layout_name: str) -> None:
+    """``trainer.v1.separate_async.hybrid_rollout``: ranges, and where the switch can run (``rollout_pool``: the
+    layout has one, ``Layout.rollout_pool``; ``layout_name`` is for the message only)."""
     c = SwitchConfig.from_config(cfg)
     key = "trainer.v1.separate_async.hybrid_rollout"
     _check(
@@ -173,7 +174,7 @@ def check_switch(cfg: DictConfig, layout_name: str) -> None:
     if not c.enable_switch:
         return
     _check(
-        layout_name == "disaggregated",
+        rollout_pool,
         f"{key}.enable_switch",
         f"the trainer devices lend a hand to a rollout pool; the {layout_name} layout has none (its trainer devices "
         "generate already, or beside a replica)",

@@ -32,7 +32,7 @@ from omni_async.cluster import rollout_pool_size
 from omni_async.config_error import check as _check
 from omni_async.modality import modality_of
 from omni_async.trainer.hybrid_switch import SwitchConfig, SwitchPolicy, check_switch
-from omni_async.trainer.mode import interrupts_at_sync, mode_of
+from omni_async.trainer.mode import Mode, interrupts_at_sync
 from omni_async.trainer.pool_sync import PoolSync
 from omni_async.trainer.timer import Timer
 
@@ -49,9 +49,11 @@ class Layout:
     colocate: ClassVar[int] = 1  # processes per actor-pool bundle (verl's max_colocate_count)
     rollout_is_actor: ClassVar[bool] = False  # the rollout workers are the actor ranks (never restarted alone)
     sync_needs_idle_rollout: ClassVar[bool] = False  # a sync must wait until no sample is generating
+    rollout_pool: ClassVar[bool] = False  # the rollout runs on devices of its own (the trainer's may be lent to it)
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: DictConfig, mode: Mode):
         self.cfg = cfg
+        self.mode = mode  # decided once (trainer.config.plan), never re-derived from cfg here
         self.actor_wg: Any = None
         self.workers: list[Any] = []
         # Any thread: a rollout worker died outside a generation request (set to the agent loop's worker_died).
@@ -114,6 +116,16 @@ class Layout:
         """The layout's own metrics of the step (the switch's), read once per step."""
         return {}
 
+    def actor_worker_args(self) -> dict[str, bool]:
+        """What each actor worker must know of the layout and the mode (``ActorWorker``'s keyword arguments), so it
+        does not derive them again from the config: whether it generates from a snapshot of the adapter taken at the
+        sync (it is the rollout and updates overlap generation), and whether it may be lent to a rollout pool (a
+        text batch then stops when the rank is reclaimed)."""
+        return {
+            "snapshot_rollout": self.rollout_is_actor and self.mode.overlaps_update,
+            "lendable": self.rollout_pool,
+        }
+
 
 class Hybrid(Layout):
     name = "hybrid"
@@ -133,8 +145,8 @@ class Split(Layout):
     name = "split"
     colocate = ACTOR_ROLLOUT_COLOCATE
 
-    def __init__(self, cfg: DictConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: DictConfig, mode: Mode):
+        super().__init__(cfg, mode)
         self._weights: tuple[Any, int] | None = None  # (object ref of the newest weights, version)
 
     def start_rollout(self, pools: Any) -> list[Any]:
@@ -166,9 +178,10 @@ class Disaggregated(Layout):
     generated again on the rollout pool and the step stops with ``ActorRankDiedError`` (as any dead rank)."""
 
     name = "disaggregated"
+    rollout_pool = True
 
-    def __init__(self, cfg: DictConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: DictConfig, mode: Mode):
+        super().__init__(cfg, mode)
         self.pool_sync: PoolSync | None = None
         self.switch: SwitchPolicy | None = None
         self._decided = -1  # the last step whose switch was decided
@@ -187,7 +200,7 @@ class Disaggregated(Layout):
         self.pool_sync = PoolSync(self.cfg, actor_wg, self.workers, on_death=lambda w: self.on_death(w))
         config = SwitchConfig.from_config(self.cfg)
         if config.enable_switch:
-            mode = mode_of(self.cfg)
+            mode = self.mode
             chunk = mode.mini_batch if mode.pipelined else mode.groups_per_step
             trainer_devices = len(actor_wg.workers)
             self.switch = SwitchPolicy(config, mode.groups_per_step, chunk, trainer_devices, len(self.workers))
@@ -260,9 +273,18 @@ class Disaggregated(Layout):
         return m
 
 
-def make_layout(cfg: DictConfig) -> Layout:
-    """The config's layout object (:func:`layout` names it)."""
-    return {"hybrid": Hybrid, "split": Split, "disaggregated": Disaggregated}[layout(cfg)](cfg)
+def layout_class(cfg: DictConfig) -> type[Layout]:
+    """The config's layout: :class:`Disaggregated` with a rollout pool (``actor_rollout_ref.rollout.nnodes`` > 0),
+    else :class:`Hybrid` (``hybrid_engine=True``, the default) or :class:`Split`. The only place the layout is read
+    from the config (``trainer.config.plan`` hands it down)."""
+    if int(cfg.actor_rollout_ref.rollout.nnodes) > 0:
+        return Disaggregated
+    return Hybrid if cfg.actor_rollout_ref.hybrid_engine else Split
+
+
+def make_layout(cfg: DictConfig, mode: Mode, cls: type[Layout]) -> Layout:
+    """The run's layout object: ``cls`` and ``mode`` as ``trainer.config.plan`` decided them."""
+    return cls(cfg, mode)
 
 
 def rollout_replicas(cfg: DictConfig, pool: Any, device_share: float) -> list[Any]:
@@ -306,13 +328,13 @@ def rollout_replicas(cfg: DictConfig, pool: Any, device_share: float) -> list[An
 
 
 # ---- the layouts' config checks (trainer.config.validate runs them) ----------------------------------------------
-def check_layout(cfg: DictConfig) -> None:
-    """What each layout can place, move and overlap."""
-    _check_layout(cfg)
-    _check_weight_sync(cfg)
-    check_switch(cfg, layout(cfg))
+def check_layout(cfg: DictConfig, mode: Mode, cls: type[Layout]) -> None:
+    """What the layout ``cls`` can place, move and overlap, in ``mode`` (both as ``trainer.config.plan`` decided)."""
+    _check_layout(cfg, cls, mode)
+    _check_weight_sync(cfg, cls)
+    check_switch(cfg, cls.rollout_pool, cls.name)
     rollout = cfg.actor_rollout_ref.rollout
-    if layout(cfg) != "disaggregated":
+    if not cls.rollout_pool:
         _check(
             rollout.agent.num_workers <= cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes,
             "actor_rollout_ref.rollout.agent.num_workers",
@@ -322,15 +344,7 @@ def check_layout(cfg: DictConfig) -> None:
         )
 
 
-def layout(cfg: DictConfig) -> str:
-    """``disaggregated`` (a rollout pool: ``actor_rollout_ref.rollout.nnodes`` > 0), else ``hybrid``
-    (``hybrid_engine=True``, the default) or ``split``."""
-    if int(cfg.actor_rollout_ref.rollout.nnodes) > 0:
-        return "disaggregated"
-    return "hybrid" if cfg.actor_rollout_ref.hybrid_engine else "split"
-
-
-def _check_layout(cfg: DictConfig) -> None:
+def _check_layout(cfg: DictConfig, cls: type[Layout], mode: Mode) -> None:
     """The hybrid layout (one process per device trains and generates) and the disaggregated one (a rollout pool)
     have their own rules."""
     arr = cfg.actor_rollout_ref
@@ -341,7 +355,7 @@ def _check_layout(cfg: DictConfig) -> None:
         f"must be >= 0, got {r.nnodes}",
         "0 (no rollout pool) or the rollout pool's node count",
     )
-    if layout(cfg) == "disaggregated":
+    if cls.rollout_pool:
         _check(
             r.n_gpus_per_node is None or r.n_gpus_per_node >= 1,
             "actor_rollout_ref.rollout.n_gpus_per_node",
@@ -357,7 +371,7 @@ def _check_layout(cfg: DictConfig) -> None:
             f"set it to {devices} (actor_rollout_ref.rollout.n_gpus_per_node x nnodes)",
         )
         return
-    if not arr.hybrid_engine:
+    if not cls.rollout_is_actor:  # split: replicas beside the actor ranks, nothing more to check
         return
     devices = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     workers = arr.rollout.agent.num_workers
@@ -374,11 +388,11 @@ def _check_layout(cfg: DictConfig) -> None:
         f"rollout.name={arr.rollout.name} generates in its own server process, not in the actor",
         "set actor_rollout_ref.hybrid_engine=False",
     )
-    if mode_of(cfg).overlaps_update and arr.model.lora_rank == 0:
+    if mode.overlaps_update and arr.model.lora_rank == 0:
         _check(
             False,
             "actor_rollout_ref.hybrid_engine",
-            f"the {mode_of(cfg).name} mode runs updates while the rollout generates; with a full fine-tune "
+            f"the {mode.name} mode runs updates while the rollout generates; with a full fine-tune "
             "(lora_rank=0) in the hybrid layout the rollout would read weights the update is changing in place (wrong "
             "pi_old), and only a LoRA adapter is cheap to snapshot on the device",
             "set actor_rollout_ref.hybrid_engine=False (rollout replicas on their own copy), a rollout pool "
@@ -386,11 +400,11 @@ def _check_layout(cfg: DictConfig) -> None:
         )
 
 
-def _check_weight_sync(cfg: DictConfig) -> None:
+def _check_weight_sync(cfg: DictConfig, cls: type[Layout]) -> None:
     """``checkpoint_engine`` and the sync period: what each layout can move, and how often."""
     arr, data = cfg.actor_rollout_ref, cfg.data
     r, ce = arr.rollout, arr.rollout.checkpoint_engine
-    lay = layout(cfg)
+    lay = cls.name  # for the messages only
     _check(
         ce.backend in ("naive", "nccl"),
         "actor_rollout_ref.rollout.checkpoint_engine.backend",
@@ -403,7 +417,7 @@ def _check_weight_sync(cfg: DictConfig) -> None:
         "must be >= 1",
         "verl's default is 2048",
     )
-    if lay != "disaggregated":
+    if not cls.rollout_pool:
         _check(
             ce.backend == "naive",
             "actor_rollout_ref.rollout.checkpoint_engine.backend",
@@ -439,7 +453,7 @@ def _check_weight_sync(cfg: DictConfig) -> None:
     )
     if k * mb // tbs > 1:
         _check(
-            lay == "disaggregated",
+            cls.rollout_pool,
             key,
             f"a sync period of {k * mb // tbs} steps needs a rollout pool that keeps "
             f"older weights; in the {lay} layout the rollout reads the trained weights",

@@ -40,7 +40,7 @@ from omni_async.modality import modality_of
 from omni_async.reward.wiring import RewardSide
 from omni_async.sample import Sample
 from omni_async.trainer.atomic_files import write_text_atomic
-from omni_async.trainer.config import total_training_steps
+from omni_async.trainer.config import plan, total_training_steps
 from omni_async.trainer.dataset import PromptSampler, check_prompt_lengths, first_rows, load_prompts
 from omni_async.trainer.layout import make_layout
 from omni_async.trainer.metrics import (
@@ -53,7 +53,7 @@ from omni_async.trainer.metrics import (
     validation_metrics,
 )
 from omni_async.trainer.metrics_logger import MetricsLogger
-from omni_async.trainer.mode import Mode, mode_of
+from omni_async.trainer.mode import Mode
 from omni_async.trainer.model_paths import check_at_start
 from omni_async.trainer.placement import make_pools, place
 from omni_async.trainer.step_ops import RewardFailureError, StepOps
@@ -80,7 +80,9 @@ class RLTrainer:
     def __init__(self, cfg: DictConfig):
         self.cfg = check_at_start(cfg)  # before Ray starts: a typo costs a second, not a cluster start
         init_ray(cfg)
-        self.mode = mode_of(self.cfg)
+        # Decided once from the validated config, then handed down: nothing below reads the mode or layout from cfg.
+        self.plan = plan(self.cfg)
+        self.mode = self.plan.mode
         self.modality = modality_of(self.cfg)
         self.run_dir = Path(cfg.trainer.run_dir)
         # The resolved config beside the curves it produced: which loss and settings made a run is on record.
@@ -99,8 +101,8 @@ class RLTrainer:
         )
         self.sampler = PromptSampler(train_rows, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
         self.draws = Draws.from_config(cfg, self.sampler, self.modality.uses_window)
-        self.total_steps = total_training_steps(cfg, len(train_rows))
-        self.layout = make_layout(cfg)
+        self.total_steps = total_training_steps(cfg, len(train_rows), self.mode)
+        self.layout = make_layout(cfg, self.mode, self.plan.layout)
         pools = make_pools(cfg, self.layout)
         # The reward workers start (process, imports, reward functions) while the actor workers load the model: the
         # two start-ups overlap instead of adding up.

@@ -101,7 +101,7 @@ def place(cfg: DictConfig, made: Pools, layout: Layout) -> Placement:
     layout.start_rollout(made.manager)  # not awaited: the replicas load while the actor group below does
     actor_wg = ActorWorkerGroup(
         made.manager.get_resource_pool("actor"),
-        RayClassWithInitArgs(ray.remote(ActorWorker), config=cfg_dict),
+        RayClassWithInitArgs(ray.remote(ActorWorker), config=cfg_dict, **layout.actor_worker_args()),
         name_prefix="actor",
     )
     actor_wg.init_model()

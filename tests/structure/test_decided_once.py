@@ -1,0 +1,100 @@
+"""The mode and the layout are decided once and handed down (issue 52 item 1), read from the source with ``ast``:
+``mode_of`` and ``layout_class`` are called only in ``trainer.config.plan``, no layout name is compared as a string
+outside ``trainer/layout.py``, and nothing outside it reads ``hybrid_engine`` (the key that names a layout)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PKG = ROOT / "omni_async"
+LAYOUT_NAMES = {"hybrid", "split", "disaggregated"}
+CONFIG = "omni_async/trainer/config.py"
+ONE_PLACE = (CONFIG, "plan")  # where the Mode and the Layout are built from the config
+LAYOUT_MODULE = "omni_async/trainer/layout.py"
+# The memory planner's "hybrid" / "rollout" / "trainer" name a device's role in its table (given on its command line),
+# not the run's layout: no config is read there.
+NOT_THE_RUN_LAYOUT = {"omni_async/tools/memory_layouts.py"}
+
+
+def sources() -> list[tuple[str, ast.Module]]:
+    return [(str(p.relative_to(ROOT)), ast.parse(p.read_text())) for p in sorted(PKG.rglob("*.py"))]
+
+
+def calls_outside(tree: ast.Module, path: str, names: set[str], allowed: set[tuple[str, str]]) -> list[str]:
+    """``path:line name`` for each call of one of ``names`` that is not inside one of the ``allowed`` functions
+    (``(path, function name)``)."""
+    found = []
+
+    def visit(node: ast.AST, func: str | None) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            func = node.name
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            if name in names and (path, func) not in allowed:
+                found.append(f"{path}:{node.lineno} {name}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, func)
+
+    visit(tree, None)
+    return found
+
+
+def layout_name_compares(tree: ast.Module, path: str) -> list[str]:
+    """``path:line`` of each ``==`` / ``!=`` / ``in`` whose other side is a layout name's string."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        strings = set()
+        for side in sides:
+            if isinstance(side, ast.Constant) and isinstance(side.value, str):
+                strings.add(side.value)
+            elif isinstance(side, ast.Tuple | ast.List | ast.Set):
+                strings |= {e.value for e in side.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+        if strings & LAYOUT_NAMES:
+            found.append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_mode_and_layout_built_from_the_config_in_one_place():
+    bad = [hit for path, tree in sources() for hit in calls_outside(tree, path, {"mode_of"}, {ONE_PLACE})]
+    # config.layout: the layout's name for tests and messages, never a decision
+    bad += [
+        hit
+        for path, tree in sources()
+        for hit in calls_outside(tree, path, {"layout_class"}, {ONE_PLACE, (CONFIG, "layout")})
+    ]
+    assert not bad, f"build the Mode / Layout only in {CONFIG}::plan and hand it down: {bad}"
+
+
+def test_no_layout_name_compared_outside_the_layout():
+    bad = [
+        hit
+        for path, tree in sources()
+        if path != LAYOUT_MODULE and path not in NOT_THE_RUN_LAYOUT
+        for hit in layout_name_compares(tree, path)
+    ]
+    assert not bad, f"ask the Layout (its class attributes), not its name: {bad}"
+
+
+def test_only_the_layout_reads_the_key_that_names_it():
+    bad = [
+        f"{path}:{node.lineno}"
+        for path, tree in sources()
+        if path != LAYOUT_MODULE
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr == "hybrid_engine"
+    ]
+    assert not bad, f"actor_rollout_ref.hybrid_engine is read by trainer.layout.layout_class only: {bad}"
+
+
+def test_the_checks_find_what_they_look_for():  # the checks above would be worthless if these failed
+    tree = ast.parse("def f(cfg):\n    return mode_of(cfg)\n\nx = name == 'split'\n")
+    assert calls_outside(tree, "m.py", {"mode_of"}, {ONE_PLACE}) == ["m.py:2 mode_of"]
+    assert calls_outside(tree, CONFIG, {"mode_of"}, {(CONFIG, "f")}) == []
+    assert layout_name_compares(tree, "m.py") == ["m.py:4"]
+    assert layout_name_compares(ast.parse("y = lay in ('hybrid', 'x')"), "m.py") == ["m.py:1"]

@@ -55,7 +55,7 @@ class ImageResult:
     # the SDE-window losses, whose payload is the window instead.
     latents_clean: torch.Tensor | None = None
     # [W, ...] fp32: each window step's Gaussian mean under the generating policy (pi_old in bypass mode), for the
-    # losses that read it (GRPO-Guard, Flow-DPPO: ``algos.loss_modes.needs_old_means``); None for the others.
+    # losses that read it (GRPO-Guard, Flow-DPPO: ``algos.loss_modes.LossMode.old_means``); None for the others.
     window_means: torch.Tensor | None = None
 
     unfinished = False  # an image is one device batch: never interrupted

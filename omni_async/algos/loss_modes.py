@@ -14,14 +14,24 @@ A window loss with ``old_means`` (GRPO-Guard, Flow-DPPO) also reads each window 
 in bypass mode the rollout stores it beside the step's log-prob (``ImageResult.window_means``, batch key
 ``old_means``); with ``algorithm.rollout_correction.bypass_mode=false`` the log-prob recompute returns it too.
 
-To add a loss: its pure math in ``algos/``, an entry here with ``built=True``, and its branch in
-``modality.image.ImageModality.backward`` (window losses: the per-step loss call; final-latent losses: a
-``_forward_steps`` loop, as ``_nft_backward`` / ``_awm_backward``).
+The image modality dispatches on the entry (``ImageModality.backward``): a window loss names its per-step loss
+(``window_loss``, one signature: ``algos.window_losses``), which ``_window_backward`` calls on each window step; a
+final-latent loss names its backward (``backward``: ``nft`` -> ``_nft_backward``, ``awm`` -> ``_awm_backward``,
+each a ``_forward_steps`` loop). To add a loss: its pure math in ``algos/`` and an entry here with ``built=True``
+(a window loss: an adapter in ``algos.window_losses``; a final-latent loss: its backward in the modality).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from omni_async.algos.window_losses import (
+    WindowLoss,
+    dance_grpo_window,
+    flow_dppo_window,
+    flow_grpo_window,
+    grpo_guard_window,
+)
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,10 @@ class LossMode:
     # (verl-omni's FlowDPPOLoss takes them as they are)
     clips_advantages: bool = True
     instead: str = ""  # not built: the built loss mode that trains on the same data, named by the refusal
+    # sde_window: the per-window-step loss (algos.window_losses); final_latents: None
+    window_loss: WindowLoss | None = None
+    # which ImageModality backward runs it: window (the SDE window, window_loss per step) | nft | awm ("": not built)
+    backward: str = "window"
 
 
 SDE_WINDOW, FINAL_LATENTS = "sde_window", "final_latents"
@@ -44,16 +58,20 @@ PLANNED_ISSUE = "issue 38"  # where the modes not built are tracked
 LOSS_MODES: dict[str, LossMode] = {
     m.name: m
     for m in (
-        LossMode("flow_grpo", SDE_WINDOW, "flow_grpo"),
-        LossMode("diffusion_nft", FINAL_LATENTS, "diffusion_nft", clips_advantages=False),
+        LossMode("flow_grpo", SDE_WINDOW, "flow_grpo", window_loss=flow_grpo_window),
+        LossMode("diffusion_nft", FINAL_LATENTS, "diffusion_nft", clips_advantages=False, backward="nft"),
         # verl-omni's other modes (issue 38), and AWM (which verl-omni names but has no loss for).
-        LossMode("grpo_guard", SDE_WINDOW, "flow_grpo", old_means=True),
-        LossMode("flow_dppo", SDE_WINDOW, "flow_grpo", old_means=True, clips_advantages=False),
-        LossMode("awm", FINAL_LATENTS, "awm"),
-        # Not built. verl-omni registers dance_grpo to its FlowGRPO loss (DanceGRPO differs in its Wan 2.2 rollout);
-        # its dpo (online Diffusion-DPO on each group's best and worst sample) trains on final latents, as AWM does.
-        LossMode("dance_grpo", SDE_WINDOW, "dance_grpo", built=False, instead="flow_grpo"),
-        LossMode("dpo", FINAL_LATENTS, "dpo", built=False, instead="awm"),
+        LossMode("grpo_guard", SDE_WINDOW, "flow_grpo", old_means=True, window_loss=grpo_guard_window),
+        LossMode(
+            "flow_dppo", SDE_WINDOW, "flow_grpo", old_means=True, clips_advantages=False, window_loss=flow_dppo_window
+        ),
+        LossMode("awm", FINAL_LATENTS, "awm", backward="awm"),
+        # DanceGRPO (algos.dance_grpo): verl-omni's FlowGRPO loss and advantage on DanceGRPO's SDE step
+        # (rollout.algo.sde_type=dance_sde, which its recipe sets).
+        LossMode("dance_grpo", SDE_WINDOW, "dance_grpo", window_loss=dance_grpo_window),
+        # Not built: verl-omni's dpo (online Diffusion-DPO on each group's best and worst sample) trains on final
+        # latents, as AWM does.
+        LossMode("dpo", FINAL_LATENTS, "dpo", built=False, instead="awm", backward=""),
     )
 }
 
@@ -83,13 +101,3 @@ def loss_mode(name: str) -> LossMode:
     if name not in LOSS_MODES:
         raise ValueError(f"unknown diffusion loss_mode {name!r}; known: {', '.join(LOSS_MODES)}")
     return LOSS_MODES[name]
-
-
-def needs_old_means(name: str) -> bool:
-    """Whether loss mode ``name`` reads pi_old's window-step means (``old_means``: GRPO-Guard, Flow-DPPO)."""
-    return loss_mode(name).old_means
-
-
-def uses_final_latents(name: str) -> bool:
-    """Whether loss mode ``name`` trains on the clean final latents (no SDE window, no log-probs)."""
-    return loss_mode(name).data_path == FINAL_LATENTS

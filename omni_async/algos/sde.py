@@ -26,7 +26,13 @@ and ``sigma_max`` = the schedule's second sigma (``sigmas[1]``):
                                                             form: no 1/(2 s^2), no normaliser)
     log_prob = mean_dims[ Gaussian density as for sde ]      cps_log_prob="gaussian"
 
-Both reduce to the Euler step exactly when ``noise_level = 0``; the log-prob is then 0 (a point mass has no
+``dance_sde`` (DanceGRPO; verl-omni ``sde_type == "dance_sde"``, ``algos.dance_grpo``)::
+
+    std_dev_t = s = noise_level * sqrt(-dt)
+    mu        = x * (1 + noise_level^2 / (2 sigma) * dt) + v * (1 + noise_level^2 (1 - sigma) / (2 sigma)) * dt
+    log_prob  = mean_dims[ Gaussian density as for sde ]
+
+All three reduce to the Euler step exactly when ``noise_level = 0``; the log-prob is then 0 (a point mass has no
 density). A window step with ``sigma_next = 0`` under ``cps`` has ``s = 0``: the flow_grpo form is finite there
 (the references' own value); the Gaussian form and the KL, which would divide by ``s = 0``, take 0 for that
 sample instead of NaN/inf (the transition is deterministic, it carries no density and no KL).
@@ -39,8 +45,11 @@ from dataclasses import dataclass
 
 import torch
 
+from omni_async.algos.dance_grpo import DANCE_SDE, dance_sde_mean_std
+
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 CPS_LOG_PROBS = ("flow_grpo", "gaussian")
+SDE_TYPES = ("sde", "cps", DANCE_SDE)  # rollout.algo.sde_type
 
 
 @dataclass
@@ -49,7 +58,7 @@ class SDEStep:
     log_prob: torch.Tensor  # [B]
     mean: torch.Tensor  # mu, [B, ...]
     std: torch.Tensor  # s, the transition's std (x_next = mu + s * noise), broadcast to mean
-    std_dev_t: torch.Tensor  # the references' std_dev_t (sde: s / sqrt(-dt); cps: s): the KL's scale
+    std_dev_t: torch.Tensor  # the references' std_dev_t (sde: s / sqrt(-dt); cps, dance_sde: s): the KL's scale
     # sqrt(sigma - sigma_next) = sqrt(-dt), broadcast to mean: verl-omni's ``sqrt_dt`` (GRPO-Guard, Flow-DPPO scales)
     sqrt_dt: torch.Tensor | None = None
 
@@ -82,7 +91,7 @@ def sde_step_with_logprob(
     sigma_next: torch.Tensor | float,
     *,
     noise_level: float,
-    sde_type: str = "sde",
+    sde_type: str = "sde",  # sde | cps | dance_sde
     sigma_max: float | None = None,
     prev_sample: torch.Tensor | None = None,
     noise: torch.Tensor | None = None,
@@ -115,6 +124,9 @@ def sde_step_with_logprob(
         std_dev_t = noise_level * torch.sqrt(sigma / denom)
         mean = x * (1 + std_dev_t**2 / (2 * sigma) * dt) + v * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
         std = std_dev_t * torch.sqrt(-dt)
+    elif sde_type == DANCE_SDE:
+        mean, std = dance_sde_mean_std(v, x, sigma, sigma_next, noise_level)
+        std_dev_t = std  # verl-omni's dance_sde returns the transition std as std_dev_t (its KL's scale)
     elif sde_type == "cps":
         std_dev_t = sigma_next * math.sin(noise_level * math.pi / 2)
         std = std_dev_t
@@ -122,7 +134,7 @@ def sde_step_with_logprob(
         # sigma_next^2 - s^2 = (sigma_next cos(noise_level pi/2))^2 >= 0; the clamp only absorbs rounding.
         mean = (1 - sigma_next) * pred_x0 + torch.sqrt(torch.clamp(sigma_next**2 - std**2, min=0.0)) * pred_eps
     else:
-        raise ValueError(f"unknown sde_type {sde_type!r}; use 'sde' or 'cps'")
+        raise ValueError(f"unknown sde_type {sde_type!r}; use one of {SDE_TYPES}")
     std = torch.as_tensor(std, dtype=x.dtype, device=x.device).expand_as(mean)
     std_dev_t = torch.as_tensor(std_dev_t, dtype=x.dtype, device=x.device).expand_as(mean)
     if prev_sample is None:

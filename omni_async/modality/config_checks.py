@@ -13,7 +13,7 @@ from omni_async.config_error import check as _check
 
 def check_rollout(cfg: DictConfig) -> None:
     """The modality, the rollout engine, text sampling, the SDE window and the image size."""
-    from omni_async.algos.loss_modes import PLANNED_ISSUE
+    from omni_async.algos.sde import SDE_TYPES
 
     arr = cfg.actor_rollout_ref
     rollout, actor = arr.rollout, arr.actor
@@ -61,17 +61,10 @@ def check_rollout(cfg: DictConfig) -> None:
         )
     algo = rollout.algo
     _check(
-        algo.sde_type != "dance_sde",
-        "actor_rollout_ref.rollout.algo.sde_type",
-        "dance_sde (DanceGRPO's score-based SDE step, verl-omni's Wan 2.2 DanceGRPO rollout) is not built here "
-        f"({PLANNED_ISSUE})",
-        "use sde (Flow-GRPO's SDE step, with the flow_grpo loss verl-omni trains DanceGRPO with) or cps",
-    )
-    _check(
-        algo.sde_type in ("sde", "cps"),
+        algo.sde_type in SDE_TYPES,
         "actor_rollout_ref.rollout.algo.sde_type",
         f"unknown SDE type {algo.sde_type!r}",
-        "use sde or cps",
+        f"use one of {', '.join(SDE_TYPES)} (dance_sde: DanceGRPO's step, algos.dance_grpo)",
     )
     _check(
         algo.cps_log_prob in ("flow_grpo", "gaussian"),
@@ -258,14 +251,23 @@ def check_loss(cfg: DictConfig) -> None:
         f"{name} runs under actor_rollout_ref.model.algorithm={mode.algorithm}, not {algorithm}",
         f"set actor_rollout_ref.model.algorithm={mode.algorithm} (loss_mode follows it when not given)",
     )
+    sde_type = arr.rollout.algo.sde_type
     _check(  # GRPO-Guard's ratio scale and Flow-DPPO's KL read std_dev_t * sqrt_dt as the step's std
-        not (mode.old_means and arr.rollout.algo.sde_type == "cps"),
+        not (mode.old_means and sde_type != "sde"),
         "actor_rollout_ref.rollout.algo.sde_type",
-        f"cps does not fit loss_mode={name}: its scale std_dev_t * sqrt_dt is the transition's std (and the "
+        f"{sde_type} does not fit loss_mode={name}: its scale std_dev_t * sqrt_dt is the transition's std (and the "
         "log-prob its Gaussian density) only under sde (verl-omni's recipe sets sde)",
         "set actor_rollout_ref.rollout.algo.sde_type=sde",
     )
     final = mode.data_path == FINAL_LATENTS
+    _check(  # DanceGRPO's own code trains a random timestep_fraction of the steps; verl-omni's trains its SDE window
+        final or algo.timestep_fraction == 1.0,
+        "algorithm.timestep_fraction",
+        f"{algo.timestep_fraction} is DiffusionNFT's share of steps trained per sample; loss_mode={name} trains the "
+        "rollout's SDE window (verl-omni's DanceGRPO too)",
+        "leave it at 1.0 and set actor_rollout_ref.rollout.algo.sde_window_size (how many steps) / sde_window_range "
+        "(where)",
+    )
     for key, (want, why) in _paired_values(name, dl.old_kl_coef).items():
         value = OmegaConf.select(cfg, key)
         value = list(value) if OmegaConf.is_list(value) else value

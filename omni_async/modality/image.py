@@ -32,16 +32,11 @@ from PIL import Image, ImageDraw
 
 from omni_async.algos.awm import awm_loss, matching_log_prob
 from omni_async.algos.diffusion_nft import forward_noised, nft_loss
-from omni_async.algos.flow_dppo import flow_dppo_loss
-from omni_async.algos.grpo_guard import grpo_guard_loss
-from omni_async.algos.loss import (
-    BYPASS_CORRECTION_KEY,
-    bypass_rollout_correction,
-    correction_weights,
-    flow_grpo_loss,
-)
-from omni_async.algos.loss_modes import needs_old_means, uses_final_latents
+from omni_async.algos.loss import BYPASS_CORRECTION_KEY, bypass_rollout_correction, correction_weights
+from omni_async.algos.loss_modes import FINAL_LATENTS
+from omni_async.algos.loss_modes import loss_mode as registered_loss_mode
 from omni_async.algos.sde import kl_to_reference
+from omni_async.algos.window_losses import WindowStepInputs
 from omni_async.modality.base import REF_TIME_KEY, Modality, rm_score, score_labels
 from omni_async.models.device import device_clock
 from omni_async.sample import ImageResult, Sample, is_video
@@ -57,9 +52,10 @@ class ImageModality(Modality):
         log-likelihood (``diffusion_loss.awm_weighting``, ``awm_ghuber_power``: ``algos.awm``) is the modality's, so
         the update and the log-prob recompute, which gets no actor config, read the same one."""
         self.loss_mode = loss_mode
+        self.mode = registered_loss_mode(loss_mode)  # what the losses dispatch on (algos.loss_modes)
         self.awm_weighting = {"weighting": awm_weighting, "ghuber_power": float(awm_ghuber_power)}
-        self.final_latents = uses_final_latents(loss_mode)
-        self.old_means = needs_old_means(loss_mode)  # GRPO-Guard, Flow-DPPO: pi_old's window-step means
+        self.final_latents = self.mode.data_path == FINAL_LATENTS
+        self.old_means = self.mode.old_means  # GRPO-Guard, Flow-DPPO: pi_old's window-step means
         # DiffusionNFT samples with any solver: ODE here, so no SDE window is drawn for its samples.
         self.uses_window = not self.final_latents
 
@@ -167,7 +163,7 @@ class ImageModality(Modality):
         ``{"old_log_probs": [B, W], "old_means": [B, W, ...]}``, the means of the same forward passes (verl-omni's
         old-log-prob recompute returns them alike). AWM: its matching log-likelihood ``lp`` [B, T] at the batch's
         training steps (``algos.awm.matching_log_prob``)."""
-        if self.loss_mode == "awm":
+        if self.mode.backward == "awm":
             cond = policy.conditioning_from(batch.batch, batched=True)
             lps = [
                 matching_log_prob(
@@ -191,19 +187,21 @@ class ImageModality(Modality):
     def backward(
         self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any, loss_scale: float = 1.0
     ) -> dict[str, list[float]]:
-        """The loss mode's gradient (the one dispatch point of the image losses, ``algos.loss_modes``)."""
-        if self.loss_mode == "diffusion_nft":
-            return self._nft_backward(policy, batch, loss_mask, actor_cfg, loss_scale)
-        if self.loss_mode == "awm":
-            return self._awm_backward(policy, batch, loss_mask, actor_cfg, loss_scale)
-        return self._window_backward(policy, batch, loss_mask, actor_cfg, loss_scale)
+        """The loss mode's gradient (the one dispatch point of the image losses): the backward its registry entry
+        names (``LossMode.backward``, ``algos.loss_modes``)."""
+        backward = {"window": self._window_backward, "nft": self._nft_backward, "awm": self._awm_backward}
+        return backward[self.mode.backward](policy, batch, loss_mask, actor_cfg, loss_scale)
 
     def _window_backward(
         self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any, loss_scale: float
     ) -> dict[str, list[float]]:
-        """The policy loss per SDE-window step: FlowGRPO's clipped ratio, GRPO-Guard's regulated ratio or Flow-DPPO's
-        divergence mask (the latter two on the step's mean against pi_old's, ``old_means``)."""
+        """The policy loss per SDE-window step, the registry's ``LossMode.window_loss``: FlowGRPO's (and DanceGRPO's)
+        clipped ratio, GRPO-Guard's regulated ratio or Flow-DPPO's divergence mask (the latter two on the step's mean
+        against pi_old's, ``old_means``). The advantages were clipped to ``diffusion_loss.adv_clip_max`` when the
+        batch was built where the mode clips (``LossMode.clips_advantages``, ``StepOps``)."""
         dl = actor_cfg.diffusion_loss
+        window_loss = self.mode.window_loss
+        assert window_loss is not None, f"loss_mode={self.loss_mode} has no window loss (algos.loss_modes)"
         start = self.window_starts(batch)
         cond = policy.conditioning_from(batch.batch)
         latents, old_lp, adv = (
@@ -238,21 +236,11 @@ class ImageModality(Modality):
                 w_j = correction_weights(w_j, kept[:, 0])
                 for k, v in m.items():
                     corr_metrics[k].append(v)
-            common = {"kl": kl, "kl_coef": actor_cfg.kl_loss_coef, "is_weights": w_j}
-            if self.loss_mode == "grpo_guard":
-                # advantages were clipped to diffusion_loss.adv_clip_max when the batch was built (StepOps)
-                loss, m = grpo_guard_loss(
-                    out.log_prob, old_lp[:, j], adv, mask_j, mean=out.mean, old_mean=old_means[:, j],
-                    std_dev_t=out.std_dev_t, sqrt_dt=out.sqrt_dt, clip_ratio=dl.clip_ratio, **common,
-                )  # fmt: skip
-            elif self.loss_mode == "flow_dppo":
-                loss, m = flow_dppo_loss(
-                    out.log_prob, old_lp[:, j], adv, mask_j, mean=out.mean, old_mean=old_means[:, j],
-                    std_dev_t=out.std_dev_t, sqrt_dt=out.sqrt_dt, kl_mask_threshold=dl.kl_mask_threshold,
-                    add_kl_coefficient=dl.add_kl_coefficient, **common,
-                )  # fmt: skip
-            else:
-                loss, m = flow_grpo_loss(out.log_prob, old_lp[:, j], adv, mask_j, clip_ratio=dl.clip_ratio, **common)
+            step = WindowStepInputs(
+                out, old_lp[:, j], adv, mask_j, old_mean=None if old_means is None else old_means[:, j], kl=kl,
+                kl_coef=actor_cfg.kl_loss_coef, is_weights=w_j,
+            )  # fmt: skip
+            loss, m = window_loss(step, dl)
             (loss * loss_scale / n_steps).backward()  # the window's steps are averaged
             for k, v in m.items():
                 step_metrics[k].append(v)

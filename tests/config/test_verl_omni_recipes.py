@@ -48,13 +48,8 @@ _DPO = {
     "algorithm.trainer_type",
 }
 EXPECTED_REFUSED: dict[str, set[str]] = {
-    # DanceGRPO (issue 38): its loss is flow_grpo's in verl-omni, its SDE step (dance_sde) is not built; no HPSv3 here
-    "dancegrpo_trainer.wan22.run_wan22_5b_t2v_hpsv3_auto": {
-        "actor_rollout_ref.actor.diffusion_loss.loss_mode",
-        "actor_rollout_ref.model.algorithm",
-        "actor_rollout_ref.rollout.algo.sde_type",
-        "reward.custom_reward_function.path",
-    },
+    # DanceGRPO (algos.dance_grpo, its loss, algorithm and dance_sde step built): no HPSv3 reward file here
+    "dancegrpo_trainer.wan22.run_wan22_5b_t2v_hpsv3_auto": {"reward.custom_reward_function.path"},
     "diffusionnft_trainer.minimax_h3.run_minimax_h3_t2va_lora": _AUDIO_VIDEO
     | {
         "actor_rollout_ref.model.architecture",
@@ -191,7 +186,7 @@ MISSING = {
         "actor_rollout_ref.rollout.pipeline.output_type",
         "rewards on latents",
     ),
-    "dancegrpo_trainer.wan22.run_wan22_5b_t2v_hpsv3_auto": ("actor_rollout_ref.rollout.algo.sde_type", "DanceGRPO"),
+    "dancegrpo_trainer.wan22.run_wan22_5b_t2v_hpsv3_auto": ("reward.custom_reward_function.path", "hpsv3_reward.py"),
     "diffusionopd_trainer.sd35.run_sd35_medium_ocr_distill": ("distillation.enabled", "DiffusionOPD"),
     "dpo_trainer.qwen_image.run_qwen_image_online_dpo_lora": ("algorithm.paired_preference", "DPO"),
     "dpo_trainer.sd35.run_sd35_medium_offline_dpo_lora": ("data.custom_cls.name", "OfflineDPODataset"),
@@ -332,7 +327,6 @@ def test_keys_of_dancegrpo_diffusionopd_and_dpo_recipes_mean_the_same_or_name_wh
     for override, words in refused.items():
         assert words in problems[override.split("=")[0]] and "Fix:" in problems[override.split("=")[0]]
     for overrides, key, words in (
-        (["actor_rollout_ref.rollout.algo.sde_type=dance_sde"], "actor_rollout_ref.rollout.algo.sde_type", "sde"),
         (
             ["actor_rollout_ref.actor.diffusion_loss.loss_mode=distill_kl"],
             "actor_rollout_ref.actor.diffusion_loss.loss_mode",

@@ -91,8 +91,6 @@ def test_awm_batch_trains_its_authors_stratified_steps_one_draw_per_minibatch():
     ("overrides", "key", "fix"),
     [
         # the loss modes not built name the built one to use instead
-        (["actor_rollout_ref.actor.diffusion_loss.loss_mode=dance_grpo"], "loss_mode", "loss_mode=flow_grpo"),
-        (["actor_rollout_ref.model.algorithm=dance_grpo"], "model.algorithm", "model.algorithm=flow_grpo"),
         (["actor_rollout_ref.actor.diffusion_loss.loss_mode=dpo"], "loss_mode", "loss_mode=awm"),
         (["actor_rollout_ref.model.algorithm=dpo"], "model.algorithm", "model.algorithm=awm"),
         (["actor_rollout_ref.actor.diffusion_loss.loss_mode=awm"], "loss_mode", "model.algorithm=awm"),

@@ -15,14 +15,16 @@ three seeds each) in one results file; this script reads them and adds a ``summa
   what the loss changes) and the wall seconds from launch to that step's metrics row (start-up, the validations and
   pictures included: what a user waits, the same fixed costs for every loss);
 - per loss, the medians over its seeds (a run that never reached the level counts as later than any that did; the
-  median is ``None`` when it falls on such a run), and their ratios to Flow-GRPO's.
+  median is ``None`` when it falls on such a run), and their ratios to Flow-GRPO's;
+- ``same_seed`` (issue 51's criterion): per run, its last-3 mean after ``--within`` steps (7) against the same seed's
+  Flow-GRPO last-3 mean less ``--margin`` (0.05), on both bases.
 
     python bench/ocr_learning.py --out bench/results/loss_learning.json --name grpo_s42 --seed 42
     python bench/ocr_learning.py --out bench/results/loss_learning.json --name nft_s42 --seed 42 --env ALGO=diffusion_nft
     python bench/loss_learning.py bench/results/loss_learning.json   # + loss_learning.png beside it
 
 The plot: validation reward (held-out words) and the rollout's reward against step and against wall seconds, one
-line per run, a colour per loss, Flow-GRPO's levels dashed.
+line per run, a colour per loss (``--by-run``: per run, for a sweep), Flow-GRPO's levels dashed.
 """
 
 from __future__ import annotations
@@ -84,12 +86,38 @@ def median_or_none(values: list) -> float | None:
     return None if math.isinf(m) else round(m, 1)
 
 
-def summarise(results: dict, names: list[str] | None = None) -> dict:
+def summarise(results: dict, names: list[str] | None = None, within: int = 7, margin: float = 0.05) -> dict:
     runs = {n: r for n, r in results["runs"].items() if names is None or n in names}
     baseline = [r for r in runs.values() if loss_of(r) == BASELINE]
     if not baseline:
         raise SystemExit(f"no {BASELINE} run among {sorted(runs)}: its last-3 mean is the level")
-    return {basis: summarise_basis(runs, baseline, basis) for basis in ("validation", "rollout")}
+    out = {basis: summarise_basis(runs, baseline, basis) for basis in ("validation", "rollout")}
+    out["same_seed"] = same_seed(runs, within, margin)
+    return out
+
+
+def same_seed(runs: dict[str, dict], within: int, margin: float) -> dict:
+    """Issue 51's criterion, per run and basis: the run's last-3 mean after ``within`` steps (rollout: steps
+    ``within-2 .. within``; validation: the last three validations at or before ``within``, step 0 left out) against
+    the same seed's Flow-GRPO last-3 mean over its whole run, less ``margin``."""
+    grpo = {r["seed"]: r for r in runs.values() if loss_of(r) == BASELINE}
+    out: dict = {"within": within, "margin": margin, "runs": {}}
+    for name, run in sorted(runs.items()):
+        base = grpo.get(run["seed"])
+        if loss_of(run) == BASELINE or base is None:
+            continue
+        entry = {}
+        for basis in ("validation", "rollout"):
+            steps, values = series(run, basis)
+            early = [v for k, v in zip(steps, values, strict=True) if k <= within][-3:]
+            target = last3(base, basis) - margin
+            entry[basis] = {
+                "last3": round(float(np.mean(early)), 4),
+                "target": round(target, 4),
+                "met": bool(np.mean(early) >= target),
+            }
+        out["runs"][name] = entry
+    return out
 
 
 def summarise_basis(runs: dict[str, dict], baseline: list[dict], basis: str) -> dict:
@@ -117,7 +145,8 @@ def summarise_basis(runs: dict[str, dict], baseline: list[dict], basis: str) -> 
 COLOURS = {"flow_grpo": "tab:blue", "diffusion_nft": "tab:orange", "awm": "tab:green"}
 
 
-def plot(results: dict, out: Path) -> Path:
+def plot(results: dict, out: Path, by_run: bool = False) -> Path:
+    """``by_run``: a colour and legend entry per run (a sweep of one loss) instead of per loss."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -128,7 +157,7 @@ def plot(results: dict, out: Path) -> Path:
         (rb, cx) for rb in enumerate(("validation", "rollout")) for cx in enumerate(("step", "wall s"))
     ):
         ax = axes[row][col]
-        for run in results["runs"].values():
+        for i, (name, run) in enumerate(results["runs"].items()):
             steps, values = series(run, basis)
             if x_axis == "step":
                 xs = steps
@@ -136,7 +165,8 @@ def plot(results: dict, out: Path) -> Path:
                     xs, values = [0, *steps], [run["val"]["0"], *values]
             else:  # when the step's metrics row arrived, seconds since launch
                 xs = [run["row_times_s"][k - 1] for k in steps]
-            ax.plot(xs, values, color=COLOURS.get(loss_of(run), "grey"), alpha=0.7, lw=1.2, label=loss_of(run))
+            colour = f"C{i}" if by_run else COLOURS.get(loss_of(run), "grey")
+            ax.plot(xs, values, color=colour, alpha=0.7, lw=1.2, label=name if by_run else loss_of(run))
         ax.axhline(results["summary"][basis]["level"], color=COLOURS[BASELINE], ls="--", lw=0.8)
         ax.set_xlabel(x_axis)
         ax.set_ylabel(f"{basis} OCR reward")
@@ -154,12 +184,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", type=Path)
     p.add_argument("--runs", nargs="*", default=None, help="the record names to compare (default: all)")
+    p.add_argument("--within", type=int, default=7, help="same_seed: the steps a run has to reach the target")
+    p.add_argument("--margin", type=float, default=0.05, help="same_seed: the target is Flow-GRPO's last-3 less this")
+    p.add_argument("--by-run", action="store_true", help="plot: a colour per run (a sweep) instead of per loss")
     a = p.parse_args()
     results = json.loads(a.results.read_text())
-    results["summary"] = summarise(results, a.runs)
+    results["summary"] = summarise(results, a.runs, a.within, a.margin)
     a.results.write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps(results["summary"], indent=1))
-    print(plot(results, a.results.with_suffix(".png")))
+    print(plot(results, a.results.with_suffix(".png"), a.by_run))
 
 
 if __name__ == "__main__":

@@ -8,10 +8,10 @@
 # With no arguments, on a CPU box: LoRA-trains tiny:qwen_image_text_bimodal (a tiny Qwen-Image shipped in the repo
 # that draws short strings such as Text "K4" legibly or, for the same prompt, too faint for OCR, about half each) on
 # prompts in its vocabulary, with a dedicated (logical) reward device running PP-OCR, for 20 steps of 8 prompts x 8
-# samples (about 3 min measured on 2 quiet CPU cores); the OCR reward rises as the policy moves samples
-# to the legible mode (README, "The main job on CPU": measured curves). The run writes plots/reward.png (reward per
-# step, validation on the held-out words before training and every 10 steps) and sample grids, and prints the run
-# directory.
+# samples (about 3 min measured on 2 quiet CPU cores, when validation read each held-out word once); the OCR reward
+# rises as the policy moves samples to the legible mode (README, "The main job on CPU": measured curves). The run
+# writes plots/reward.png (reward per step, validation on the 19 held-out words x 4 seeds before training and every
+# 10 steps) and sample grids, and prints the run directory.
 # MODEL_PATH=tiny:qwen_image_text runs the same recipe on the previous renderer, whose reward did not rise. On GPUs,
 # point it at real weights and size the pools with env
 # variables (the VeRL-Omni async-reward layout: 4 actor/rollout GPUs + 1 reward GPU):
@@ -27,13 +27,17 @@
 # step takes 2 prompts (groups) per actor GPU (MINI_BATCH, default 2 x NUM_GPUS_ACTOR_ROLLOUT x NNODES: a group is
 # never split across GPUs, so fewer groups than GPUs would leave GPUs idle; BATCH is rounded up to a multiple).
 # Also: LR, LORA_RANK, LORA_ALPHA, NOISE_LEVEL, VAL_FREQ (validation every N steps), STEPS, BATCH, GROUP; on the
-# tiny renderers WINDOW_SIZE, WINDOW_RANGE, NUM_VAL; VOCAB (scenes | tiny_text_bimodal | tiny_text: the prompt set
-# examples/data/prepare_ocr_prompts.py writes into DATA_DIR when it has no train.jsonl).
+# tiny renderers WINDOW_SIZE, WINDOW_RANGE, NUM_VAL (held-out words), VAL_N (validation seeds per word, 4),
+# PIPELINE (the pipelined update), GLOBAL_STD (the batch's advantage std); VOCAB (scenes | tiny_text_bimodal |
+# tiny_text: the prompt set examples/data/prepare_ocr_prompts.py writes into DATA_DIR when it has no train.jsonl).
 # ALGO picks the loss (default flow_grpo): ALGO=diffusion_nft trains with DiffusionNFT in verl-omni's spelling (the
-# old adapter samples, ODE, final images only; its settings, tuned on the tiny renderer: NFT_LR, MIX_BETA,
-# TIMESTEP_FRACTION, OLD_DECAY_SCHEDULE, OLD_UPDATE_INTERVAL; on CPU it leads Flow-GRPO over the first steps and
-# reaches its 20-step level on the rollout's samples in half the steps, docs/diffusion_nft.md), ALGO=awm with advantage-weighted matching (AWM_LR); any of their keys
-# also works as a plain override. The resolved config is written to $RUN_DIR/config.yaml.
+# old adapter samples, ODE, final images only; NFT_LR, MIX_BETA, TIMESTEP_FRACTION, OLD_DECAY_SCHEDULE,
+# OLD_UPDATE_INTERVAL). On the tiny renderer its defaults are the references' settings scaled to this job (issue 51):
+# every denoising step trained, the batch's advantage std (so no update pipeline), mini-batches of 4 prompts (2
+# optimizer steps a step), the old policy copied for 5 steps then decayed (delayed_linear_to_0_999_x15), lr 1e-2
+# from a sweep of 3e-4 / 1e-3 / 3e-3 / 1e-2 (docs/diffusion_nft.md, "Learning", with the measured curves against
+# Flow-GRPO and AWM). ALGO=awm trains with advantage-weighted matching (AWM_LR). Any of their keys also works as a
+# plain override. The resolved config is written to $RUN_DIR/config.yaml.
 # Extra Hydra overrides pass through, e.g. the colocated comparison:
 #   bash examples/run_qwen_image_ocr_async_reward.sh reward.reward_model.enable_resource_pool=False
 # or the sync baseline: ... reward.streaming=false
@@ -102,6 +106,7 @@ if [[ "$MODEL_PATH" == tiny:qwen_image_text* ]]; then
   NOISE_LEVEL="${NOISE_LEVEL:-0.7}"
   VAL_FREQ="${VAL_FREQ:-$(( STEPS / 2 ))}"  # validation before training, half-way and at the end
   NUM_VAL="${NUM_VAL:-19}"
+  VAL_N="${VAL_N:-4}"  # validation samples (seeds) per held-out word: 19 x 4 reads, so a level moves in 1/76 steps
   # What follows changes the cost, not the learning (the same curves, measured: README, "The main job on CPU").
   # The update runs beside generation: a rollout replica generates the step's samples while the actor already
   # trains on the groups scored so far (split layout, pipelined update; the hybrid layout runs both on one thread),
@@ -110,10 +115,13 @@ if [[ "$MODEL_PATH" == tiny:qwen_image_text* ]]; then
   # batch at once (a 64x64 image needs no slicing); one timeline, the last step's, instead of a figure per step.
   WINDOW_KEYS=(actor_rollout_ref.rollout.algo.sde_window_size="${WINDOW_SIZE:-4}"
                "actor_rollout_ref.rollout.algo.sde_window_range=${WINDOW_RANGE:-[0,4]}")
-  # Each group's own advantage std (the pipeline trains groups before the batch exists), with the pipeline or not.
+  # Each group's own advantage std (the pipeline trains groups before the batch exists), with the pipeline or not;
+  # DiffusionNFT as its references: the batch's std, so the update waits for the step's batch (no pipeline).
+  if [[ "$ALGO" == diffusion_nft ]]; then PIPELINE="${PIPELINE:-false}" GLOBAL_STD="${GLOBAL_STD:-true}"; fi
   CPU_RECIPE=(trainer.val_before_train=True data.val_batch_size="$NUM_VAL"
+              actor_rollout_ref.rollout.val_kwargs.n="$VAL_N"
               actor_rollout_ref.hybrid_engine="${HYBRID:-false}" async_reward.update_pipeline="${PIPELINE:-true}"
-              algorithm.global_std=false
+              algorithm.global_std="${GLOBAL_STD:-false}"
               +reward.custom_reward_function.reward_kwargs.intra_op_num_threads="${OCR_THREADS:-1}"
               actor_rollout_ref.rollout.pipeline.vae_slicing=false
               trainer.log_timeline_freq="${TIMELINE_FREQ:-$STEPS}")
@@ -139,9 +147,15 @@ case "$ALGO" in
   diffusion_nft)
     # verl-omni's DiffusionNFT keys (examples/diffusionnft_trainer/qwen_image/run_qwen_image_ocr_lora.sh), values
     # tuned on the CPU main job (docs/diffusion_nft.md, "Learning"); the SDE window keys are not read.
-    # On the tiny renderer: lr 3e-3 and half the steps per sample, tuned (bench/results/loss_learning.json); on real
-    # weights the recipe's lr and all 10 steps, as verl-omni's recipe.
-    [[ "$MODEL_PATH" == tiny:* ]] && NFT_LR="${NFT_LR:-3e-3}" && TIMESTEP_FRACTION="${TIMESTEP_FRACTION:-0.5}"
+    # On the tiny renderer the references' settings scaled to the job (docs/diffusion_nft.md, "Learning"): all 10
+    # steps per sample, the batch's std (above), 2 optimizer steps per step of 8 prompts (mini-batches of 4), the
+    # old policy copied for 5 steps then decayed (delayed_linear_to_0_999 15x faster), lr from a sweep
+    # (bench/results/nft_sweep.json); on real weights verl-omni's recipe.
+    if [[ "$MODEL_PATH" == tiny:* ]]; then
+      NFT_LR="${NFT_LR:-1e-2}"
+      MINI_BATCH="${MINI_BATCH:-4}"
+      OLD_DECAY_SCHEDULE="${OLD_DECAY_SCHEDULE:-delayed_linear_to_0_999_x15}"
+    fi
     LR="${NFT_LR:-$LR}"
     NFT_GPU=()
     if [[ "$MODEL_PATH" != tiny:* ]]; then

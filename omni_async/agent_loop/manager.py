@@ -32,6 +32,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -96,6 +97,80 @@ class _Gate:
                 fut.set_result(None)
 
 
+class Stopwatch:
+    """Seconds while running, added up until taken (on the agent loop)."""
+
+    def __init__(self, running: bool):
+        self._since: float | None = time.perf_counter() if running else None
+        self._s = 0.0
+
+    def start(self, now: float) -> None:
+        if self._since is None:
+            self._since = now
+
+    def stop(self, now: float) -> None:
+        if self._since is not None:
+            self._s += now - self._since
+            self._since = None
+
+    def take(self) -> float:
+        """The seconds run since the last take (a running watch keeps running)."""
+        now = time.perf_counter()
+        s = self._s + (now - self._since if self._since is not None else 0.0)
+        self._s = 0.0
+        if self._since is not None:
+            self._since = now
+        return s
+
+
+@dataclass
+class AgentLoopMetrics:
+    """The agent loop's counters, one object, touched on the loop only: per-step counts (reset by
+    :meth:`take_step`), the requests out (the rollout idle while none is, fully async's rollouter idle ratio) and the
+    requests out at lent trainer devices (their busy time counts as rollout work)."""
+
+    regenerated: int = 0  # generations asked again of another worker after a worker died
+    resumed: int = 0  # continuations of interrupted responses (partial rollout)
+    discarded: int = 0  # generations thrown away in flight and started again
+    lent_samples: int = 0  # samples a lent trainer device made
+    requeued: int = 0  # requests a trainer device gave back when it went back to training (unstarted, or discarded)
+    lent_continued: int = 0  # text responses a lent device stopped (continued on a rollout worker)
+    requests_out: int = 0
+    lent_requests: int = 0
+    idle: Stopwatch = field(default_factory=lambda: Stopwatch(running=True))
+    lent_busy: Stopwatch = field(default_factory=lambda: Stopwatch(running=False))
+
+    def request_out(self, change: int) -> None:
+        now = time.perf_counter()
+        if self.requests_out == 0:
+            self.idle.stop(now)
+        self.requests_out += change
+        if self.requests_out == 0:
+            self.idle.start(now)
+
+    def lent_request(self, change: int) -> None:
+        now = time.perf_counter()
+        if self.lent_requests == 0 and change > 0:
+            self.lent_busy.start(now)
+        self.lent_requests += change
+        if self.lent_requests == 0:
+            self.lent_busy.stop(now)
+
+    def take_step(self) -> dict[str, float]:
+        """This step's counts (the metrics' names), reset."""
+        m = {
+            "rollout/regenerated": float(self.regenerated),
+            "rollout/resumed": float(self.resumed),
+            "rollout/discarded_at_sync": float(self.discarded),
+            "separate_async/switch/lent_samples": float(self.lent_samples),
+            "separate_async/switch/requeued": float(self.requeued),
+            "separate_async/switch/continued": float(self.lent_continued),
+        }
+        self.regenerated = self.resumed = self.discarded = 0
+        self.lent_samples = self.requeued = self.lent_continued = 0
+        return m
+
+
 class AgentLoopManager:
     def __init__(
         self,
@@ -118,9 +193,7 @@ class AgentLoopManager:
         self.down = [False] * len(self.workers)
         self.restore_worker, self.restartable = restore_worker, restartable
         self.post_process = post_process
-        self.regenerated = 0  # per step; reset by reset_step_counters
-        self.resumed = 0  # continuations of interrupted responses (partial rollout), per step
-        self.discarded = 0  # generations thrown away in flight and started again, per step
+        self.counts = AgentLoopMetrics()  # every counter of the loop (on the loop)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="agent-loop", daemon=True)
         self._thread.start()
@@ -131,22 +204,11 @@ class AgentLoopManager:
         self._base_capacity = int(max_generating or 0)
         self._per_worker = int(max_generating or 0) // max(1, len(self.workers))
         self._revived: asyncio.Condition = self.on_loop(asyncio.Condition)
-        # Rollout idle time: while no generation request is out at any worker (fully async's rollouter idle ratio).
-        self._requests_out = 0
-        self._idle_since: float | None = time.perf_counter()
-        self._idle_s = 0.0
         self._out = [0] * len(self.workers)  # requests out at each rollout worker
         # Trainer devices lent to generation (the disaggregated layout's switch, trainer.layout.Disaggregated): new
         # requests go to them too while they are here; their busy time (a request out at one) counts as rollout work.
         self.lent: list[Any] = []
         self._lent_out: dict[int, int] = {}  # id(handle) -> requests out
-        self._lent_requests = 0
-        self._lent_busy_since: float | None = None
-        self._lent_busy_s = 0.0
-        self.lent_samples = 0  # per step: samples a lent trainer device made (reset by step_metrics)
-        # per step: requests a trainer device gave back when it went back to training (unstarted, or discarded)
-        self.requeued = 0
-        self.lent_continued = 0  # per step: text responses a lent device stopped (continued on a rollout worker)
 
     def call(self, coro):
         """Run a coroutine on the agent loop and wait for its result."""
@@ -165,17 +227,7 @@ class AgentLoopManager:
         """This step's rollout and reward-queue counters; resets the per-step ones."""
 
         def read():
-            m = {
-                "rollout/regenerated": float(self.regenerated),
-                "rollout/resumed": float(self.resumed),
-                "rollout/discarded_at_sync": float(self.discarded),
-                "rollout/workers_down": float(sum(bool(d) for d in self.down)),
-                "separate_async/switch/lent_samples": float(self.lent_samples),
-                "separate_async/switch/requeued": float(self.requeued),
-                "separate_async/switch/continued": float(self.lent_continued),
-            }
-            self.regenerated = self.resumed = self.discarded = 0
-            self.lent_samples = self.requeued = self.lent_continued = 0
+            m = {**self.counts.take_step(), "rollout/workers_down": float(sum(bool(d) for d in self.down))}
             if self.dispatcher is not None:
                 m.update(self.dispatcher.metrics())
                 self.dispatcher.reset_step_counters()
@@ -186,28 +238,17 @@ class AgentLoopManager:
     def take_idle_s(self) -> float:
         """Seconds since the last call during which no generation request was out at any rollout worker."""
 
-        def read() -> float:
-            now = time.perf_counter()
-            idle = self._idle_s + (now - self._idle_since if self._idle_since is not None else 0.0)
-            self._idle_s = 0.0
-            if self._idle_since is not None:
-                self._idle_since = now
-            return idle
-
-        return self.on_loop(read)
+        return self.on_loop(self.counts.idle.take)
 
     def take_lent_busy_s(self) -> float:
         """Seconds since the last call during which a request was out at a lent trainer device."""
 
-        def read() -> float:
-            now = time.perf_counter()
-            busy = self._lent_busy_s + (now - self._lent_busy_since if self._lent_busy_since is not None else 0.0)
-            self._lent_busy_s = 0.0
-            if self._lent_busy_since is not None:
-                self._lent_busy_since = now
-            return busy
+        return self.on_loop(self.counts.lent_busy.take)
 
-        return self.on_loop(read)
+    @property
+    def regenerated(self) -> int:
+        """Generations asked again of another worker this step (``counts.regenerated``; tests read it)."""
+        return self.counts.regenerated
 
     # ---- trainer devices lent to generation -------------------------------------------------------------------
     def lend(self, handles: list[Any]) -> None:
@@ -240,14 +281,8 @@ class AgentLoopManager:
         return h if self._lent_out.get(id(h), 0) < self._out[w] else None
 
     def _lent_request(self, h: Any, change: int) -> None:
-        now = time.perf_counter()
         self._lent_out[id(h)] = self._lent_out.get(id(h), 0) + change
-        if self._lent_requests == 0 and change > 0:
-            self._lent_busy_since = now
-        self._lent_requests += change
-        if self._lent_requests == 0 and self._lent_busy_since is not None:
-            self._lent_busy_s += now - self._lent_busy_since
-            self._lent_busy_since = None
+        self.counts.lent_request(change)
 
     async def run_group(
         self,
@@ -329,15 +364,6 @@ class AgentLoopManager:
             kwargs["version"] = version
         return await self._generate_on_a_worker(s, kwargs)
 
-    def _request_out(self, change: int) -> None:
-        now = time.perf_counter()
-        if self._requests_out == 0 and self._idle_since is not None:
-            self._idle_s += now - self._idle_since
-            self._idle_since = None
-        self._requests_out += change
-        if self._requests_out == 0:
-            self._idle_since = now
-
     async def _generate_on_a_worker(self, s: Sample, kwargs: dict) -> Generation:
         """The sample's generation; an interrupted text response (partial rollout) is asked for again until it is
         finished. The answer carries the first part's version (the oldest) and start time."""
@@ -353,7 +379,7 @@ class AgentLoopManager:
                 self._lent_request(lent, +1)
             else:
                 self._out[w] += 1
-                self._request_out(+1)
+                self.counts.request_out(+1)
             try:
                 worker = lent if lent is not None else self.workers[w]
                 gen = await worker.generate.remote(s.row.prompt, s.seed, s.window, **kwargs, **resume)
@@ -365,7 +391,7 @@ class AgentLoopManager:
                     raise
                 # The worker died with this request in flight: generate it again elsewhere (same seed, same
                 # weights version -> the same sample) while Ray restarts the dead one.
-                self.regenerated += 1
+                self.counts.regenerated += 1
                 if lent is not None:
                     self._lent_died(lent)
                 elif not self.down[w]:
@@ -383,15 +409,15 @@ class AgentLoopManager:
                     self._lent_request(lent, -1)
                 else:
                     self._out[w] -= 1
-                    self._request_out(-1)
+                    self.counts.request_out(-1)
             if gen.result is None:  # withdrawn by a trainer device going back to training: ask again
-                self.requeued += 1
-                self.discarded += gen.discarded  # it had started: its work so far is thrown away
+                self.counts.requeued += 1
+                self.counts.discarded += gen.discarded  # it had started: its work so far is thrown away
                 continue
             s.lent = lent is not None
             if s.lent:
-                self.lent_samples += not gen.result.unfinished
-                self.lent_continued += bool(gen.result.unfinished)
+                self.counts.lent_samples += not gen.result.unfinished
+                self.counts.lent_continued += bool(gen.result.unfinished)
             if first is None:
                 first = gen
                 s.version = gen.version  # the oldest weights in it, known before the rest generates
@@ -402,7 +428,7 @@ class AgentLoopManager:
                 first = Generation(gen.result, s.version, first.gen_start, gen.gen_end)
             if not gen.result.unfinished:
                 return first
-            self.resumed += 1
+            self.counts.resumed += 1
 
     def _lent_died(self, handle: Any) -> None:
         """A lent trainer rank died with requests in flight: they are generated again on the rollout workers; the

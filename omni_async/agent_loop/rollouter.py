@@ -241,6 +241,12 @@ class Rollouter:
                 return n
             await self._changed()
 
+    def apply(self, settings: ProducerSettings) -> None:
+        """On the loop: go on under ``settings`` (another mode with the same groups per step), keeping the groups
+        already started (a lock-step draw started under version v stays v's); waiters re-check at once."""
+        self.settings, self.cap, self.bound = settings, int(settings.cap), int(settings.bound)
+        self._notify()
+
     async def on_sync(self, version: int) -> None:
         """The rollout workers hold ``version`` now: a new window starts with the groups left from the last."""
         self.rollout_version = int(version)

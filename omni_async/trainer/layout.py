@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import ray
 from omegaconf import DictConfig, OmegaConf
 
+from omni_async.agent_loop.producer import Producer
 from omni_async.cluster import rollout_pool_size
 from omni_async.config_error import check as _check
 from omni_async.modality import modality_of
@@ -107,10 +108,10 @@ class Layout:
     async def restore(self, worker: Any) -> None:
         """Give a restarted rollout worker the newest weights (it came back with the initial ones)."""
 
-    def collect(self, agent: Any, rollouter: Any, step: int, n: int, among: int, timer: Timer) -> list[Any]:
-        """Step ``step``'s next ``n`` groups from the producer (``Rollouter.take``, on the agent loop). The
-        disaggregated layout may lend its trainer devices to generation meanwhile (``hybrid_rollout``)."""
-        return agent.call(rollouter.take(step, n, among))
+    def collect(self, producer: Producer, step: int, n: int, among: int, timer: Timer) -> list[Any]:
+        """Step ``step``'s next ``n`` groups from the producer (``Producer.take``). The disaggregated layout may lend
+        its trainer devices to generation meanwhile (``hybrid_rollout``)."""
+        return producer.take(step, n, among)
 
     def step_metrics(self, agent: Any) -> dict[str, float]:
         """The layout's own metrics of the step (the switch's), read once per step."""
@@ -217,20 +218,20 @@ class Disaggregated(Layout):
         await self.pool_sync.restore(worker)
 
     # ---- the switch: trainer devices lend a hand to generation ---------------------------------------------------
-    def collect(self, agent: Any, rollouter: Any, step: int, n: int, among: int, timer: Timer) -> list[Any]:
+    def collect(self, producer: Producer, step: int, n: int, among: int, timer: Timer) -> list[Any]:
         if self.switch is None:
-            return super().collect(agent, rollouter, step, n, among, timer)
+            return super().collect(producer, step, n, among, timer)
         if step != self._decided:  # verl switches at step boundaries: once per step, before its first take
             self._decided = step
-            self._lend_if_worth_it(agent, rollouter, step, timer)
-        short = max(0, n - agent.on_loop(lambda: rollouter.sampleable(step)))
+            self._lend_if_worth_it(producer, step, timer)
+        short = max(0, n - producer.sampleable(step))
         t0 = time.perf_counter()
-        groups = super().collect(agent, rollouter, step, n, among, timer)
+        groups = super().collect(producer, step, n, among, timer)
         self.switch.record_take(time.perf_counter() - t0, short)
         return groups
 
-    def _lend_if_worth_it(self, agent: Any, rollouter: Any, step: int, timer: Timer) -> None:
-        sampleable, waiting = agent.on_loop(lambda: (rollouter.sampleable(step), agent.waiting_for_device()))
+    def _lend_if_worth_it(self, producer: Producer, step: int, timer: Timer) -> None:
+        sampleable, waiting = producer.switch_inputs(step)
         decision = self.switch.decide(sampleable, waiting)
         self._metrics.update(decision.metrics)
         for key in ("switch_to_rollout", "switch_wait", "switch_to_trainer"):  # verl reports 0 on steps without
@@ -241,16 +242,16 @@ class Disaggregated(Layout):
         t0 = time.perf_counter()
         with timer("switch_to_rollout"):
             ray.get([w.lend.remote(step) for w in ranks])  # the weights trained so far: version `step`
-            agent.on_loop(lambda: agent.lend(ranks))
+            producer.lend(ranks)
         t1 = time.perf_counter()
         logger.info("step %d: trainer ranks lent to generation until %d groups can train", step, decision.threshold)
         try:
             with timer("switch_wait"):
-                got = agent.call(rollouter.wait_sampleable(step, decision.threshold))
+                got = producer.wait_sampleable(step, decision.threshold)
         finally:
             t2 = time.perf_counter()
             with timer("switch_to_trainer"):
-                agent.on_loop(agent.stop_lending)
+                producer.stop_lending()
                 back = ray.get([w.reclaim.remote() for w in ranks])  # a dead rank raises: ActorRankDiedError
             t3 = time.perf_counter()
         self.switch.record_costs(t1 - t0, t3 - t2)

@@ -33,6 +33,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from omni_async.agent_loop.draws import SEED_VALIDATION, Draws, sample_seed
 from omni_async.agent_loop.manager import AgentLoopManager, RolloutWorkersLostError
+from omni_async.agent_loop.producer import Producer
 from omni_async.agent_loop.rollouter import Group, Rollouter
 from omni_async.algos.sde import sde_window
 from omni_async.cluster import init_ray, reward_pool_size
@@ -122,7 +123,9 @@ class RLTrainer:
         )
         self.layout.on_death = self.agent.worker_died
         self.ops = StepOps(cfg, self.modality, self.reward, self.placement.actor_wg, self.latest_checkpoint)
-        self.rollouter: Rollouter | None = None  # started at the first step (after a resume: at its position)
+        # The trainer's handle on the rollouter (on the agent loop): started at the first step (after a resume: at
+        # its position).
+        self.producer: Producer | None = None
         self.resume_position: dict | None = None
         self.rollout_version = 0  # the weights version the rollout workers hold
         self.pictures = ThreadPoolExecutor(1, thread_name_prefix="pictures")  # never on the training path
@@ -143,6 +146,18 @@ class RLTrainer:
         )
 
     # ---- the producer -----------------------------------------------------------------------------------------
+    @property
+    def rollouter(self) -> Rollouter | None:
+        """The running rollouter, for tests that inspect it on the agent loop (the trainer goes through
+        :attr:`producer`)."""
+        return self.producer.rollouter if self.producer is not None else None
+
+    @rollouter.setter
+    def rollouter(self, value: None) -> None:
+        if value is not None:  # a rollouter is started through Producer.start, never set from outside
+            raise ValueError("only None: forget the stopped producer")
+        self.producer = None
+
     def sync_weights(self, version: int) -> None:
         """Make ``version`` the rollout's weights at once (the start of a run, or a test's)."""
         self.layout.sync(version)
@@ -153,43 +168,34 @@ class RLTrainer:
         pos = self.resume_position or {}
         if pos.get("sampler") is not None:
             self.sampler.load_state_dict(pos["sampler"])
-        self.rollouter = self.agent.on_loop(
-            lambda: Rollouter(
-                self.agent,
-                self.draws,
-                self.mode.producer,
-                groups_to_train=(self.total_steps - step) * self.mode.groups_per_step,
-                rollout_version=self.rollout_version,
-                first_draw=int(pos.get("draw", 0)),
-                finished=pos.get("finished"),
-            )
+        self.producer = Producer.start(
+            self.agent,
+            self.draws,
+            self.mode.producer,
+            groups_to_train=(self.total_steps - step) * self.mode.groups_per_step,
+            rollout_version=self.rollout_version,
+            first_draw=int(pos.get("draw", 0)),
+            finished=pos.get("finished"),
         )
-        self.agent.call(self.rollouter.start())
         self._t_metrics = time.perf_counter()
 
     def set_mode(self, mode: Mode) -> None:
         """Go on in another mode with the same groups per step (tests, benchmarks): the producer takes the new
         settings in place, keeping the groups it has started (a lock-step draw started under version v stays v's)."""
         self.mode = mode
-
-        def apply() -> None:
-            r = self.rollouter
-            r.settings, r.cap, r.bound = mode.producer, mode.cap, mode.bound
-            r._notify()
-
-        if self.rollouter is not None:
-            self.agent.on_loop(apply)
+        if self.producer is not None:
+            self.producer.set_settings(mode.producer)
 
     def _take(self, step: int, n: int, among: int, timer: Timer) -> list[Group]:
         """The step's next groups, through the layout (which may lend the trainer devices to generation meanwhile)."""
         try:
-            return self.layout.collect(self.agent, self.rollouter, step, n, among, timer)
+            return self.layout.collect(self.producer, step, n, among, timer)
         except RolloutWorkersLostError as e:
             if self.layout.rollout_is_actor:  # the rollout workers are the actor ranks
-                raise self.ops._rank_died("rollout", e) from e
+                raise self.ops.rank_died("rollout", e) from e
             raise
         except (RayActorError, ActorUnavailableError) as e:  # a trainer rank lent to generation died
-            raise self.ops._rank_died("generation on a lent trainer device", e) from e
+            raise self.ops.rank_died("generation on a lent trainer device", e) from e
 
     def after_update(self, step: int, timer: Timer) -> None:
         """Every sync period, the new weights to the rollout and a new production window. Staged beside generation
@@ -201,22 +207,22 @@ class RLTrainer:
         quiet = self.layout.sync_needs_idle_rollout or (self.mode.lock_step and not self.layout.stages)
         if quiet:
             with timer("wait_next_rollout"):
-                self.agent.call(self.rollouter.quiesce())
+                self.producer.quiesce()
         # Staged (written in before the first request for it) only while a draw generates beside it; with nothing in
         # flight in lock-step the set is written at once, so the rollout holds the newest weights between steps.
-        activate = quiet or (self.mode.lock_step and not self.agent.on_loop(lambda: len(self.rollouter.live)))
+        activate = quiet or (self.mode.lock_step and not self.producer.live_groups())
         with timer("update_weights"):  # verl's name; timing_s/weight_sync is this project's first name for it
             self.layout.sync(version, activate=activate)
         timer.timing["timing_s/weight_sync"] = timer.timing["timing_s/update_weights"]
         self.rollout_version = version
         self.ops.weights_synced()
-        self.agent.call(self.rollouter.on_sync(version))
+        self.producer.publish(version)
 
     def producer_metrics(self, step_s: float, waited_s: float) -> dict[str, float]:
         """The rollouter's counters and both pools' idle shares (verl's fully async names)."""
         now = time.perf_counter()
         wall, self._t_metrics = now - self._t_metrics, now
-        m = self.agent.on_loop(self.rollouter.metrics)
+        m = self.producer.metrics()
         now_dropped = (
             m["fully_async/count/dropped_stale_samples"],
             m.pop("fully_async/count/dropped_staleness_sum"),
@@ -264,7 +270,7 @@ class RLTrainer:
     def train_step(self, step: int) -> tuple[dict[str, float], list[Sample]]:
         timer = Timer()
         with timer("step"):
-            if self.rollouter is None:
+            if self.producer is None:
                 self._start_producer(step)
             groups, samples, loss_mask, actor_metrics = update(
                 self.ops,
@@ -373,8 +379,8 @@ class RLTrainer:
         run makes those draws again and regenerates the rest from their seeds, with the checkpoint's weights)."""
         path = self._ckpt_dir(step)
         self.placement.actor_wg.save_checkpoint(str(path))
-        if self.rollouter is not None:
-            position = self.agent.on_loop(self.rollouter.position)
+        if self.producer is not None:
+            position = self.producer.position()
         else:
             position = {"draw": step, "sampler": self.sampler.state_dict(), "finished": {}}
         # Written last and atomically: its presence marks the checkpoint complete (a kill before leaves the last one).
@@ -450,9 +456,9 @@ class RLTrainer:
 
     def close(self) -> None:
         """Stop the producer and the agent loop; wait for the pictures still being drawn. Idempotent."""
-        if self.rollouter is not None:
-            self.agent.call(self.rollouter.stop())
-            self.rollouter = None
+        if self.producer is not None:
+            self.producer.stop()
+            self.producer = None
         if self.agent.loop.is_running():
             self.agent.shutdown()
         self.pictures.shutdown(wait=True)

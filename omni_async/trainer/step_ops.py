@@ -308,10 +308,10 @@ class StepOps:
         try:
             return getattr(self.actor_wg, method)(data)  # the ranks' shares, merged (trainer.data_parallel)
         except RayActorError as e:
-            raise self._rank_died(method, e) from e
+            raise self.rank_died(method, e) from e
         except RayTaskError as e:  # with data parallelism a dead rank fails the others' collective first
             if self._a_rank_is_dead():
-                raise self._rank_died(method, e) from e
+                raise self.rank_died(method, e) from e
             raise
 
     def _a_rank_is_dead(self) -> bool:
@@ -324,7 +324,7 @@ class StepOps:
                 pass
         return False
 
-    def _rank_died(self, during: str, e: Exception) -> ActorRankDiedError:
+    def rank_died(self, during: str, e: Exception) -> ActorRankDiedError:
         ckpt = self.last_checkpoint()
         return ActorRankDiedError(
             f"an actor rank died during {during} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); its "

@@ -214,7 +214,7 @@ def test_off_policy_drops_are_counted_per_step_with_their_staleness(monkeypatch)
         _idle=[],
         _dropped_before=(0.0, 0.0, 0.0),
         agent=SimpleNamespace(on_loop=lambda f: f(), take_idle_s=lambda: 0.0),
-        rollouter=SimpleNamespace(metrics=rollouter_metrics),
+        producer=SimpleNamespace(metrics=rollouter_metrics),  # the trainer reads them through Producer.metrics
     )
     rows = [RLTrainer.producer_metrics(trainer, 1.0, 0.0) for _ in range(4)]
     assert [r["training/off_policy/dropped_samples"] for r in rows] == [0, 3, 0, 2]

@@ -104,6 +104,17 @@ def gradient_checkpointing(model: dict[str, Any], device: str) -> bool:
     return device.startswith("cuda") if flag is None else bool(flag)
 
 
+def plain_dict(node: Any) -> dict[str, Any]:
+    """A config mapping (an OmegaConf node or a dict holding some) as plain nested dicts; ``None``: ``{}``."""
+    from omegaconf import OmegaConf
+
+    if node is None:
+        return {}
+    if OmegaConf.is_config(node):
+        return OmegaConf.to_container(node, resolve=True)
+    return {k: plain_dict(v) if isinstance(v, dict) or OmegaConf.is_config(v) else v for k, v in node.items()}
+
+
 def trainable_kwargs(model: dict[str, Any], device: str, dtype: torch.dtype) -> dict[str, Any]:
     """The policy constructors' shared arguments, from ``actor_rollout_ref.model`` and the worker's device."""
     return dict(
@@ -113,6 +124,7 @@ def trainable_kwargs(model: dict[str, Any], device: str, dtype: torch.dtype) -> 
         device=device,
         dtype=dtype,
         gradient_checkpointing=gradient_checkpointing(model, device),
+        override_config=plain_dict(model.get("override_config")),
     )
 
 

@@ -34,7 +34,8 @@ from omni_async.models.experts import boundary_timestep, low_noise_steps, traine
 from omni_async.models.loading import pipeline_load_kwargs
 from omni_async.models.lora import PolicyOptions, TrainableModule
 from omni_async.models.offload import HostOffload
-from omni_async.models.tiny import resolve_model_path
+from omni_async.models.random_models import build_pipeline
+from omni_async.models.tiny import is_random, resolve_model_path
 from omni_async.sample import ImageResult
 
 
@@ -362,7 +363,8 @@ class DiffusionPolicy(TrainableModule):
     def __init__(
         self, model_path: Any, sampling: SamplingConfig, *, trainable_dtype: torch.dtype | None = None, **options: Any
     ):
-        """``model_path``: a local directory, hub id or ``tiny:<name>``, or an already built pipeline whose weights
+        """``model_path``: a local directory, hub id, ``tiny:<name>`` or ``random:<family>`` (built with random weights
+        on ``device``, its configs changed by ``override_config``: ``models.random_models``), or an already built pipeline whose weights
         are in ``dtype`` (``bench/gpu_step.py`` builds the real Qwen-Image architecture with random weights, which
         no directory holds). ``options``: :class:`~omni_async.models.lora.PolicyOptions`; its ``dtype`` is the frozen
         weights' dtype (``fsdp_config.model_dtype``), which the transformer computes in. The trainable weights (LoRA,
@@ -376,7 +378,14 @@ class DiffusionPolicy(TrainableModule):
         device, dtype = opts.device, opts.dtype
         if isinstance(model_path, DiffusionPipeline):
             self.pipe = model_path.to(device)
+        elif is_random(model_path):  # the published architecture, random weights built on the device (random_models)
+            self.pipe = build_pipeline(model_path, opts.override_config, device, dtype)
         else:
+            if opts.override_config:
+                raise ValueError(
+                    f"actor_rollout_ref.model.override_config changes a random:<family> architecture; "
+                    f"{model_path!r} loads as saved: drop override_config, or use random:<family>"
+                )
             self.pipe = DiffusionPipeline.from_pretrained(
                 resolve_model_path(model_path), **pipeline_load_kwargs(device, dtype)
             )

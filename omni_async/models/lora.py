@@ -119,6 +119,9 @@ class PolicyOptions:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32  # the frozen weights' (fsdp_config.model_dtype)
     gradient_checkpointing: bool = False
+    # verl's model.override_config: a random:<family> pipeline's per-component configs (models.random_models), a
+    # causal LM's Hugging Face config keys (verl's meaning)
+    override_config: dict | None = None
 
 
 class TrainableModule:

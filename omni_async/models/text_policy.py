@@ -60,6 +60,25 @@ def length_budget(seed: int, response_length: int, alpha: float | None) -> int:
     return max(1, min(int(response_length), int(round(response_length * x / LONG_TAIL_SPREAD))))
 
 
+def hf_config_overrides(path: str, override: dict | None) -> dict[str, Any]:
+    """verl's ``actor_rollout_ref.model.override_config`` for a causal LM: Hugging Face config keys set over the
+    checkpoint's (``from_pretrained(path, config=...)``); a key the config does not have is refused by name."""
+    if not override:
+        return {}
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    unknown = [k for k in override if not hasattr(config, k)]
+    if unknown:
+        raise ValueError(
+            f"actor_rollout_ref.model.override_config: {type(config).__name__} has no key {', '.join(unknown)} "
+            "(verl's meaning for a text model: keys of the model's Hugging Face config.json)"
+        )
+    for k, v in override.items():
+        setattr(config, k, v)
+    return {"config": config}
+
+
 class TextPolicy(TrainableModule):
     def __init__(self, model_path: str, sampling: TextSamplingConfig, **options: Any):
         """``options``: :class:`~omni_async.models.lora.PolicyOptions` (LoRA, device, frozen weights' dtype)."""
@@ -68,7 +87,9 @@ class TextPolicy(TrainableModule):
         opts = PolicyOptions(**options)
         path = resolve_model_path(model_path)
         self.tok = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, **causal_lm_load_kwargs(opts.device, opts.dtype))
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, **hf_config_overrides(path, opts.override_config), **causal_lm_load_kwargs(opts.device, opts.dtype)
+        )
         self.model.requires_grad_(False)
         self.sampling = sampling
         self.eos_ids = eos_ids(self.model.generation_config.eos_token_id, self.tok)

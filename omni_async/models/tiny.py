@@ -2,9 +2,10 @@
 
 No model hub is reachable on CI or on the developer box, so tests and the default example use these.
 ``resolve_model_path("tiny:<name>")`` builds the model once (seeded, deterministic), saves it with the
-library's own ``save_pretrained`` and returns the directory; every later call is a cache hit. Anything
-that does not start with ``tiny:`` is a local path or hub id and is returned unchanged, so real
-checkpoints work through the same config key.
+library's own ``save_pretrained`` and returns the directory; every later call is a cache hit.
+``random:<family>`` (a published architecture with random weights, :mod:`omni_async.models.random_models`)
+resolves the same way to a directory of its tokenizers. Anything else is a local path or hub id and is
+returned unchanged, so real checkpoints work through the same config key.
 
 Cache root: ``$OMNI_ASYNC_CACHE`` (default ``~/.cache/omni_async``). Builds go to a temporary directory
 and are renamed into place, so several Ray actors resolving the same name at once never see a half-written
@@ -18,6 +19,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -415,17 +417,55 @@ TINY_BUILDERS: dict[str, Callable[[Path], None]] = {
 }
 
 
+RANDOM_PREFIX = "random:"
+# random:<family> (models.random_models: the published architecture, random weights) -> its tokenizers, by the
+# checkpoint's subfolder: the byte-level ones above (the text encoders keep the real vocabulary sizes).
+RANDOM_TOKENIZERS: dict[str, dict[str, Callable[[], object]]] = {
+    "qwen_image": {"tokenizer": build_qwen2_tokenizer},
+    "sd3.5_medium": {
+        "tokenizer": build_clip_tokenizer,
+        "tokenizer_2": build_clip_tokenizer,
+        "tokenizer_3": build_t5_tokenizer,
+    },
+    "wan2.1_t2v_1.3b": {"tokenizer": build_t5_tokenizer},
+    "wan2.2_ti2v_5b": {"tokenizer": build_t5_tokenizer},
+}
+
+
+def is_random(name_or_path: object) -> bool:
+    return str(name_or_path).startswith(RANDOM_PREFIX)
+
+
+def unknown_random_family(family: str) -> str:
+    known = ", ".join(RANDOM_PREFIX + f for f in RANDOM_TOKENIZERS)
+    return f"unknown random: family {family!r} (known: {known}); give one of those, a tiny:<name> or a model directory"
+
+
+def _build_random_tokenizers(family: str, out: Path) -> None:
+    """``random:<family>``'s cached directory: its byte-level tokenizers in the checkpoint's subfolders."""
+    for sub, builder in RANDOM_TOKENIZERS[family].items():
+        builder().save_pretrained(out / sub)
+
+
 def is_tiny(name_or_path: str) -> bool:
     return str(name_or_path).startswith(TINY_PREFIX)
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Turn ``tiny:<name>`` into a cached local directory (building it on first use); pass anything else through.
+    """Turn ``tiny:<name>`` into a cached local directory (building it on first use), and ``random:<family>`` into
+    the cached directory of that family's tokenizers (``models.random_models``: its weights are built on the device
+    by the policy, never saved); pass anything else through.
 
     >>> resolve_model_path("/models/Qwen-Image")
     '/models/Qwen-Image'
     """
     name_or_path = str(name_or_path)
+    if is_random(name_or_path):
+        family = name_or_path[len(RANDOM_PREFIX) :]
+        if family not in RANDOM_TOKENIZERS:
+            raise ValueError(f"{name_or_path!r}: {unknown_random_family(family)}")
+        target = cache_root() / "random" / f"{family}-{_BUILD_VERSION}"
+        return _cached(target, name_or_path, partial(_build_random_tokenizers, family))
     if not is_tiny(name_or_path):
         return name_or_path
     name = name_or_path[len(TINY_PREFIX) :]
@@ -435,16 +475,20 @@ def resolve_model_path(name_or_path: str) -> str:
             f"{', '.join(TINY_PREFIX + n for n in TINY_BUILDERS)} or give a local path"
         )
     version = f"{_BUILD_VERSION}-{_shipped_digest(name)}" if name in SHIPPED else _BUILD_VERSION
-    target = cache_root() / "tiny" / f"{name}-{version}"
+    return _cached(cache_root() / "tiny" / f"{name}-{version}", name_or_path, TINY_BUILDERS[name])
+
+
+def _cached(target: Path, label: str, builder: Callable[[Path], None]) -> str:
+    """``target`` built once by ``builder`` (seeded), into a temporary directory renamed into place."""
     if (target / ".complete").exists():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_SEED)
-            TINY_BUILDERS[name](tmp)
-        (tmp / ".complete").write_text(name_or_path)
+            builder(tmp)
+        (tmp / ".complete").write_text(label)
         try:
             os.rename(tmp, target)
         except OSError:

@@ -58,6 +58,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from omni_async.models.published import (  # noqa: F401  (build, QWEN_TARGETS, WAN_TARGETS: re-exported)
+    BF16,
+    MODELS,
+    QWEN_TARGETS,
+    WAN_TARGETS,
+    build,
+)
 from omni_async.tools.memory_layouts import (  # noqa: F401  (device_peak, recommend: this module's API too)
     DEVICES_GB,
     FRAGMENTATION,
@@ -69,7 +76,6 @@ from omni_async.tools.memory_layouts import (  # noqa: F401  (device_peak, recom
     recommend,
     rollout_worker_peak,
 )
-from omni_async.tools.model_configs import BF16, MODELS, QWEN_TARGETS, WAN_TARGETS  # noqa: F401  (re-exported)
 
 CONFIG = Path(__file__).resolve().parents[1] / "config" / "flowgrpo_trainer.yaml"
 
@@ -156,40 +162,6 @@ def flash_sdpa():
         yield
     finally:
         functional.scaled_dot_product_attention = original
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def build(
-    library: str, cls_name: str, config: dict, dtype: torch.dtype = BF16, device: str | torch.device = "meta"
-) -> torch.nn.Module:
-    """Instantiate a diffusers / transformers class from a config dict on the meta device (no storage), or on a real
-    ``device`` with the class's own random initialisation (``bench/gpu_step.py``). On a real device the weights are
-    created in ``dtype`` (the default dtype meanwhile, as diffusers' ``from_pretrained`` does), so a 20 B transformer
-    never exists in fp32 first."""
-    real = torch.device(device).type != "meta"
-    with torch.device(device), _default_dtype(dtype) if real else contextlib.nullcontext():
-        if library == "diffusers":
-            import diffusers
-
-            module = getattr(diffusers, cls_name)(**dict(config))
-        else:
-            import transformers
-
-            cls = getattr(transformers, cls_name)
-            cfg_cls = transformers.AutoConfig.for_model(cls.config_class.model_type).__class__
-            cfg = cfg_cls(**config)
-            cfg._attn_implementation = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"  # UMT5: eager
-            module = cls(cfg)
-    return module.to(dtype).eval().requires_grad_(False)
 
 
 @functools.cache

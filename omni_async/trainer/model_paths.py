@@ -25,7 +25,15 @@ from omegaconf import DictConfig
 
 from omni_async.config_error import ConfigError, ConfigErrors, check
 from omni_async.models import SUPPORTED_PIPELINES
-from omni_async.models.tiny import TINY_BUILDERS, TINY_PREFIX, is_tiny
+from omni_async.models.tiny import (
+    RANDOM_PREFIX,
+    RANDOM_TOKENIZERS,
+    TINY_BUILDERS,
+    TINY_PREFIX,
+    is_random,
+    is_tiny,
+    unknown_random_family,
+)
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 HUB_TIMEOUT_S = 10.0
@@ -37,6 +45,9 @@ def path_problem(path: str) -> str | None:
     if is_tiny(path):
         name = path[len(TINY_PREFIX) :]
         return None if name in TINY_BUILDERS else f"unknown tiny model (known: {', '.join(TINY_BUILDERS)})"
+    if is_random(path):
+        name = path[len(RANDOM_PREFIX) :]
+        return None if name in RANDOM_TOKENIZERS else unknown_random_family(name)
     local = Path(path).expanduser()
     if local.is_dir():
         return None
@@ -73,7 +84,7 @@ def pipeline_class(path: str) -> str | None:
     class), a hub id neither cached nor reachable, a checkpoint with no ``model_index.json`` (not a diffusers
     pipeline: loading it names what it is)."""
     path = str(path)
-    if is_tiny(path):
+    if is_tiny(path) or is_random(path):
         return None
     index = Path(path).expanduser() / "model_index.json"
     if not index.is_file():
@@ -127,6 +138,13 @@ def check_model_paths(cfg: DictConfig) -> None:
     for key, path in paths.items():
         problem = path_problem(path)
         check(problem is None, key, f"{path!r} does not resolve to a model: {problem}", _FIX)
+    check(
+        not is_random(paths.get("reward.reward_model.model_path", "")),
+        "reward.reward_model.model_path",
+        "random:<family> builds a diffusion policy's architecture, not a judge",
+        "give the judge's model directory or hub id (or tiny:qwen2_vl on CPU)",
+    )
+    _check_override_config(cfg.actor_rollout_ref.model)
     if cfg.actor_rollout_ref.model.modality == "image":
         problem = _pipeline_problem(cfg.actor_rollout_ref.model.path)
         check(
@@ -134,6 +152,41 @@ def check_model_paths(cfg: DictConfig) -> None:
             "actor_rollout_ref.model.path",
             str(problem),
             "use a Qwen-Image, SD3 / SD3.5 or Wan 2.1 / 2.2 diffusers checkpoint (or a tiny: model on CPU)",
+        )
+
+
+def _check_override_config(model: DictConfig) -> None:
+    """``actor_rollout_ref.model.override_config`` (verl's key): for a ``random:<family>`` policy every component and
+    key must be one its architecture has (``models.random_models``); a saved diffusion pipeline takes none; a text
+    model's keys are its Hugging Face config's (checked where the config is read, ``models.text_policy``)."""
+    from omegaconf import OmegaConf
+
+    override = OmegaConf.to_container(model.get("override_config") or OmegaConf.create({}), resolve=True)
+    key = "actor_rollout_ref.model.override_config"
+    if is_random(model.path):
+        check(
+            model.modality == "image",
+            "actor_rollout_ref.model.path",
+            "random:<family> sources are diffusion pipelines",
+            "set actor_rollout_ref.model.modality=image, or give a text model (e.g. tiny:qwen2)",
+        )
+        if path_problem(model.path) is None:
+            from omni_async.models.random_models import override_problems
+
+            problems = override_problems(str(model.path)[len(RANDOM_PREFIX) :], override)
+            check(
+                not problems,
+                key,
+                "; ".join(problems),
+                "use the component's own config keys, e.g. "
+                "++actor_rollout_ref.model.override_config.transformer.num_layers=1",
+            )
+    elif model.modality == "image":
+        check(
+            not override,
+            key,
+            f"changes a random:<family> architecture; {model.path!r} is loaded as saved",
+            "drop override_config, or use random:<family> (e.g. random:qwen_image) for a dry run",
         )
 
 

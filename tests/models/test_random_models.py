@@ -1,0 +1,87 @@
+"""random:<family> sources: the published architectures (models.published), shrunk by override_config, built on the
+meta device (nothing large is allocated); unknown families and keys refused at start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from omni_async.config_error import ConfigError
+from omni_async.models.published import PUBLISHED
+from omni_async.models.random_models import build_pipeline, override_problems
+from omni_async.models.tiny import RANDOM_TOKENIZERS
+from omni_async.trainer.model_paths import check_model_paths, path_problem
+
+CASES = {
+    "sd3.5_medium": (
+        {"transformer": {"num_layers": 2}, "text_encoder_3": {"num_layers": 1}},
+        "StableDiffusion3Pipeline",
+    ),
+    "wan2.1_t2v_1.3b": ({"transformer": {"num_layers": 1}, "text_encoder": {"num_layers": 1}}, "WanPipeline"),
+    "wan2.2_ti2v_5b": ({"transformer": {"num_layers": 1}, "text_encoder": {"num_layers": 1}}, "WanPipeline"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_family_builds_its_published_architecture_shrunk_by_override_config(family):
+    override, pipeline = CASES[family]
+    pipe = build_pipeline(f"random:{family}", override, device="meta", dtype=torch.bfloat16)
+    assert type(pipe).__name__ == pipeline
+    tr = PUBLISHED[family]["transformer"][2]
+    # the override's layer counts, every other size the published config's
+    assert (
+        len(pipe.transformer.transformer_blocks if family.startswith("sd") else pipe.transformer.blocks)
+        == (override["transformer"]["num_layers"])
+    )
+    assert pipe.transformer.config.num_attention_heads == tr["num_attention_heads"]
+    assert pipe.transformer.config.in_channels == tr["in_channels"]
+    enc_name = "text_encoder_3" if family.startswith("sd") else "text_encoder"
+    enc, published = getattr(pipe, enc_name), PUBLISHED[family][enc_name][2]
+    assert enc.config.num_layers == 1 and enc.config.d_model == published["d_model"] == 4096
+    assert enc.get_input_embeddings().num_embeddings == published["vocab_size"]  # the real tokenizer's vocabulary
+    assert all(p.device.type == "meta" and p.dtype == torch.bfloat16 for p in pipe.transformer.parameters())
+    if family == "sd3.5_medium":
+        assert pipe.text_encoder_2.config.num_hidden_layers == 32 and pipe.text_encoder_2.config.hidden_size == 1280
+    if family == "wan2.2_ti2v_5b":
+        assert pipe.vae.config.z_dim == 48 and pipe.config.expand_timesteps
+
+
+def test_qwen_image_override_keys_of_the_acceptance_run():
+    override = {"transformer": {"num_layers": 1}, "text_encoder": {"text_config": {"num_hidden_layers": 1}}}
+    pipe = build_pipeline("random:qwen_image", override, device="meta", dtype=torch.bfloat16)
+    assert len(pipe.transformer.transformer_blocks) == 1
+    text = pipe.text_encoder.config.text_config
+    assert text.num_hidden_layers == 1 and text.hidden_size == 3584 and text.vocab_size == 152064
+    assert pipe.transformer.config.joint_attention_dim == 3584
+
+
+def test_unknown_component_and_keys_are_named():
+    problems = override_problems(
+        "qwen_image", {"transformer": {"num_layer": 1}, "text_encoder": {"text_config": {"depth_x": 1}}, "unet": {}}
+    )
+    assert any("override_config.transformer.num_layer" in p and "num_layers" in p for p in problems)
+    assert any("override_config.text_encoder.text_config.depth_x" in p for p in problems)
+    assert any("override_config.unet" in p and "transformer, text_encoder, vae" in p for p in problems)
+    assert override_problems("qwen_image", {"transformer": {"num_layers": 1}}) == []
+
+
+def _cfg(path, modality="image", override=None):
+    return OmegaConf.create(
+        {
+            "actor_rollout_ref": {"model": {"path": path, "modality": modality, "override_config": override or {}}},
+            "reward": {"reward_model": {"model_path": None}},
+        }
+    )
+
+
+def test_start_check_refuses_unknown_family_and_keys_and_override_on_saved_pipelines():
+    assert path_problem("random:qwen_image") is None
+    assert set(RANDOM_TOKENIZERS) == set(PUBLISHED)
+    with pytest.raises(ConfigError, match="known: random:qwen_image, random:sd3.5_medium"):
+        check_model_paths(_cfg("random:flux"))
+    with pytest.raises(ConfigError, match="override_config.transformer.layers"):
+        check_model_paths(_cfg("random:qwen_image", override={"transformer": {"layers": 1}}))
+    with pytest.raises(ConfigError, match="drop override_config, or use random:<family>"):
+        check_model_paths(_cfg("tiny:qwen_image", override={"transformer": {"num_layers": 1}}))
+    check_model_paths(_cfg("random:wan2.2_ti2v_5b", override={"transformer": {"num_layers": 1}}))

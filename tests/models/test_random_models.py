@@ -85,3 +85,53 @@ def test_start_check_refuses_unknown_family_and_keys_and_override_on_saved_pipel
     with pytest.raises(ConfigError, match="drop override_config, or use random:<family>"):
         check_model_paths(_cfg("tiny:qwen_image", override={"transformer": {"num_layers": 1}}))
     check_model_paths(_cfg("random:wan2.2_ti2v_5b", override={"transformer": {"num_layers": 1}}))
+
+
+@pytest.mark.slow
+def test_random_qwen_image_trains_a_step_through_the_entry_point(tmp_path):
+    """Issue 49's acceptance: random:qwen_image shrunk by the two override keys, 64², 2 denoising steps, 1 prompt x 2
+    samples, 1 step, through ``python -m omni_async.trainer.main`` (bf16: ~5.5 GB RSS in the actor; about 12 min on
+    2 shared CPU cores, most of it bf16 convolutions of the real VAE and the random initialisation)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    data = tmp_path / "data"
+    subprocess.run(
+        [sys.executable, str(root / "examples/data/prepare_ocr_prompts.py"), "--out-dir", str(data)]
+        + ["--num-train", "4", "--num-val", "1"],
+        check=True,
+        capture_output=True,
+    )
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "omni_async.trainer.main",
+        f"data.train_files={data}/train.jsonl",
+        f"trainer.run_dir={run}",
+        f"hydra.run.dir={run}/hydra",
+        "actor_rollout_ref.model.path=random:qwen_image",
+        "++actor_rollout_ref.model.override_config.transformer.num_layers=1",
+        "++actor_rollout_ref.model.override_config.text_encoder.text_config.num_hidden_layers=1",
+        "actor_rollout_ref.model.lora_rank=8",
+        "actor_rollout_ref.model.lora_alpha=16",
+        "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16",
+        "data.train_batch_size=1",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+        "actor_rollout_ref.rollout.num_inference_steps=2",
+        "actor_rollout_ref.rollout.algo.sde_window_size=1",
+        "actor_rollout_ref.rollout.algo.sde_window_range=[0,2]",
+        "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.jpeg",
+        "trainer.logger=[jsonl]",
+        "trainer.total_training_steps=1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["reward/failed"] == 0

@@ -89,9 +89,9 @@ def test_start_check_refuses_unknown_family_and_keys_and_override_on_saved_pipel
 
 @pytest.mark.slow
 def test_random_qwen_image_trains_a_step_through_the_entry_point(tmp_path):
-    """Issue 49's acceptance: random:qwen_image shrunk by the two override keys, 64², 2 denoising steps, 1 prompt x 2
-    samples, 1 step, through ``python -m omni_async.trainer.main`` (bf16: ~5.5 GB RSS in the actor; about 12 min on
-    2 shared CPU cores, most of it bf16 convolutions of the real VAE and the random initialisation)."""
+    """random:qwen_image trains a step through ``python -m omni_async.trainer.main``: 64², 2 denoising steps, 1 prompt x
+    2 samples, 1 step, the published architecture shrunk by ``override_config`` (issue 49's two keys and, to fit the
+    suite's time, three more)."""
     import json
     import subprocess
     import sys
@@ -116,9 +116,15 @@ def test_random_qwen_image_trains_a_step_through_the_entry_point(tmp_path):
         "actor_rollout_ref.model.path=random:qwen_image",
         "++actor_rollout_ref.model.override_config.transformer.num_layers=1",
         "++actor_rollout_ref.model.override_config.text_encoder.text_config.num_hidden_layers=1",
+        # In the suite, also the parts the acceptance's two keys leave at full size and a CPU is slow on: the vision
+        # tower (unused by text prompts), the 152k-token embedding (the byte-level tokenizer uses 259 ids) and the
+        # VAE's widths. The acceptance's exact command (only the two keys, bf16) trained its step here in 11 min 54 s
+        # with ~5.5 GB in the actor (docs/gpu_and_memory.md); the published sizes are checked on the meta device above.
+        "++actor_rollout_ref.model.override_config.text_encoder.vision_config.depth=1",
+        "++actor_rollout_ref.model.override_config.text_encoder.text_config.vocab_size=1024",
+        "++actor_rollout_ref.model.override_config.vae.base_dim=16",
         "actor_rollout_ref.model.lora_rank=8",
         "actor_rollout_ref.model.lora_alpha=16",
-        "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16",
         "data.train_batch_size=1",
         "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.actor.ppo_mini_batch_size=1",

@@ -49,7 +49,6 @@ from omni_async.modality.base import model_dtype
 from omni_async.models.lora import LIVE_ADAPTER, OLD_ADAPTER
 from omni_async.trainer import data_parallel as dpm
 from omni_async.trainer.actor_core import begin_step, old_log_prob, train_minibatch
-from omni_async.trainer.mode import interrupts_at_sync
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +56,20 @@ TRAINED_ROWS_KEPT = 1 << 16  # the (uid, index) rows this rank trained on, newes
 
 
 class ActorWorker(Worker, RolloutWorker):
-    def __init__(self, config: dict[str, Any], snapshot_rollout: bool = False, lendable: bool = False):
-        """``snapshot_rollout`` and ``lendable``: the layout's decisions for this worker
-        (``Layout.actor_worker_args``), handed down rather than derived again from ``config``; the defaults are the
-        lock-step hybrid layout's."""
+    def __init__(
+        self,
+        config: dict[str, Any],
+        snapshot_rollout: bool = False,
+        lendable: bool = False,
+        interrupts_at_sync: bool = False,
+    ):
+        """``snapshot_rollout``, ``lendable`` and ``interrupts_at_sync``: the layout's and the mode's decisions for
+        this worker (``Layout.actor_worker_args``), handed down rather than derived again from ``config``; the
+        defaults are the lock-step hybrid layout's."""
         super().__init__()
         self.cfg = OmegaConf.create(config)
         self._snapshot_rollout, self._lendable = bool(snapshot_rollout), bool(lendable)
+        self._interrupts_at_sync = bool(interrupts_at_sync)
         self.device = configure_worker()
         self.modality = modality_of(self.cfg)
         self._device_thread = DeviceThread("actor-device")
@@ -180,7 +186,7 @@ class ActorWorker(Worker, RolloutWorker):
         if self.withdrawing:
             return Generation(None, -1, 0.0, 0.0)
         gen = await self.batcher.submit(prompt, seed, window, sampling=sampling, version=version, resume=resume)
-        if gen.result is not None and gen.result.unfinished and not interrupts_at_sync(self.cfg):
+        if gen.result is not None and gen.result.unfinished and not self._interrupts_at_sync:
             return Generation(None, -1, 0.0, 0.0, discarded=True)  # its tokens so far are thrown away
         return gen
 

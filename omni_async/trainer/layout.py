@@ -33,7 +33,7 @@ from omni_async.cluster import rollout_pool_size
 from omni_async.config_error import check as _check
 from omni_async.modality import modality_of
 from omni_async.trainer.hybrid_switch import SwitchConfig, SwitchPolicy, check_switch
-from omni_async.trainer.mode import Mode, interrupts_at_sync
+from omni_async.trainer.mode import Mode
 from omni_async.trainer.pool_sync import PoolSync
 from omni_async.trainer.timer import Timer
 
@@ -120,11 +120,13 @@ class Layout:
     def actor_worker_args(self) -> dict[str, bool]:
         """What each actor worker must know of the layout and the mode (``ActorWorker``'s keyword arguments), so it
         does not derive them again from the config: whether it generates from a snapshot of the adapter taken at the
-        sync (it is the rollout and updates overlap generation), and whether it may be lent to a rollout pool (a
-        text batch then stops when the rank is reclaimed)."""
+        sync (it is the rollout and updates overlap generation), whether it may be lent to a rollout pool (a text
+        batch then stops when the rank is reclaimed), and whether a sync interrupts text responses (the mode's: an
+        unfinished one is then continued elsewhere, else thrown away)."""
         return {
             "snapshot_rollout": self.rollout_is_actor and self.mode.overlaps_update,
             "lendable": self.rollout_pool,
+            "interrupts_at_sync": self.mode.interrupts_at_sync,
         }
 
 
@@ -151,7 +153,9 @@ class Split(Layout):
         self._weights: tuple[Any, int] | None = None  # (object ref of the newest weights, version)
 
     def start_rollout(self, pools: Any) -> list[Any]:
-        self.workers = rollout_replicas(self.cfg, pools.get_resource_pool("actor"), 1.0 / ACTOR_ROLLOUT_COLOCATE)
+        self.workers = rollout_replicas(
+            self.cfg, pools.get_resource_pool("actor"), 1.0 / ACTOR_ROLLOUT_COLOCATE, self.mode.interrupts_at_sync
+        )
         return self.workers
 
     @property
@@ -193,7 +197,7 @@ class Disaggregated(Layout):
         return {"rollout_pool": [rollout_pool_size(self.cfg) // nodes] * nodes}
 
     def start_rollout(self, pools: Any) -> list[Any]:
-        self.workers = rollout_replicas(self.cfg, pools.get_resource_pool("rollout"), 1.0)
+        self.workers = rollout_replicas(self.cfg, pools.get_resource_pool("rollout"), 1.0, self.mode.interrupts_at_sync)
         return self.workers
 
     def connect(self, actor_wg: Any) -> list[Any]:
@@ -288,9 +292,9 @@ def make_layout(cfg: DictConfig, mode: Mode, cls: type[Layout]) -> Layout:
     return cls(cfg, mode)
 
 
-def rollout_replicas(cfg: DictConfig, pool: Any, device_share: float) -> list[Any]:
+def rollout_replicas(cfg: DictConfig, pool: Any, device_share: float, interrupts: bool) -> list[Any]:
     """One ``RolloutReplica`` per ``agent.num_workers``, round-robin over the pool's bundles, each taking
-    ``device_share`` of its bundle's device."""
+    ``device_share`` of its bundle's device; ``interrupts``: the mode's ``interrupts_at_sync``."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from omni_async.agent_loop.rollout_replica import RolloutReplica
@@ -322,7 +326,7 @@ def rollout_replicas(cfg: DictConfig, pool: Any, device_share: float) -> list[An
                 r.agent.max_wait_ms,
                 rollout_server,
                 cfg.actor_rollout_ref.actor.fsdp_config.model_dtype,
-                interrupts_at_sync(cfg),
+                interrupts,
             )
         )
     return replicas

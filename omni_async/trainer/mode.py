@@ -49,6 +49,7 @@ class Mode:
     cap: int  # groups the producer starts per sync window
     bound: int  # the largest lag (trainer step - weights version) a trained group may have
     wait_for_stale: bool  # verl v1's max_off_policy_strategy=wait
+    interrupts_at_sync: bool  # a sync interrupts text responses in flight, continued under the new weights
 
     @property
     def name(self) -> str:
@@ -106,6 +107,7 @@ def mode_of(cfg: DictConfig) -> Mode:
         cap=cap,
         bound=bound,
         wait_for_stale=cfg.trainer.v1.sampler.max_off_policy_strategy != "drop",  # (validate resolves null)
+        interrupts_at_sync=interrupts_at_sync(cfg),
     )
 
 

@@ -68,6 +68,12 @@ def test_mode_and_layout_built_from_the_config_in_one_place():
         for path, tree in sources()
         for hit in calls_outside(tree, path, {"layout_class"}, {ONE_PLACE, (CONFIG, "layout")})
     ]
+    # the partial-rollout decision is the Mode's (Mode.interrupts_at_sync), made in mode_of
+    bad += [
+        hit
+        for path, tree in sources()
+        for hit in calls_outside(tree, path, {"interrupts_at_sync"}, {("omni_async/trainer/mode.py", "mode_of")})
+    ]
     assert not bad, f"build the Mode / Layout only in {CONFIG}::plan and hand it down: {bad}"
 
 

@@ -57,6 +57,13 @@ def test_verl_omni_recipe_composes_and_loss_mode_follows_the_algorithm():
     assert flow.actor_rollout_ref.actor.diffusion_loss.mix_beta == 0.5
 
 
+def test_compressed_delayed_ramp_is_accepted_and_named_in_the_refusal():
+    cfg = valid(*NFT, "algorithm.old_policy_decay_schedule=delayed_linear_to_0_999_x15")
+    assert cfg.algorithm.old_policy_decay_schedule == "delayed_linear_to_0_999_x15"
+    with pytest.raises(ConfigError, match="delayed_linear_to_0_999_x15"):
+        valid(*NFT, "algorithm.old_policy_decay_schedule=delayed_linear_to_0_999_x10")
+
+
 @pytest.mark.parametrize(
     ("overrides", "key", "fix"),
     [

@@ -16,9 +16,10 @@ _spec.loader.exec_module(_module)
 summarise = _module.summarise
 
 
-def record(algo: str | None, curve: list[float], val: dict[int, float]) -> dict:
+def record(algo: str | None, curve: list[float], val: dict[int, float], seed: str = "default") -> dict:
     n = len(curve)
     return {
+        "seed": seed,  # as bench/ocr_learning.py records it: the same-seed comparison pairs runs by it
         "env": {"ALGO": algo} if algo else {},
         "curve": curve,
         "val": {str(k): v for k, v in val.items()},

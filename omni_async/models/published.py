@@ -29,6 +29,21 @@ _WAN_VAE = {
     "dropout": 0.0,
 }
 
+# The T5-XXL encoder's sizes, shared by Wan's UMT5 (google/umt5-xxl) and SD3's third text encoder (t5-v1_1-xxl);
+# the two differ in their vocabularies.
+_T5_XXL = {
+    "d_model": 4096,
+    "d_kv": 64,
+    "d_ff": 10240,
+    "num_layers": 24,
+    "num_heads": 64,
+    "relative_attention_num_buckets": 32,
+    "relative_attention_max_distance": 128,
+    "feed_forward_proj": "gated-gelu",
+    "layer_norm_epsilon": 1e-6,
+    "tie_word_embeddings": False,
+}
+
 _QWEN_IMAGE = {
     "source": "Qwen/Qwen-Image: transformer/, text_encoder/, vae/ config.json, scheduler/scheduler_config.json",
     "transformer": (
@@ -134,19 +149,7 @@ def _wan(heads: int, ffn: int, layers: int, name: str) -> dict:
         "text_encoder": (
             "transformers",
             "UMT5EncoderModel",
-            {
-                "vocab_size": 256384,
-                "d_model": 4096,
-                "d_kv": 64,
-                "d_ff": 10240,
-                "num_layers": 24,
-                "num_heads": 64,
-                "relative_attention_num_buckets": 32,
-                "relative_attention_max_distance": 128,
-                "feed_forward_proj": "gated-gelu",
-                "layer_norm_epsilon": 1e-6,
-                "tie_word_embeddings": False,
-            },
+            {"vocab_size": 256384, **_T5_XXL},
         ),
         "vae": ("diffusers", "AutoencoderKLWan", dict(_WAN_VAE)),
         "vae_dtype": torch.float32,
@@ -213,20 +216,7 @@ SD35_MEDIUM = {
     "text_encoder_3": (  # google/t5-v1_1-xxl's encoder
         "transformers",
         "T5EncoderModel",
-        {
-            "vocab_size": 32128,
-            "d_model": 4096,
-            "d_kv": 64,
-            "d_ff": 10240,
-            "num_layers": 24,
-            "num_heads": 64,
-            "relative_attention_num_buckets": 32,
-            "relative_attention_max_distance": 128,
-            "feed_forward_proj": "gated-gelu",
-            "layer_norm_epsilon": 1e-6,
-            "tie_word_embeddings": False,
-            "decoder_start_token_id": 0,
-        },
+        {"vocab_size": 32128, **_T5_XXL, "decoder_start_token_id": 0},
     ),
     "vae": (
         "diffusers",

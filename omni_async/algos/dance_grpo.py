@@ -68,19 +68,6 @@ def dance_sde_mean_std(
     return mean, std
 
 
-def dance_grpo_loss(
-    log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_ratio: float,
-    kl: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DanceGRPO's per-window-step loss: verl-omni's ``FlowGRPOLoss`` (module docstring), i.e.
-    ``loss.flow_grpo_loss`` on the log-probs of DanceGRPO's step."""
-    return flow_grpo_loss(
-        log_prob, old_log_prob, advantages, mask, clip_ratio=clip_ratio, kl=kl, kl_coef=kl_coef, is_weights=is_weights
-    )
+# DanceGRPO's per-window-step loss is verl-omni's ``FlowGRPOLoss`` itself (its loss registry maps ``dance_grpo`` to it;
+# module docstring): ``loss.flow_grpo_loss`` on the log-probs of DanceGRPO's step, the same function under its name.
+dance_grpo_loss = flow_grpo_loss

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from omni_async.algos.window_losses import (
     WindowLoss,
     dance_grpo_window,
+    distill_kl_window,
     flow_dppo_window,
     flow_grpo_window,
     grpo_guard_window,
@@ -50,6 +51,9 @@ class LossMode:
     window_loss: WindowLoss | None = None
     # which ImageModality backward runs it: window (the SDE window, window_loss per step) | nft | awm ("": not built)
     backward: str = "window"
+    # the loss reads the frozen teacher's velocity at each window step (DiffusionOPD: batch key ``teacher_velocity``,
+    # scored beside the reward by ``reward.teacher``; distillation.enabled must be on with it and only with it)
+    teacher: bool = False
 
 
 SDE_WINDOW, FINAL_LATENTS = "sde_window", "final_latents"
@@ -69,6 +73,9 @@ LOSS_MODES: dict[str, LossMode] = {
         # DanceGRPO (algos.dance_grpo): verl-omni's FlowGRPO loss and advantage on DanceGRPO's SDE step
         # (rollout.algo.sde_type=dance_sde, which its recipe sets).
         LossMode("dance_grpo", SDE_WINDOW, "dance_grpo", window_loss=dance_grpo_window),
+        # DiffusionOPD (algos.distill): the student's SDE window pulled toward a frozen teacher's step means, under
+        # model.algorithm=flow_grpo as verl-omni's recipe; the advantage is computed (the reward is monitored) unused.
+        LossMode("distill_kl", SDE_WINDOW, "flow_grpo", teacher=True, window_loss=distill_kl_window),
         # Not built: verl-omni's dpo (online Diffusion-DPO on each group's best and worst sample) trains on final
         # latents, as AWM does.
         LossMode("dpo", FINAL_LATENTS, "dpo", built=False, instead="awm", backward=""),
@@ -76,10 +83,10 @@ LOSS_MODES: dict[str, LossMode] = {
 }
 
 
-# verl-omni's on-policy distillation losses (DiffusionOPD: distill_kl toward a frozen teacher's transition means,
-# distill_fm_mse toward its flow predictions). Not built, and no built loss stands in: the config check refuses them
-# naming that. Not in LOSS_MODES: they run under model.algorithm=flow_grpo, which is built.
-DISTILL_LOSS_MODES = ("distill_kl", "distill_fm_mse")
+# verl-omni's on-policy distillation loss that has no producer (distill_fm_mse toward the teacher's flow predictions:
+# verl-omni itself refuses it on its policy-gradient path, as its teacher returns transition means only). Refused by
+# the config check naming distill_kl; not in LOSS_MODES.
+DISTILL_LOSS_MODES = ("distill_fm_mse",)
 
 # verl-omni's diffusion algorithms (actor_rollout_ref.model.algorithm) not built, -> the built one to use instead.
 PLANNED_ALGORITHMS = {m.algorithm: m.instead for m in LOSS_MODES.values() if not m.built}

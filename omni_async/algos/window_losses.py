@@ -2,7 +2,8 @@
 instead of naming each loss: ``loss(step, diffusion_loss) -> (loss, metrics)`` for one window step.
 
 Each adapter passes its loss's inputs as the loss takes them (the numbers are the loss's own); the math and its
-reference live in the loss's module (``loss.flow_grpo_loss``, ``grpo_guard``, ``flow_dppo``, ``dance_grpo``).
+reference live in the loss's module (``loss.flow_grpo_loss``, ``grpo_guard``, ``flow_dppo``, ``dance_grpo``,
+``distill``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from omni_async.algos.dance_grpo import dance_grpo_loss
+from omni_async.algos.distill import distill_kl_loss
 from omni_async.algos.flow_dppo import flow_dppo_loss
 from omni_async.algos.grpo_guard import grpo_guard_loss
 from omni_async.algos.loss import flow_grpo_loss
@@ -25,7 +27,8 @@ class WindowStepInputs:
     """One window step of a micro-batch, as the modality has it: the step scored under the current weights
     (``out``: log-prob, mean, std_dev_t, sqrt_dt), the stored old log-probs and (GRPO-Guard, Flow-DPPO) pi_old's
     means of this step, the advantages [B] (clipped already where the loss mode clips), the kept samples, the KL term
-    to the reference (or None) and the rollout-correction weights (or None)."""
+    to the reference (or None), the rollout-correction weights (or None) and (DiffusionOPD) the step's mean computed
+    from the frozen teacher's velocity (or None)."""
 
     out: SDEStep
     old_log_prob: torch.Tensor
@@ -35,6 +38,7 @@ class WindowStepInputs:
     kl: torch.Tensor | None = None
     kl_coef: float = 0.0
     is_weights: torch.Tensor | None = None
+    teacher_mean: torch.Tensor | None = None
 
 
 # (step, actor_rollout_ref.actor.diffusion_loss) -> (loss, metrics)
@@ -66,3 +70,7 @@ def flow_dppo_window(s: WindowStepInputs, dl: Any) -> tuple[torch.Tensor, dict[s
         std_dev_t=s.out.std_dev_t, sqrt_dt=s.out.sqrt_dt, kl_mask_threshold=dl.kl_mask_threshold,
         add_kl_coefficient=dl.add_kl_coefficient, **_common(s),
     )  # fmt: skip
+
+
+def distill_kl_window(s: WindowStepInputs, dl: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    return distill_kl_loss(s.out.mean, s.teacher_mean, s.out.std_dev_t, s.mask, kl=s.kl, kl_coef=s.kl_coef)

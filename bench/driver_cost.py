@@ -1,17 +1,17 @@
 """The driver's CPU cost per sample at scale (issue 40, item 4), measured by simulation.
 
     .venv/bin/python bench/driver_cost.py [--workers 64] [--in-flight 4096] [--samples 2048] [--group 8]
-        [--gen-mean 60] [--gen-sigma 0.5] [--reward-latency 0.1] [--variants baseline,serialization,batched,batched+gc]
-        [--out bench/results/driver_cost.json]
+        [--gen-mean 60] [--gen-sigma 0.5] [--reward-latency 0.1] [--variants product]
+        [--out bench/results/driver_cost_product.json]
 
-Two regimes. The default offers 4096 / 60 s = 68 samples/s: the batched variants keep up, the per-sample ones reach
-about half of it on a 2-core box. Costs per second weigh more per sample at such a rate (the rollouter's take polls
+Two regimes. The default offers 4096 / 60 s = 68 samples/s (the product with a Ray call per sample reached about half
+of it on a 2-core box). Costs per second weigh more per sample at such a rate (the rollouter's take polls
 every ``TAKE_POLL_S``; Ray tracks every pending call: ``in_flight_idle``). ``--gen-mean 4 --samples 4096 --warmup 4096
 --profile-samples 1024 --out bench/results/driver_cost_saturated.json`` offers 1024/s: the box saturates (the 64
 stand-ins alone keep ~0.7 of its 2 cores busy while idle, Ray's worker overhead) and samples queue for the reward
 workers, so the figures add what a backlog costs the driver (the dispatcher's asyncio.Condition / Semaphore scan their
 waiters: hundreds of ``Future.done`` calls per sample in the profile). The saturated JSON predates
-``in_flight_idle`` / ``marginal``.
+``in_flight_idle`` / ``marginal`` and the product's coalesced calls (it measured the variants below).
 
 The producer is the fully async one (``make_producer``): the real agent loop (``AgentLoopManager``), rollouter
 (``Rollouter``, ``--in-flight / --group`` groups in flight), reward queue (``RewardDispatcher``) and reward-loop
@@ -22,16 +22,13 @@ workers (``RewardLoopWorker``, ``--reward-workers`` Ray actors); only the rollou
 scored groups at a time, batches them into a verl ``DataProto`` (``StepOps.build_batch``: batch tensors + GRPO
 advantages) and opens the next sync window, as fully async training does minus the update and the weight sync.
 
-Variants (one Ray cluster, the stand-ins shared, fresh reward workers and producer each):
-
-- ``baseline``: the code as it is: two Ray calls per sample (``generate``, ``score``), a result's tensors pickled
-  by torch (a ``torch.save`` per tensor), the reward chunk a ``DataProto`` pickled by ``torch.save``.
-- ``serialization``: the same calls, the tensors in Ray's zero-copy form (``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS``)
-  and the chunk in verl's numpy form (``VERL_DATAPROTO_SERIALIZATION_METHOD=numpy``).
-- ``batched``: that, and the calls coalesced (``bench.batched_calls``): one ``generate`` call per GRPO group, one
-  ``score`` call per turn of the event loop.
-- ``batched+gc``: that, and the driver's garbage collector tuned: ``gc.freeze()`` once the producer is built (the
-  start-up objects leave the full collections) and a young-generation threshold of ``GC_THRESHOLD0`` (Python: 700).
+The one variant, ``product``, is the product as it ships for images: the agent loop's generation requests for one
+worker in one turn of its event loop go as one ``generate_many`` call and the reward's samples for one worker in one
+turn as one ``score_many`` call of plain records (``batching.TurnCalls``), a result's tensors pickled by torch (a
+``torch.save`` per tensor, as a real worker's are), the driver's garbage collector tuned as the main job's entry point
+tunes it (``cluster.tune_driver_gc``). Earlier JSONs hold the variants measured before the product did this
+(``baseline``: a Ray call per sample; ``serialization``, ``batched``, ``batched+gc``: benchmark-only stand-ins of
+zero-copy tensors, coalesced calls and GC tuning; the code of those is in the git history).
 
 After ``--warmup`` trained samples (by default half the in-flight window: trained and replaced), the driver
 process's CPU time (``getrusage(RUSAGE_SELF)``: every thread of the driver, Ray's own included; worker processes
@@ -78,7 +75,6 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -88,23 +84,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 GOAL_MS = 1.0  # issue 40: one driver feeds a cluster generating thousands of samples a second
-VARIANTS = ("baseline", "serialization", "batched", "batched+gc")  # make_producer's docstring
-# batched+gc: the driver's objects at start-up (modules, config, the cluster's handles) leave the collector's view
-# (gc.freeze) and a young-generation collection runs every GC_THRESHOLD0 allocations instead of Python's 700.
-GC_THRESHOLD0 = 20_000
+VARIANTS = ("product",)  # make_producer's docstring
 IDLE_SETTLE_S = 2.0  # after a producer starts, before the driver is measured with everything in flight (--idle-window)
 DATAPROTO_ENV = "VERL_DATAPROTO_SERIALIZATION_METHOD"  # verl's switch to the numpy form of a pickled DataProto
 # The agent loop's functions whose cumulative CPU the profile reports: (label, file, function).
 KEY_FUNCTIONS = (
     ("Ray calls made (.remote: arguments pickled, task submitted)", "actor.py", "_actor_method_call"),
-    ("reward chunk built (sample_to_proto)", "worker.py", "sample_to_proto"),
+    ("reward record built (Sample.reward_input)", "sample.py", "reward_input"),
     ("draws (samples, SDE windows)", "draws.py", "make"),
     ("rollouter: starting groups (_produce)", "rollouter.py", "_produce"),
     ("rollouter: taking groups (take)", "rollouter.py", "take"),
     ("manager: one sample (_sample)", "manager.py", "_sample"),
     ("dispatcher: queue (enqueue)", "dispatcher.py", "enqueue"),
     ("dispatcher: one call (_dispatch)", "dispatcher.py", "_dispatch"),
-    ("coalescing handles (flush)", "batched_calls.py", "_flush"),
+    ("coalesced calls sent (TurnCalls._flush)", "batching.py", "_flush"),
+    ("coalesced answers handed out (TurnCalls._answer)", "batching.py", "_answer"),
 )
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # Packages the loop thread's profiled time is split by (first match on the function's file path).
@@ -114,7 +108,7 @@ PROFILE_PACKAGES = (
     ("agent loop (manager)", "agent_loop/manager.py"),
     ("rollouter", "agent_loop/rollouter.py"),
     ("reward dispatcher", "reward/dispatcher.py"),
-    ("reward chunk (sample_to_proto)", "reward/worker.py"),
+    ("coalesced calls (TurnCalls)", "omni_async/batching.py"),
     ("verl / tensordict", "/verl/"),
     ("verl / tensordict", "/tensordict/"),
     ("torch", "/torch/"),
@@ -183,7 +177,9 @@ def unit_costs(args: argparse.Namespace, repeat: int = 500) -> dict[str, float]:
             os.environ.pop(DATAPROTO_ENV)
         else:
             os.environ[DATAPROTO_ENV] = saved
-    out["reward record pickled as a plain dict (no DataProto)"] = cost(lambda: pickle.dumps(record, protocol=5))
+    out["reward record pickled as a plain dict (no DataProto: the product's)"] = cost(
+        lambda: pickle.dumps(record, protocol=5)
+    )
     return out
 
 
@@ -253,8 +249,6 @@ class Producer:
     reward_workers: list[Any]
     groups_per_step: int
     group: int
-    coalescers: list[Any]
-    env: dict[str, str | None]  # the driver's environment as it was before this variant set it
     gc_threshold: tuple[int, int, int]  # the driver's collector settings before this variant set them
 
     def take(self, step: int) -> list[Any]:
@@ -283,8 +277,14 @@ class Producer:
         return self.agent._thread.native_id
 
     def ray_calls(self) -> dict[str, int]:
-        """Ray calls made by the coalescing handles and the items they carried (empty: one call per item)."""
-        return {f"{type(c).__name__}.{k}": getattr(c, k) for c in self.coalescers for k in ("calls", "items")}
+        """Ray calls the product's coalesced calls made and the items they carried: ``generate`` (the agent loop's
+        ``generate_many``) and ``score`` (the dispatcher's ``score_many``)."""
+
+        def read() -> dict[str, int]:
+            calls = {"generate": self.agent._calls, "score": self.agent.dispatcher._calls}
+            return {f"{name}.{k}": getattr(c, k) for name, c in calls.items() for k in ("calls", "items")}
+
+        return self.agent.on_loop(read)
 
     def close(self) -> None:
         import ray
@@ -301,11 +301,6 @@ class Producer:
         gc.collect()
         for w in self.reward_workers:
             ray.kill(w)
-        for k, v in self.env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def make_producer(
@@ -331,21 +326,18 @@ def make_producer(
     """The fully async producer of the trainer (``trainer.loop.RLTrainer``: agent loop, rollouter, reward side) around
     stand-in rollout workers: the one place that knows the producer's construction API.
 
-    ``variant`` (``VARIANTS``): ``baseline`` is the code as it is; ``serialization`` sends tensors as Ray's zero-copy
-    numpy form and the reward chunk as verl's numpy ``DataProto`` form; ``batched`` adds one Ray call per group for
-    generation and one per event-loop turn for the reward (``bench.batched_calls``); ``batched+gc`` tunes the
-    driver's garbage collector too. ``stand_ins``: the rollout workers of an earlier variant, reused (64 take minutes
-    to start on 2 cores)."""
+    ``variant`` (``VARIANTS``): ``product``, built as ``RLTrainer`` builds it for images (the reward side's real
+    wiring, the agent loop's coalesced generation calls) and with the driver's collector tuned as the main job's
+    entry point tunes it. ``stand_ins``: the rollout workers of an earlier variant, reused (64 take minutes to start
+    on 2 cores)."""
     import ray
-    from omegaconf import OmegaConf
 
     from bench.stand_ins import StandInRollout, result_template
     from omni_async.agent_loop.draws import Draws
     from omni_async.agent_loop.manager import AgentLoopManager
     from omni_async.agent_loop.rollouter import ProducerSettings, Rollouter
+    from omni_async.cluster import tune_driver_gc
     from omni_async.modality import get_modality
-    from omni_async.reward.dispatcher import RewardDispatcher
-    from omni_async.reward.pool import CONTROL_CALL_SLOTS, WORKER_MAX_RESTARTS
     from omni_async.reward.wiring import RewardSide
     from omni_async.sample import PromptRow
     from omni_async.trainer.config import compose_untyped
@@ -356,11 +348,6 @@ def make_producer(
         raise SystemExit(f"unknown variant {variant!r}: use {', '.join(VARIANTS)}")
     if in_flight % group:
         raise SystemExit(f"--in-flight {in_flight} must be a multiple of --group {group} (whole groups in flight)")
-    numpy_forms = variant != "baseline"
-    batched = variant.startswith("batched")
-    env = {DATAPROTO_ENV: "numpy"} if numpy_forms else {}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # verl reads it at each (de)serialization of a DataProto: the driver's chunks
     cfg = compose_untyped(
         [
             "data.train_files=unused",
@@ -375,8 +362,10 @@ def make_producer(
             f"+reward.custom_reward_function.reward_kwargs.latency_s={reward_latency_s}",
         ]
     )
+    # A real worker's answer: its tensors pickled by torch's own reducers (the product does not turn on Ray's
+    # zero-copy tensors).
     template = result_template(
-        int(cfg.actor_rollout_ref.rollout.algo.sde_window_size), latent_shape, embed_shape, zero_copy=numpy_forms
+        int(cfg.actor_rollout_ref.rollout.algo.sde_window_size), latent_shape, embed_shape, zero_copy=False
     )
     if stand_ins is None:
         per_worker = -(-in_flight // workers)
@@ -387,48 +376,14 @@ def make_producer(
     ray.get([w.configure.remote(template) for w in stand_ins])
     while any(s["in_flight"] for s in ray.get([w.stats.remote() for w in stand_ins])):
         time.sleep(0.2)  # the dropped calls of the last variant unwinding
-    coalescers: list[Any] = []
-    if variant == "baseline":
-        reward = RewardSide(cfg, None, None)  # the real wiring: reward-loop workers as CPU actors, their dispatcher
-        reward.wait_ready()
-        real_rewards, post_process = reward.workers, reward.post_process
-        dispatcher_factory = reward.dispatcher_factory()
-        rollout_handles = stand_ins
-    else:
-        from bench.batched_calls import BatchedRewardLoopWorker, CoalescingReward, CoalescingRollout
-
-        # The real worker (plus a batch method), started as reward.pool starts it, reading verl's numpy form.
-        reward = None
-        real_rewards = [
-            ray.remote(BatchedRewardLoopWorker)
-            .options(
-                num_cpus=1,
-                max_restarts=WORKER_MAX_RESTARTS,
-                max_task_retries=0,
-                max_concurrency=reward_inflight + CONTROL_CALL_SLOTS,
-                runtime_env={"env_vars": env},
-            )
-            .remote(OmegaConf.to_container(cfg.reward, resolve=True), i, [])
-            for i in range(reward_workers)
-        ]
-        ray.get([w.info.remote() for w in real_rewards])
-        post_process = False  # stand_in_score has no post_process_scores
-        reward_handles, rollout_handles = real_rewards, stand_ins
-        if batched:
-            coalescers = [CoalescingRollout(stand_ins), CoalescingReward(real_rewards)]
-            rollout_handles, reward_handles = coalescers[0].handles(), coalescers[1].handles()
-        dispatcher_factory = partial(  # as reward.wiring.RewardSide.dispatcher_factory makes it
-            RewardDispatcher,
-            reward_handles,
-            queue_size=reward_queue,
-            max_inflight_per_worker=reward_inflight,
-            timeout_s=float(cfg.reward.timeout_s),
-            max_resends=int(cfg.reward.max_resends),
-        )
-    agent = AgentLoopManager(rollout_handles, dispatcher_factory, in_flight, post_process)
+    reward = RewardSide(cfg, None, None)  # the real wiring: reward-loop workers as CPU actors, their dispatcher
+    reward.wait_ready()
+    modality = get_modality("image")
+    agent = AgentLoopManager(
+        stand_ins, reward.dispatcher_factory(), in_flight, reward.post_process, coalesce=modality.name == "image"
+    )
     rows = [PromptRow(f"a photo of item {i}", "bench", f"item {i}") for i in range(max(1024, groups_per_step))]
     sampler = PromptSampler(rows, groups_per_step, shuffle=True, seed=seed)
-    modality = get_modality("image")
     draws = Draws.from_config(cfg, sampler, modality.uses_window)
     ops = StepOps(cfg, modality, reward, None)
     settings = ProducerSettings(
@@ -441,13 +396,9 @@ def make_producer(
         lambda: Rollouter(agent, draws, settings, groups_to_train=groups_to_train, rollout_version=0)
     )
     gc_threshold = gc.get_threshold()
-    if variant == "batched+gc":
-        gc.freeze()
-        gc.set_threshold(GC_THRESHOLD0, *gc_threshold[1:])
+    tune_driver_gc()  # as trainer.main does once the trainer is built; close() undoes it for the next variant
     agent.call(rollouter.start())
-    return Producer(
-        agent, rollouter, ops, stand_ins, real_rewards, groups_per_step, group, coalescers, saved, gc_threshold
-    )
+    return Producer(agent, rollouter, ops, stand_ins, reward.workers, groups_per_step, group, gc_threshold)
 
 
 # ---- measurement --------------------------------------------------------------------------------------------------
@@ -702,13 +653,14 @@ def measure(producer: Producer, args: argparse.Namespace) -> dict[str, Any]:
         "live_samples_mean": statistics.fmean(x for x, _ in live) if live else 0.0,
         "generating_or_scoring_samples_mean": statistics.fmean(y for _, y in live) if live else 0.0,
         "loop_wall_ms_per_sample": {
-            "sample_to_proto (SampleTimes.serialize_s)": 1000 * statistics.fmean(serialize_s) if serialize_s else 0.0,
-            "score.remote (SampleTimes.dispatch_s)": 1000 * statistics.fmean(dispatch_s) if dispatch_s else 0.0,
+            "reward_input (SampleTimes.serialize_s)": 1000 * statistics.fmean(serialize_s) if serialize_s else 0.0,
+            "its share of score_many.remote (SampleTimes.dispatch_s)": (
+                1000 * statistics.fmean(dispatch_s) if dispatch_s else 0.0
+            ),
         },
         "ray_calls_per_sample": {
             k.replace(".calls", ""): (calls_after[k] - calls_before[k]) / n for k in calls_after if k.endswith(".calls")
-        }
-        or {"generate": 1.0, "score": 1.0},
+        },
     }
     if args.profile_samples:
         p, q = marks["end"], marks["profile_end"]
@@ -837,7 +789,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--embed-shape", type=int, nargs=2, default=[16, 64], help="prompt_embeds [tokens, dim]")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--idle-window", type=float, default=10.0, help="s the driver is measured with all in flight")
-    p.add_argument("--out", default=str(ROOT / "bench/results/driver_cost.json"))
+    p.add_argument("--out", default=str(ROOT / "bench/results/driver_cost_product.json"))
     args = p.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
     if args.warmup is None:  # past the first answers' burst: half the window has been trained and replaced

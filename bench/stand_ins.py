@@ -149,8 +149,9 @@ class StandInRollout:
         return self._answer(seed, window, t0, time.time())
 
     async def generate_many(self, requests: list[tuple[str, int, tuple[int, int] | None, dict]]) -> list[_Answer]:
-        """Several requests in one call (``bench.batched_calls``), answered together as one device batch is: after the
-        generation time of the first one's seed."""
+        """Several ``(prompt, seed, window, options)`` requests in one call (the agent loop's coalesced requests,
+        ``RolloutWorker.generate_many``), answered together as one device batch is: after the generation time of the
+        first one's seed."""
         self.requests += len(requests)
         self.in_flight += len(requests)
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)

@@ -1,4 +1,5 @@
-"""The one micro-batcher: items that arrive close together go out as one batch.
+"""The one micro-batcher: items that arrive close together go out as one batch; and :class:`TurnCalls`, the calls
+made in one turn of an event loop sent as one.
 
 Three places batch this way: a rollout worker's generation requests (``agent_loop.rollout_replica``), the HTTP
 scorer client's samples (``reward.scorers.http``) and the scorer server's items (``http_scorer.batcher``). A batch
@@ -15,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 Select = Callable[[list[T]], Sequence[T]]
@@ -106,3 +107,81 @@ class MicroBatcher(Generic[T]):
         for key in gone:
             self._arrived.pop(key, None)
         return list(items)
+
+
+class TurnCalls(Generic[T]):
+    """Calls coalesced per turn of the event loop: the items submitted for one key (a worker) during one turn go out
+    at the end of that turn as one call, ``send(key, items)``, an awaitable (a Ray ``ObjectRef``) of one answer per
+    item, handed to each item's future; an answer that is an exception is raised at its item's caller. A call that
+    raises (its worker died) raises at every caller of its items; one with no answer within ``timeout_s`` raises
+    ``asyncio.TimeoutError`` there, after ``on_timeout(call)`` (``ray.cancel``).
+
+    Why: one Ray call costs the driver about as much CPU as the rest of a sample's handling (pickling, submitting,
+    the reply on Ray's io thread), so at thousands of samples a second the per-sample call is the largest cost
+    (``bench/driver_cost.py``). Samples that reach the same point in one turn (a group's members, a reply's
+    answers) share a call and nothing waits for a timer. ``calls`` / ``items``: what went out."""
+
+    def __init__(
+        self,
+        send: Callable[[Hashable, list[T]], Awaitable[list[Any]]],
+        timeout_s: float | None = None,
+        on_timeout: Callable[[Any], object] | None = None,
+    ):
+        self._send, self.timeout_s, self._on_timeout = send, timeout_s, on_timeout
+        self._pending: dict[Hashable, list[tuple[T, asyncio.Future]]] = {}
+        self._answering: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
+        self.calls = self.items = 0
+
+    def submit(self, key: Hashable, item: T) -> asyncio.Future:
+        """On the loop: ``item`` goes to ``key`` with the others of this turn; the future of its answer."""
+        loop = asyncio.get_running_loop()
+        if not self._pending:
+            # call_soon runs after every callback already due in this turn: what reached this point together goes
+            # together.
+            loop.call_soon(self._flush)
+        fut = loop.create_future()
+        self._pending.setdefault(key, []).append((item, fut))
+        return fut
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        for key, entries in pending.items():
+            futures = [f for _, f in entries]
+            try:
+                call = self._send(key, [item for item, _ in entries])
+            except Exception as e:  # the call could not be made (e.g. an argument that does not pickle)
+                _fail(futures, e)
+                continue
+            self.calls += 1
+            self.items += len(entries)
+            task = asyncio.ensure_future(self._answer(call, futures))
+            self._answering.add(task)
+            task.add_done_callback(self._answering.discard)
+
+    async def _answer(self, call: Awaitable[list[Any]], futures: list[asyncio.Future]) -> None:
+        try:
+            answers = await (call if self.timeout_s is None else asyncio.wait_for(call, self.timeout_s))
+        except asyncio.TimeoutError as e:
+            if self._on_timeout is not None:
+                self._on_timeout(call)
+            _fail(futures, e)
+            return
+        except Exception as e:
+            _fail(futures, e)
+            return
+        if len(answers) != len(futures):
+            _fail(futures, RuntimeError(f"a coalesced call answered {len(answers)} items of {len(futures)}"))
+            return
+        for f, a in zip(futures, answers, strict=True):
+            if f.done():  # its caller gave up (cancelled)
+                continue
+            if isinstance(a, BaseException):
+                f.set_exception(a)
+            else:
+                f.set_result(a)
+
+
+def _fail(futures: list[asyncio.Future], error: BaseException) -> None:
+    for f in futures:
+        if not f.done():
+            f.set_exception(error)

@@ -13,7 +13,7 @@ import ray
 
 from omni_async.cluster import init_ray, shutdown_ray
 from omni_async.reward.dispatcher import RewardDispatcher
-from omni_async.reward.worker import RewardLoopWorker, sample_to_proto
+from omni_async.reward.worker import RewardLoopWorker
 from omni_async.sample import RewardOutcome
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,17 +78,15 @@ def score_on_one_worker(
         }
         worker = ray.remote(RewardLoopWorker).options(max_concurrency=max_inflight + 8).remote(cfg, 0)
         ray.get(worker.info.remote())
-        chunks = [
-            sample_to_proto(
-                {
-                    "prompt": "q",
-                    "data_source": "x",
-                    "ground_truth": "1",
-                    "extra_info": {},
-                    "uid": str(i),
-                    "solution_str": f"answer {i}",
-                }
-            )
+        records = [
+            {
+                "prompt": "q",
+                "data_source": "x",
+                "ground_truth": "1",
+                "extra_info": {},
+                "uid": str(i),
+                "solution_str": f"answer {i}",
+            }
             for i in range(samples)
         ]
 
@@ -97,7 +95,7 @@ def score_on_one_worker(
                 [worker], queue_size=max(64, samples), max_inflight_per_worker=max_inflight, timeout_s=30
             )
             t0 = time.perf_counter()
-            outcomes = await asyncio.gather(*(dispatcher.score(c) for c in chunks))
+            outcomes = await asyncio.gather(*(dispatcher.score(r) for r in records))
             return outcomes, time.perf_counter() - t0
 
         return asyncio.run(run())

@@ -118,10 +118,11 @@ class _Method:
 
 
 class _Worker:
-    """A reward worker stand-in with the dispatcher's two calls: ``score`` and the ``info`` probe."""
+    """A reward worker stand-in with the dispatcher's two calls: ``score_many`` (``score`` on each record) and the
+    ``info`` probe."""
 
     def __init__(self, score):
-        self.score, self.info = _Method(score), _Method(self._dead)
+        self.score_many, self.info = _Method(lambda records: asyncio.gather(*map(score, records))), _Method(self._dead)
 
     @staticmethod
     async def _dead():

@@ -7,6 +7,13 @@ the other samples keep generating. When a whole ``uid`` group is scored, the rew
 ``post_process_scores`` run on it and the group is handed to the trainer (the mini-batch pipeline trains on
 groups as they complete).
 
+With ``coalesce`` (images: a worker's requests sent together share a device batch and finish together) the requests
+made for one rollout worker in one turn of the loop go in one ``generate_many`` call (``batching.TurnCalls``): the
+same requests to the same worker in the same order, each handed to its batcher as its own call would be, so the
+same device batches and pixels, at a fraction of the driver's CPU per sample (``bench/driver_cost.py``). A text
+response ends at its own token and is answered alone (one call each), as are continued ones and those of a lent
+trainer device.
+
 A rollout worker that dies with requests in flight is restarted by Ray; its requests are generated again on a
 live worker (same seed, same weights version: the same sample) and counted as ``rollout/regenerated``. A
 restarted worker gets the current weights (``restore_worker``) before it serves again.
@@ -39,9 +46,9 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from omni_async.agent_loop.batcher import Generation
+from omni_async.batching import TurnCalls
 from omni_async.cluster import wait_for_restart
 from omni_async.reward.dispatcher import RewardDispatcher
-from omni_async.reward.worker import sample_to_proto
 from omni_async.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -180,6 +187,7 @@ class AgentLoopManager:
         post_process: bool = False,
         restore_worker: Callable[[Any], Awaitable[None]] | None = None,
         restartable: bool = True,
+        coalesce: bool = False,
     ):
         """``dispatcher_factory()`` builds the :class:`RewardDispatcher` on the loop (``None``: generate only).
 
@@ -187,12 +195,16 @@ class AgentLoopManager:
         queue, generation stops there. ``post_process``: run the reward classes' group hook on complete groups.
         ``restore_worker(handle)`` brings a restarted rollout worker back to the current weights.
         ``restartable=False`` (hybrid layout: the rollout workers are actor ranks, never restarted with their
-        optimizer state) gives a dead worker up at once instead of waiting for Ray to restart it.
+        optimizer state) gives a dead worker up at once instead of waiting for Ray to restart it. ``coalesce``: one
+        generation call per worker per turn of the loop (module docstring; for requests that finish together).
         """
         self.workers = list(workers)
         self.down = [False] * len(self.workers)
         self.restore_worker, self.restartable = restore_worker, restartable
         self.post_process = post_process
+        self._calls: TurnCalls[tuple] | None = (
+            TurnCalls(lambda w, requests: self.workers[w].generate_many.remote(requests)) if coalesce else None
+        )
         self.counts = AgentLoopMetrics()  # every counter of the loop (on the loop)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="agent-loop", daemon=True)
@@ -334,9 +346,9 @@ class AgentLoopManager:
                 return
             # The generation slot is held until the sample is in the reward queue: back-pressure on rollout.
             t0 = time.perf_counter()
-            chunk = sample_to_proto(s.reward_input())
+            record = s.reward_input()  # plain data (reward.worker.RewardLoopWorker.score_many)
             s.times.serialize_s = time.perf_counter() - t0
-            scoring = await self.dispatcher.enqueue(chunk, s.times)
+            scoring = await self.dispatcher.enqueue(record, s.times)
         finally:
             if self._generating is not None:
                 self._generating.release()
@@ -381,8 +393,11 @@ class AgentLoopManager:
                 self._out[w] += 1
                 self.counts.request_out(+1)
             try:
-                worker = lent if lent is not None else self.workers[w]
-                gen = await worker.generate.remote(s.row.prompt, s.seed, s.window, **kwargs, **resume)
+                if self._calls is not None and lent is None and not resume:
+                    gen = await self._calls.submit(w, (s.row.prompt, s.seed, s.window, kwargs))
+                else:
+                    worker = lent if lent is not None else self.workers[w]
+                    gen = await worker.generate.remote(s.row.prompt, s.seed, s.window, **kwargs, **resume)
             except (RayActorError, ActorUnavailableError):
                 if not ray.is_initialized():
                     # The driver's Ray session ended (ray.shutdown with this trainer still open): its actors went

@@ -8,6 +8,7 @@ the request to their ``GenerationBatcher``; the rest of the contract is theirs.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -35,6 +36,19 @@ class RolloutWorker(Protocol):
         (``result.unfinished``: newer weights arrived); the caller continues it with ``resume=result``: its tokens and
         their versions stay, new tokens follow on the newest weights."""
         return await self.batcher.submit(prompt, seed, window, sampling=sampling, version=version, resume=resume)
+
+    async def generate_many(
+        self, requests: list[tuple[str, int, tuple[int, int] | None, dict[str, Any]]]
+    ) -> list[Generation | BaseException]:
+        """Several ``(prompt, seed, window, options)`` requests in one call (the agent loop's ``coalesce``: its
+        requests for this worker in one turn), each handed to the batcher in order as its own :meth:`generate` call
+        would be, so they land in the same device batches; answered together, a failed request as its exception."""
+        return list(
+            await asyncio.gather(
+                *(self.generate(prompt, seed, window, **options) for prompt, seed, window, options in requests),
+                return_exceptions=True,
+            )
+        )
 
     def stats(self) -> dict[str, Any]:
         """Counters (``batch_sizes``, ``version``, ...); also the agent loop's liveness probe after a restart (an

@@ -40,6 +40,7 @@ unfinished groups regenerated from their seeds. It is the one resume format.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import logging
 import time
@@ -130,6 +131,10 @@ class Rollouter:
         self.draw_states: dict[int, dict] = {}  # sampler state before each draw still needed by a checkpoint
         self.pending: deque[Group] = deque()  # drawn, not started
         self.live: dict[str, Group] = {}  # started, not yet taken or dropped
+        # The done groups of ``live`` by (version, seq): their oldest-weights-first order, kept as each group finishes
+        # (a done group's version no longer changes, and every deadline is its version + the one bound), so a take
+        # reads it instead of sorting every live group on every wake.
+        self._done: list[tuple[int, int, str]] = []
         self.window = 0  # groups started in this sync window + the ones left from the last (verl's staleness_samples)
         self.started = 0
         self.paused = False  # quiesce: no group starts until the next sync
@@ -205,6 +210,7 @@ class Rollouter:
         try:
             await self.agent.run_group(group.samples, version=version, on_generated=generated)
             group.done, group.t_done = True, time.time()
+            bisect.insort(self._done, (self._done_version(group), group.seq, group.uid))
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # a lost rollout pool: the trainer's take raises it
@@ -222,12 +228,12 @@ class Rollouter:
 
     def sampleable(self, step: int) -> int:
         """Scored groups step ``step`` could take now (within the lag bound): verl's sampleable count."""
-        return sum(g.done and step - g.version() <= self.bound for g in self.live.values())
+        return len(self._done) - bisect.bisect_left(self._done, (step - self.bound,))
 
     def _starved(self) -> bool:
         """Nothing in flight and nothing more may start before the next sync: no group will finish meanwhile."""
         stuck = self.paused or self.window >= self.cap or self._wanted() <= 0
-        return stuck and all(g.done for g in self.live.values())
+        return stuck and len(self._done) == len(self.live)
 
     async def wait_sampleable(self, step: int, k: int) -> int:
         """Wait until step ``step`` could take ``k`` groups (or none can finish before the next sync); the count."""
@@ -284,7 +290,9 @@ class Rollouter:
         return done[:n] if len(done) >= n else None
 
     def _drop_stale(self, step: int) -> None:
-        stale = [g for g in self.live.values() if g.done and step - g.version() > self.bound]
+        # The done groups past the bound are the first ones of the version order.
+        cut = bisect.bisect_left(self._done, (step - self.bound,))
+        stale = [self.live[uid] for _, _, uid in self._done[:cut]]
         for g in stale:
             self._finish(g)
             self.dropped_groups += 1
@@ -299,7 +307,7 @@ class Rollouter:
                 self.bound,
                 self.dropped_groups,
             )
-        self._notify()
+            self._notify()  # the dropped groups' places: their replacements may start
 
     def _deadline(self, g: Group) -> int:
         """The last step that may train ``g``: its version + bound. A group with no member generated yet gets at
@@ -321,13 +329,12 @@ class Rollouter:
         would leave more groups due by some later step than the steps until then can take. When even the ideal
         choice (in flight or not) cannot avoid that, it does not wait: the groups past the bound are dropped.
         """
-        live = list(self.live.values())
-        order = sorted(live, key=lambda g: (self._deadline(g), g.seq))
-        done = [g for g in order if g.done]
-        if len(done) < n:
+        if len(self._done) < n:
             return None
-        picked = done[:n]
+        picked = [self.live[uid] for _, _, uid in self._done[:n]]  # (deadline, seq) order: see _done
         if self.settings.wait_for_stale:
+            live = list(self.live.values())
+            order = sorted(live, key=lambda g: (self._deadline(g), g.seq))
             taken = {g.uid for g in picked}
             if self._feasible(order[n:], step, n) and not self._feasible(
                 [g for g in live if g.uid not in taken], step, n
@@ -338,6 +345,17 @@ class Rollouter:
     def _finish(self, g: Group) -> None:
         del self.live[g.uid]
         self.finished[g.uid] = g.draw
+        if g.done:
+            key = (self._done_version(g), g.seq, g.uid)
+            del self._done[bisect.bisect_left(self._done, key)]
+
+    @staticmethod
+    def _done_version(g: Group) -> int:
+        """A done group's version (every member generated, so known and fixed)."""
+        v = g.version()
+        if v is None:
+            raise RuntimeError(f"group {g.uid} finished with no member's weights version (its samples' version unset)")
+        return v
 
     def position(self) -> dict[str, Any]:
         """What a checkpoint keeps: the oldest draw with a group not yet trained or dropped, the sampler state
@@ -350,7 +368,7 @@ class Rollouter:
         return {"draw": first, "sampler": state, "finished": dict(self.finished)}
 
     def metrics(self) -> dict[str, float]:
-        queued = sum(g.done for g in self.live.values())
+        queued = len(self._done)
         return {
             "fully_async/count/dropped_stale_samples": float(self.dropped_samples),
             "fully_async/count/dropped_staleness_sum": float(self.dropped_staleness),

@@ -1,6 +1,6 @@
 """The reward queue: between the agent loop (producer) and the reward-loop workers (consumers).
 
-Every finished sample calls ``await dispatcher.score(chunk)``:
+Every finished sample calls ``await dispatcher.score(record)`` (``Sample.reward_input()``: plain data):
 
 1. it takes a place in a bounded queue (``reward.queue_size``); when the queue is full the call waits, and
    since the agent loop holds a generation slot until its sample is queued, rollout waits too (back-pressure,
@@ -11,6 +11,10 @@ Every finished sample calls ``await dispatcher.score(chunk)``:
 4. if the worker dies, Ray restarts it (``max_restarts``) and the sample is re-sent (``reward/retried``), up to
    ``reward.max_resends`` times, after which it is given up as ``failed`` (``reward_queue/dropped_samples``). A sample
    gets exactly one outcome.
+
+The samples that leave the queue for one worker in one turn of the event loop go in one ``score_many`` call
+(``batching.TurnCalls``): a Ray call per sample was the driver's largest cost per sample (``bench/driver_cost.py``).
+Each sample still holds its own place, worker slot, deadline, re-sends and outcome.
 
 It runs on the agent loop's event loop; Ray object refs are awaited, so thousands of in-flight samples cost
 no threads.
@@ -37,8 +41,8 @@ from typing import Any
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
-from verl import DataProto
 
+from omni_async.batching import TurnCalls
 from omni_async.cluster import wait_for_restart
 from omni_async.logs import Throttle
 from omni_async.sample import RewardOutcome, SampleTimes
@@ -113,6 +117,9 @@ class RewardDispatcher:
         # directly: O(1) per sample, where an asyncio.Condition scans its woken waiters on every notify (O(k^2) for
         # k slots freed in one turn of the loop: a backlog's cost, bench/driver_cost.py).
         self._slot_waiters: deque[asyncio.Future[int]] = deque()
+        self._calls: TurnCalls[tuple[dict[str, Any], SampleTimes]] = TurnCalls(
+            self._send, timeout_s=self.deadline_s, on_timeout=ray.cancel
+        )
         self.waiting = 0
         self.counters = {"total_produced": 0, "total_consumed": 0, "dropped": 0, "retried": 0, "max_size": 0}
 
@@ -189,11 +196,11 @@ class RewardDispatcher:
     async def _give_back(self, w: int) -> None:
         self._release(w)
 
-    async def score(self, chunk: DataProto, times: SampleTimes | None = None) -> RewardOutcome:
+    async def score(self, record: dict[str, Any], times: SampleTimes | None = None) -> RewardOutcome:
         """Queue one sample, score it on a worker, return its typed outcome."""
-        return await (await self.enqueue(chunk, times))
+        return await (await self.enqueue(record, times))
 
-    async def enqueue(self, chunk: DataProto, times: SampleTimes | None = None) -> asyncio.Task:
+    async def enqueue(self, record: dict[str, Any], times: SampleTimes | None = None) -> asyncio.Task:
         """Take a place in the queue (waits while it is full) and return the task that will hold the outcome.
 
         ``times`` receives the sample's ``queued``, ``sent`` and ``scored`` wall-clock timestamps.
@@ -204,9 +211,19 @@ class RewardDispatcher:
         self.counters["total_produced"] += 1
         self.waiting += 1
         self.counters["max_size"] = max(self.counters["max_size"], self.waiting)
-        return asyncio.ensure_future(self._dispatch(chunk, times))
+        return asyncio.ensure_future(self._dispatch(record, times))
 
-    async def _dispatch(self, chunk: DataProto, times: SampleTimes) -> RewardOutcome:
+    def _send(self, w: int, items: list[tuple[dict[str, Any], SampleTimes]]) -> Any:
+        """One turn's samples for worker ``w`` in one call (pickles the records into Ray's object store)."""
+        t0 = time.perf_counter()
+        ref = self.workers[w].score_many.remote([record for record, _ in items])
+        sent, share = time.time(), (time.perf_counter() - t0) / len(items)
+        for _, times in items:
+            if times.sent is None:  # the first send (a re-send keeps it)
+                times.sent, times.dispatch_s = sent, share
+        return ref
+
+    async def _dispatch(self, record: dict[str, Any], times: SampleTimes) -> RewardOutcome:
         try:
             w = await self._take_worker()
         finally:
@@ -214,15 +231,10 @@ class RewardDispatcher:
             self._places.release()
         attempt = 0
         while True:
-            t_out = time.perf_counter()
-            ref = self.workers[w].score.remote(chunk)  # serialises the chunk into Ray's object store
-            if times.sent is None:
-                times.sent, times.dispatch_s = time.time(), time.perf_counter() - t_out
             try:
-                outcome = await asyncio.wait_for(ref, self.deadline_s)
+                outcome = await self._calls.submit(w, (record, times))  # the call is cancelled past the deadline
                 break
             except asyncio.TimeoutError:
-                ray.cancel(ref)
                 outcome = RewardOutcome(
                     "timeout",
                     error=f"reward worker {w} gave no answer within "

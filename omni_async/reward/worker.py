@@ -1,7 +1,9 @@
-"""Reward-loop worker: a Ray actor that scores one-row ``DataProto`` chunks with the reward manager.
+"""Reward-loop worker: a Ray actor that scores samples with the reward manager.
 
-It serves verl's reward-loop API, ``compute_score(data) -> {"reward_score", "reward_extra_info"}``, and the
-typed form the dispatcher uses, ``score(data) -> RewardOutcome``.
+It serves verl's reward-loop API on one-row ``DataProto`` chunks, ``compute_score(data) -> {"reward_score",
+"reward_extra_info"}``, and the typed forms: ``score(data) -> RewardOutcome``, and ``score_many(records)``, the
+dispatcher's: several samples as plain records (``Sample.reward_input()``: a one-row ``DataProto`` cost the driver
+about ten times as much to build and pickle, ``bench/driver_cost.py``'s unit costs), one call per turn of its loop.
 The manager (and whatever engine its functions load: an OCR model, a judge, an HTTP client) is built once per
 worker, so a worker on the dedicated reward pool keeps its model resident between steps. The actor is async:
 one worker scores many samples at once (sync functions run in its thread pool, ``async def`` ones on its loop),
@@ -16,6 +18,7 @@ DEBUG at most (the dispatcher watches the failure rate).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -89,6 +92,12 @@ class RewardLoopWorker:
         self.calls += 1
         return await self.manager.score(proto_to_sample(data))
 
+    async def score_many(self, records: list[dict[str, Any]]) -> list[RewardOutcome]:
+        """Score the samples the dispatcher sent together (``Sample.reward_input()`` records), concurrently; one
+        outcome each."""
+        self.calls += len(records)
+        return list(await asyncio.gather(*(self.manager.score(_writable(r)) for r in records)))
+
     async def compute_score(self, data: DataProto) -> dict[str, Any]:
         """verl's reward-loop API: ``{"reward_score": float | None, "reward_extra_info": dict}``."""
         return (await self.score(data)).to_verl()
@@ -113,6 +122,15 @@ class RewardLoopWorker:
             "accelerator_ids": ctx.get_accelerator_ids(),
             "placement_group_id": ctx.get_placement_group_id(),
         }
+
+
+def _writable(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with its pixels writable, as a ``DataProto`` chunk gave them: Ray hands an array argument over as a
+    read-only view of its buffer, and a reward function may change the image it is given."""
+    pixels = record.get(PIXELS)
+    if isinstance(pixels, np.ndarray) and not pixels.flags.writeable:
+        record[PIXELS] = pixels.copy()
+    return record
 
 
 def _device() -> str:

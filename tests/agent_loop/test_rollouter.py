@@ -127,6 +127,28 @@ def test_drop_strategy_never_trains_past_the_bound_and_counts_what_it_drops():
     assert len(finished) == 300 + rollouter.dropped_groups and rollouter.dropped_samples == 2 * rollouter.dropped_groups
 
 
+@pytest.mark.parametrize(("strategy", "partial"), [("drop", False), ("wait", True)])
+def test_the_kept_deadline_order_picks_what_sorting_every_live_group_picks(monkeypatch, strategy, partial):
+    """The take reads the done groups' (version, seq) order kept as groups finish; on every wake it picks, counts and
+    drops what a sort of all live groups by (deadline, seq) gives."""
+    pick, checked = Rollouter._pick, []
+
+    def sorted_pick(self, step, n):
+        got = pick(self, step, n)
+        done = sorted((g for g in self.live.values() if g.done), key=lambda g: (self._deadline(g), g.seq))
+        assert [uid for _, _, uid in self._done] == [g.uid for g in done]
+        assert self.sampleable(step) == sum(step - g.version() <= self.bound for g in done)
+        if got is not None or not self.settings.wait_for_stale:  # wait: the feasibility check may hold it back
+            assert got == (done[:n] if len(done) >= n else None)
+        checked.append(got is not None)
+        return got
+
+    monkeypatch.setattr(Rollouter, "_pick", sorted_pick)
+    _, trained, rollouter, *_ = asyncio.run(train(3, 1, 1, 2, 60, strategy, 4, 0.3, threshold=2, partial=partial))
+    assert sum(checked) == 60 and len(checked) > 60 and len(trained) == 120
+    assert strategy == "wait" or rollouter.dropped_groups > 0  # the drop path ran too
+
+
 def test_staleness_formulas_match_verl():
     assert groups_per_window(0.1, 4, 1, 32) == 140  # verl: int(32 * 1.1 * 4)
     assert groups_per_window(0, 1, 1, 8) == 8 and lag_bound(8, 8) == 0

@@ -24,6 +24,7 @@ from omni_async.sample import Sample
 SEED_SAMPLE, SEED_WINDOW, SEED_VALIDATION = 0, 1, 2  # independent random streams
 SEED_NFT_STEPS, SEED_NFT_NOISE = 3, 4  # DiffusionNFT: a sample's training steps and forward noise (its own seed's)
 SEED_AWM_STEPS = 5  # AWM: a mini-batch's shared training steps (from its samples' seeds)
+SEED_DPO_STEP = 6  # Diffusion-DPO: a pair's training timestep (its chosen sample's seed; noise: SEED_NFT_NOISE)
 
 
 def sample_seed(base_seed: int, step: int, index: int, stream: int = SEED_SAMPLE) -> int:

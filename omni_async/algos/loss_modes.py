@@ -6,7 +6,7 @@ the config check refuses a mode that is listed here but not built, naming the bu
 
 - ``sde_window``: the rollout stores the SDE window's latents and log-probs (FlowGRPO and the policy-gradient losses
   on the reverse process: GRPO-Guard, Flow-DPPO, DanceGRPO); the loss runs window step by window step.
-- ``final_latents``: the rollout stores only the clean final latents (DiffusionNFT, AWM, online DPO); the loss
+- ``final_latents``: the rollout stores only the clean final latents (DiffusionNFT, AWM, Diffusion-DPO); the loss
   noises them again on the forward process. DiffusionNFT samples with its lagging ``old`` policy, AWM with the
   current one (``algos.awm``).
 
@@ -17,8 +17,9 @@ in bypass mode the rollout stores it beside the step's log-prob (``ImageResult.w
 The image modality dispatches on the entry (``ImageModality.backward``): a window loss names its per-step loss
 (``window_loss``, one signature: ``algos.window_losses``), which ``_window_backward`` calls on each window step; a
 final-latent loss names its backward (``backward``: ``nft`` -> ``_nft_backward``, ``awm`` -> ``_awm_backward``,
-each a ``_forward_steps`` loop). To add a loss: its pure math in ``algos/`` and an entry here with ``built=True``
-(a window loss: an adapter in ``algos.window_losses``; a final-latent loss: its backward in the modality).
+each a ``_forward_steps`` loop; ``dpo`` -> ``_dpo_backward``, one forward per pair). To add a loss: its pure math
+in ``algos/`` and an entry here with ``built=True`` (a window loss: an adapter in ``algos.window_losses``; a
+final-latent loss: its backward in the modality).
 """
 
 from __future__ import annotations
@@ -76,9 +77,9 @@ LOSS_MODES: dict[str, LossMode] = {
         # DiffusionOPD (algos.distill): the student's SDE window pulled toward a frozen teacher's step means, under
         # model.algorithm=flow_grpo as verl-omni's recipe; the advantage is computed (the reward is monitored) unused.
         LossMode("distill_kl", SDE_WINDOW, "flow_grpo", teacher=True, window_loss=distill_kl_window),
-        # Not built: verl-omni's dpo (online Diffusion-DPO on each group's best and worst sample) trains on final
-        # latents, as AWM does.
-        LossMode("dpo", FINAL_LATENTS, "dpo", built=False, instead="awm", backward=""),
+        # Diffusion-DPO (algos.dpo): each group's best and worst final latents as a (chosen, rejected) pair, or an
+        # offline dataset's pairs (algorithm.sample_source=offline); StepOps.preference_batch lays the pairs out.
+        LossMode("dpo", FINAL_LATENTS, "dpo", backward="dpo"),
     )
 }
 

@@ -138,6 +138,13 @@ _WINDOW_VALUES = {
     "actor_rollout_ref.rollout.rollout_adapter": "default",
     "algorithm.trainer_type": "policy_gradient",
 }
+_DPO_VALUES = {
+    "actor_rollout_ref.model.model_type": "diffusion_dpo_model",
+    "actor_rollout_ref.model.policy_state_adapters": ["default"],
+    "actor_rollout_ref.rollout.rollout_adapter": "default",
+    "algorithm.trainer_type": "direct_preference",
+    "algorithm.paired_preference": True,
+}
 
 
 def check_loss(cfg: DictConfig) -> None:
@@ -278,11 +285,20 @@ def check_loss(cfg: DictConfig) -> None:
             f"set {key}={want!r}".replace("'", '"') if isinstance(want, list) else f"set {key}={want}",
         )
     _check(
-        algo.sample_source == "online",
+        algo.sample_source == "online" or (name == "dpo" and algo.sample_source == "offline"),
         "algorithm.sample_source",
-        f"{algo.sample_source!r}: offline preference data is not part of this project (every sample is generated)",
+        f"{algo.sample_source!r}: only Diffusion-DPO trains on offline data (pairs); {name} trains on samples it "
+        "generates",
         "set algorithm.sample_source=online",
     )
+    _check(
+        bool(algo.paired_preference) == (name == "dpo"),
+        "algorithm.paired_preference",
+        f"{algo.paired_preference} does not fit loss_mode={name}: only Diffusion-DPO (loss_mode=dpo) trains on pairs",
+        f"set algorithm.paired_preference={str(name == 'dpo').lower()}",
+    )
+    if name == "dpo":
+        _check_dpo(cfg)
     logp = arr.rollout.calculate_log_probs
     _check(
         logp is None or bool(logp) != final,
@@ -348,10 +364,31 @@ def check_loss(cfg: DictConfig) -> None:
         _check_final_latents(cfg, name)
 
 
+def _check_dpo(cfg: DictConfig) -> None:
+    """Diffusion-DPO's needs (``algos.dpo``): the frozen reference is the LoRA adapter switched off, and a
+    micro-batch holds whole (chosen, rejected) pairs (verl-omni's rule: an even ``ppo_micro_batch_size_per_gpu``)."""
+    arr = cfg.actor_rollout_ref
+    _check(
+        arr.model.lora_rank > 0,
+        "actor_rollout_ref.model.lora_rank",
+        "Diffusion-DPO's frozen reference is the model with its LoRA adapter off; a full fine-tune keeps no frozen copy",
+        "train LoRA: actor_rollout_ref.model.lora_rank=32 (verl-omni's DPO recipes: 32 / 64)",
+    )
+    micro = arr.actor.ppo_micro_batch_size_per_gpu
+    _check(
+        micro is None or (int(micro) >= 2 and int(micro) % 2 == 0),
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        f"{micro} would split a (chosen, rejected) pair across micro-batches",
+        "give an even number >= 2 (or null: the whole mini-batch)",
+    )
+
+
 def _paired_values(name: str, old_kl_coef: float) -> dict[str, tuple[Any, str]]:
     """The keys that choose the training path -> (the value loss mode ``name`` takes, why) (``check_loss``)."""
     if name == "diffusion_nft":
         return {k: (v, "verl-omni pairs it with") for k, v in _NFT_VALUES.items()}
+    if name == "dpo":
+        return {k: (v, "verl-omni pairs it with") for k, v in _DPO_VALUES.items()}
     pairs = {k: (v, "verl-omni pairs it with") for k, v in _WINDOW_VALUES.items()}
     if name == "awm":  # verl-omni lists AWM among its direct-preference algorithms; it has no AWM engine
         anchored = old_kl_coef > 0

@@ -17,6 +17,8 @@ steps the sample trains on) and ``noise_seed`` (its forward-process noise). No w
 training step by training step, each with gradients accumulated (``_nft_backward``). AWM's (``algos.awm``): the same
 without ``reward_prob`` (it weights by ``advantages``), plus ``old_log_probs`` [T] when the step recomputes its
 matching log-likelihood at its start (``bypass_mode=false``, :meth:`ImageModality.log_probs`); ``_awm_backward``.
+Diffusion-DPO's (``algos.dpo``): ``latents_clean``, the prompt encodings, ``train_u`` and ``noise_seed`` (one forward
+draw per pair), the rows in adjacent (chosen, rejected) pairs (``StepOps.preference_batch``); ``_dpo_backward``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from PIL import Image, ImageDraw
 
 from omni_async.algos.awm import awm_loss, matching_log_prob
 from omni_async.algos.diffusion_nft import forward_noised, nft_loss
+from omni_async.algos.dpo import dpo_loss, train_index
 from omni_async.algos.loss import BYPASS_CORRECTION_KEY, bypass_rollout_correction, correction_weights
 from omni_async.algos.loss_modes import FINAL_LATENTS
 from omni_async.algos.loss_modes import loss_mode as registered_loss_mode
@@ -189,7 +192,12 @@ class ImageModality(Modality):
     ) -> dict[str, list[float]]:
         """The loss mode's gradient (the one dispatch point of the image losses): the backward its registry entry
         names (``LossMode.backward``, ``algos.loss_modes``)."""
-        backward = {"window": self._window_backward, "nft": self._nft_backward, "awm": self._awm_backward}
+        backward = {
+            "window": self._window_backward,
+            "nft": self._nft_backward,
+            "awm": self._awm_backward,
+            "dpo": self._dpo_backward,
+        }
         return backward[self.mode.backward](policy, batch, loss_mask, actor_cfg, loss_scale)
 
     def _window_backward(
@@ -332,6 +340,35 @@ class ImageModality(Modality):
             )  # fmt: skip
 
         return self._forward_backward(policy, batch, dl.ref_kl_coef, loss_scale, step_loss)
+
+    def _dpo_backward(
+        self, policy, batch, loss_mask: torch.Tensor, actor_cfg: Any, loss_scale: float
+    ) -> dict[str, list[float]]:
+        """Diffusion-DPO (``algos.dpo``) on the batch's adjacent (chosen, rejected) rows (``StepOps.preference_batch``;
+        micro-batches of an even size keep a pair whole): each pair's x0 noised to its timestep on the scheduler's
+        training grid (``train_u``) with its shared noise (``noise_seed``), the live v_theta and the adapter-off v_ref
+        (timed) there, one backward. A micro-batch with no row in the loss (an FSDP2 rank's padding) runs forward and
+        backward at weight 0."""
+        dev = policy.device
+        x0 = batch.batch["latents_clean"].to(dev, torch.float32)
+        sigmas, timesteps = policy.train_grid()
+        k = train_index(batch.batch["train_u"].reshape(-1), len(sigmas))
+        sigma, t = sigmas[k].to(dev), timesteps[k]
+        noise = forward_noise(batch.batch["noise_seed"], x0, 1)[:, 0]
+        xt = forward_noised(x0, sigma, noise)
+        cond = policy.conditioning_from(batch.batch, batched=True)
+        v_theta = policy.velocity_at(cond, xt, t)
+        if not bool(loss_mask.any()):
+            (v_theta.sum() * 0.0).backward()
+            return _read_metrics({}, 0.0)
+        t0 = device_clock(dev)
+        with torch.no_grad(), policy.reference():
+            v_ref = policy.velocity_at(cond, xt, t)
+        ref_s = device_clock(dev) - t0
+        keep = loss_mask.to(dev).nonzero().flatten()  # FSDP2's padding rows (outside the loss) are not pairs
+        loss, m = dpo_loss(v_theta[keep], v_ref[keep], x0[keep], noise[keep], beta=actor_cfg.diffusion_loss.dpo_beta)
+        (loss * loss_scale).backward()
+        return _read_metrics({key: [v] for key, v in m.items()}, ref_s)
 
     def save_samples(self, out_dir: Path, step: int, samples: list[Sample]) -> Path:
         """A PNG grid of the images (a video's first frame), each captioned with its reward."""

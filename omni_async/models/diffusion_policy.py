@@ -588,11 +588,18 @@ class DiffusionPolicy(TrainableModule):
         bit-for-bit per-sample shapes of the SDE window (module docstring) are not needed."""
         idx = steps.tolist()
         t = self.timesteps[steps.to(self.timesteps.device)]
+        return self._guided_experts(x, t, [(self.denoisers[k], self.cfg_scales[k]) for k in idx], rows)
+
+    def _guided_experts(
+        self, x: torch.Tensor, t: torch.Tensor, experts: list[tuple[Any, float]], rows: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The batch at timesteps ``t`` [B], sample ``b`` with its transformer and CFG scale ``experts[b]``: one call
+        per transformer (Wan 2.2's experts), each sample's output in its row."""
         groups: dict[int, tuple[Any, float, list[int]]] = {}  # one per expert (its CFG scale goes with it)
-        for r, k in enumerate(idx):
-            groups.setdefault(id(self.denoisers[k]), (self.denoisers[k], self.cfg_scales[k], []))[2].append(r)
+        for r, (model, scale) in enumerate(experts):
+            groups.setdefault(id(model), (model, scale, []))[2].append(r)
         if len(groups) == 1:
-            return self._guided_call(x, t, rows, self.denoisers[idx[0]], self.cfg_scales[idx[0]])
+            return self._guided_call(x, t, rows, *experts[0])
         n, out = len(x), None
         cfg_rows = len(rows["prompt_embeds"]) // n
         for model, scale, members in groups.values():
@@ -628,6 +635,34 @@ class DiffusionPolicy(TrainableModule):
         return torch.cat(
             [self._guided(xs[j : j + 1], k, rows) for j, (k, rows) in enumerate(zip(steps, cond.rows, strict=True))]
         )
+
+    def train_grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scheduler's training grid, ``num_train_timesteps`` sigmas and timesteps (descending; cached): the
+        flow-matching Euler scheduler of :meth:`_schedule` as constructed, without ``set_timesteps`` (its static
+        ``shift``; none where it shifts dynamically), where Diffusion-DPO draws its training timesteps, as verl-omni's
+        SD3 DPO adapter (``algos.dpo``)."""
+        if getattr(self, "_train_grid", None) is None:
+            from diffusers import FlowMatchEulerDiscreteScheduler
+
+            own = self.pipe.scheduler
+            if isinstance(own, FlowMatchEulerDiscreteScheduler):
+                sched = FlowMatchEulerDiscreteScheduler.from_config(own.config)
+            else:  # Wan's UniPC: the flow-matching grid at its flow_shift, as _schedule
+                sched = FlowMatchEulerDiscreteScheduler(shift=own.config.get("flow_shift") or 1.0)
+            self._train_grid = (sched.sigmas.float().clone(), sched.timesteps.float().clone())
+        return self._train_grid
+
+    def velocity_at(
+        self, cond: dict[str, torch.Tensor] | StepConditioning, x: torch.Tensor, t: torch.Tensor
+    ) -> torch.Tensor:
+        """The (CFG-guided) velocity, fp32, of the batch in one call at timesteps ``t`` [B] off the rollout's grid
+        (Diffusion-DPO's, :meth:`train_grid`); Wan 2.2's expert by diffusers' rule on each ``t``. Needs
+        ``prepare(..., batched=True)``'s rows."""
+        cond = self.prepare(cond)
+        boundary = boundary_timestep(self.pipe)
+        low = [boundary is not None and v < boundary for v in t.tolist()]
+        experts = [(self.pipe.transformer_2 if lo else self.pipe.transformer, self.adapter.cfg_scale(lo)) for lo in low]
+        return self._guided_experts(x.to(self.compute_dtype), t.to(self.device), experts, cond.batched)
 
     def step(
         self,

@@ -19,10 +19,11 @@ from omegaconf import DictConfig
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from verl import DataProto
 
-from omni_async.agent_loop.draws import SEED_AWM_STEPS, SEED_NFT_NOISE, SEED_NFT_STEPS, sample_seed
+from omni_async.agent_loop.draws import SEED_AWM_STEPS, SEED_DPO_STEP, SEED_NFT_NOISE, SEED_NFT_STEPS, sample_seed
 from omni_async.algos.advantages import group_advantages
 from omni_async.algos.awm import draw_train_steps
 from omni_async.algos.diffusion_nft import old_policy_decay, optimality_probability, refreshes_after, train_steps
+from omni_async.algos.dpo import logit_normal_u, preference_pairs
 from omni_async.algos.loss import BYPASS_CORRECTION_FIELDS, BYPASS_CORRECTION_KEY
 from omni_async.algos.loss_modes import loss_mode
 from omni_async.modality import REF_TIME_KEY, Modality
@@ -129,6 +130,8 @@ class StepOps:
             global_std=algo.global_std,
             adv_clip_max=clip if clipped else None,
         )
+        if image and self.modality.loss_mode == "dpo":
+            return self.preference_batch(batch, samples, adv, loss_mask)
         if nft:
             batch.batch["reward_prob"] = optimality_probability(adv, adv_clip_max=clip, adv_mode=algo.adv_mode)[:, None]
         if final:
@@ -139,6 +142,29 @@ class StepOps:
         for s, a, kept in zip(samples, adv.tolist(), loss_mask.tolist(), strict=True):
             s.advantage = a if kept else None
         return batch
+
+    @staticmethod
+    def preference_batch(batch: DataProto, samples: list[Sample], adv: torch.Tensor, kept: torch.Tensor) -> DataProto:
+        """Diffusion-DPO's actor batch (verl-omni's ``DPOLoss.prepare_actor_batch``): each group's chosen and rejected
+        sample among its kept ones (``algos.dpo.preference_pairs``: the highest and the lowest reward), adjacent, in
+        the groups' order, so a mini-batch (whole groups) and an even micro-batch hold whole pairs; the other samples
+        are outside the loss (no advantage). Each pair's forward-process draw, ``train_u`` (its timestep) and
+        ``noise_seed``, comes from its chosen sample's seed: the same for both rows, and on a resume."""
+        pairs = preference_pairs([s.uid for s in samples], batch.batch["rm_scores"].sum(-1).tolist(), kept.tolist())
+        rows = [i for pair in pairs for i in pair]
+        in_pair = set(rows)
+        for i, (s, a) in enumerate(zip(samples, adv.tolist(), strict=True)):
+            s.advantage = a if i in in_pair else None
+        out = batch.select_idxs(np.array(rows, dtype=np.int64))
+        chosen_seeds = [samples[w].seed for w, _ in pairs for _ in range(2)]
+        out.batch["noise_seed"] = torch.tensor([sample_seed(x, 0, 0, SEED_NFT_NOISE) for x in chosen_seeds])
+        out.batch["train_u"] = torch.tensor(
+            [logit_normal_u(torch.Generator().manual_seed(sample_seed(x, 0, 0, SEED_DPO_STEP))) for x in chosen_seeds],
+            dtype=torch.float64,
+        )
+        out.batch["advantages"] = adv[rows]
+        out.batch["loss_mask"] = torch.ones(len(rows), dtype=torch.bool)
+        return out
 
     def forward_process_batch(self, batch: DataProto, samples: list[Sample]) -> None:
         """A final-latent loss's tensors (DiffusionNFT: verl-omni's ``DiffusionNFTLoss.prepare_actor_batch``, where

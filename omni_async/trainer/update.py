@@ -70,7 +70,8 @@ def update(
     for k, v in ops.train_epochs(batches, timer, range(1, ops.cfg.actor_rollout_ref.actor.ppo_epochs)).items():
         sums[k].extend(v)
     samples = [s for g in groups for s in g.samples]
-    loss_mask = torch.cat([b.batch["loss_mask"] for b in batches])
+    # per sample, in the loss or not (a sample outside its group's Diffusion-DPO pair has no row in the batch)
+    loss_mask = torch.tensor([s.advantage is not None for s in samples])
     step_timing(groups, timer)
     return groups, samples, loss_mask, _mean(sums)
 

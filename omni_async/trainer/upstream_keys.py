@@ -108,9 +108,6 @@ _NO_OPD_FIX = (
     "drop distillation.* and diffusion_loss.loss_mode=distill_kl; no loss here trains toward a teacher (to train on "
     "the reward the recipe monitors, use a reward loss: model.algorithm=flow_grpo)"
 )
-_NO_DPO = (
-    "verl-omni's DPO, which trains on pairs (a chosen and a rejected sample per prompt), is not built here (issue 38)"
-)
 # verl-omni's model.pipeline.* (the training engine's copy of rollout.pipeline.*, which it defaults to).
 _MODEL_PIPELINE = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length", "guidance_scale")
 
@@ -378,13 +375,6 @@ RULES: dict[str, Rule] = {
     # ---- DiffusionOPD (distillation), DPO ---------------------------------------------------------------------------
     "distillation.enabled": Rule("same", _NO_OPD, _NO_OPD_FIX, _one_of(False)),
     "distillation.teacher_models.*": Rule("same", _NO_OPD, _NO_OPD_FIX, _one_of(None)),
-    "algorithm.paired_preference": Rule(
-        "same",
-        _NO_DPO,
-        "drop it (or set it to false); AWM trains on the same final latents from each group's advantages: "
-        f"{ARR}.model.algorithm=awm",
-        _one_of(False),
-    ),
     # ---- trainer device ---------------------------------------------------------------------------------------------
     "trainer.device": Rule(
         "same",

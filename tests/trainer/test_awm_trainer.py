@@ -90,9 +90,8 @@ def test_awm_batch_trains_its_authors_stratified_steps_one_draw_per_minibatch():
 @pytest.mark.parametrize(
     ("overrides", "key", "fix"),
     [
-        # the loss modes not built name the built one to use instead
-        (["actor_rollout_ref.actor.diffusion_loss.loss_mode=dpo"], "loss_mode", "loss_mode=awm"),
-        (["actor_rollout_ref.model.algorithm=dpo"], "model.algorithm", "model.algorithm=awm"),
+        # a loss mode runs under its algorithm (verl-omni's pairing)
+        (["actor_rollout_ref.actor.diffusion_loss.loss_mode=dpo"], "loss_mode", "model.algorithm=dpo"),
         (["actor_rollout_ref.actor.diffusion_loss.loss_mode=awm"], "loss_mode", "model.algorithm=awm"),
         (["actor_rollout_ref.model.algorithm=awm"], "algorithm.trainer_type", "direct_preference"),
         ([*AWM, "actor_rollout_ref.model.policy_state_adapters=[default]"], "policy_state_adapters", '"old"'),

@@ -113,7 +113,11 @@ def test_compressed_delayed_ramp_is_accepted_and_named_in_the_refusal():
             "loss_mode",
             "model.algorithm=diffusion_nft",
         ),
-        (["actor_rollout_ref.model.algorithm=ppo"], "model.algorithm", "awm, dance_grpo, diffusion_nft, flow_grpo"),
+        (
+            ["actor_rollout_ref.model.algorithm=ppo"],
+            "model.algorithm",
+            "awm, dance_grpo, diffusion_nft, dpo, flow_grpo",
+        ),
         (["actor_rollout_ref.actor.diffusion_loss.loss_mode=diffusion_nft"], "loss_mode", "model.algorithm=diffusion"),
         ([*NFT, "actor_rollout_ref.rollout.rollout_adapter=default"], "rollout.rollout_adapter", "rollout_adapter=old"),
         ([*NFT, "actor_rollout_ref.model.model_type=diffusion_model"], "model.model_type", "diffusion_nft_model"),

@@ -174,7 +174,7 @@ BASE = ["data.train_files=x.jsonl"]
             "actor_rollout_ref.rollout.load_format",
             "load_format=safetensors",
         ),
-        (["actor_rollout_ref.model.algorithm=dpo"], "actor_rollout_ref.model.algorithm", "algorithm=awm"),
+        (["actor_rollout_ref.model.algorithm=dpo"], "actor_rollout_ref.model.model_type", "diffusion_dpo_model"),
         (
             ["reward.reward_model.rollout.free_cache_engine=True"],
             "reward.reward_model.rollout.free_cache_engine",

@@ -241,6 +241,84 @@ SD35_MEDIUM = {
 }
 
 
+# black-forest-labs/FLUX.1-dev: the guidance-distilled 12 B transformer (19 dual-stream + 38 single-stream blocks over
+# 2x2-packed latent tokens, a guidance embedding), CLIP-L (pooled) + T5-XXL (512 tokens), a 16-channel AutoencoderKL.
+FLUX_1_DEV = {
+    "source": "black-forest-labs/FLUX.1-dev: transformer/, text_encoder{,_2}/, vae/, scheduler/ config.json",
+    "transformer": (
+        "diffusers",
+        "FluxTransformer2DModel",
+        {
+            "patch_size": 1,
+            "in_channels": 64,
+            "num_layers": 19,
+            "num_single_layers": 38,
+            "attention_head_dim": 128,
+            "num_attention_heads": 24,
+            "joint_attention_dim": 4096,
+            "pooled_projection_dim": 768,
+            "guidance_embeds": True,
+            "axes_dims_rope": (16, 56, 56),
+        },
+    ),
+    "text_encoder": (  # openai/clip-vit-large-patch14's text model: FluxPipeline reads its pooled output
+        "transformers",
+        "CLIPTextModel",
+        {
+            "vocab_size": 49408,
+            "hidden_size": 768,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "projection_dim": 768,
+            "hidden_act": "quick_gelu",
+            **_CLIP_IDS,
+        },
+    ),
+    "text_encoder_2": ("transformers", "T5EncoderModel", {"vocab_size": 32128, **_T5_XXL, "decoder_start_token_id": 0}),
+    "vae": (
+        "diffusers",
+        "AutoencoderKL",
+        {
+            "in_channels": 3,
+            "out_channels": 3,
+            "latent_channels": 16,
+            "block_out_channels": [128, 256, 512, 512],
+            "down_block_types": ["DownEncoderBlock2D"] * 4,
+            "up_block_types": ["UpDecoderBlock2D"] * 4,
+            "layers_per_block": 2,
+            "norm_num_groups": 32,
+            "sample_size": 1024,
+            "scaling_factor": 0.3611,
+            "shift_factor": 0.1159,
+            "use_quant_conv": False,
+            "use_post_quant_conv": False,
+        },
+    ),
+    "vae_dtype": BF16,
+    "scheduler": (
+        "diffusers",
+        "FlowMatchEulerDiscreteScheduler",
+        {
+            "num_train_timesteps": 1000,
+            "shift": 3.0,
+            "use_dynamic_shifting": True,
+            "base_shift": 0.5,
+            "max_shift": 1.15,
+            "base_image_seq_len": 256,
+            "max_image_seq_len": 4096,
+        },
+    ),
+    # the attention projections (the single-stream blocks have only to_q / to_k / to_v of these)
+    "lora_targets": QWEN_TARGETS,
+    "text_tokens": 512,  # T5 pads every prompt to max_sequence_length (FluxPipeline's default 512)
+    "template_tokens": 0,
+    "encoder_tokens": {"text_encoder": 77},  # CLIP reads its 77 positions; the others read text_tokens
+    "frames": 1,
+    "cfg": False,  # guidance-distilled: the guidance is an embedding, one branch (true CFG only when asked)
+}
+
+
 def _wan_scheduler(flow_shift: float) -> tuple[str, str, dict]:
     """Wan's shipped scheduler (UniPC on flow sigmas); the policy samples with FlowMatchEuler at its ``flow_shift``."""
     return (
@@ -289,6 +367,7 @@ MODELS = {
     "qwen_image": _QWEN_IMAGE,
     "wan_1_3b": _wan(12, 8960, 30, "Wan2.1-T2V-1.3B"),
     "wan_14b": _wan(40, 13824, 40, "Wan2.1-T2V-14B"),
+    "flux_1_dev": FLUX_1_DEV,
 }
 
 
@@ -298,6 +377,7 @@ PUBLISHED = {
     "sd3.5_medium": SD35_MEDIUM,
     "wan2.1_t2v_1.3b": MODELS["wan_1_3b"],
     "wan2.2_ti2v_5b": _wan22_ti2v_5b(),
+    "flux.1_dev": FLUX_1_DEV,
 }
 
 

@@ -1,7 +1,7 @@
 """``random:<family>`` model sources: a published pipeline's architecture with random weights, built on the device.
 
 ``actor_rollout_ref.model.path=random:qwen_image`` (or ``random:sd3.5_medium``, ``random:wan2.1_t2v_1.3b``,
-``random:wan2.2_ti2v_5b``) builds the pipeline of that checkpoint from its published configs
+``random:wan2.2_ti2v_5b``, ``random:flux.1_dev``) builds the pipeline of that checkpoint from its published configs
 (:data:`omni_async.models.published.PUBLISHED`, the memory plan's) with each class's own random initialisation,
 directly on the policy's device in ``fsdp_config.model_dtype``: every weight is created once, where it will live (no
 host copy, no fp32 copy first). A user runs their exact recipe on it for a few steps to see memory and speed before
@@ -47,6 +47,7 @@ FAMILIES: dict[str, str] = {
     "sd3.5_medium": "StableDiffusion3Pipeline",
     "wan2.1_t2v_1.3b": "WanPipeline",
     "wan2.2_ti2v_5b": "WanPipeline",
+    "flux.1_dev": "FluxPipeline",
 }
 assert set(FAMILIES) == set(PUBLISHED) == set(RANDOM_TOKENIZERS)
 

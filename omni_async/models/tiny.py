@@ -242,26 +242,59 @@ def build_qwen_image_text_bimodal(out: Path) -> None:
     _copy_shipped("qwen_image_text_bimodal", out)
 
 
+def _tiny_clip(cls: type, vocab_size: int):
+    """A two-layer CLIP text model of ``cls`` (``CLIPTextModelWithProjection`` for SD3, ``CLIPTextModel`` for FLUX)
+    over the byte-level CLIP tokenizer's ids."""
+    from transformers import CLIPTextConfig
+
+    return cls(
+        CLIPTextConfig(
+            **_text_stack(vocab_size, 32, 37, 4),
+            projection_dim=32,
+            max_position_embeddings=77,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+        )
+    )
+
+
+def _tiny_kl_vae(latent_channels: int):
+    """SD3's and FLUX's ``AutoencoderKL`` (8x spatial compression), one res block per level, latents unscaled."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=latent_channels,
+        block_out_channels=(8, 8, 8, 8),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=1,
+        norm_num_groups=4,
+        sample_size=64,
+        shift_factor=0.0,
+        scaling_factor=1.0,
+    )
+
+
+def _tiny_t5(vocab_size: int):
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(T5Config(vocab_size=vocab_size, **_T5_ENCODER, decoder_start_token_id=0))
+
+
 def build_sd3(out: Path) -> None:
-    from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection
 
     clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
     latent_channels = 4  # the VAE's latents are the transformer's input and output
 
     def clip():
-        return CLIPTextModelWithProjection(
-            CLIPTextConfig(
-                **_text_stack(len(clip_tok), 32, 37, 4),
-                projection_dim=32,
-                max_position_embeddings=77,
-                bos_token_id=0,
-                eos_token_id=1,
-                pad_token_id=1,
-            )
-        )
+        return _tiny_clip(CLIPTextModelWithProjection, len(clip_tok))
 
-    t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tok), **_T5_ENCODER, decoder_start_token_id=0))
+    t5 = _tiny_t5(len(t5_tok))
     pipe = StableDiffusion3Pipeline(
         transformer=SD3Transformer2DModel(
             **_DENOISER_BLOCKS,
@@ -276,25 +309,59 @@ def build_sd3(out: Path) -> None:
             pos_embed_max_size=16,
         ),
         scheduler=_flow_scheduler(),
-        vae=AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            latent_channels=latent_channels,
-            block_out_channels=(8, 8, 8, 8),
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            layers_per_block=1,
-            norm_num_groups=4,
-            sample_size=64,
-            shift_factor=0.0,
-            scaling_factor=1.0,
-        ),
+        vae=_tiny_kl_vae(latent_channels),
         text_encoder=clip(),
         tokenizer=clip_tok,
         text_encoder_2=clip(),
         tokenizer_2=build_clip_tokenizer(),
         text_encoder_3=t5,
         tokenizer_3=t5_tok,
+    )
+    _zero_init_decoder_residuals(pipe.vae)
+    pipe.save_pretrained(out)
+
+
+# FLUX.1's scheduler config (black-forest-labs/FLUX.1-dev scheduler/scheduler_config.json): the shift follows the
+# image's token count (models.published.FLUX_1_DEV's), as FluxPipeline computes mu.
+FLUX_SCHEDULER = dict(
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+)
+
+
+def build_flux(out: Path) -> None:
+    """FLUX.1-dev's layout (``FluxPipeline``): a ``FluxTransformer2DModel`` with the guidance embedding (the
+    guidance-distilled dev model's), dual-stream then single-stream blocks over 2x2-packed latent tokens, CLIP's pooled
+    projection and T5's sequence, the SD3-style ``AutoencoderKL``, FLUX.1's dynamically shifted schedule."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
+    latent_channels = 4  # packed 2x2: 16 transformer channels
+    pipe = FluxPipeline(
+        transformer=FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=4 * latent_channels,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=32,
+            guidance_embeds=True,
+            axes_dims_rope=(2, 2, 4),  # (text/index, row, column) rotary dims, summing to attention_head_dim
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER),
+        vae=_tiny_kl_vae(latent_channels),
+        text_encoder=_tiny_clip(CLIPTextModel, len(clip_tok)),
+        tokenizer=clip_tok,
+        text_encoder_2=_tiny_t5(len(t5_tok)),
+        tokenizer_2=t5_tok,
     )
     _zero_init_decoder_residuals(pipe.vae)
     pipe.save_pretrained(out)
@@ -410,6 +477,7 @@ TINY_BUILDERS: dict[str, Callable[[Path], None]] = {
     "qwen_image_text": build_qwen_image_text,
     "qwen_image_text_bimodal": build_qwen_image_text_bimodal,
     "sd3": build_sd3,
+    "flux": build_flux,
     "wan": build_wan,
     "wan22": build_wan22,
     "qwen2_vl": build_qwen2_vl,
@@ -429,6 +497,7 @@ RANDOM_TOKENIZERS: dict[str, dict[str, Callable[[], object]]] = {
     },
     "wan2.1_t2v_1.3b": {"tokenizer": build_t5_tokenizer},
     "wan2.2_ti2v_5b": {"tokenizer": build_t5_tokenizer},
+    "flux.1_dev": {"tokenizer": build_clip_tokenizer, "tokenizer_2": build_t5_tokenizer},
 }
 
 

@@ -288,6 +288,63 @@ class _SD3Adapter(_Adapter):
         return vae.decode(lat.to(vae.dtype), return_dict=False)[0]
 
 
+class _FluxAdapter(_SD3Adapter):
+    """FluxPipeline (FLUX.1): 2x2-packed latent tokens with their position ids (``img_ids``; ``txt_ids`` zeros),
+    CLIP's pooled projection and T5's sequence, timestep / 1000. FLUX.1-dev's guidance-distilled transformer takes
+    ``guidance_scale`` as an embedding (diffusers' meaning: one forward, no negative prompt); ``true_cfg_scale`` > 1
+    also runs the empty negative prompt (diffusers' true CFG, standard combination). The SDE window works on the
+    packed tokens, stored by the rollout and recomputed by the update alike; packing only permutes a latent's
+    elements, so the step's Gaussian log-prob is the same as on the unpacked latents."""
+
+    packed = 4
+
+    def __init__(self, pipe, cfg: SamplingConfig):
+        super().__init__(pipe, cfg)
+        self.embeds_guidance = bool(pipe.transformer.config.guidance_embeds)
+        if not self.embeds_guidance and cfg.guidance_scale != 1.0:  # diffusers ignores it silently
+            raise ValueError(
+                f"actor_rollout_ref.rollout.pipeline.guidance_scale={cfg.guidance_scale} is FLUX.1-dev's guidance "
+                "embedding, but this FluxTransformer2DModel has none (guidance_embeds=False, e.g. FLUX.1-schnell); "
+                "drop it, or set pipeline.true_cfg_scale > 1 for classifier-free guidance with a negative prompt"
+            )
+
+    def cfg_scale(self, low_noise: bool) -> float:
+        return float(self.cfg.true_cfg_scale)
+
+    def uses_cfg(self) -> bool:
+        return self.cfg.true_cfg_scale > 1
+
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        kw = dict(device=self.pipe.device, **_seq_len(self.cfg))
+        pe, ppe, _ = self.pipe.encode_prompt(prompt=prompts, **kw)  # txt_ids: zeros, made per call (inputs)
+        cond = {"prompt_embeds": pe, "pooled_prompt_embeds": ppe}
+        if self.uses_cfg():
+            neg, neg_pooled, _ = self.pipe.encode_prompt(prompt=[""] * len(prompts), **kw)
+            cond["negative_prompt_embeds"], cond["negative_pooled_prompt_embeds"] = neg, neg_pooled
+        return cond
+
+    def init_latents(self, generators: list[torch.Generator]) -> torch.Tensor:
+        return super().init_latents(generators)[0]  # FluxPipeline.prepare_latents also returns the image ids
+
+    def timestep(self, t: torch.Tensor) -> torch.Tensor:
+        return t / 1000
+
+    def inputs(self, x: torch.Tensor, c: dict[str, torch.Tensor]) -> dict[str, Any]:
+        f = self.pipe.vae_scale_factor * 2  # pixels per packed token side
+        guidance = torch.full((x.shape[0],), self.cfg.guidance_scale, device=x.device) if self.embeds_guidance else None
+        return {
+            "pooled_projections": c["pooled_prompt_embeds"],
+            "guidance": guidance,
+            "txt_ids": x.new_zeros(c["prompt_embeds"].shape[1], 3),
+            "img_ids": self.pipe._prepare_latent_image_ids(
+                None, self.cfg.height // f, self.cfg.width // f, x.device, x.dtype
+            ),
+        }
+
+    def decode(self, x) -> torch.Tensor:
+        return super().decode(self.pipe._unpack_latents(x, self.cfg.height, self.cfg.width, self.pipe.vae_scale_factor))
+
+
 class _WanAdapter(_Adapter):
     """WanPipeline (text-to-video): 5-D latents [B, C, T', H', W'], UMT5 embeddings, standard CFG."""
 
@@ -323,6 +380,7 @@ _ADAPTERS = {
     "QwenImagePipeline": _QwenImageAdapter,
     "StableDiffusion3Pipeline": _SD3Adapter,
     "WanPipeline": _WanAdapter,
+    "FluxPipeline": _FluxAdapter,
 }
 assert tuple(_ADAPTERS) == SUPPORTED_PIPELINES  # the start check (trainer.model_paths) refuses the others by name
 
@@ -517,7 +575,8 @@ class DiffusionPolicy(TrainableModule):
         """Sigmas (N+1, ending at 0) and timesteps (N) as the pipeline's own ``__call__`` makes them.
 
         - QwenImagePipeline: ``set_timesteps(sigmas=linspace(1, 1/N, N), mu=calculate_shift(image_seq_len))``
-          (dynamic shift; also verl-omni's Qwen-Image FlowGRPO schedule).
+          (dynamic shift; also verl-omni's Qwen-Image FlowGRPO schedule). FluxPipeline the same (its 2x2-packed
+          token count, max_shift 1.15 from its scheduler config).
         - StableDiffusion3Pipeline: ``set_timesteps(N)``: the scheduler's own grid with its static ``shift``
           (``mu`` from SD3's ``calculate_shift`` only where the config uses dynamic shifting), as the SD3 pipeline,
           flow_grpo's ``train_sd3.py`` and verl-omni's SD3 adapter do.

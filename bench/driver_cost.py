@@ -24,9 +24,9 @@ advantages) and opens the next sync window, as fully async training does minus t
 
 The one variant, ``product``, is the product as it ships for images: the agent loop's generation requests for one
 worker in one turn of its event loop go as one ``generate_many`` call and the reward's samples for one worker in one
-turn as one ``score_many`` call of plain records (``batching.TurnCalls``), a result's tensors pickled by torch (a
-``torch.save`` per tensor, as a real worker's are), the driver's garbage collector tuned as the main job's entry point
-tunes it (``cluster.tune_driver_gc``). Earlier JSONs hold the variants measured before the product did this
+turn as one ``score_many`` call of plain records (``batching.TurnCalls``), a result's tensors sent as numpy arrays
+(``ImageResult.__getstate__``, as a real worker's are), the driver's garbage collector tuned as the main job's entry
+point tunes it (``cluster.tune_driver_gc``). Earlier JSONs hold the variants measured before the product did this
 (``baseline``: a Ray call per sample; ``serialization``, ``batched``, ``batched+gc``: benchmark-only stand-ins of
 zero-copy tensors, coalesced calls and GC tuning; the code of those is in the git history).
 
@@ -156,17 +156,24 @@ def unit_costs(args: argparse.Namespace, repeat: int = 500) -> dict[str, float]:
         return (time.process_time() - t0) * 1000 / repeat
 
     window, latents, embeds = 2, tuple(args.latent_shape), tuple(args.embed_shape)
-    torch_form, zero_copy = (result_template(window, latents, embeds, zero_copy=z) for z in (False, True))
+    product, torch_form, zero_copy = (
+        result_template(window, latents, embeds, form=f) for f in ("product", "torch", "zero_copy")
+    )
     pixels = np.full((args.image_size, args.image_size, 3), 7, dtype=np.uint8)
     sample = Sample(0, "0-0", PromptRow("a photo of item 0", "bench", "item 0"), 7, (0, window))
-    sample.result = rebuild_generation(torch_form, pixels, 0, 0.0, 0.0, 0).result
+    sample.result = rebuild_generation(product, pixels, 0, 0.0, 0.0, 0).result
     record = sample.reward_input()
     chunk = sample_to_proto(record)
     out = {
-        "answer unpickled, tensors by torch (baseline)": cost(lambda: pickle.loads(torch_form)),
+        "answer unpickled, the product's form (ImageResult: tensors as numpy arrays)": cost(
+            lambda: pickle.loads(product)
+        ),
+        "answer unpickled, tensors by torch (the product's form before)": cost(lambda: pickle.loads(torch_form)),
         "answer unpickled, tensors zero-copy": cost(lambda: pickle.loads(zero_copy)),
         "reward chunk built (sample_to_proto: a one-row DataProto)": cost(lambda: sample_to_proto(record)),
-        "reward chunk pickled, DataProto by torch.save (baseline)": cost(lambda: pickle.dumps(chunk, protocol=5)),
+        "reward chunk pickled, DataProto by torch.save (the product's form before)": cost(
+            lambda: pickle.dumps(chunk, protocol=5)
+        ),
     }
     saved = os.environ.get(DATAPROTO_ENV)
     os.environ[DATAPROTO_ENV] = "numpy"
@@ -362,11 +369,8 @@ def make_producer(
             f"+reward.custom_reward_function.reward_kwargs.latency_s={reward_latency_s}",
         ]
     )
-    # A real worker's answer: its tensors pickled by torch's own reducers (the product does not turn on Ray's
-    # zero-copy tensors).
-    template = result_template(
-        int(cfg.actor_rollout_ref.rollout.algo.sde_window_size), latent_shape, embed_shape, zero_copy=False
-    )
+    # A real worker's answer as the product pickles it (ImageResult.__getstate__: its tensors as numpy arrays).
+    template = result_template(int(cfg.actor_rollout_ref.rollout.algo.sde_window_size), latent_shape, embed_shape)
     if stand_ins is None:
         per_worker = -(-in_flight // workers)
         cls = ray.remote(StandInRollout).options(

@@ -6,9 +6,10 @@ answers a :class:`~omni_async.agent_loop.batcher.Generation` holding a small but
 :class:`~omni_async.sample.ImageResult`: uint8 pixels, SDE-window latents, window log-probs and prompt encodings.
 
 The actor never imports torch (64 of them share 2 cores): its result's tensors travel as a pickle made once on the
-driver (:func:`result_template`) and rebuilt there by :func:`rebuild_generation`. Unpickling that template runs
-torch's own tensor rebuild, the work the driver does for a real worker's answer, so the driver's cost is the real
-one; only the pixels are made per sample (numpy, sent out of band by Ray as a real worker's are).
+driver (:func:`result_template`) and rebuilt there by :func:`rebuild_generation`. Unpickling that template is the
+work the driver does for a real worker's answer (an ``ImageResult`` in its wire form: ``ImageResult.__getstate__``),
+so the driver's cost is the real one; only the pixels are made per sample (numpy, sent out of band by Ray as a real
+worker's are).
 
 :func:`stand_in_score` is the reward function the real reward-loop workers load (``reward.custom_reward_function``):
 an ``async def`` (awaited on the worker's loop, no thread) that waits ``latency_s`` and scores the first pixel.
@@ -27,17 +28,25 @@ from typing import Any
 
 import numpy as np
 
+TEMPLATE_FORMS = ("product", "torch", "zero_copy")
+
 
 def result_template(
-    window_size: int, latent_shape: tuple[int, ...], embed_shape: tuple[int, int], zero_copy: bool = False
+    window_size: int, latent_shape: tuple[int, ...], embed_shape: tuple[int, int], form: str = "product"
 ) -> bytes:
     """On the driver: the tensors of one image result (window latents [W+1, ...], log-probs [W], prompt encodings),
-    pickled once as Ray pickles a real worker's answer: with torch's own reducers (a ``torch.save`` per tensor), or
-    with ``zero_copy`` as Ray does under ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1`` (each tensor's bytes as a numpy
-    array, rebuilt with ``torch.from_numpy``)."""
+    pickled once as Ray pickles a real worker's answer: ``product``, an ``ImageResult`` as the product sends it (its
+    tensors as numpy arrays); for comparison, ``torch``, the tensors with torch's own reducers (a ``torch.save`` per
+    tensor, the product's form before), or ``zero_copy`` as Ray does under ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``
+    (each tensor's bytes as a numpy array, rebuilt with ``torch.from_numpy``)."""
     import io
 
     import torch
+
+    from omni_async.sample import ImageResult
+
+    if form not in TEMPLATE_FORMS:
+        raise ValueError(f"unknown template form {form!r}: use one of {TEMPLATE_FORMS}")
 
     parts = {
         "window_latents": torch.randn(window_size + 1, *latent_shape),
@@ -47,7 +56,9 @@ def result_template(
             "pooled_prompt_embeds": torch.randn(embed_shape[1]),
         },
     }
-    if not zero_copy:
+    if form == "product":  # the pixels are the stand-in's, per sample (rebuild_generation)
+        return pickle.dumps(ImageResult(pixels=np.zeros((1, 1, 3), np.uint8), **parts), protocol=5)
+    if form == "torch":
         return pickle.dumps(parts, protocol=5)
     from ray._private.tensor_serialization_utils import zero_copy_tensors_reducer
 
@@ -70,6 +81,9 @@ def rebuild_generation(
     from omni_async.sample import ImageResult
 
     parts = pickle.loads(template)
+    if isinstance(parts, ImageResult):
+        parts.pixels, parts.window_start = pixels, window_start
+        return Generation(parts, version, gen_start, gen_end)
     result = ImageResult(
         pixels=pixels,
         window_latents=parts["window_latents"],

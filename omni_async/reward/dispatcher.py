@@ -6,7 +6,8 @@ Every finished sample calls ``await dispatcher.score(record)`` (``Sample.reward_
    since the agent loop holds a generation slot until its sample is queued, rollout waits too (back-pressure,
    never a drop);
 2. it leaves the queue for the least-loaded worker as soon as one has fewer than
-   ``reward.max_inflight_per_worker`` calls in flight;
+   ``reward.max_inflight_per_worker`` samples in flight (the samples leaving in one turn of the event loop: for the
+   same worker while it has room, so they share a call);
 3. the call has a deadline (``reward.timeout_s`` + a transport grace); past it the outcome is ``timeout``;
 4. if the worker dies, Ray restarts it (``max_restarts``) and the sample is re-sent (``reward/retried``), up to
    ``reward.max_resends`` times, after which it is given up as ``failed`` (``reward_queue/dropped_samples``). A sample
@@ -117,6 +118,7 @@ class RewardDispatcher:
         # directly: O(1) per sample, where an asyncio.Condition scans its woken waiters on every notify (O(k^2) for
         # k slots freed in one turn of the loop: a backlog's cost, bench/driver_cost.py).
         self._slot_waiters: deque[asyncio.Future[int]] = deque()
+        self._turn_worker: int | None = None  # the worker this turn's samples go to (_least_loaded)
         self._calls: TurnCalls[tuple[dict[str, Any], SampleTimes]] = TurnCalls(
             self._send, timeout_s=self.deadline_s, on_timeout=ray.cancel
         )
@@ -143,8 +145,21 @@ class RewardDispatcher:
 
     # ---- scoring ----------------------------------------------------------------------------------------------
     def _least_loaded(self) -> int | None:
+        """The worker for the next sample: the one this turn of the loop already sends to while it has room (the
+        turn's samples go in one call, ``TurnCalls``), else the least loaded one."""
+        w = self._turn_worker
+        if w is not None and not self.down[w] and self.inflight[w] < self.max_inflight:
+            return w
         up = [w for w in range(len(self.workers)) if not self.down[w] and self.inflight[w] < self.max_inflight]
-        return min(up, key=self.inflight.__getitem__) if up else None
+        if not up:
+            return None
+        if self._turn_worker is None:
+            asyncio.get_running_loop().call_soon(self._end_turn)
+        self._turn_worker = min(up, key=self.inflight.__getitem__)
+        return self._turn_worker
+
+    def _end_turn(self) -> None:
+        self._turn_worker = None
 
     async def _take_worker(self) -> int:
         w = None if self._slot_waiters else self._least_loaded()  # no overtaking the tasks already waiting

@@ -1,5 +1,6 @@
-"""``batching.TurnCalls``: the agent loop's and the reward dispatcher's calls coalesced per turn of the event loop
-(no Ray: the "call" is a coroutine answering one item each)."""
+"""What keeps the driver's CPU per sample low (``bench/driver_cost.py``), without Ray: ``batching.TurnCalls`` (the
+agent loop's and the reward dispatcher's calls coalesced per turn of the event loop; the "call" is a coroutine
+answering one item each) and an ``ImageResult``'s wire form."""
 
 from __future__ import annotations
 
@@ -83,3 +84,64 @@ def test_a_call_that_cannot_be_made_fails_its_items(n):
         return await asyncio.gather(*(calls.submit(0, i) for i in range(n)), return_exceptions=True)
 
     assert all(isinstance(e, TypeError) for e in asyncio.run(run()))
+
+
+def test_an_image_result_travels_as_numpy_arrays_and_comes_back_equal_and_writable():
+    """A rollout worker's answer (``ImageResult``) pickles its tensors as numpy arrays, not with torch's reducers (a
+    ``torch.save`` each: the driver's largest cost per answer); every field comes back equal, dtypes included
+    (bfloat16 has no numpy type), and the tensors are the driver's own (writable), not views of Ray's buffer."""
+    import pickle
+
+    import numpy as np
+    import torch
+
+    from omni_async.sample import ImageResult
+
+    sent = ImageResult(
+        np.arange(48, dtype=np.uint8).reshape(4, 4, 3),
+        torch.randn(3, 2, 4).to(torch.bfloat16),
+        torch.randn(2, dtype=torch.float64),
+        {"prompt_embeds": torch.randn(5, 4), "mask": torch.tensor([1, 1, 0])},
+        window_start=2,
+        window_means=torch.randn(4, 3).t(),  # not contiguous
+    )
+    buffers: list[pickle.PickleBuffer] = []
+    wire = pickle.dumps(sent, protocol=5, buffer_callback=buffers.append)  # as Ray pickles: arrays out of band
+    assert b"_rebuild_tensor" not in wire and b"torch._utils" not in wire and len(buffers) >= 5
+    received = [bytes(b.raw()) for b in buffers]  # read-only, as Ray hands them over
+    got = pickle.loads(wire, buffers=received)
+    for name in ("window_latents", "log_probs", "window_means"):
+        a, b = getattr(sent, name), getattr(got, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert got.conditioning.keys() == sent.conditioning.keys()
+    assert all(torch.equal(got.conditioning[k], v) for k, v in sent.conditioning.items())
+    assert np.array_equal(got.pixels, sent.pixels) and got.window_start == 2 and got.latents_clean is None
+    for t in (got.window_latents, got.log_probs, got.window_means, *got.conditioning.values()):
+        t.add_(1)  # the driver's own memory: Ray's buffers stay as received
+    assert received == [bytes(b.raw()) for b in buffers]
+
+
+def test_the_reward_samples_of_one_turn_share_one_call_to_one_worker_while_it_has_room():
+    """The dispatcher sends the samples leaving its queue in one turn to one worker (one ``score_many`` call) up to
+    ``max_inflight_per_worker``, the rest to the next least loaded; each sample gets its own outcome."""
+    from omni_async.reward.dispatcher import RewardDispatcher
+    from omni_async.sample import RewardOutcome
+
+    calls: list[tuple[int, list[str]]] = []
+
+    class Worker:
+        def __init__(self, i: int):
+            self.i = i
+            self.score_many = self  # handle.score_many.remote(records)
+
+        def remote(self, records):
+            calls.append((self.i, [r["uid"] for r in records]))
+            return asyncio.sleep(0, [RewardOutcome("ok", score=float(r["uid"])) for r in records])
+
+    async def run():
+        d = RewardDispatcher([Worker(0), Worker(1)], queue_size=16, max_inflight_per_worker=3, timeout_s=5)
+        return await asyncio.gather(*(d.score({"uid": str(i)}) for i in range(5)))
+
+    outcomes = asyncio.run(run())
+    assert [o.score for o in outcomes] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert calls == [(0, ["0", "1", "2"]), (1, ["3", "4"])]

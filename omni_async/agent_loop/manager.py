@@ -49,6 +49,7 @@ from omni_async.agent_loop.batcher import Generation
 from omni_async.batching import TurnCalls
 from omni_async.cluster import wait_for_restart
 from omni_async.reward.dispatcher import RewardDispatcher
+from omni_async.reward.teacher import TEACHER_INPUT, trajectory_fields
 from omni_async.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -347,6 +348,8 @@ class AgentLoopManager:
             # The generation slot is held until the sample is in the reward queue: back-pressure on rollout.
             t0 = time.perf_counter()
             record = s.reward_input()  # plain data (reward.worker.RewardLoopWorker.score_many)
+            if self.dispatcher.teacher and sampling is None:  # a training sample's trajectory, for the teacher
+                record[TEACHER_INPUT] = trajectory_fields(s.result)
             s.times.serialize_s = time.perf_counter() - t0
             scoring = await self.dispatcher.enqueue(record, s.times)
         finally:

@@ -147,6 +147,32 @@ _DPO_VALUES = {
 }
 
 
+def check_distillation(cfg: DictConfig, teacher_loss: bool) -> None:
+    """DiffusionOPD's switches (verl-omni's ``validate_distillation_config``): ``distillation.enabled`` exactly with a
+    loss that reads the teacher (``distill_kl``), and the teacher's checkpoint given (its one ``teacher_model``
+    entry; another entry is an unknown key when the config is composed)."""
+    d = cfg.distillation
+    loss_key = "actor_rollout_ref.actor.diffusion_loss.loss_mode"
+    _check(
+        bool(d.enabled) or not teacher_loss,
+        loss_key,
+        f"{cfg.actor_rollout_ref.actor.diffusion_loss.loss_mode} trains toward a frozen teacher, and none is configured",
+        "set distillation.enabled=true and distillation.teacher_models.teacher_model.model_path=<teacher checkpoint>",
+    )
+    _check(
+        teacher_loss or not d.enabled,
+        "distillation.enabled",
+        "a teacher is configured but no loss reads it",
+        f"set {loss_key}=distill_kl, or distillation.enabled=false",
+    )
+    _check(
+        not d.enabled or d.teacher_models.teacher_model.model_path is not None,
+        "distillation.teacher_models.teacher_model.model_path",
+        "the frozen teacher's checkpoint is not given",
+        "set it to a full pipeline checkpoint of the student's family (a tiny:<name> on CPU)",
+    )
+
+
 def check_loss(cfg: DictConfig) -> None:
     """The diffusion loss (``actor_rollout_ref.actor.diffusion_loss.*``, verl-omni's ``DiffusionLossConfig``), the
     algorithm and the keys verl-omni pairs with it (``model.model_type``, ``policy_state_adapters``,
@@ -232,10 +258,9 @@ def check_loss(cfg: DictConfig) -> None:
     _check(
         name not in DISTILL_LOSS_MODES,
         "actor_rollout_ref.actor.diffusion_loss.loss_mode",
-        f"{name} is verl-omni's DiffusionOPD loss (the student toward a frozen teacher's predictions on the "
-        "student's own rollouts, distillation.teacher_models); on-policy distillation is not built here, and no loss "
-        "here trains toward a teacher",
-        f"drop it and distillation.*; to train on the reward instead, use one of {', '.join(built)}",
+        f"{name} trains toward a teacher's flow predictions, which no teacher here produces (verl-omni refuses it on "
+        "its policy-gradient path too: its teacher returns step means)",
+        "set actor_rollout_ref.actor.diffusion_loss.loss_mode=distill_kl (the student's step toward the teacher's)",
     )
     _check(
         name in LOSS_MODES,
@@ -266,6 +291,7 @@ def check_loss(cfg: DictConfig) -> None:
         "log-prob its Gaussian density) only under sde (verl-omni's recipe sets sde)",
         "set actor_rollout_ref.rollout.algo.sde_type=sde",
     )
+    check_distillation(cfg, mode.teacher)
     final = mode.data_path == FINAL_LATENTS
     _check(  # DanceGRPO's own code trains a random timestep_fraction of the steps; verl-omni's trains its SDE window
         final or algo.timestep_fraction == 1.0,

@@ -10,6 +10,8 @@ The loss runs window step by window step with gradients accumulated, so one step
 GRPO-Guard and Flow-DPPO (``algos.grpo_guard``, ``algos.flow_dppo``) take the same tensors plus ``old_means``
 [W, ...] (fp32), each window step's Gaussian mean under pi_old: the rollout's (``ImageResult.window_means``) in bypass
 mode, the recompute's (:meth:`ImageModality.log_probs`) with ``bypass_mode=false``; only these losses carry it.
+DiffusionOPD's ``distill_kl`` (``algos.distill``) takes the window tensors plus ``teacher_velocity`` [W, ...] (fp32),
+the frozen teacher's velocity at each window step (``RewardOutcome.teacher_velocity``, scored beside the reward).
 
 DiffusionNFT's: ``latents_clean`` (x0, the rollout's final latents), ``rm_scores``, the prompt encodings, and what
 ``StepOps.build_batch`` adds: ``reward_prob`` [1] (the optimality probability), ``train_steps`` [T] (the denoising
@@ -142,6 +144,10 @@ class ImageModality(Modality):
                     "without it (its rollout ran with SamplingConfig.window_means=False)"
                 )
             out["old_means"] = torch.stack([r.window_means for r in results])
+        if self.mode.teacher:  # a sample whose scoring failed has none: zeros, and it is out of the loss (loss_mask)
+            v = [s.outcome.teacher_velocity for s in samples]
+            blank = torch.zeros_like(results[0].window_latents[1:], dtype=torch.float32)
+            out["teacher_velocity"] = torch.stack([blank if t is None else t for t in v])
         return out
 
     @staticmethod
@@ -225,6 +231,7 @@ class ImageModality(Modality):
         # verl's bypass-mode rollout correction: per window step, between the current policy and the rollout.
         bypass = batch.meta_info.get(BYPASS_CORRECTION_KEY)
         old_means = batch.batch["old_means"].to(policy.device) if self.old_means else None
+        teacher_v = batch.batch["teacher_velocity"].to(policy.device) if self.mode.teacher else None
         n_steps = latents.shape[1] - 1
         step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)  # read after the last backward, in one sync
         corr_metrics: dict[str, list[float]] = defaultdict(list)
@@ -244,9 +251,14 @@ class ImageModality(Modality):
                 w_j = correction_weights(w_j, kept[:, 0])
                 for k, v in m.items():
                     corr_metrics[k].append(v)
+            # DiffusionOPD: the teacher's step mean from its velocity at the same x_t, on the student's SDE step
+            teacher_mean = None
+            if teacher_v is not None:
+                x_j, x_next = latents[:, j], latents[:, j + 1]
+                teacher_mean = policy.step_with(teacher_v[:, j], x_j, start + j, prev_sample=x_next).mean
             step = WindowStepInputs(
                 out, old_lp[:, j], adv, mask_j, old_mean=None if old_means is None else old_means[:, j], kl=kl,
-                kl_coef=actor_cfg.kl_loss_coef, is_weights=w_j,
+                kl_coef=actor_cfg.kl_loss_coef, is_weights=w_j, teacher_mean=teacher_mean,
             )  # fmt: skip
             loss, m = window_loss(step, dl)
             (loss * loss_scale / n_steps).backward()  # the window's steps are averaged

@@ -740,7 +740,7 @@ class DiffusionPolicy(TrainableModule):
         is used must keep the default."""
         k = i.to(self.sigmas.device) if torch.is_tensor(i) else i
         return sde_step_with_logprob(
-            self.velocity(cond, x, i, per_sample=per_sample),
+            velocity,
             x.float(),
             self.sigmas[k],
             self.sigmas[k + 1],
@@ -786,6 +786,21 @@ class DiffusionPolicy(TrainableModule):
         # fp32 as the step computes it: the losses read mu_theta - mu_old, which a bf16 copy would swamp.
         means = (
             x.new_zeros((n, size, *x.shape[1:]), dtype=torch.float32) if size and self.sampling.window_means else None
+        v = self.velocity(cond, x, i, per_sample=per_sample)
+        return self.step_with(v, x, i, prev_sample=prev_sample, noise=noise, noise_level=noise_level)
+
+    def step_with(
+        self,
+        velocity: torch.Tensor,
+        x: torch.Tensor,
+        i: int | torch.Tensor,
+        *,
+        prev_sample: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+        noise_level: float | None = None,
+    ) -> SDEStep:
+        """:meth:`step` with a given velocity (DiffusionOPD: a frozen teacher's at the student's ``x``): this policy's
+        SDE step on its own noise grid."""
         )
         for i in range(self.sampling.num_inference_steps):
             sde = [r for r, w in enumerate(windows) if i in w]

@@ -414,6 +414,21 @@ def build_wan(out: Path, experts: int = 1) -> None:
         text_encoder=UMT5EncoderModel(UMT5Config(vocab_size=len(tok), **_T5_ENCODER)),
         vae=AutoencoderKLWan(**_video_vae(z_dim)),
         scheduler=_flow_scheduler(),
+_TEACHER_SEED = 4321
+
+
+def build_sd3_teacher(out: Path) -> None:
+    """A distillation teacher for ``tiny:sd3`` (DiffusionOPD's stand-in): the same pipeline (text encoders, VAE,
+    scheduler: the same seeded build) with its transformer drawn again from another seed, as a fine-tuned teacher
+    of the student's family differs only in its transformer."""
+    from diffusers import SD3Transformer2DModel
+
+    build_sd3(out)
+    config = SD3Transformer2DModel.load_config(out / "transformer")
+    torch.manual_seed(_TEACHER_SEED)
+    SD3Transformer2DModel.from_config(config).save_pretrained(out / "transformer")
+
+
         transformer=transformer(),
         **two,
     )
@@ -525,6 +540,7 @@ def resolve_model_path(name_or_path: str) -> str:
     the cached directory of that family's tokenizers (``models.random_models``: its weights are built on the device
     by the policy, never saved); pass anything else through.
 
+    "sd3_teacher": build_sd3_teacher,
     >>> resolve_model_path("/models/Qwen-Image")
     '/models/Qwen-Image'
     """

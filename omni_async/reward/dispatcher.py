@@ -101,10 +101,14 @@ class RewardDispatcher:
         timeout_s: float,
         max_resends: int = 2,
         scorers: str = "reward",
+        teacher: bool = False,
     ):
-        """``scorers``: what the workers score with (``manager.scorer_names``), named in the log."""
+        """``scorers``: what the workers score with (``manager.scorer_names``), named in the log. ``teacher``: the
+        workers hold the distillation teacher, so training samples' chunks carry their trajectory
+        (``reward.teacher``)."""
         self.workers = list(workers)
         self.scorers = scorers
+        self.teacher = teacher
         self.failure_rate = FailureRate()
         self._throttle = Throttle(LOG_INTERVAL_S)
         self.inflight = [0] * len(self.workers)

@@ -28,10 +28,14 @@ CONTROL_CALL_SLOTS = 8
 
 
 def create_reward_workers(
-    reward_cfg: DictConfig, resource_pool: Any | None = None, judge_urls: list[str] | None = None
+    reward_cfg: DictConfig,
+    resource_pool: Any | None = None,
+    judge_urls: list[str] | None = None,
+    teacher: dict[str, Any] | None = None,
 ) -> list[Any]:
-    """Start ``reward.num_workers`` reward-loop workers, on ``resource_pool`` (a verl ``RayResourcePool``) if given.
-    Returns at once, while they load; :func:`wait_ready` waits for them."""
+    """Start ``reward.num_workers`` reward-loop workers, on ``resource_pool`` (a verl ``RayResourcePool``) if given,
+    each with the distillation ``teacher`` (``reward.teacher.teacher_spec``) when given. Returns at once, while they
+    load; :func:`wait_ready` waits for them."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     cls = ray.remote(RewardLoopWorker)
@@ -57,7 +61,7 @@ def create_reward_workers(
                     placement_group=pg, placement_group_bundle_index=index
                 ),
             )
-        workers.append(cls.options(**opts).remote(cfg_dict, i, list(judge_urls or [])))
+        workers.append(cls.options(**opts).remote(cfg_dict, i, list(judge_urls or []), teacher))
     logger.info(
         "starting %d reward worker(s) %s",
         len(workers),

@@ -5,6 +5,8 @@
   after rollout in one colocated call (the sync baseline).
 - With ``reward.reward_model.rollout.name=vllm`` the reward pool's devices host vLLM judge servers; their URLs
   are handed to the reward functions that take a ``judge_urls`` argument (see ``reward.manager``).
+- With ``distillation.enabled`` the frozen teacher (``reward.teacher``) loads on each reward-loop worker (streaming),
+  or beside the colocated manager (the sync baseline).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from omegaconf import DictConfig
 from omni_async.reward.dispatcher import RewardDispatcher
 from omni_async.reward.manager import RewardManager, scorer_names
 from omni_async.reward.pool import create_reward_workers, wait_ready
+from omni_async.reward.teacher import Teacher, teacher_spec
 
 
 def streaming_enabled(cfg: DictConfig) -> bool:
@@ -46,9 +49,11 @@ class RewardSide:
             self.judge_urls = self.judge_servers.urls
         self.workers: list[Any] = []
         self.post_process = False
+        self.teacher_spec = teacher_spec(cfg)
         if self.streaming:
-            self.workers = create_reward_workers(cfg.reward, reward_pool, self.judge_urls)
+            self.workers = create_reward_workers(cfg.reward, reward_pool, self.judge_urls, self.teacher_spec)
         self._colocated: RewardManager | None = None
+        self._colocated_teacher: Teacher | None = None
 
     def wait_ready(self) -> None:
         """Block until the reward-loop workers have loaded their reward functions (raising a worker's load error)."""
@@ -69,6 +74,7 @@ class RewardSide:
             timeout_s=r.timeout_s,
             max_resends=r.max_resends,
             scorers=self.scorer_names,
+            teacher=self.teacher_spec is not None,
         )
 
     @property
@@ -77,6 +83,14 @@ class RewardSide:
         if self._colocated is None:
             self._colocated = RewardManager(self.cfg, self.judge_urls)
         return self._colocated
+
+    @property
+    def colocated_teacher(self) -> Teacher | None:
+        """The sync baseline's distillation teacher, in the trainer process beside the colocated reward (its CPU);
+        built on first use; ``None`` without ``distillation.enabled``."""
+        if self._colocated_teacher is None and self.teacher_spec is not None:
+            self._colocated_teacher = Teacher(self.teacher_spec)
+        return self._colocated_teacher
 
     @property
     def colocated_used(self) -> bool:

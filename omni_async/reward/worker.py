@@ -31,6 +31,7 @@ from verl import DataProto
 from omni_async.cluster import resume_gc
 from omni_async.logs import setup_logging
 from omni_async.reward.manager import RewardManager
+from omni_async.reward.teacher import TEACHER_INPUT, Teacher
 from omni_async.sample import RewardOutcome
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,15 @@ def proto_to_sample(data: DataProto) -> dict[str, Any]:
 
 
 class RewardLoopWorker:
-    def __init__(self, reward_cfg: dict[str, Any], worker_index: int = 0, judge_urls: list[str] | None = None):
+    def __init__(
+        self,
+        reward_cfg: dict[str, Any],
+        worker_index: int = 0,
+        judge_urls: list[str] | None = None,
+        teacher: dict[str, Any] | None = None,
+    ):
+        """``teacher``: the distillation teacher's spec (``reward.teacher.teacher_spec``), loaded on this worker's
+        device (a reward-pool GPU, else the CPU) and run on each record that carries a trajectory."""
         setup_logging()  # idempotent: the process setup hook normally did it (level from $OMNI_ASYNC_LOG_LEVEL)
         t0 = time.perf_counter()
         self.worker_index = worker_index
@@ -75,6 +84,11 @@ class RewardLoopWorker:
             k = worker_index % len(urls)
             urls = urls[k:] + urls[:k]
         self.manager = RewardManager(OmegaConf.create(reward_cfg), urls)
+        self.teacher = None
+        if teacher is not None:
+            from omni_async.cluster import configure_worker
+
+            self.teacher = Teacher(teacher, configure_worker())  # its device, and this actor's torch threads
         self.calls = 0
         logger.info(
             "reward worker %d started: %s on %s, %d judge server(s), up to %s calls in flight, in %.1fs",
@@ -96,7 +110,16 @@ class RewardLoopWorker:
         """Score the samples the dispatcher sent together (``Sample.reward_input()`` records), concurrently; one
         outcome each."""
         self.calls += len(records)
-        return list(await asyncio.gather(*(self.manager.score(_writable(r)) for r in records)))
+        return list(await asyncio.gather(*(self._score_record(_writable(r)) for r in records)))
+
+    async def _score_record(self, record: dict[str, Any]) -> RewardOutcome:
+        """One record's reward outcome; a training sample's record also carries its trajectory (``TEACHER_INPUT``),
+        which the teacher replays beside the reward (a failing teacher fails the sample). The reward function never
+        sees the trajectory."""
+        trajectory = record.pop(TEACHER_INPUT, None)
+        if trajectory is None or self.teacher is None:
+            return await self.manager.score(record)
+        return await score_with_teacher(self.manager.score(record), self.teacher, trajectory)
 
     async def compute_score(self, data: DataProto) -> dict[str, Any]:
         """verl's reward-loop API: ``{"reward_score": float | None, "reward_extra_info": dict}``."""
@@ -131,6 +154,19 @@ def _writable(record: dict[str, Any]) -> dict[str, Any]:
     if isinstance(pixels, np.ndarray) and not pixels.flags.writeable:
         record[PIXELS] = pixels.copy()
     return record
+
+
+async def score_with_teacher(scoring, teacher: Teacher, trajectory: dict[str, Any]) -> RewardOutcome:
+    """The reward outcome of ``scoring`` (a coroutine) with the teacher's velocities, the two run concurrently (the
+    teacher in a thread); a teacher error fails the sample, naming it."""
+    velocity = asyncio.to_thread(teacher.velocities, trajectory)
+    outcome, v = await asyncio.gather(scoring, velocity, return_exceptions=True)
+    if isinstance(outcome, BaseException):
+        raise outcome
+    if isinstance(v, BaseException):
+        return RewardOutcome("failed", error=f"distillation teacher: {type(v).__name__}: {v}")
+    outcome.teacher_velocity = v
+    return outcome
 
 
 def _device() -> str:

@@ -45,6 +45,7 @@ NULLABLE: dict[str, Any] = {
     "actor_rollout_ref.rollout.pipeline.guidance_scale_2": float,
     "actor_rollout_ref.rollout.val_kwargs.pipeline.max_sequence_length": int,
     "reward.reward_model.model_path": str,
+    "distillation.teacher_models.teacher_model.model_path": str,
     "trainer.total_training_steps": int,
     "trainer.use_v1": bool,
     "trainer.v1.trainer_mode": str,

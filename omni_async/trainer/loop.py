@@ -339,7 +339,7 @@ class RLTrainer:
                 s.window = window
         samples = self.agent.generate(samples, sampling=sampling)
         if any(s.outcome is None for s in samples):
-            self.ops.score_colocated(samples, Timer())
+            self.ops.score_colocated(samples, Timer(), teacher=False)  # validation trains nothing
         if self.cfg.trainer.log_val_generations > 0:
             self.modality.save_samples(
                 self._out_dir("validation_data_dir", "validation"),

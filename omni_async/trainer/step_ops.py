@@ -28,6 +28,7 @@ from omni_async.algos.loss import BYPASS_CORRECTION_FIELDS, BYPASS_CORRECTION_KE
 from omni_async.algos.loss_modes import loss_mode
 from omni_async.modality import REF_TIME_KEY, Modality
 from omni_async.models.lora import OLD_ADAPTER
+from omni_async.reward.teacher import trajectory_fields
 from omni_async.reward.wiring import RewardSide
 from omni_async.sample import Sample
 from omni_async.trainer.actor_core import PI_OLD_KEEP, PI_OLD_KEY, PI_OLD_LIVE, PI_OLD_SYNCED
@@ -79,10 +80,16 @@ class StepOps:
         self.last_checkpoint = last_checkpoint  # for the error when an actor rank dies
 
     # ---- reward -------------------------------------------------------------------------------------------------
-    def score_colocated(self, samples: list[Sample], timer: Timer) -> None:
-        """The sync baseline's reward phase: one call over the whole batch, after rollout."""
+    def score_colocated(self, samples: list[Sample], timer: Timer, teacher: bool = True) -> None:
+        """The sync baseline's reward phase: one call over the whole batch, after rollout; then (``teacher``, with
+        ``distillation.enabled``) the teacher's velocities of each sample's window, where the reward ran."""
         with timer("reward"):
             outcomes = self.reward.colocated.score_batch([s.reward_input() for s in samples])
+        if teacher and self.reward.colocated_teacher is not None:
+            with timer("teacher"):
+                for s, o in zip(samples, outcomes, strict=True):
+                    if o.ok:
+                        o.teacher_velocity = self.reward.colocated_teacher.velocities(trajectory_fields(s.result))
         now = time.time()
         for s, o in zip(samples, outcomes, strict=True):
             s.outcome, s.times.scored = o, now

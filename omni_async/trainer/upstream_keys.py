@@ -100,13 +100,9 @@ _NO_VIDEO_AUDIO = (
     "frames set by rollout.pipeline.num_frames"
 )
 _MODEL_FAMILIES = "use a Qwen-Image, SD3 / SD3.5 or Wan 2.1 / 2.2 diffusers checkpoint (or a tiny: model)"
-_NO_OPD = (
-    "on-policy distillation from a frozen teacher (verl-omni's DiffusionOPD: the student's rollouts replayed by the "
-    "teacher, the loss toward its transition means) is not built here"
-)
-_NO_OPD_FIX = (
-    "drop distillation.* and diffusion_loss.loss_mode=distill_kl; no loss here trains toward a teacher (to train on "
-    "the reward the recipe monitors, use a reward loss: model.algorithm=flow_grpo)"
+_OPD_ADDED = (
+    "verl-omni's distillation term added to another loss (flow_grpo + distill_loss_coef x distill_kl) is not built "
+    "here: the teacher trains the student as the one loss, diffusion_loss.loss_mode=distill_kl"
 )
 # verl-omni's model.pipeline.* (the training engine's copy of rollout.pipeline.*, which it defaults to).
 _MODEL_PIPELINE = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length", "guidance_scale")
@@ -373,8 +369,18 @@ RULES: dict[str, Rule] = {
         for k in ("frame_rate", "video_flow_shift", "aspect_ratio")
     },
     # ---- DiffusionOPD (distillation), DPO ---------------------------------------------------------------------------
-    "distillation.enabled": Rule("same", _NO_OPD, _NO_OPD_FIX, _one_of(False)),
-    "distillation.teacher_models.*": Rule("same", _NO_OPD, _NO_OPD_FIX, _one_of(None)),
+    f"{ARR}.actor.use_distill_loss": Rule(
+        "same",
+        _OPD_ADDED,
+        f"drop it (or set it to false) and set {ARR}.actor.diffusion_loss.loss_mode=distill_kl",
+        _one_of(False),
+    ),
+    **{
+        f"{ARR}.actor.{k}": Rule(
+            "same", f"read only with use_distill_loss=true ({_OPD_ADDED})", "drop it", _one_of(default)
+        )
+        for k, default in (("distill_loss_mode", "distill_kl"), ("distill_loss_coef", 1.0))
+    },
     # ---- trainer device ---------------------------------------------------------------------------------------------
     "trainer.device": Rule(
         "same",

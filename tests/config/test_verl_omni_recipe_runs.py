@@ -36,6 +36,9 @@ RUNS: dict[str, list[str]] = {
     "diffusionnft_trainer.qwen_image.run_qwen_image_ocr_lora": [
         "diffusionnft_trainer.qwen_image.run_qwen_image_ocr_lora"
     ],
+    "diffusionopd_trainer.sd35.run_sd35_medium_ocr_distill": ["diffusionopd_trainer.sd35.run_sd35_medium_ocr_distill"],
+    "dpo_trainer.qwen_image.run_qwen_image_online_dpo_lora": ["dpo_trainer.qwen_image.run_qwen_image_online_dpo_lora"],
+    "dpo_trainer.sd35.run_sd35_medium_offline_dpo_lora": ["dpo_trainer.sd35.run_sd35_medium_offline_dpo_lora"],
     "flowdppo_trainer.qwen_image.run_qwen_image_ocr_lora": ["flowdppo_trainer.qwen_image.run_qwen_image_ocr_lora"],
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr": [
         "flowgrpo_trainer.qwen_image.run_qwen_image_ocr",
@@ -82,6 +85,8 @@ LOSS_METRIC = {
 
 
 def test_one_run_covers_recipes_of_one_effective_config():
+    "dpo": "actor/dpo_loss",
+    "distill_kl": "actor/distill_kl_loss",
     """The recipes that start here are exactly those RUNS covers, grouped by their effective config (stand-ins and
     ON_CPU applied, CODE_PATH_NEUTRAL keys left out): each covered recipe composes to its run's."""
     assert runs(trainable()) == RUNS

@@ -58,22 +58,12 @@ EXPECTED_REFUSED: dict[str, set[str]] = {
         "actor_rollout_ref.rollout.pipeline.video_flow_shift",
     },
     "diffusionnft_trainer.qwen_image.run_qwen_image_ocr_lora": set(),
-    # DiffusionOPD: on-policy distillation from a teacher is not built (no loss here stands in)
-    "diffusionopd_trainer.sd35.run_sd35_medium_ocr_distill": {
-        "actor_rollout_ref.actor.diffusion_loss.loss_mode",
-        "distillation.enabled",
-        "distillation.teacher_models.teacher_model.model_path",
-    },
-    "dpo_trainer.qwen_image.run_qwen_image_online_dpo_lora": _DPO | {"actor_rollout_ref.rollout.calculate_log_probs"},
-    # offline: pre-ranked pairs from verl-omni's dataset class, and the training engine's own CFG scale
-    "dpo_trainer.sd35.run_sd35_medium_offline_dpo_lora": _DPO
-    | {
-        "actor_rollout_ref.model.pipeline.guidance_scale",
-        "algorithm.sample_source",
-        "data.custom_cls.collate_fn",
-        "data.custom_cls.name",
-        "data.custom_cls.path",
-    },
+    # DiffusionOPD (algos.distill, the teacher on the reward workers: reward.teacher) with a tiny teacher
+    "diffusionopd_trainer.sd35.run_sd35_medium_ocr_distill": set(),
+    # Diffusion-DPO (algos.dpo): online from each group's best and worst sample; offline from verl-omni's
+    # OfflineDPODataset rows (trainer.offline_pairs), with the training engine's CFG scale (no rollout)
+    "dpo_trainer.qwen_image.run_qwen_image_online_dpo_lora": set(),
+    "dpo_trainer.sd35.run_sd35_medium_offline_dpo_lora": set(),
     "flowdppo_trainer.qwen_image.run_qwen_image_ocr_lora": set(),
     "flowgrpo_trainer.bagel.run_bagel_ocr_lora": _BAGEL,
     "flowgrpo_trainer.bagel.run_bagel_pickscore": _BAGEL | _PICKSCORE,
@@ -187,9 +177,6 @@ MISSING = {
         "rewards on latents",
     ),
     "dancegrpo_trainer.wan22.run_wan22_5b_t2v_hpsv3_auto": ("reward.custom_reward_function.path", "hpsv3_reward.py"),
-    "diffusionopd_trainer.sd35.run_sd35_medium_ocr_distill": ("distillation.enabled", "DiffusionOPD"),
-    "dpo_trainer.qwen_image.run_qwen_image_online_dpo_lora": ("algorithm.paired_preference", "DPO"),
-    "dpo_trainer.sd35.run_sd35_medium_offline_dpo_lora": ("data.custom_cls.name", "OfflineDPODataset"),
 }
 
 
@@ -313,8 +300,7 @@ def test_keys_of_dancegrpo_diffusionopd_and_dpo_recipes_mean_the_same_or_name_wh
     assert cfg.algorithm.adv_estimator == "dance_grpo" and cfg.actor_rollout_ref.rollout.pipeline.guidance_scale == 4
     refused = {
         "trainer.device=npu": "Ascend NPUs",
-        "distillation.enabled=true": "DiffusionOPD",
-        "algorithm.paired_preference=true": "model.algorithm=awm",
+        "actor_rollout_ref.actor.use_distill_loss=true": "loss_mode=distill_kl",
         "actor_rollout_ref.model.external_lib=my_pkg.adapters": "custom adapter modules are not loaded",
         "data.custom_cls.name=OfflineDPODataset": "prompt rows",
         "actor_rollout_ref.model.pipeline.guidance_scale=4.0": "rollout.pipeline.guidance_scale to this value",
@@ -330,7 +316,7 @@ def test_keys_of_dancegrpo_diffusionopd_and_dpo_recipes_mean_the_same_or_name_wh
         (
             ["actor_rollout_ref.actor.diffusion_loss.loss_mode=distill_kl"],
             "actor_rollout_ref.actor.diffusion_loss.loss_mode",
-            "no loss here trains toward a teacher",
+            "trains toward a frozen teacher, and none is configured",
         ),
     ):
         with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: .*{words}.*Fix:"):

@@ -57,6 +57,9 @@ STAND_INS: dict[str, dict[str | None, tuple[str, str]]] = {
     },
     "actor_rollout_ref.rollout.name": {"vllm_omni": ("transformers", "rollout here runs diffusers")},
     "reward.reward_model.model_path": {None: ("tiny:qwen2_vl", "a random Qwen2-VL judge, built offline")},
+    "distillation.teacher_models.teacher_model.model_path": {
+        None: ("tiny:sd3_teacher", "tiny:sd3 with its transformer drawn from another seed (a teacher of its family)")
+    },
     "reward.reward_model.rollout.name": {"vllm": ("transformers", "no vLLM on this box: the judge runs in-worker")},
     "reward.custom_reward_function.path": {"verl_omni/utils/reward_score/genrm_ocr.py": _GENRM},
     "+reward.reward_functions.ocr.path": {
@@ -119,6 +122,7 @@ CODE_PATH_NEUTRAL: dict[str, str] = {
     "trainer.resume_mode": "auto or disable: a fresh run directory holds nothing to resume",
     "trainer.log_val_generations": "validation only",
     "data.val_max_samples": "validation only",
+    "trainer.val_before_train": ("False", "no validation (DiffusionOPD's recipe validates first): the step trains"),
     "data.max_prompt_length": "a bound the 4 short prompts are within",
     "data.seed": "a seed of the prompt order, the same code",
     "actor_rollout_ref.rollout.seed": "a seed of the samples' noise, the same code",

@@ -72,7 +72,7 @@ def device_peak(
     tag = "cfg" if cfg else "no_cfg"
     key = f"{tag}/{'ckpt' if ckpt else 'no_ckpt'}"
     transformer = w["transformer"]["gb"]
-    encoders = w["text_encoder"]["gb"] + w["vae"]["gb"]
+    encoders = sum(part["gb"] for name, part in w.items() if name != "transformer")  # text encoder(s) and VAE
     tiled = plan["frames"] > 1 if vae_tiled is None else vae_tiled
     generate = max(
         plan["text_encoder_forward_gb"], entry["rollout_gb"][tag], entry["vae_decode_gb"]["tiled" if tiled else "plain"]
@@ -171,8 +171,11 @@ def recommend(plan: dict, capacity_gb: float, cfg: bool = True, **layout) -> dic
 
 
 def layout_rows(plan: dict, ranks: tuple[int, ...] = (4, 8)) -> dict:
-    """The recipe's settings (CFG on, checkpointing on, encoders on the GPU, micro-batch as measured) in every layout,
-    per resolution: ``{row: {res: device_peak(...)}}``."""
+    """The recipe's settings (CFG as the plan's ``cfg``: on, off for a guidance-distilled FLUX.1-dev; checkpointing
+    on, encoders on the GPU, micro-batch as measured) in every layout, per resolution: ``{row: {res:
+    device_peak(...)}}``."""
+    cfg = plan.get("cfg", True)
+    key = f"{'cfg' if cfg else 'no_cfg'}/ckpt"
     rows = {
         "hybrid LoRA": {"layout": "hybrid"},
         "rollout worker LoRA": {"layout": "rollout"},
@@ -187,8 +190,8 @@ def layout_rows(plan: dict, ranks: tuple[int, ...] = (4, 8)) -> dict:
     for name, kw in rows.items():
         train_key = "train_full" if kw.get("full") else "train"
         out[name] = {
-            res: device_peak(plan, int(res), True, True, False, **kw)
+            res: device_peak(plan, int(res), cfg, True, False, **kw)
             for res in plan["resolutions"]
-            if kw["layout"] == "rollout" or "cfg/ckpt" in plan["resolutions"][res].get(train_key, {})
+            if kw["layout"] == "rollout" or key in plan["resolutions"][res].get(train_key, {})
         }
     return out

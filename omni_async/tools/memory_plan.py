@@ -1,12 +1,12 @@
-"""Per-device memory plan of the real Qwen-Image and Wan 2.1 configs, measured on the meta device.
+"""Per-device memory plan of the real Qwen-Image, Wan 2.1 and FLUX.1-dev configs, measured on the meta device.
 
-``python -m omni_async.tools.memory_plan [--model qwen_image|wan_1_3b|wan_14b|all] [--resolution 512 1024]
+``python -m omni_async.tools.memory_plan [--model qwen_image|wan_1_3b|wan_14b|flux_1_dev|all] [--resolution 512 1024]
 [--lora-rank 64] [--micro-batch 1] [--rollout-batch N]`` prints a table and writes ``bench/results/memory_plan.json``.
 
 Method (nothing is downloaded, no weights exist; every figure below is counted or measured, none is typed in,
 except the three runtime assumptions of :mod:`omni_async.tools.memory_layouts`):
 
-* **Models.** The transformer, text encoder and VAE of each pipeline are instantiated from the configs in
+* **Models.** The transformer, text encoder(s) and VAE of each pipeline are instantiated from the configs in
   :data:`MODELS` (copied from the public ``config.json`` files named there) under ``torch.device("meta")``:
   modules with shapes and dtypes but no storage. Parameter counts and bytes are summed from the instance.
 * **LoRA.** peft's ``inject_adapter_in_model`` puts a rank-``r`` adapter on the named attention projections of
@@ -36,7 +36,7 @@ except the three runtime assumptions of :mod:`omni_async.tools.memory_layouts`):
   ranks run) built from meta gradients under the tracker: the largest bucket.
 * **Rollout, text encoder, VAE.** Forward under ``torch.no_grad`` with the same tracker, at the rollout's batch:
   ``actor_rollout_ref.rollout.agent.max_batch_size`` requests (the config's default unless ``--rollout-batch``;
-  x2 with CFG), the text encoder at the same batch. VAE decode is measured plain and tiled, one sample at a time
+  x2 with CFG), each text encoder at the same batch (they run one after the other: the largest counts). VAE decode is measured plain and tiled, one sample at a time
   (``rollout.pipeline.vae_slicing``); images decode plain, video tiled (the policy's default).
 * **Per device.** :mod:`omni_async.tools.memory_layouts` adds the phases up per layout (hybrid LoRA and full
   fine-tune, disaggregated rollout worker and trainer rank), with the rollout snapshot adapter, weight-sync
@@ -171,6 +171,14 @@ def component(model: str, part: str) -> torch.nn.Module:
     return build(*spec[part], dtype=dtype)
 
 
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def text_encoders(model: str) -> list[str]:
+    """The pipeline's text encoders (FLUX: CLIP and T5; the others: one)."""
+    return [part for part in TEXT_ENCODERS if part in MODELS[model]]
+
+
 def nbytes(module: torch.nn.Module) -> tuple[int, int]:
     """(parameter count, bytes of parameters + buffers) of a module."""
     tensors = list(module.parameters()) + list(module.buffers())
@@ -209,6 +217,18 @@ def transformer_inputs(model: str, resolution: int, batch: int) -> dict:
     def meta(*shape, dtype=BF16):
         return torch.empty(*shape, device="meta", dtype=dtype)
 
+    if model == "flux_1_dev":  # Qwen-Image's packing; CLIP's pooled vector, the guidance and the position ids
+        side = lat // 2
+        return {
+            "hidden_states": meta(batch, side * side, 64),
+            "timestep": meta(batch),
+            "guidance": meta(batch),
+            "pooled_projections": meta(batch, 768),
+            "encoder_hidden_states": meta(batch, spec["text_tokens"], 4096),
+            "txt_ids": meta(spec["text_tokens"], 3),
+            "img_ids": meta(side * side, 3),
+            "return_dict": False,
+        }
     if model == "qwen_image":  # 2x2-packed latents: (res/16)^2 tokens of 64 channels
         side = lat // 2
         return {
@@ -306,8 +326,14 @@ def measure_rollout(model: str, resolution: int, batch: int, rank: int) -> float
 
 
 def measure_text_encoder(model: str, batch: int) -> float:
-    spec, module = MODELS[model], component(model, "text_encoder")
-    tokens = spec["text_tokens"] + spec["template_tokens"]
+    """The largest of the pipeline's text-encoder forwards, each at the tokens it reads (``encoder_tokens``: FLUX's
+    CLIP its 77; else ``text_tokens`` + ``template_tokens``)."""
+    return max(_measure_one_encoder(model, part, batch) for part in text_encoders(model))
+
+
+def _measure_one_encoder(model: str, part: str, batch: int) -> float:
+    spec, module = MODELS[model], component(model, part)
+    tokens = spec.get("encoder_tokens", {}).get(part, spec["text_tokens"] + spec["template_tokens"])
     ids = torch.zeros(batch, tokens, dtype=torch.long, device="meta")
     if model == "qwen_image":  # the pipeline reads hidden_states[-1]; text-only mrope positions are 3 equal rows
         positions = torch.zeros(3, batch, tokens, dtype=torch.long, device="meta")
@@ -318,7 +344,8 @@ def measure_text_encoder(model: str, batch: int) -> float:
 def measure_vae_decode(model: str, resolution: int, tiled: bool) -> float:
     spec, vae = MODELS[model], component(model, "vae")
     frames = (spec["frames"] - 1) // 4 + 1
-    z = torch.empty(1, 16, frames, resolution // 8, resolution // 8, device="meta", dtype=spec["vae_dtype"])
+    video = () if spec["vae"][1] == "AutoencoderKL" else (frames,)  # FLUX's image VAE decodes [B, C, H, W]
+    z = torch.empty(1, 16, *video, resolution // 8, resolution // 8, device="meta", dtype=spec["vae_dtype"])
     vae.enable_tiling() if tiled else vae.disable_tiling()
     return measure_no_grad(lambda: vae.decode(z))
 
@@ -335,7 +362,7 @@ def plan_model(
     ``full``, the full fine-tune's training micro-batch (checkpointing on), optimizer step and FSDP2 block size."""
     rollout_batch = rollout_batch or default_rollout_batch()
     weights = {}
-    for part in ("transformer", "text_encoder", "vae"):
+    for part in ("transformer", *text_encoders(model), "vae"):
         count, size = nbytes(component(model, part))
         weights[part] = {"params": count, "gb": size / GB}
     _, lora_params = lora_transformer(model, lora_rank)
@@ -343,6 +370,7 @@ def plan_model(
         "source": MODELS[model]["source"],
         "frames": MODELS[model]["frames"],
         "text_tokens": MODELS[model]["text_tokens"],
+        "cfg": MODELS[model].get("cfg", True),  # the recipe's: FLUX.1-dev is guidance-distilled (one branch)
         "weights": weights,
         "micro_batch": micro_batch,
         "rollout_batch": rollout_batch,
@@ -393,7 +421,7 @@ def run(models, resolutions, lora_rank: int = 64, micro_batch: int = 1, rollout_
         }
         if "full" in plan:  # the full fine-tune on 4 hybrid ranks (the README recipe's actor GPUs)
             plan["recommendations_full_x4"] = {
-                name: recommend(plan, cap, True, full=True, ranks=4) for name, cap in DEVICES_GB.items()
+                name: recommend(plan, cap, plan["cfg"], full=True, ranks=4) for name, cap in DEVICES_GB.items()
             }
         plan["layouts"] = layout_rows(plan)
     return {
@@ -416,8 +444,8 @@ def format_table(report: dict) -> str:
             f"{plan['rollout_batch']}, {plan['text_tokens']} text tokens"
             + (f", {plan['frames']} frames)" if plan["frames"] > 1 else ")")
         )
-        for part in ("transformer", "text_encoder", "vae"):
-            lines.append(f"  {part:<13} {w[part]['params'] / 1e9:7.3f} B params  {w[part]['gb']:7.2f} GB")
+        for part in w:
+            lines.append(f"  {part:<14} {w[part]['params'] / 1e9:7.3f} B params  {w[part]['gb']:7.2f} GB")
         lines.append(
             f"  LoRA r{lora['rank']:<7} {lora['params'] / 1e6:7.1f} M params  {lora['gb']:7.2f} GB "
             "(fp32 param+grad+AdamW)"
@@ -455,8 +483,8 @@ def format_table(report: dict) -> str:
                     f"{t['peak_gb']:7.2f}"
                 )
         lines.append(
-            "  per device, CFG on, checkpointing on, encoders on GPU (allocated = max(rollout, update); "
-            "total = allocated + fragmentation + context/NCCL):"
+            f"  per device, CFG {'on' if plan.get('cfg', True) else 'off'}, checkpointing on, encoders on GPU "
+            "(allocated = max(rollout, update); total = allocated + fragmentation + context/NCCL):"
         )
         for name, by_res in plan["layouts"].items():
             text = "; ".join(
@@ -464,8 +492,9 @@ def format_table(report: dict) -> str:
                 for res, p in by_res.items()
             )
             lines.append(f"    {name:<22} {text}")
+        cfg, on_off = ("cfg", "on") if plan.get("cfg", True) else ("no_cfg", "off")
         for device, recs in plan["recommendations"].items():
-            for res, rec in recs["cfg"].items():
+            for res, rec in recs[cfg].items():
                 text = (
                     "; ".join(
                         f"ckpt {'on' if o['gradient_checkpointing'] else 'off'} + encoders "
@@ -475,7 +504,7 @@ def format_table(report: dict) -> str:
                     )
                     or "does not fit"
                 )
-                lines.append(f"  {device}, {res}², CFG on, hybrid LoRA: {text}")
+                lines.append(f"  {device}, {res}², CFG {on_off}, hybrid LoRA: {text}")
     return "\n".join(lines)
 
 

@@ -400,6 +400,13 @@ def _check_dpo(cfg: DictConfig) -> None:
         "Diffusion-DPO's frozen reference is the model with its LoRA adapter off; a full fine-tune keeps no frozen copy",
         "train LoRA: actor_rollout_ref.model.lora_rank=32 (verl-omni's DPO recipes: 32 / 64)",
     )
+    if cfg.algorithm.sample_source == "offline":  # no rollout: nothing generates beside the update
+        _check(
+            not cfg.async_reward.fully_async and int(arr.rollout.nnodes) == 0,
+            "async_reward.fully_async" if cfg.async_reward.fully_async else "actor_rollout_ref.rollout.nnodes",
+            "offline DPO has no rollout: no rollout pool, and nothing to train asynchronously with",
+            "drop it (offline DPO trains on the actor ranks, step by step)",
+        )
     micro = arr.actor.ppo_micro_batch_size_per_gpu
     _check(
         micro is None or (int(micro) >= 2 and int(micro) % 2 == 0),

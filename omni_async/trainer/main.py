@@ -13,12 +13,12 @@ def main(cfg: DictConfig) -> None:
     from omni_async.cluster import shutdown_ray, tune_driver_gc
     from omni_async.logs import setup_logging
     from omni_async.trainer.config_schema import typed
-    from omni_async.trainer.loop import RLTrainer
+    from omni_async.trainer.offline_trainer import make_trainer
 
     cfg = typed(cfg)
     setup_logging(cfg.trainer.log_level)  # before anything logs; init_ray hands the level to the Ray workers
     try:
-        trainer = RLTrainer(cfg)
+        trainer = make_trainer(cfg)  # RLTrainer, or offline DPO's without rollout and reward
         tune_driver_gc()
         run_dir = trainer.fit()
         print(f"run directory: {run_dir.resolve()}  (metrics.jsonl, samples/, tensorboard/, checkpoints/)")

@@ -105,7 +105,13 @@ _OPD_ADDED = (
     "here: the teacher trains the student as the one loss, diffusion_loss.loss_mode=distill_kl"
 )
 # verl-omni's model.pipeline.* (the training engine's copy of rollout.pipeline.*, which it defaults to).
-_MODEL_PIPELINE = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length", "guidance_scale")
+_MODEL_PIPELINE = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length")
+# verl-omni's offline DPO dataset class, as its recipe names it (data.custom_cls.*)
+_OFFLINE_DPO_DATASET = {
+    "path": "pkg://verl_omni.utils.dataset.offline_dpo_dataset",
+    "name": "OfflineDPODataset",
+    "collate_fn": "offline_dpo_collate_fn",
+}
 
 RULES: dict[str, Rule] = {
     # ---- this project's earlier spellings -------------------------------------------------------------------------
@@ -116,14 +122,18 @@ RULES: dict[str, Rule] = {
         for k in ("height", "width", "num_inference_steps", "num_frames")
     },
     # ---- data ---------------------------------------------------------------------------------------------------------
-    "data.custom_cls.*": Rule(
-        "same",
-        "no custom dataset class is loaded here: data.train_files / val_files are jsonl / parquet rows of prompts "
-        "(verl-omni's OfflineDPODataset feeds pre-ranked image pairs, and offline preference data is not part of "
-        "this project)",
-        "drop it, and give prompt rows (prompt, data_source, reward_model) in data.train_files / data.val_files",
-        _one_of(None),
-    ),
+    **{
+        f"data.custom_cls.{k}": Rule(
+            "same",
+            "no custom dataset class is loaded here: data.train_files are jsonl / parquet rows of prompts, or with "
+            "algorithm.sample_source=offline (Diffusion-DPO) parquet rows of verl-omni's OfflineDPODataset columns "
+            "(trainer.offline_pairs), which its own class names select",
+            "drop it (prompt rows: prompt, data_source, reward_model), or name verl-omni's OfflineDPODataset "
+            f"({k}={v}) with algorithm.sample_source=offline",
+            lambda val, get, v=v: val is None or (val == v and get("algorithm.sample_source") == "offline"),
+        )
+        for k, v in _OFFLINE_DPO_DATASET.items()
+    },
     "data.truncation": Rule(
         "same",
         "a prompt longer than data.max_prompt_length is an error at start here, verl's truncation=error",
@@ -203,6 +213,17 @@ RULES: dict[str, Rule] = {
         )
         for k in _MODEL_PIPELINE
     },
+    f"{ARR}.model.pipeline.guidance_scale": Rule(
+        "same",
+        "verl-omni's training-engine copy of rollout.pipeline.guidance_scale (its default); the update here runs "
+        "the transformer with the rollout's pipeline settings, so it sets that key (offline DPO, which has no rollout, "
+        "trains with its CFG: its pairs carry the negative prompt's encodings)",
+        f"drop it, or set {ARR}.rollout.pipeline.guidance_scale to this value instead",
+        lambda v, get: (
+            v == get(f"{ARR}.rollout.pipeline.guidance_scale") or get("algorithm.sample_source") == "offline"
+        ),
+        sets=lambda v: {f"{ARR}.rollout.pipeline.guidance_scale": v},
+    ),
     f"{ARR}.model.pipeline.num_frames": Rule(
         "same",
         "verl-omni's training-engine copy of rollout.pipeline.num_frames",

@@ -38,15 +38,6 @@ _BAGEL = {
 }
 _PICKSCORE = {"reward.custom_reward_function.path"}  # no PickScore reward here
 _64_RANKS = {"actor_rollout_ref.actor.ppo_mini_batch_size"}  # 16 groups per mini-batch cannot feed 64 ranks
-# DPO (issue 38): the loss, and verl-omni's pairing of it (model_type, trainer_type), named with awm as the fix; the
-# keys of the default loss's pairing after the loss is dropped are named too (calculate_log_probs).
-_DPO = {
-    "actor_rollout_ref.actor.diffusion_loss.loss_mode",
-    "actor_rollout_ref.model.algorithm",
-    "actor_rollout_ref.model.model_type",
-    "algorithm.paired_preference",
-    "algorithm.trainer_type",
-}
 EXPECTED_REFUSED: dict[str, set[str]] = {
     # DanceGRPO (algos.dance_grpo, its loss, algorithm and dance_sde step built): no HPSv3 reward file here
     "dancegrpo_trainer.wan22.run_wan22_5b_t2v_hpsv3_auto": {"reward.custom_reward_function.path"},

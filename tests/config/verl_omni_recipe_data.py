@@ -22,6 +22,7 @@ from omni_async.trainer.config import compose, validate
 from omni_async.trainer.overrides import OverrideError
 
 RECIPE_DIR = Path(__file__).resolve().parent / "verl_omni_recipes"
+OFFLINE_DPO_DATA = Path(__file__).resolve().parents[2] / "examples/data/offline_dpo"
 
 # Keys whose meaning is not built yet: the tests leave them out until it is; with the set empty the tests expect them
 # to compose (MixGRPO's rollout.algo.sample_strategy was here until its schedule was wired into the draws).
@@ -174,10 +175,23 @@ def stand_in(overrides: list[str], scorer_url: str = SCORER_URL) -> list[str]:
     return out
 
 
+# An offline recipe's data (``algorithm.sample_source=offline``: Diffusion-DPO on a dataset's preference pairs, not on
+# prompts) instead of ON_CPU's prompt rows, key -> (value, why).
+ON_CPU_OFFLINE: dict[str, tuple[str, str]] = {
+    "data.train_files": (
+        str(OFFLINE_DPO_DATA / "train.parquet"),
+        "4 preference pairs for tiny:sd3 at 32x32 in verl-omni's OfflineDPODataset columns (examples/data/offline_dpo)",
+    ),
+    "data.val_files": (str(OFFLINE_DPO_DATA / "test.parquet"), "2 more (offline DPO does not validate)"),
+}
+
+
 def on_cpu(overrides: list[str], data: str | Path, run: str | Path) -> list[str]:
     """A recipe's overrides (its stand-ins already swapped) as one training step on this CPU box runs them:
-    ``ON_CPU``'s values where the recipe sets those keys, and added where it does not."""
-    values = {k: v.format(data=data, run=run) for k, (v, _) in ON_CPU.items()}
+    ``ON_CPU``'s values (an offline recipe's data: ``ON_CPU_OFFLINE``'s) where the recipe sets those keys, and added
+    where it does not."""
+    offline = ON_CPU_OFFLINE if "algorithm.sample_source=offline" in overrides else {}
+    values = {k: v.format(data=data, run=run) for k, (v, _) in {**ON_CPU, **offline}.items()}
     out, seen = [], set()
     for line in overrides:
         lhs, _, _ = line.partition("=")

@@ -118,3 +118,24 @@ def test_random_flux_1_dev_is_the_published_12b_architecture():
     assert 0.07e9 < counts["vae"] < 0.1e9
     problems = random_models.override_problems("flux.1_dev", {"transformer": {"num_single_layers": 1, "depth": 2}})
     assert len(problems) == 1 and "transformer.depth" in problems[0]
+
+
+def _window_grads(policy: DiffusionPolicy) -> dict[str, torch.Tensor]:
+    """Each trained weight's gradient of one window step's log-prob (the update's forward)."""
+    out = policy.rollout(PROMPTS[:1], [5], range(1, 2))
+    log_prob = policy.step(out.conditioning, out.window_latents[:, 0], 1, prev_sample=out.window_latents[:, 1]).log_prob
+    named = [(n, p) for n, p in policy.trainable.named_parameters() if p.requires_grad]
+    return dict(zip([n for n, _ in named], torch.autograd.grad(log_prob.sum(), [p for _, p in named]), strict=True))
+
+
+def test_lora_and_full_fine_tune_train_both_block_kinds(policy):
+    """LoRA on to_q / to_k / to_v trains the dual-stream and the single-stream blocks; a full fine-tune (lora_rank=0)
+    trains every weight the step uses, the guidance embedding's included."""
+    lora = _window_grads(policy)
+    for blocks in ("transformer_blocks.0.", "single_transformer_blocks.0."):
+        assert any(n.startswith(blocks) and "lora_B" in n and g.abs().max() > 0 for n, g in lora.items()), blocks
+    cfg = SamplingConfig(height=32, width=32, num_inference_steps=4, guidance_scale=3.5, max_sequence_length=32)
+    full = _window_grads(DiffusionPolicy("tiny:flux", cfg, lora_rank=0))
+    assert not any("lora" in n for n in full)
+    assert all(g.abs().max() > 0 for n, g in full.items() if "guidance_embedder" in n)
+    assert any("guidance_embedder" in n for n in full)

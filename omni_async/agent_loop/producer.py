@@ -57,9 +57,10 @@ class Producer:
         """Scored groups step ``step`` could take now."""
         return self.agent.on_loop(lambda: self.rollouter.sampleable(step))
 
-    def wait_sampleable(self, step: int, k: int) -> int:
-        """Block until step ``step`` could take ``k`` groups (or none can finish before the next sync); the count."""
-        return self.agent.call(self.rollouter.wait_sampleable(step, k))
+    def wait_sampleable(self, step: int, k: int, take: int | None = None) -> int:
+        """Block until step ``step`` could take ``k`` groups and, with ``take``, a take of that many would return
+        (``Rollouter.ready``), or none can finish before the next sync; the count."""
+        return self.agent.call(self.rollouter.wait_sampleable(step, k, take))
 
     def live_groups(self) -> int:
         """Groups started and not yet taken or dropped (generating or scored)."""
@@ -80,10 +81,10 @@ class Producer:
         self.agent.on_loop(lambda: self.rollouter.apply(settings))
 
     # ---- trainer ranks lent to generation (the disaggregated layout's switch) -----------------------------------
-    def switch_inputs(self, step: int) -> tuple[int, int]:
-        """What the switch decides on, read at one moment: groups step ``step`` could take now, and samples waiting
-        for a device (``AgentLoopManager.waiting_for_device``)."""
-        return self.agent.on_loop(lambda: (self.rollouter.sampleable(step), self.agent.waiting_for_device()))
+    def switch_inputs(self, step: int, take: int) -> tuple[int, int]:
+        """What the switch decides on, read at one moment: groups step ``step`` can use for its next take of ``take``
+        (``Rollouter.ready``), and samples waiting for a device (``AgentLoopManager.waiting_for_device``)."""
+        return self.agent.on_loop(lambda: (self.rollouter.ready(step, take), self.agent.waiting_for_device()))
 
     def lend(self, ranks: list[Any]) -> None:
         """``ranks`` (trainer ranks, already serving) take generation requests beside the rollout workers."""

@@ -235,15 +235,24 @@ class Rollouter:
         stuck = self.paused or self.window >= self.cap or self._wanted() <= 0
         return stuck and len(self._done) == len(self.live)
 
-    async def wait_sampleable(self, step: int, k: int) -> int:
-        """Wait until step ``step`` could take ``k`` groups (or none can finish before the next sync); the count."""
+    def ready(self, step: int, take: int) -> int:
+        """Scored groups step ``step`` can use for a take of ``take`` groups now (fully async): :meth:`sampleable`,
+        but ``take - 1`` while that take would still wait with enough done (strategy ``wait``: :meth:`_pick` holds
+        them back for a group in flight that is due sooner, a long-tail straggler: one is missing). The switch
+        decides and switches back on it, so the trainer is lent while it would wait for the straggler anyway."""
+        n = self.sampleable(step)
+        return n if n < take or self._pick(step, take) is not None else take - 1
+
+    async def wait_sampleable(self, step: int, k: int, take: int | None = None) -> int:
+        """Wait until step ``step`` could take ``k`` groups and, with ``take``, a take of that many would return
+        (:meth:`ready`), or none can finish before the next sync; the sampleable count."""
         while True:
             if self.error is not None:
                 raise self.error
             if not self.settings.wait_for_stale:
                 self._drop_stale(step)  # a dropped group's replacement may start (the window gets its place back)
             n = self.sampleable(step)
-            if n >= k or self._starved():
+            if (n >= k and (take is None or self.ready(step, take) >= take)) or self._starved():
                 return n
             await self._changed()
 

@@ -56,7 +56,12 @@ class TextModality(Modality):
 
     def trainable_policy(self, path: str, sampling: dict[str, Any], **trainable: Any):
         from omni_async.models.text_policy import TextPolicy, TextSamplingConfig
+        from omni_async.models.tiny import is_sim
 
+        if is_sim(path):  # a simulated device: generation and update are timed waits (models.sim_policy)
+            from omni_async.models.sim_policy import SimTextPolicy
+
+            return SimTextPolicy(path, TextSamplingConfig(**sampling), **trainable)
         return TextPolicy(path, TextSamplingConfig(**sampling), **trainable)
 
     def serving_client(self, model: dict[str, Any], sampling: dict[str, Any], server: dict[str, Any]):

@@ -535,16 +535,27 @@ def is_tiny(name_or_path: str) -> bool:
     return str(name_or_path).startswith(TINY_PREFIX)
 
 
-def resolve_model_path(name_or_path: str) -> str:
-    """Turn ``tiny:<name>`` into a cached local directory (building it on first use), and ``random:<family>`` into
-    the cached directory of that family's tokenizers (``models.random_models``: its weights are built on the device
-    by the policy, never saved); pass anything else through.
+SIM_PREFIX = "sim:"
+# sim:<name> (models.sim_policy: a simulated device, its generation and update timed waits) -> the tiny model under it.
+SIM_SOURCES = {"text": "tiny:qwen2"}
+SIM_BASE = SIM_SOURCES["text"]
 
-    "sd3_teacher": build_sd3_teacher,
+
+def is_sim(name_or_path: object) -> bool:
+    return str(name_or_path).startswith(SIM_PREFIX)
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Turn ``tiny:<name>`` (and ``sim:<name>``: its tiny model) into a cached local directory (building it on first
+    use), and ``random:<family>`` into the cached directory of that family's tokenizers (``models.random_models``:
+    its weights are built on the device by the policy, never saved); pass anything else through.
+
     >>> resolve_model_path("/models/Qwen-Image")
     '/models/Qwen-Image'
     """
     name_or_path = str(name_or_path)
+    if is_sim(name_or_path) and name_or_path[len(SIM_PREFIX) :] in SIM_SOURCES:
+        name_or_path = SIM_SOURCES[name_or_path[len(SIM_PREFIX) :]]  # its tokenizer and weights are the tiny model's
     if is_random(name_or_path):
         family = name_or_path[len(RANDOM_PREFIX) :]
         if family not in RANDOM_TOKENIZERS:

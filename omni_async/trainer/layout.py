@@ -227,15 +227,17 @@ class Disaggregated(Layout):
             return super().collect(producer, step, n, among, timer)
         if step != self._decided:  # verl switches at step boundaries: once per step, before its first take
             self._decided = step
-            self._lend_if_worth_it(producer, step, timer)
+            self._lend_if_worth_it(producer, step, n, timer)
         short = max(0, n - producer.sampleable(step))
         t0 = time.perf_counter()
         groups = super().collect(producer, step, n, among, timer)
         self.switch.record_take(time.perf_counter() - t0, short)
         return groups
 
-    def _lend_if_worth_it(self, producer: Producer, step: int, timer: Timer) -> None:
-        sampleable, waiting = producer.switch_inputs(step)
+    def _lend_if_worth_it(self, producer: Producer, step: int, take: int, timer: Timer) -> None:
+        # Decided and switched back on what the step's first take of `take` groups can use (Rollouter.ready), not
+        # verl's sampleable count alone: a take that would still wait for a due group in flight keeps the trainer idle.
+        sampleable, waiting = producer.switch_inputs(step, take)
         decision = self.switch.decide(sampleable, waiting)
         self._metrics.update(decision.metrics)
         for key in ("switch_to_rollout", "switch_wait", "switch_to_trainer"):  # verl reports 0 on steps without
@@ -251,7 +253,7 @@ class Disaggregated(Layout):
         logger.info("step %d: trainer ranks lent to generation until %d groups can train", step, decision.threshold)
         try:
             with timer("switch_wait"):
-                got = producer.wait_sampleable(step, decision.threshold)
+                got = producer.wait_sampleable(step, decision.threshold, take)
         finally:
             t2 = time.perf_counter()
             with timer("switch_to_trainer"):

@@ -28,9 +28,12 @@ from omni_async.models import SUPPORTED_PIPELINES
 from omni_async.models.tiny import (
     RANDOM_PREFIX,
     RANDOM_TOKENIZERS,
+    SIM_PREFIX,
+    SIM_SOURCES,
     TINY_BUILDERS,
     TINY_PREFIX,
     is_random,
+    is_sim,
     is_tiny,
     unknown_random_family,
 )
@@ -48,6 +51,9 @@ def path_problem(path: str) -> str | None:
     if is_random(path):
         name = path[len(RANDOM_PREFIX) :]
         return None if name in RANDOM_TOKENIZERS else unknown_random_family(name)
+    if is_sim(path):
+        name = path[len(SIM_PREFIX) :]
+        return None if name in SIM_SOURCES else f"unknown simulated device (known: {', '.join(SIM_SOURCES)})"
     local = Path(path).expanduser()
     if local.is_dir():
         return None
@@ -184,6 +190,17 @@ def _check_override_config(model: DictConfig) -> None:
                 "use the component's own config keys, e.g. "
                 "++actor_rollout_ref.model.override_config.transformer.num_layers=1",
             )
+    elif is_sim(model.path):
+        check(
+            model.modality == "text",
+            "actor_rollout_ref.model.path",
+            "sim:<name> simulates a text policy's device",
+            "set actor_rollout_ref.model.modality=text",
+        )
+        from omni_async.models.sim_policy import sim_override_problems
+
+        problems = sim_override_problems(override)
+        check(not problems, key, "; ".join(problems), "e.g. ++actor_rollout_ref.model.override_config.token_s=0.002")
     elif model.modality == "image":
         check(
             not override,

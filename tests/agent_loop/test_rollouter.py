@@ -209,3 +209,45 @@ def test_lock_step_trains_each_draw_in_order_with_one_version_per_draw(staleness
         assert sorted(g.uid for g in groups) == [f"{step}-{p}" for p in range(3)]
         assert {s.version for g in groups for s in g.samples} == {max(0, step - staleness)}
     assert ahead[:-1] == [3 * staleness] * 7 and ahead[-1] == 0  # one draw ahead (one-step-off), none past the end
+
+
+def test_ready_says_whether_the_next_take_returns_at_once_and_names_a_held_back_take():
+    """The switch decides and switches back on ``Rollouter.ready``: the groups the next take can use now. Under
+    ``wait`` a take with enough done groups can still wait for a due group in flight (a long-tail straggler); ready
+    is then ``take - 1``, and a take returns at once exactly when ready reaches it."""
+
+    async def run() -> tuple[int, int]:
+        rng = random.Random(3)
+        pool, n = Pool(rng, 0.3), 2
+        cap, bound = effective_bound(groups_per_window(2, 1, 1, n), n, None)
+        rollouter = Rollouter(
+            pool,
+            Draws(2, 3),
+            ProducerSettings(cap=cap, bound=bound, wait_for_stale=True, lock_step=False),
+            groups_to_train=150 * n,
+            rollout_version=0,
+        )
+        await rollouter.start()
+        held = at_once = 0
+        for step in range(150):
+            await asyncio.sleep(0.001 * rng.random() * 3)  # the update
+            ready, sampleable = rollouter.ready(step, n), rollouter.sampleable(step)
+            take = rollouter.take(step, n)
+            try:  # the take's first pass, run here: it returns, or it waits for a change
+                take.send(None)
+                take.close()
+                groups = await rollouter.take(step, n)
+                assert ready < n
+                held += sampleable >= n  # enough done, held back for a due one in flight
+            except StopIteration as done:
+                groups = done.value
+                assert ready >= n
+                at_once += 1
+            assert len(groups) == n
+            pool.version = step + 1
+            await rollouter.on_sync(step + 1)
+        await rollouter.stop()
+        return held, at_once
+
+    held, at_once = asyncio.run(run())
+    assert held >= 1 and at_once >= 1

@@ -1,0 +1,88 @@
+"""The simulated devices (``sim:text``, ``models.sim_policy``) and ``bench/switch_sim.py``: the device's contract
+in-process (lengths from the seed, partial rollout, the update's waits and gradient path), the key checks, and the
+switch on the long-tail workload through the real driver, rollouter, reward worker and switch policy."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_async.modality import get_modality
+from omni_async.models.text_policy import length_budget
+from omni_async.trainer.config import ConfigError, compose
+from omni_async.trainer.model_paths import check_model_paths
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SAMPLING = {"response_length": 64, "temperature": 1.0, "response_length_pareto_alpha": 1.2}
+
+
+def sim_policy(**timings: float):
+    model = {"path": "sim:text", "lora_rank": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    return get_modality("text").build_policy({**model, "override_config": timings}, SAMPLING)
+
+
+def test_sim_device_waits_instead_of_computing_and_keeps_the_rollout_contract():
+    policy = sim_policy(token_s=0.001, row_token_s=0.0, prefill_s=0.0, update_token_s=0.002)
+    seeds = [1, 2, 3, 4]
+    full = policy.generate(["a", "b", "c", "d"], seeds)
+    lengths = [length_budget(s, 64, 1.2) for s in seeds]
+    assert [len(r.response_ids) for r in full] == lengths  # the seeded long-tail budget
+    assert all(len(r.log_probs) == n and not r.unfinished for r, n in zip(full, lengths, strict=True))
+    # one decode step per token of the longest (rows decode together), the prefill giving the first
+    assert policy.busy.asked_s == pytest.approx(0.001 * (max(lengths) - 1))
+    assert policy.busy.busy_s() >= policy.busy.asked_s
+    # partial rollout: stopped after 3 steps, continued from its tokens: the same response as uninterrupted
+    asks = iter([False] * 3 + [True] * 1000)
+    cut = policy.generate(["a", "b"], seeds[:2], should_stop=lambda: next(asks))
+    assert all(r.unfinished and len(r.response_ids) == 4 for r in cut)
+    resumed = policy.generate(["a", "b"], seeds[:2], resume=cut)
+    assert [r.response_ids for r in resumed] == [r.response_ids for r in full[:2]]
+    assert [len(r.log_probs) for r in resumed] == lengths[:2]
+    # the update: 2 ms per response token with gradients, a third without; log-probs 0 on the trainable weights
+    mask = torch.ones(2, 10)
+    before = policy.busy.asked_s
+    out = policy.log_probs(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), torch.zeros(2, 10).long(), mask)
+    assert policy.busy.asked_s - before == pytest.approx(0.04)
+    with torch.no_grad():
+        policy.log_probs(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), torch.zeros(2, 10).long(), mask)
+    assert policy.busy.asked_s - before == pytest.approx(0.04 * 4 / 3)
+    assert out.shape == (2, 10) and out.requires_grad and float(out.abs().sum()) == 0.0
+    out.sum().backward()
+    assert all(p.grad is not None for p in policy.trainable_parameters())
+
+
+def test_sim_source_keys_are_checked_at_start():
+    def problems(*overrides: str) -> str:
+        cfg = compose(["data.train_files=x.jsonl", "actor_rollout_ref.model.path=sim:text", *overrides])
+        with pytest.raises(ConfigError) as err:
+            check_model_paths(cfg)
+        return str(err.value)
+
+    assert "set actor_rollout_ref.model.modality=text" in problems()  # the image config
+    text = ["actor_rollout_ref.model.modality=text"]
+    assert "tokens_s" in problems(*text, "++actor_rollout_ref.model.override_config.tokens_s=1")
+    assert ">= 0" in problems(*text, "++actor_rollout_ref.model.override_config.token_s=-1")
+    check_model_paths(compose(["data.train_files=x.jsonl", *text, "actor_rollout_ref.model.path=sim:text"]))
+    cfg = compose(["data.train_files=x.jsonl", *text, "actor_rollout_ref.model.path=sim:nope"])
+    with pytest.raises(ConfigError, match="unknown simulated device"):
+        check_model_paths(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_switch_gains_on_the_long_tail_workload_of_simulated_devices(tmp_path):
+    """``bench/switch_sim.py``'s long-tail workload, shortened: the trainer device lends a hand and the run trains
+    faster (the bench's goal is 1.2x; a short run on a shared box is asserted with a margin)."""
+    # Loaded by path (bench/ on sys.path would let bench/http_scorer.py shadow the http_scorer package).
+    spec = importlib.util.spec_from_file_location("bench_switch_sim", ROOT / "bench/switch_sim.py")
+    switch_sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(switch_sim)
+    result = switch_sim.measure("long_tail_text", tmp_path, warmup=1, steps=4, tail=1, staleness=2)
+    off, on = result["off"], result["on"]
+    assert result["switches"] >= 1 and on["lent_samples"] >= 1 and off["switches"] == 0
+    assert on["busy"]["trainer"] > off["busy"]["trainer"] + 0.2  # the lent device generated
+    assert on["samples_per_s"] >= 1.1 * off["samples_per_s"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -63,7 +64,15 @@ SHARED_RAY_GPUS, SHARED_RAY_CPUS = 16, 96
 _SHARED_CLUSTER = pytest.StashKey()
 
 
+def cuda_devices_present() -> bool:
+    """Whether the NVIDIA driver lists a GPU here (without importing torch: the xdist controller never does)."""
+    return any(Path("/proc/driver/nvidia/gpus").glob("*"))
+
+
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gpu: the GPU tier (tests/gpu): needs a CUDA device, skipped without one (scripts/gpu_kit.sh run)"
+    )
     # Collection imports torch, verl, diffusers and the test modules with the cyclic collector paused, as a Ray worker
     # imports (omni_async.cluster.pause_gc_while_importing); pytest_collection_finish resumes it. (pytest-xdist's
     # controller collects nothing: its workers do.)
@@ -80,11 +89,14 @@ def pytest_configure(config):
     # forward them to drivers (~70 CPU-s a run; a failing test gets the worker's traceback from Ray's error anyway,
     # and the files stay in the session's log directory).
     os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
+    # On a GPU machine Ray detects the real devices: 16 logical GPUs there would hand an actor an index the
+    # machine does not have (CUDA_VISIBLE_DEVICES=7 on a one-GPU box), leaving it without a device.
+    gpus = {} if cuda_devices_present() else {"num_gpus": SHARED_RAY_GPUS}
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
             "num_cpus": SHARED_RAY_CPUS,
-            "num_gpus": SHARED_RAY_GPUS,
+            **gpus,
             "include_dashboard": False,
             "include_log_monitor": False,
         },

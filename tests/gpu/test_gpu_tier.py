@@ -1,0 +1,122 @@
+"""The GPU tier (issue 49): the product's Ray paths on one CUDA device, each asserting what its CPU twin asserts.
+
+Run on a GPU machine by ``bash scripts/gpu_kit.sh run tier`` (or ``pytest -m gpu tests/gpu``); without CUDA every
+test here is skipped, so the CPU suite only collects them. On a CUDA machine the run's Ray cluster detects the real
+devices (``tests/conftest.py``), Ray hands each actor/rollout worker its device, the worker puts the model on it
+(``cluster.configure_worker``) and ``model_dtype: null`` makes the frozen weights bf16 there. So the CPU twins below
+run unchanged (the same function, collected here as well): a rollout worker killed and restarted with its requests
+generated again (``test_reliability``), a checkpoint saved and resumed through the entry point
+(``test_sync_trainer``), fully async training on the device that trains (``test_fully_async``). The tests written
+here check what only a device shows: the hybrid worker of each modality generates and updates in bf16 with fp32
+masters and fp32 log-probs, its first update scoring its own samples at ratio 1 (nothing clipped at clip_ratio
+1e-5), and the split layout's replica beside the actor on a share of the same device, taking the weight push.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import ray
+import torch
+from helpers import SMALL_IMAGE_TRAINER, Trainers, write_prompts
+
+# The CPU twins, collected in this module as well, so its marks below apply to them here.
+from test_fully_async import test_colocate_async_on_the_hybrid_layout_trains_every_group_once_within_the_bound  # noqa: F401
+from test_reliability import test_rollout_worker_killed_mid_step_regenerates_the_same_samples  # noqa: F401
+from test_sync_trainer import test_sync_run_then_kill_and_resume_gives_same_next_step  # noqa: F401
+from test_text_mode import SMALL as SMALL_TEXT_TRAINER
+from test_text_mode import write_arith
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU tier: needs a CUDA device (scripts/gpu_kit.sh)"),
+]
+
+# One optimizer step per training step (a mini-batch = the step's prompts), so the step's ratio is the first update's.
+FIRST_UPDATE = {
+    "image": (
+        "flowgrpo_trainer",
+        [
+            *SMALL_IMAGE_TRAINER,
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.diffusion_loss.clip_ratio=1e-5",
+            "reward.streaming=true",
+        ],
+    ),
+    "text": (
+        "grpo_text_trainer",
+        [
+            *SMALL_TEXT_TRAINER,
+            "actor_rollout_ref.model.lora_rank=8",  # the text default is a full fine-tune; LoRA as the image's
+            "actor_rollout_ref.model.lora_alpha=16",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.clip_ratio=1e-5",
+        ],
+    ),
+}
+
+
+def worker_report(self) -> dict:
+    """Run inside an actor worker or rollout replica (``__ray_call__``): where its model lives and in what dtypes."""
+    policy = self.policy
+    module = policy.transformer if hasattr(policy, "transformer") else policy.model
+    named = list(module.named_parameters())
+    return {
+        "device": str(named[0][1].device),
+        "base": sorted({str(p.dtype) for n, p in named if ".lora_" not in n}),  # the frozen weights
+        "masters": sorted({str(p.dtype) for p in policy.trainable_parameters()}),  # what the optimizer steps
+    }
+
+
+@pytest.fixture
+def make(tmp_path):
+    made: list[Trainers] = []
+
+    def build(kind: str, *overrides: str):
+        config_name, base = FIRST_UPDATE[kind]
+        train = write_arith(tmp_path / "arith") / "train.jsonl" if kind == "text" else None
+        made.append(Trainers(train or write_prompts(tmp_path / "train.jsonl", 8), tmp_path, base, config_name))
+        return made[-1](*overrides)
+
+    yield build
+    for trainers in made:
+        trainers.close()
+
+
+@pytest.mark.parametrize("kind", list(FIRST_UPDATE))
+def test_hybrid_worker_generates_and_updates_in_bf16_and_its_first_update_is_unclipped(make, kind):
+    """CPU twins: ``tests/models/test_bf16.py`` (the rollout's log-prob is the update's first forward in bf16, ratio
+    1, nothing clipped) and ``tests/trainer/test_device_placement.py`` (generate + update with the model on a device),
+    here through Ray on one CUDA device, image and text."""
+    t = make(kind)
+    assert t.layout.name == "hybrid"
+    report = ray.get(t.placement.actor_wg.workers[0].__ray_call__.remote(worker_report))
+    assert report["device"].startswith("cuda")
+    assert report["base"] == ["torch.bfloat16"] and report["masters"] == ["torch.float32"]
+    metrics, samples = t.train_step(0)
+    assert all(s.outcome.ok for s in samples) and all(s.result.log_probs.dtype == torch.float32 for s in samples)
+    assert metrics["actor/pg_clipfrac"] == 0.0  # at clip_ratio 1e-5
+    assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["actor/grad_norm"] > 0 and all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
+    _, again = t.train_step(1)  # the updated policy generates the next step on the device
+    assert all(s.version == 1 for s in again)
+
+
+def test_split_replica_shares_the_device_and_takes_the_weight_push(make):
+    """CPU twin: the split half of ``tests/trainer/test_hybrid.py`` (rank 0 ships the weights at the first sync and
+    after every update; the step's samples come from the version pushed before it), here with the actor and its
+    rollout replica on shares of one CUDA device."""
+    t = make("image", "actor_rollout_ref.hybrid_engine=false")
+    assert t.layout.name == "split"
+    actor, replica = t.placement.actor_wg.workers[0], t.placement.rollout_workers[0]
+    reports = ray.get([actor.__ray_call__.remote(worker_report), replica.__ray_call__.remote(worker_report)])
+    assert reports[0]["device"] == reports[1]["device"] and reports[0]["device"].startswith("cuda")
+    assert reports[1]["base"] == ["torch.bfloat16"]
+    assert ray.get(actor.__ray_call__.remote(lambda self: ray.get_gpu_ids())) == ray.get(
+        replica.__ray_call__.remote(lambda self: ray.get_gpu_ids())
+    )
+    steps = [t.train_step(step) for step in range(2)]
+    assert ray.get(actor.stats.remote())["weights_shipped"] == 3
+    assert [m["rollout/policy_version"] for m, _ in steps] == [0.0, 1.0]
+    assert all(s.version == 1 and s.outcome.ok for s in steps[1][1])

@@ -118,6 +118,11 @@ def test_random_flux_1_dev_is_the_published_12b_architecture():
     assert 0.07e9 < counts["vae"] < 0.1e9
     problems = random_models.override_problems("flux.1_dev", {"transformer": {"num_single_layers": 1, "depth": 2}})
     assert len(problems) == 1 and "transformer.depth" in problems[0]
+    shrunk = {"transformer": {"num_layers": 1, "num_single_layers": 1}, "text_encoder_2": {"num_layers": 1}}
+    pipe = random_models.build_pipeline("random:flux.1_dev", shrunk, device="meta", dtype=torch.bfloat16)
+    assert type(pipe).__name__ == "FluxPipeline" and pipe.transformer.config.guidance_embeds
+    assert len(pipe.transformer.single_transformer_blocks) == 1
+    assert pipe.text_encoder_2.config.d_model == 4096 and pipe.tokenizer_2 is not None
 
 
 def _window_grads(policy: DiffusionPolicy) -> dict[str, torch.Tensor]:

@@ -164,6 +164,9 @@ class RewardOutcome:
     error: str | None = None
     compute_s: float = 0.0  # the reward function call(s) themselves
     wait_s: float = 0.0  # waiting for a thread / slot inside the reward worker before the call started
+    # [W, ...] fp32: the frozen distillation teacher's velocity at each SDE-window step of the sample, scored beside
+    # the reward (distillation.enabled, reward.teacher); None otherwise
+    teacher_velocity: torch.Tensor | None = None
 
     @property
     def ok(self) -> bool:
@@ -179,9 +182,6 @@ class RewardOutcome:
             "reward_parts": dict(self.parts),
         }
         return {"reward_score": self.score if self.ok else None, "reward_extra_info": info}
-    # [W, ...] fp32: the frozen distillation teacher's velocity at each SDE-window step of the sample, scored beside
-    # the reward (distillation.enabled, reward.teacher); None otherwise
-    teacher_velocity: torch.Tensor | None = None
 
 
 @dataclass
@@ -227,10 +227,7 @@ class Sample:
         return int(self.version), int(self.version)
 
     def reward_input(self) -> dict[str, Any]:
-        """The minimal record a reward function sees, keyed by verl's argument names: never trajectory latents. An
-        edited image's input images go along as encoded bytes (``condition_images``; the reward worker hands them to
-        the function decoded, ``reward.manager``)."""
-        images = {"condition_images": list(self.row.images)} if self.row.images else {}
+        """The minimal record a reward function sees, keyed by verl's argument names: never trajectory latents."""
         return {
             "prompt": self.row.prompt,
             "data_source": self.row.data_source,

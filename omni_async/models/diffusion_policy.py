@@ -738,6 +738,21 @@ class DiffusionPolicy(TrainableModule):
         ``prev_sample`` or draws with ``noise``. ``cond``: the batch's prompt encodings, or (in loops)
         :meth:`prepare`'s result, made once per batch. ``per_sample``: see :meth:`velocity`; a step whose log-prob
         is used must keep the default."""
+        v = self.velocity(cond, x, i, per_sample=per_sample)
+        return self.step_with(v, x, i, prev_sample=prev_sample, noise=noise, noise_level=noise_level)
+
+    def step_with(
+        self,
+        velocity: torch.Tensor,
+        x: torch.Tensor,
+        i: int | torch.Tensor,
+        *,
+        prev_sample: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+        noise_level: float | None = None,
+    ) -> SDEStep:
+        """:meth:`step` with a given velocity (DiffusionOPD: a frozen teacher's at the student's ``x``): this policy's
+        SDE step on its own noise grid."""
         k = i.to(self.sigmas.device) if torch.is_tensor(i) else i
         return sde_step_with_logprob(
             velocity,
@@ -786,21 +801,6 @@ class DiffusionPolicy(TrainableModule):
         # fp32 as the step computes it: the losses read mu_theta - mu_old, which a bf16 copy would swamp.
         means = (
             x.new_zeros((n, size, *x.shape[1:]), dtype=torch.float32) if size and self.sampling.window_means else None
-        v = self.velocity(cond, x, i, per_sample=per_sample)
-        return self.step_with(v, x, i, prev_sample=prev_sample, noise=noise, noise_level=noise_level)
-
-    def step_with(
-        self,
-        velocity: torch.Tensor,
-        x: torch.Tensor,
-        i: int | torch.Tensor,
-        *,
-        prev_sample: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        noise_level: float | None = None,
-    ) -> SDEStep:
-        """:meth:`step` with a given velocity (DiffusionOPD: a frozen teacher's at the student's ``x``): this policy's
-        SDE step on its own noise grid."""
         )
         for i in range(self.sampling.num_inference_steps):
             sde = [r for r, w in enumerate(windows) if i in w]

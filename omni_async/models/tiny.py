@@ -367,6 +367,21 @@ def build_flux(out: Path) -> None:
     pipe.save_pretrained(out)
 
 
+_TEACHER_SEED = 4321
+
+
+def build_sd3_teacher(out: Path) -> None:
+    """A distillation teacher for ``tiny:sd3`` (DiffusionOPD's stand-in): the same pipeline (text encoders, VAE,
+    scheduler: the same seeded build) with its transformer drawn again from another seed, as a fine-tuned teacher
+    of the student's family differs only in its transformer."""
+    from diffusers import SD3Transformer2DModel
+
+    build_sd3(out)
+    config = SD3Transformer2DModel.load_config(out / "transformer")
+    torch.manual_seed(_TEACHER_SEED)
+    SD3Transformer2DModel.from_config(config).save_pretrained(out / "transformer")
+
+
 def _zero_init_decoder_residuals(vae) -> None:
     """Zero the last layer of every residual branch of the decoder.
 
@@ -414,21 +429,6 @@ def build_wan(out: Path, experts: int = 1) -> None:
         text_encoder=UMT5EncoderModel(UMT5Config(vocab_size=len(tok), **_T5_ENCODER)),
         vae=AutoencoderKLWan(**_video_vae(z_dim)),
         scheduler=_flow_scheduler(),
-_TEACHER_SEED = 4321
-
-
-def build_sd3_teacher(out: Path) -> None:
-    """A distillation teacher for ``tiny:sd3`` (DiffusionOPD's stand-in): the same pipeline (text encoders, VAE,
-    scheduler: the same seeded build) with its transformer drawn again from another seed, as a fine-tuned teacher
-    of the student's family differs only in its transformer."""
-    from diffusers import SD3Transformer2DModel
-
-    build_sd3(out)
-    config = SD3Transformer2DModel.load_config(out / "transformer")
-    torch.manual_seed(_TEACHER_SEED)
-    SD3Transformer2DModel.from_config(config).save_pretrained(out / "transformer")
-
-
         transformer=transformer(),
         **two,
     )
@@ -492,6 +492,7 @@ TINY_BUILDERS: dict[str, Callable[[Path], None]] = {
     "qwen_image_text": build_qwen_image_text,
     "qwen_image_text_bimodal": build_qwen_image_text_bimodal,
     "sd3": build_sd3,
+    "sd3_teacher": build_sd3_teacher,
     "flux": build_flux,
     "wan": build_wan,
     "wan22": build_wan22,

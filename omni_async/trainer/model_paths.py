@@ -141,12 +141,12 @@ def check_model_paths(cfg: DictConfig) -> None:
     paths = {"actor_rollout_ref.model.path": cfg.actor_rollout_ref.model.path}
     if cfg.reward.reward_model.model_path is not None:
         paths["reward.reward_model.model_path"] = cfg.reward.reward_model.model_path
-    for key, path in paths.items():
-        problem = path_problem(path)
-        check(problem is None, key, f"{path!r} does not resolve to a model: {problem}", _FIX)
     if cfg.distillation.enabled:
         teacher = cfg.distillation.teacher_models.teacher_model.model_path
         paths["distillation.teacher_models.teacher_model.model_path"] = teacher
+    for key, path in paths.items():
+        problem = path_problem(path)
+        check(problem is None, key, f"{path!r} does not resolve to a model: {problem}", _FIX)
     check(
         not is_random(paths.get("reward.reward_model.model_path", "")),
         "reward.reward_model.model_path",

@@ -82,12 +82,11 @@ LOSS_METRIC = {
     "flow_dppo": "actor/pg_loss",
     "diffusion_nft": "actor/policy_loss",
     "dpo": "actor/dpo_loss",
+    "distill_kl": "actor/distill_kl_loss",
 }
 
 
 def test_one_run_covers_recipes_of_one_effective_config():
-    "dpo": "actor/dpo_loss",
-    "distill_kl": "actor/distill_kl_loss",
     """The recipes that start here are exactly those RUNS covers, grouped by their effective config (stand-ins and
     ON_CPU applied, CODE_PATH_NEUTRAL keys left out): each covered recipe composes to its run's."""
     assert runs(trainable()) == RUNS

@@ -24,6 +24,15 @@ import torch
 
 
 @dataclass(frozen=True)
+class EditPrompt:
+    """A prompt with its input images, as a generation request carries it to an image-editing policy
+    (``models.qwen_image_edit``): the instruction and each image's encoded file bytes (PNG, JPEG, ...)."""
+
+    text: str
+    images: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
 class PromptRow:
     """One dataset row (verl / flow_grpo format, see ``trainer.dataset``)."""
 
@@ -31,6 +40,12 @@ class PromptRow:
     data_source: str
     ground_truth: Any
     extra_info: dict = field(default_factory=dict)
+    images: tuple[bytes, ...] = ()  # input images to edit (verl's ``images`` column), encoded file bytes
+
+    @property
+    def request(self) -> str | EditPrompt:
+        """What a generation request carries: the prompt, with its input images when the row has some."""
+        return EditPrompt(self.prompt, self.images) if self.images else self.prompt
 
 
 def is_video(pixels: np.ndarray | torch.Tensor) -> bool:
@@ -227,12 +242,16 @@ class Sample:
         return int(self.version), int(self.version)
 
     def reward_input(self) -> dict[str, Any]:
-        """The minimal record a reward function sees, keyed by verl's argument names: never trajectory latents."""
+        """The minimal record a reward function sees, keyed by verl's argument names: never trajectory latents. An
+        edited image's input images go along as encoded bytes (``condition_images``; the reward worker hands them to
+        the function decoded, ``reward.manager``)."""
+        images = {"condition_images": list(self.row.images)} if self.row.images else {}
         return {
             "prompt": self.row.prompt,
             "data_source": self.row.data_source,
             "uid": self.uid,
             "ground_truth": self.row.ground_truth,
             "extra_info": self.row.extra_info,
+            **images,
             **self.result.reward_fields(),
         }

@@ -397,10 +397,10 @@ class AgentLoopManager:
                 self.counts.request_out(+1)
             try:
                 if self._calls is not None and lent is None and not resume:
-                    gen = await self._calls.submit(w, (s.row.prompt, s.seed, s.window, kwargs))
+                    gen = await self._calls.submit(w, (s.row.request, s.seed, s.window, kwargs))
                 else:
                     worker = lent if lent is not None else self.workers[w]
-                    gen = await worker.generate.remote(s.row.prompt, s.seed, s.window, **kwargs, **resume)
+                    gen = await worker.generate.remote(s.row.request, s.seed, s.window, **kwargs, **resume)
             except (RayActorError, ActorUnavailableError):
                 if not ray.is_initialized():
                     # The driver's Ray session ended (ray.shutdown with this trainer still open): its actors went

@@ -2,4 +2,11 @@
 
 # The diffusers pipelines a diffusion policy can be (``model_index.json``'s ``_class_name``): each has an adapter in
 # ``diffusion_policy``; ``trainer.model_paths`` refuses a checkpoint of any other class at start, before Ray.
-SUPPORTED_PIPELINES = ("QwenImagePipeline", "StableDiffusion3Pipeline", "WanPipeline", "FluxPipeline")
+SUPPORTED_PIPELINES = (
+    "QwenImagePipeline",
+    "StableDiffusion3Pipeline",
+    "WanPipeline",
+    "QwenImageEditPipeline",
+    "QwenImageEditPlusPipeline",
+    "FluxPipeline",
+)

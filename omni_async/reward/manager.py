@@ -6,6 +6,9 @@ and ``name`` (``reward.contract.check_reward_function``; no path = dispatch by `
     compute_score(data_source, solution_image | solution_str, ground_truth, extra_info, **reward_kwargs)
 
 ``solution_image`` is what verl-omni passes: a uint8 torch tensor ``(C, H, W)``, or ``(C, F, H, W)`` for a video.
+An edited image's input images (Qwen-Image-Edit's rows) come in ``extra_info["condition_images"]`` (verl-omni's name
+for them), a list of tensors in the same form: verl-omni hands a reward function its side data there (``audio``,
+``latents_clean``).
 
 A function may be sync (run in a thread, off the event loop), ``async def`` (awaited), or a class (instantiated
 once per manager with the kwargs, then its ``compute_score`` is used). It may return a number, a dict with a
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import io
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -176,6 +180,8 @@ class RewardFunction:
         """Call the function on one sample (``Sample.reward_input()``); sync functions run on ``executor``."""
         extra_info = dict(sample.get("extra_info") or {})
         extra_info.setdefault("prompt", sample.get("prompt"))  # remote judges and scorers want the prompt too
+        if "condition_images" in sample:
+            extra_info["condition_images"] = sample["condition_images"]
         kw = dict(
             data_source=sample["data_source"], ground_truth=sample["ground_truth"], extra_info=extra_info, **self.kwargs
         )
@@ -258,6 +264,13 @@ def scorer_names(reward_cfg: DictConfig) -> str:
     return specs[0].label
 
 
+def _decoded(data: bytes) -> Any:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        return img.convert("RGB")
+
+
 class RewardManager:
     """Scores samples with the configured function(s); never raises for a sample, returns a typed outcome."""
 
@@ -278,6 +291,11 @@ class RewardManager:
     async def _score(self, sample: dict[str, Any]) -> RewardOutcome:
         if "solution_image" in sample:  # verl-omni's form: uint8 torch (C, H, W), or (C, F, H, W) for a video
             sample = {**sample, "solution_image": to_solution_image(sample["solution_image"])}
+        if "condition_images" in sample:  # encoded bytes (Sample.reward_input) -> the same form as solution_image
+            sample = {
+                **sample,
+                "condition_images": [to_solution_image(_decoded(b)) for b in sample["condition_images"]],
+            }
         results = await asyncio.gather(*(fn(sample, self.executor) for fn in self.functions), return_exceptions=True)
         out = RewardOutcome("ok")
         calls = [r for r in results if isinstance(r, _Call)]

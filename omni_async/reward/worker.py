@@ -37,7 +37,7 @@ from omni_async.sample import RewardOutcome
 logger = logging.getLogger(__name__)
 
 # Per-sample fields a reward function may see; everything else (trajectory latents, embeddings) stays behind.
-TEXT_FIELDS = ("prompt", "data_source", "ground_truth", "extra_info", "uid", "solution_str")
+TEXT_FIELDS = ("prompt", "data_source", "ground_truth", "extra_info", "uid", "solution_str", "condition_images")
 PIXELS = "solution_image"  # the one tensor field: uint8 pixels, [1, (T,) H, W, 3] in a chunk
 
 

@@ -5,14 +5,21 @@ A row (jsonl line or parquet row) has:
 - ``prompt``: a string, or verl's chat form ``[{"role": "user", "content": "..."}]`` (the last user turn is used);
 - ``data_source``: a string naming the task (passed to reward functions);
 - ``reward_model``: ``{"ground_truth": ..., "style": "rule"}`` (``ground_truth`` is required, may be ``""``);
-- ``extra_info``: an optional dict (passed to reward functions unchanged).
+- ``extra_info``: an optional dict (passed to reward functions unchanged);
+- ``images``: input images to edit (verl's ``data.image_key`` column, image-editing models such as Qwen-Image-Edit):
+  a list whose items are ``{"bytes": ...}`` (verl-omni's edit rows), ``{"path": ...}``, a path string or raw bytes, a
+  path relative to the data file's directory. The prompt's user turn marks each with ``<image>``: verl-omni's
+  ``"Picture 1: <image>Change the background to blue"`` (the ``Picture k: <image>`` markers are dropped from the
+  prompt: the pipeline's template writes its own before the instruction).
 
 A bad row raises :class:`DatasetError` with the file, the 1-based row number and the field.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,8 +48,58 @@ def _prompt_text(value: Any, where: str) -> str:
     )
 
 
-def parse_row(raw: Any, where: str) -> PromptRow:
-    """Validate one raw record; ``where`` is ``"<file>:row <n>"`` for error messages."""
+IMAGE_MARK = "<image>"
+_PICTURE = re.compile(r"\s*Picture\s+\d+:\s*<image>")
+
+
+def _image_bytes(item: Any, where: str, base: Path) -> bytes:
+    """One ``images`` entry as encoded file bytes, decoded once here so that a bad image stops the run at start."""
+    if isinstance(item, dict):
+        item = item.get("bytes") or item.get("path")
+    if isinstance(item, str):
+        path = base / item
+        if not path.is_file():
+            raise DatasetError(f"{where}: image file {str(path)!r} not found (paths are relative to the data file)")
+        item = path.read_bytes()
+    if not isinstance(item, (bytes, bytearray)) or not item:
+        raise DatasetError(
+            f"{where}: expected {{'bytes': <encoded image>}}, {{'path': ...}}, a path or bytes, got "
+            f"{type(item).__name__}: {str(item)[:60]!r}"
+        )
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(item)) as img:
+            img.load()
+    except (UnidentifiedImageError, OSError) as e:
+        raise DatasetError(f"{where}: not a decodable image ({e}); write PNG or JPEG bytes") from None
+    return bytes(item)
+
+
+def _edit_prompt(prompt: str, raw_images: Any, where: str, base: Path) -> tuple[str, tuple[bytes, ...]]:
+    """The instruction without its ``Picture k: <image>`` markers, and the row's images (one per marker)."""
+    if not isinstance(raw_images, (list, tuple, np.ndarray)) or len(raw_images) == 0:
+        raise DatasetError(f"{where}: field 'images' must be a non-empty list of images, got {str(raw_images)[:60]!r}")
+    images = tuple(_image_bytes(item, f"{where}: field 'images[{k}]'", base) for k, item in enumerate(raw_images))
+    if prompt.count(IMAGE_MARK) != len(images):
+        raise DatasetError(
+            f"{where}: field 'prompt' marks {prompt.count(IMAGE_MARK)} input image(s) with {IMAGE_MARK!r} but "
+            f"'images' has {len(images)}; write one 'Picture k: {IMAGE_MARK}' per image before the instruction"
+        )
+    text = _PICTURE.sub("", prompt, count=len(images)) if prompt.lstrip().startswith("Picture") else prompt
+    if IMAGE_MARK in text:
+        raise DatasetError(
+            f"{where}: field 'prompt' has {IMAGE_MARK!r} inside the instruction ({prompt[:80]!r}); the pipeline puts "
+            f"its images before it: start the user turn with 'Picture 1: {IMAGE_MARK}' ... and then the instruction"
+        )
+    if not text.strip():
+        raise DatasetError(f"{where}: field 'prompt' has input images but no instruction")
+    return text, images
+
+
+def parse_row(raw: Any, where: str, base: Path = Path(".")) -> PromptRow:
+    """Validate one raw record; ``where`` is ``"<file>:row <n>"`` for error messages, ``base`` the directory image
+    paths are relative to."""
     if not isinstance(raw, dict):
         raise DatasetError(f"{where}: a row must be an object with 'prompt', 'data_source', 'reward_model'")
     if "prompt" not in raw:
@@ -60,7 +117,12 @@ def parse_row(raw: Any, where: str) -> PromptRow:
     extra = raw.get("extra_info") or {}
     if not isinstance(extra, dict):
         raise DatasetError(f"{where}: field 'extra_info' must be an object, got {type(extra).__name__}")
-    return PromptRow(prompt=prompt, data_source=data_source, ground_truth=rm["ground_truth"], extra_info=dict(extra))
+    images: tuple[bytes, ...] = ()
+    if raw.get("images") is not None:
+        prompt, images = _edit_prompt(prompt, raw["images"], where, base)
+    return PromptRow(
+        prompt=prompt, data_source=data_source, ground_truth=rm["ground_truth"], extra_info=dict(extra), images=images
+    )
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
@@ -102,7 +164,7 @@ def load_prompts(files: str | Sequence[str]) -> list[PromptRow]:
             reader = _read_parquet(path)
         else:
             raise DatasetError(f"{path}: unsupported extension {path.suffix!r}; use .jsonl or .parquet")
-        rows.extend(parse_row(rec, f"{path}:row {n}") for n, rec in reader)
+        rows.extend(parse_row(rec, f"{path}:row {n}", path.parent) for n, rec in reader)
     if not rows:
         raise DatasetError(f"{', '.join(map(str, paths))}: no rows")
     return rows

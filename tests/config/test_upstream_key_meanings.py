@@ -249,13 +249,15 @@ def test_a_model_path_that_does_not_resolve_is_refused_before_ray_starts(tmp_pat
 def test_a_checkpoint_of_a_pipeline_not_trained_here_is_refused_before_ray_with_every_other_problem(
     tmp_path, monkeypatch
 ):
-    """verl-omni's Qwen-Image-Edit (``QwenImageEditPlusPipeline``) is refused at start naming its class, not by
-    diffusers inside a Ray actor; a start with two problems names both at once."""
+    """A pipeline class with no adapter here (SDXL) is refused at start naming its class, not by diffusers inside a
+    Ray actor; a start with two problems names both at once. verl-omni's Qwen-Image-Edit (``QwenImageEditPlusPipeline``)
+    starts."""
     import omni_async.trainer.loop as loop
 
     monkeypatch.setattr(loop, "init_ray", lambda cfg: pytest.fail("Ray started for a config that cannot run"))
     for name, cls in [
         ("edit", "QwenImageEditPlusPipeline"),
+        ("sdxl", "StableDiffusionXLPipeline"),
         ("flux", "FluxPipeline"),
         ("sd3", "StableDiffusion3Pipeline"),
     ]:
@@ -265,9 +267,10 @@ def test_a_checkpoint_of_a_pipeline_not_trained_here_is_refused_before_ray_with_
     assert pipeline_class("tiny:sd3") is None and pipeline_class(str(tmp_path)) is None  # built here / no index
     assert pipeline_class("Qwen/No-Such-Model-Here") is None  # not cached, hub off (tests): loading will tell
 
-    edit = f"actor_rollout_ref.model.path={tmp_path}/edit"
+    assert check_at_start(compose([*BASE, f"actor_rollout_ref.model.path={tmp_path}/edit"]))  # trained here
+    edit = f"actor_rollout_ref.model.path={tmp_path}/sdxl"
     with pytest.raises(
-        ConfigError, match=r"^actor_rollout_ref\.model\.path: .* is a QwenImageEditPlusPipeline \(image editing"
+        ConfigError, match=r"^actor_rollout_ref\.model\.path: .* is a StableDiffusionXLPipeline; the diffusion pipel"
     ):
         RLTrainer(compose([*BASE, edit]))
     with pytest.raises(

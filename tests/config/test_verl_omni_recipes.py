@@ -36,7 +36,7 @@ _BAGEL = {
     "actor_rollout_ref.model.trust_remote_code",
     "data.trust_remote_code",
 }
-_PICKSCORE = {"reward.custom_reward_function.path"}  # no PickScore reward here
+_PICKSCORE = {"reward.custom_reward_function.path"}  # verl-omni's PickScore file (the edit recipe's pkg:// is stood in)
 _64_RANKS = {"actor_rollout_ref.actor.ppo_mini_batch_size"}  # 16 groups per mini-batch cannot feed 64 ranks
 EXPECTED_REFUSED: dict[str, set[str]] = {
     # DanceGRPO (algos.dance_grpo, its loss, algorithm and dance_sde step built): no HPSv3 reward file here
@@ -83,7 +83,7 @@ EXPECTED_REFUSED: dict[str, set[str]] = {
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_reward_server": set(),
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_veomni": set(),
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_veomni_64cards": _64_RANKS,
-    "flowgrpo_trainer.qwen_image_edit.run_qwen_image_edit_lora": _PICKSCORE,
+    "flowgrpo_trainer.qwen_image_edit.run_qwen_image_edit_lora": set(),  # tiny:qwen_image_edit, a PickScore stand-in
     "flowgrpo_trainer.sd35.run_sd35_medium_drm_lora": {
         "actor_rollout_ref.rollout.dtype",
         "actor_rollout_ref.rollout.pipeline.output_type",
@@ -151,18 +151,12 @@ def test_whole_recipe_with_tiny_stand_ins_composes_and_validates_or_names_what_i
     assert result.keys() == EXPECTED_REFUSED[name], [m for *_, m in result.refused]
 
 
-# What a recipe's start names besides EXPECTED_REFUSED's keys: the start check reads Qwen-Image-Edit's model_index.json
-# (its stand-in holds only that) after compose and validate.
-START_ALSO: dict[str, set[str]] = {
-    "flowgrpo_trainer.qwen_image_edit.run_qwen_image_edit_lora": {"actor_rollout_ref.model.path"},
-}
+# What a recipe's start names besides EXPECTED_REFUSED's keys (the start check reads the model's model_index.json
+# after compose and validate): none now.
+START_ALSO: dict[str, set[str]] = {}
 # What the issue names as missing here, as the start names it: recipe -> (key, words of its message).
 MISSING = {
     "flowgrpo_trainer.bagel.run_bagel_ocr_lora": ("actor_rollout_ref.model.architecture", "BAGEL"),
-    "flowgrpo_trainer.qwen_image_edit.run_qwen_image_edit_lora": (
-        "actor_rollout_ref.model.path",
-        "QwenImageEditPlusPipeline (image editing",
-    ),
     "flowgrpo_trainer.sd35.run_sd35_medium_drm_lora": (
         "actor_rollout_ref.rollout.pipeline.output_type",
         "rewards on latents",

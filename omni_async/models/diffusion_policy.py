@@ -34,9 +34,11 @@ from omni_async.models.experts import boundary_timestep, low_noise_steps, traine
 from omni_async.models.loading import pipeline_load_kwargs
 from omni_async.models.lora import PolicyOptions, TrainableModule
 from omni_async.models.offload import HostOffload
+from omni_async.models.qwen_image_edit import EDIT_PIPELINES, IMAGE_LATENTS, condition_shapes, edit_load_kwargs
+from omni_async.models.qwen_image_edit import encode as encode_edit
 from omni_async.models.random_models import build_pipeline
 from omni_async.models.tiny import is_random, resolve_model_path
-from omni_async.sample import ImageResult
+from omni_async.sample import EditPrompt, ImageResult
 
 
 @dataclass
@@ -78,8 +80,10 @@ COND_KEYS = (
     "negative_prompt_embeds",
     "negative_prompt_embeds_mask",
     "negative_pooled_prompt_embeds",
+    IMAGE_LATENTS,  # Qwen-Image-Edit's input images, VAE-encoded and packed (models.qwen_image_edit)
 )
 NEGATIVE = "negative_"  # the CFG branch's keys: the positive keys with this prefix
+SHARED = (IMAGE_LATENTS,)  # inputs both CFG branches take as they are
 
 
 def sample_rows(cond: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
@@ -114,8 +118,16 @@ def batch_rows(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     every prompt, then (when the rows have ``negative_*`` keys) every negative prompt, padded to one text length
     with a mask where lengths differ (:func:`collate_conditioning`)."""
     pos = [{k: v for k, v in r.items() if not k.startswith(NEGATIVE)} for r in rows]
-    neg = [{k[len(NEGATIVE) :]: v for k, v in r.items() if k.startswith(NEGATIVE)} for r in rows]
-    return collate_conditioning(pos + neg if neg[0] else pos)
+    if not any(k.startswith(NEGATIVE) for k in rows[0]):
+        return collate_conditioning(pos)
+    neg = [
+        {
+            **{k: r[k] for k in SHARED if k in r},
+            **{k[len(NEGATIVE) :]: v for k, v in r.items() if k.startswith(NEGATIVE)},
+        }
+        for r in rows
+    ]
+    return collate_conditioning(pos + neg)
 
 
 @dataclass
@@ -260,6 +272,40 @@ class _QwenImageAdapter(_Adapter):
         return p.vae.decode(_denormalize(p.vae, lat), return_dict=False)[0][:, :, 0]
 
 
+class _QwenImageEditAdapter(_QwenImageAdapter):
+    """QwenImageEditPipeline / QwenImageEditPlusPipeline: Qwen-Image conditioned on each prompt's input images
+    (``models.qwen_image_edit``): the VL encoder reads them with the instruction, and their packed VAE latents follow
+    the noisy latents in the transformer's sequence, whose prediction for the noisy latents is kept."""
+
+    def encode(self, prompts: list[EditPrompt]) -> dict[str, torch.Tensor]:
+        bare = [p for p in prompts if not isinstance(p, EditPrompt)]
+        if bare:
+            raise ValueError(
+                f"{type(self.pipe).__name__} edits input images, but the prompt {bare[0]!r} has none. Fix: give the "
+                "dataset rows an 'images' column (verl-omni's edit rows; trainer.dataset)"
+            )
+        texts, images = [p.text for p in prompts], [p.images for p in prompts]
+        cfg = self.cfg
+        rows = encode_edit(self.pipe, texts, images, cfg.height, cfg.width, cfg.true_cfg_scale > 1, **_seq_len(cfg))
+        return collate_conditioning(rows)
+
+    def init_latents(self, generators: list[torch.Generator]) -> torch.Tensor:
+        p = self.pipe
+        channels = p.transformer.config.in_channels // self.packed
+        return p.prepare_latents(
+            None, len(generators), channels, self.cfg.height, self.cfg.width, torch.float32, p.device, generators
+        )[0]
+
+    def inputs(self, x: torch.Tensor, c: dict[str, torch.Tensor]) -> dict[str, Any]:
+        h, w = self.cfg.height, self.cfg.width
+        one = condition_shapes(self.pipe, h, w, 1)
+        n_images = c[IMAGE_LATENTS].shape[1] // (one[1][1] * one[1][2])
+        return {**super().inputs(x, c), "img_shapes": [condition_shapes(self.pipe, h, w, n_images)] * x.shape[0]}
+
+    def forward(self, x, t, c, model):
+        return super().forward(torch.cat([x, c[IMAGE_LATENTS]], dim=1), t, c, model)[:, : x.shape[1]]
+
+
 class _SD3Adapter(_Adapter):
     """StableDiffusion3Pipeline: spatial latents, CLIP+T5 embeddings with pooled projections, standard CFG."""
 
@@ -380,6 +426,7 @@ _ADAPTERS = {
     "QwenImagePipeline": _QwenImageAdapter,
     "StableDiffusion3Pipeline": _SD3Adapter,
     "WanPipeline": _WanAdapter,
+    **dict.fromkeys(EDIT_PIPELINES, _QwenImageEditAdapter),
     "FluxPipeline": _FluxAdapter,
 }
 assert tuple(_ADAPTERS) == SUPPORTED_PIPELINES  # the start check (trainer.model_paths) refuses the others by name
@@ -444,8 +491,9 @@ class DiffusionPolicy(TrainableModule):
                     f"actor_rollout_ref.model.override_config changes a random:<family> architecture; "
                     f"{model_path!r} loads as saved: drop override_config, or use random:<family>"
                 )
+            path = resolve_model_path(model_path)
             self.pipe = DiffusionPipeline.from_pretrained(
-                resolve_model_path(model_path), **pipeline_load_kwargs(device, dtype)
+                path, **pipeline_load_kwargs(device, dtype), **edit_load_kwargs(path)
             )
             if self.pipe.device != torch.device(device):  # e.g. "cuda" asked, the current device given
                 self.pipe.to(device)

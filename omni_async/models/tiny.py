@@ -15,6 +15,7 @@ model.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -164,7 +165,8 @@ def _mrope_text(vocab_size: int, hidden: int, max_positions: int, eos: int | Non
     )
 
 
-def _tiny_qwen25_vl_text_encoder(vocab_size: int, hidden: int = 32):
+def _tiny_qwen25_vl_text_encoder(vocab_size: int, hidden: int = 32, **vision_tokens: int):
+    """``vision_tokens``: the tokenizer's ``image_token_id`` etc., for a pipeline that feeds it images (Qwen-Image-Edit)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     cfg = Qwen2_5_VLConfig(
@@ -172,6 +174,7 @@ def _tiny_qwen25_vl_text_encoder(vocab_size: int, hidden: int = 32):
         vision_config=dict(
             **_VISION_TOWER, hidden_size=16, intermediate_size=32, out_hidden_size=hidden, fullatt_block_indexes=[0]
         ),
+        **vision_tokens,
     )
     return Qwen2_5_VLForConditionalGeneration(cfg)
 
@@ -197,6 +200,55 @@ def build_qwen_image(out: Path) -> None:
         ),
     )
     pipe.save_pretrained(out)
+
+
+def build_qwen_image_edit(out: Path) -> None:
+    """Qwen-Image-Edit-2511's layout (``QwenImageEditPlusPipeline``, its transformer's ``zero_cond_t``) at
+    ``build_qwen_image``'s sizes; the text encoder reads images (its vision token ids are the tokenizer's) through the
+    ``processor/`` image processor, few pixels (at most 64 vision tokens) to keep it fast. The processor is saved
+    as its parts (``models.qwen_image_edit.load_processor`` loads them): ``Qwen2VLProcessor`` needs torchvision.
+    Its input images go through the VAE at 64x64 (``qwen_image_edit.STAND_IN_VAE_AREA``), not the pipeline's 1024x1024."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageEditPlusPipeline, QwenImageTransformer2DModel
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from omni_async.models.qwen_image_edit import STAND_IN_VAE_AREA, ImageQwen2VLProcessor
+
+    tok = build_qwen2_tokenizer()
+    ids = {
+        "image_token_id": tok.convert_tokens_to_ids("<|image_pad|>"),
+        "video_token_id": tok.convert_tokens_to_ids("<|video_pad|>"),
+        "vision_start_token_id": tok.convert_tokens_to_ids("<|vision_start|>"),
+        "vision_end_token_id": tok.convert_tokens_to_ids("<|vision_end|>"),
+    }
+    z_dim, hidden = 16, 32
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=64 * 28 * 28)
+    pipe = QwenImageEditPlusPipeline(
+        scheduler=_flow_scheduler(),
+        vae=AutoencoderKLQwenImage(**_video_vae(z_dim)),
+        text_encoder=_tiny_qwen25_vl_text_encoder(len(tok), hidden, **ids),
+        tokenizer=tok,
+        processor=ImageQwen2VLProcessor(image_processor=image_processor, tokenizer=tok),
+        transformer=QwenImageTransformer2DModel(
+            **_DENOISER_BLOCKS,
+            patch_size=2,
+            in_channels=4 * z_dim,
+            out_channels=z_dim,
+            attention_head_dim=16,
+            joint_attention_dim=hidden,
+            axes_dims_rope=(4, 6, 6),
+            zero_cond_t=True,
+        ),
+    )
+    pipe.save_pretrained(out)
+    index = json.loads((out / "model_index.json").read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]  # the published checkpoint's entry
+    index[STAND_IN_VAE_AREA] = 64 * 64  # input images through the VAE at 64x64, not 1024x1024: 16 condition tokens
+    (out / "model_index.json").write_text(json.dumps(index))
+
+
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+# tiny:<name> -> the directory under WEIGHTS_DIR its pre-trained weights ship in
+SHIPPED = {"qwen_image_text": "tiny_qwen_image_text", "qwen_image_text_bimodal": "tiny_qwen_image_text_bimodal"}
 
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
@@ -489,6 +541,7 @@ def build_qwen2(out: Path) -> None:
 
 TINY_BUILDERS: dict[str, Callable[[Path], None]] = {
     "qwen_image": build_qwen_image,
+    "qwen_image_edit": build_qwen_image_edit,
     "qwen_image_text": build_qwen_image_text,
     "qwen_image_text_bimodal": build_qwen_image_text_bimodal,
     "sd3": build_sd3,

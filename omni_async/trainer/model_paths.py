@@ -7,8 +7,8 @@ give ``Qwen/Qwen-Image``). Loading (and downloading) stays where it is; this onl
 
 A diffusion policy's checkpoint must also be a pipeline this project has an adapter for
 (``omni_async.models.SUPPORTED_PIPELINES``), read from its ``model_index.json`` where this machine has it (a local
-directory, the hub cache, or the hub itself when reachable): verl-omni's Qwen-Image-Edit
-(``QwenImageEditPlusPipeline``) is refused here naming its class, not by diffusers inside a Ray actor.
+directory, the hub cache, or the hub itself when reachable): a checkpoint of another class is refused here naming
+it, not by diffusers inside a Ray actor.
 
 :func:`check_at_start` is what a run checks before Ray starts: the config (``config.validate``) and the model paths,
 every problem found named at once.
@@ -123,10 +123,7 @@ def _pipeline_problem(path: str) -> str | None:
     cls = pipeline_class(path)
     if cls is None or cls in SUPPORTED_PIPELINES:
         return None
-    edit = (
-        " (image editing, where each prompt comes with input images, is not implemented here)" if "Edit" in cls else ""
-    )
-    return f"{path!r} is a {cls}{edit}; the diffusion pipelines trained here are {', '.join(SUPPORTED_PIPELINES)}"
+    return f"{path!r} is a {cls}; the diffusion pipelines trained here are {', '.join(SUPPORTED_PIPELINES)}"
 
 
 _FIX = (

@@ -63,6 +63,10 @@ RUNS: dict[str, list[str]] = {
         "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_reward_server"
     ],
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_veomni": ["flowgrpo_trainer.qwen_image.run_qwen_image_ocr_veomni"],
+    # Qwen-Image-Edit-2511: the tiny edit set's input images, a reward reading them (verl_omni_pickscore_stand_in)
+    "flowgrpo_trainer.qwen_image_edit.run_qwen_image_edit_lora": [
+        "flowgrpo_trainer.qwen_image_edit.run_qwen_image_edit_lora"
+    ],
     "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora": [
         "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora",
         "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora_v1",  # verl v1's spelling of the same (sync) mode

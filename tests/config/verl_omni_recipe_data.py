@@ -31,8 +31,8 @@ OWNED_ELSEWHERE: frozenset[str] = frozenset()
 # What a recipe's run on this CPU box swaps, key -> {verl-omni's value: (the value here, why)}; None matches any
 # value. Only models, engines, reward models, reward functions' files and the reward server: every other value is the
 # recipe's (a run also changes the sizes and its own files: ON_CPU).
-STAND_IN_MODELS = Path(__file__).resolve().parent / "stand_in_models"
 VERL_OMNI_REWARDS = Path(__file__).resolve().parents[1] / "reward/verl_omni_rewards/verl_omni/utils/reward_score"
+EDIT_DATA = Path(__file__).resolve().parents[2] / "examples/data/qwen_image_edit"
 _JUDGE = str(Path(__file__).resolve().parent / "verl_omni_judge_stand_in.py")
 _GENRM = (
     _JUDGE,
@@ -51,9 +51,9 @@ STAND_INS: dict[str, dict[str | None, tuple[str, str]]] = {
             "48-channel-VAE layout here); the DanceGRPO recipe is refused before a model loads",
         ),
         "Qwen/Qwen-Image-Edit-2511": (
-            str(STAND_IN_MODELS / "Qwen-Image-Edit-2511"),
-            "a directory holding only the model_index.json of Qwen-Image-Edit (QwenImageEditPlusPipeline), which "
-            "the start check reads; no weights (the pipeline is not supported here)",
+            "tiny:qwen_image_edit",
+            "a random Qwen-Image-Edit-2511 (QwenImageEditPlusPipeline, zero_cond_t) built offline; its input images "
+            "go through the VAE at 64x64, not 1024x1024 (a stand-in's size)",
         ),
     },
     "actor_rollout_ref.rollout.name": {"vllm_omni": ("transformers", "rollout here runs diffusers")},
@@ -62,7 +62,23 @@ STAND_INS: dict[str, dict[str | None, tuple[str, str]]] = {
         None: ("tiny:sd3_teacher", "tiny:sd3 with its transformer drawn from another seed (a teacher of its family)")
     },
     "reward.reward_model.rollout.name": {"vllm": ("transformers", "no vLLM on this box: the judge runs in-worker")},
-    "reward.custom_reward_function.path": {"verl_omni/utils/reward_score/genrm_ocr.py": _GENRM},
+    "reward.custom_reward_function.path": {
+        "verl_omni/utils/reward_score/genrm_ocr.py": _GENRM,
+        "pkg://verl_omni.utils.reward_score.pickscore_reward": (
+            str(Path(__file__).resolve().parent / "verl_omni_pickscore_stand_in.py"),
+            "no PickScore model here: closeness of the edited image to its input image (extra_info's "
+            "condition_images), under verl-omni's function name",
+        ),
+    },
+    "data.train_files": {
+        "/verl-omni/data/qwen_image_edit/train.parquet": (
+            str(EDIT_DATA / "train.parquet"),
+            "the tiny edit set in verl-omni's columns (examples/data/prepare_qwen_image_edit.py), kept by ON_CPU",
+        )
+    },
+    "data.val_files": {
+        "/verl-omni/data/qwen_image_edit/test.parquet": (str(EDIT_DATA / "test.parquet"), "the same, kept by ON_CPU")
+    },
     "+reward.reward_functions.ocr.path": {
         "/verl-omni/verl_omni/utils/reward_score/genrm_ocr.py": _GENRM,
         "pkg://verl_omni.utils.reward_score.http_scorer_client": (
@@ -89,7 +105,10 @@ STAND_INS: dict[str, dict[str | None, tuple[str, str]]] = {
 # fit two CPU cores, and the run's own files. Set where the recipe sets the key, added where it does not;
 # ``{data}`` and ``{run}`` are the run's temporary directories. Every other value is the recipe's.
 ON_CPU: dict[str, tuple[str, str]] = {
-    "data.train_files": ("{data}/train.jsonl", "4 local OCR prompts (the recipe's parquet files are on its machines)"),
+    "data.train_files": (
+        "{data}/train.jsonl",
+        "4 local OCR prompts (the recipe's parquet files are on its machines; a data file STAND_INS swaps is kept)",
+    ),
     "data.val_files": ("{data}/val.jsonl", "2 local OCR prompts (validation does not run in one step)"),
     "data.train_batch_size": ("2", "2 prompts per step"),
     "actor_rollout_ref.rollout.n": ("2", "groups of 2 samples"),
@@ -194,9 +213,12 @@ def on_cpu(overrides: list[str], data: str | Path, run: str | Path) -> list[str]
     values = {k: v.format(data=data, run=run) for k, (v, _) in {**ON_CPU, **offline}.items()}
     out, seen = [], set()
     for line in overrides:
-        lhs, _, _ = line.partition("=")
+        lhs, _, value = line.partition("=")
         key = lhs.lstrip("+")
-        if key in values:
+        if key in values and value in {v for v, _ in STAND_INS.get(key, {}).values()}:  # a stand-in data file
+            out.append(line)
+            seen.add(key)
+        elif key in values:
             out.append(f"{lhs}={values[key]}")
             seen.add(key)
         else:

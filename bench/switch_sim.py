@@ -23,8 +23,8 @@ Device times of this size keep the host's share (the driver's, the reward worker
 small beside them, as on GPUs; on this shared 2-core box that CPU time still stretches under load, so each JSON
 records the load average.
 
-A step is 8 groups of 4 (``require_batches`` 2 x ``ppo_mini_batch_size`` 4), staleness 1, a sync every update.
-Measured: ``--warmup`` steps unmeasured, then ``--steps`` steps, then ``--tail`` unmeasured ones (they train what
+A step is 8 groups of 4 (``require_batches`` 2 x ``ppo_mini_batch_size`` 4), staleness 2 (``--staleness``), a sync
+every update. Measured: ``--warmup`` steps unmeasured, then ``--steps`` steps, then ``--tail`` unmeasured ones (they train what
 the rollouter made ahead during the measured ones). ``samples_per_s`` = samples trained in the measured steps over
 their wall time; ``busy`` = each device's waits (its own clock, :class:`~omni_async.models.sim_policy.DeviceClock`)
 inside that window over it, the trainer's counting the generation it did while lent. Output JSON:
@@ -84,7 +84,7 @@ WORKLOADS: dict[str, list[str]] = {
 }
 
 
-def base_overrides(train_file: Path, steps: int, staleness: float = 1, seed: int = 7) -> list[str]:
+def base_overrides(train_file: Path, steps: int, staleness: float = 2, seed: int = 7) -> list[str]:
     """Fully async on 1 rollout + 1 trainer simulated device (module docstring); ``steps``: the run's every step."""
     return [
         f"data.train_files={train_file}",
@@ -196,7 +196,7 @@ def run(overrides: list[str], run_dir: Path, warmup: int, steps: int, tail: int)
 
 
 def measure(
-    workload: str, out_dir: Path, warmup: int = 2, steps: int = 8, tail: int = 2, staleness: float = 1
+    workload: str, out_dir: Path, warmup: int = 2, steps: int = 8, tail: int = 2, staleness: float = 2
 ) -> dict[str, Any]:
     """The workload with the switch off, then on (same seeds, same prompts)."""
     train = write_prompts(out_dir / "train.jsonl", 64)
@@ -213,7 +213,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--tail", type=int, default=2)
-    p.add_argument("--staleness", type=float, default=1, help="async_training.staleness_threshold")
+    p.add_argument("--staleness", type=float, default=2, help="async_training.staleness_threshold")
     args = p.parse_args()
     load_before = os.getloadavg()
     t0 = time.time()

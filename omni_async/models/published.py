@@ -161,9 +161,35 @@ def _wan(heads: int, ffn: int, layers: int, name: str) -> dict:
     }
 
 
-# stabilityai/stable-diffusion-3.5-medium: MMDiT-X (dual attention in the first 13 blocks), CLIP-L + OpenCLIP bigG +
-# T5-XXL (the SD3 text encoders), the SD3 VAE. The CLIP token ids are the byte-level tokenizer's (random:), not sizes.
+# The CLIP token ids are the byte-level tokenizer's (random:), not sizes.
 _CLIP_IDS = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1, "max_position_embeddings": 77}
+# openai/clip-vit-large-patch14's text model: SD3's first text encoder (with its projection) and FLUX.1's (pooled).
+_CLIP_L = {
+    "vocab_size": 49408,
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "projection_dim": 768,
+    "hidden_act": "quick_gelu",
+    **_CLIP_IDS,
+}
+# The SD3 VAE's architecture (16 latent channels, 8x), which FLUX.1's shares; each has its own latent scale and shift.
+_SD3_VAE = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "latent_channels": 16,
+    "block_out_channels": [128, 256, 512, 512],
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "layers_per_block": 2,
+    "norm_num_groups": 32,
+    "sample_size": 1024,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+}
+# stabilityai/stable-diffusion-3.5-medium: MMDiT-X (dual attention in the first 13 blocks), CLIP-L + OpenCLIP bigG +
+# T5-XXL (the SD3 text encoders), the SD3 VAE.
 SD35_MEDIUM = {
     "source": "stabilityai/stable-diffusion-3.5-medium: transformer/, text_encoder{,_2,_3}/, vae/, scheduler/",
     "transformer": (
@@ -188,16 +214,7 @@ SD35_MEDIUM = {
     "text_encoder": (  # openai/clip-vit-large-patch14
         "transformers",
         "CLIPTextModelWithProjection",
-        {
-            "vocab_size": 49408,
-            "hidden_size": 768,
-            "intermediate_size": 3072,
-            "num_hidden_layers": 12,
-            "num_attention_heads": 12,
-            "projection_dim": 768,
-            "hidden_act": "quick_gelu",
-            **_CLIP_IDS,
-        },
+        _CLIP_L,
     ),
     "text_encoder_2": (  # laion/CLIP-ViT-bigG-14
         "transformers",
@@ -218,25 +235,7 @@ SD35_MEDIUM = {
         "T5EncoderModel",
         {"vocab_size": 32128, **_T5_XXL, "decoder_start_token_id": 0},
     ),
-    "vae": (
-        "diffusers",
-        "AutoencoderKL",
-        {
-            "in_channels": 3,
-            "out_channels": 3,
-            "latent_channels": 16,
-            "block_out_channels": [128, 256, 512, 512],
-            "down_block_types": ["DownEncoderBlock2D"] * 4,
-            "up_block_types": ["UpDecoderBlock2D"] * 4,
-            "layers_per_block": 2,
-            "norm_num_groups": 32,
-            "sample_size": 1024,
-            "scaling_factor": 1.5305,
-            "shift_factor": 0.0609,
-            "use_quant_conv": False,
-            "use_post_quant_conv": False,
-        },
-    ),
+    "vae": ("diffusers", "AutoencoderKL", {**_SD3_VAE, "scaling_factor": 1.5305, "shift_factor": 0.0609}),
     "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler", {"num_train_timesteps": 1000, "shift": 3.0}),
 }
 
@@ -264,37 +263,10 @@ FLUX_1_DEV = {
     "text_encoder": (  # openai/clip-vit-large-patch14's text model: FluxPipeline reads its pooled output
         "transformers",
         "CLIPTextModel",
-        {
-            "vocab_size": 49408,
-            "hidden_size": 768,
-            "intermediate_size": 3072,
-            "num_hidden_layers": 12,
-            "num_attention_heads": 12,
-            "projection_dim": 768,
-            "hidden_act": "quick_gelu",
-            **_CLIP_IDS,
-        },
+        _CLIP_L,
     ),
     "text_encoder_2": ("transformers", "T5EncoderModel", {"vocab_size": 32128, **_T5_XXL, "decoder_start_token_id": 0}),
-    "vae": (
-        "diffusers",
-        "AutoencoderKL",
-        {
-            "in_channels": 3,
-            "out_channels": 3,
-            "latent_channels": 16,
-            "block_out_channels": [128, 256, 512, 512],
-            "down_block_types": ["DownEncoderBlock2D"] * 4,
-            "up_block_types": ["UpDecoderBlock2D"] * 4,
-            "layers_per_block": 2,
-            "norm_num_groups": 32,
-            "sample_size": 1024,
-            "scaling_factor": 0.3611,
-            "shift_factor": 0.1159,
-            "use_quant_conv": False,
-            "use_post_quant_conv": False,
-        },
-    ),
+    "vae": ("diffusers", "AutoencoderKL", {**_SD3_VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159}),
     "vae_dtype": BF16,
     "scheduler": (
         "diffusers",

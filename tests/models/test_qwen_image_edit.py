@@ -130,3 +130,24 @@ def test_tiny_edit_model_is_the_published_layout():
     assert index["processor"] == ["transformers", "Qwen2VLProcessor"]
     cfg = json.loads((path / "transformer/config.json").read_text())
     assert cfg["zero_cond_t"] is True
+
+
+def test_the_older_edit_pipeline_takes_one_input_image():
+    """``QwenImageEditPipeline`` (Qwen-Image-Edit before Plus): its own template and one image per prompt, the same
+    carried conditioning; two images are refused naming the pipeline."""
+    from diffusers import DiffusionPipeline, QwenImageEditPipeline
+
+    from omni_async.models.qwen_image_edit import edit_load_kwargs
+    from omni_async.models.tiny import resolve_model_path
+
+    path = resolve_model_path("tiny:qwen_image_edit")
+    pipe = QwenImageEditPipeline(**DiffusionPipeline.from_pretrained(path, **edit_load_kwargs(path)).components)
+    pipe.register_to_config(_name_or_path=path)  # the stand-in's VAE size, as a checkpoint of this class would give
+    cfg = SamplingConfig(height=32, width=32, num_inference_steps=3, true_cfg_scale=4.0)
+    old = DiffusionPolicy(pipe, cfg, lora_rank=4, device="cpu", dtype=torch.float32)
+    out = old.rollout([EditPrompt("make it green", (png((255, 0, 0)),))], [3], range(0, 2))
+    carried = old.conditioning_from({k: v.clone() for k, v in out.conditioning.items()})
+    step = old.step(carried, out.window_latents[:, 1], 1, prev_sample=out.window_latents[:, 2])
+    torch.testing.assert_close(step.log_prob, out.log_probs[:, 1], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="QwenImageEditPipeline edits one input image per prompt, got 2"):
+        old.rollout([EditPrompt("x", (png((1, 2, 3)), png((3, 2, 1))))], [1], None)

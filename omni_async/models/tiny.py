@@ -251,11 +251,6 @@ WEIGHTS_DIR = Path(__file__).parent / "weights"
 SHIPPED = {"qwen_image_text": "tiny_qwen_image_text", "qwen_image_text_bimodal": "tiny_qwen_image_text_bimodal"}
 
 
-WEIGHTS_DIR = Path(__file__).parent / "weights"
-# tiny:<name> -> the directory under WEIGHTS_DIR its pre-trained weights ship in
-SHIPPED = {"qwen_image_text": "tiny_qwen_image_text", "qwen_image_text_bimodal": "tiny_qwen_image_text_bimodal"}
-
-
 def _copy_shipped(name: str, out: Path) -> None:
     src = WEIGHTS_DIR / SHIPPED[name]
     if not (src / "model_index.json").exists():

@@ -5,7 +5,8 @@ A loss mode says what the rollout must carry for it (its data path) and under wh
 the config check refuses a mode that is listed here but not built, naming the built loss to use instead.
 
 - ``sde_window``: the rollout stores the SDE window's latents and log-probs (FlowGRPO and the policy-gradient losses
-  on the reverse process: GRPO-Guard, Flow-DPPO, DanceGRPO); the loss runs window step by window step.
+  on the reverse process: GRPO-Guard, Flow-DPPO, DanceGRPO; DiffusionOPD's ``distill_kl``, which also reads the
+  frozen teacher's velocity per window step: ``LossMode.teacher``); the loss runs window step by window step.
 - ``final_latents``: the rollout stores only the clean final latents (DiffusionNFT, AWM, Diffusion-DPO); the loss
   noises them again on the forward process. DiffusionNFT samples with its lagging ``old`` policy, AWM with the
   current one (``algos.awm``).

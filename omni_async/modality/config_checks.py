@@ -196,6 +196,12 @@ def check_loss(cfg: DictConfig) -> None:
     actor, dl = arr.actor, arr.actor.diffusion_loss
     if arr.model.modality == "text":
         _check(
+            not cfg.distillation.enabled,
+            "distillation.enabled",
+            "DiffusionOPD distills a diffusion student (its SDE window); a causal LM has no teacher path here",
+            "drop distillation.* (set distillation.enabled=false)",
+        )
+        _check(
             actor.clip_ratio is not None,
             "actor_rollout_ref.actor.clip_ratio",
             "text GRPO's PPO clip (verl's key) is not set",

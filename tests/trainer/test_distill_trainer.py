@@ -51,6 +51,11 @@ def test_what_does_not_fit_distillation_is_refused_naming_the_fix(overrides, key
         validate(compose([*base, *overrides]))
 
 
+def test_a_text_run_refuses_distillation():
+    with pytest.raises(ConfigError, match=r"distillation.enabled.*causal LM.*Fix:"):
+        validate(compose(["data.train_files=x.jsonl", "distillation.enabled=true"], config_name="grpo_text_trainer"))
+
+
 @pytest.fixture
 def trainers(tmp_path):
     t = Trainers(write_prompts(tmp_path / "train.jsonl", 8), tmp_path)

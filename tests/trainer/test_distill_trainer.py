@@ -1,10 +1,10 @@
 """DiffusionOPD (``loss_mode=distill_kl``, ``algos.distill``) through the trainer (real Ray, tiny SD3 student, a
 tiny SD3 teacher with another transformer) with verl-omni's recipe keys (``examples/diffusionopd_trainer/sd35``):
 the frozen teacher scores each training sample's own SDE window on the reward-loop workers, beside the reward, and
-the update trains toward it. One trainer trains sync (the teacher beside the colocated reward), another fully async
-on a rollout pool (the teacher on the reward-loop workers, streamed); the recipe's own run
-(``tests/config/test_verl_omni_recipe_runs.py``) streams it on the reward pool in lock-step. What does not fit is
-refused naming the fix."""
+the update trains toward it. A trainer trains fully async on a rollout pool (the teacher on the reward-loop workers,
+streamed); the recipe's own run (``tests/config/test_verl_omni_recipe_runs.py``) trains sync, lock-step, with the
+teacher streamed on the reward pool; the colocated path (``reward.streaming=false``) is tested in process. What does
+not fit is refused naming the fix."""
 
 from __future__ import annotations
 
@@ -83,16 +83,35 @@ def assert_teacher_scored_the_samples_windows(samples, teacher) -> None:
         assert torch.allclose(v, teacher.velocities(trajectory_fields(s.result)), atol=1e-5)
 
 
-@pytest.mark.slow
-def test_trains_sync_with_the_teacher_beside_the_colocated_reward(trainers, teacher):
-    # reward.streaming=false: rollout, then the reward and the teacher in the trainer process, then the update (the
-    # recipe's own run, the teacher streamed on the reward pool: test_verl_omni_recipe_runs.py)
-    trainer = trainers(*OPD, *QUIET, *SMALL_GROUPS, "reward.streaming=false")
-    metrics, samples = trainer.train_step(0)
+def test_the_colocated_reward_scores_the_teacher_beside_it(teacher):
+    """reward.streaming=false (in process, no Ray): after rollout, the colocated reward and then the teacher score the
+    batch in the trainer process (StepOps.score_colocated); validation (teacher=False) leaves the teacher out."""
+    from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
+    from omni_async.sample import PromptRow, RewardOutcome, Sample
+    from omni_async.trainer.step_ops import StepOps
+    from omni_async.trainer.timer import Timer
+
+    sampling = SamplingConfig(height=32, width=32, num_inference_steps=4, noise_level=0.8, sde_type="cps")
+    results = DiffusionPolicy("tiny:sd3", sampling).generate(["a cat", "a dog"], [1, 2], range(0, 2))
+
+    class Colocated:  # the colocated reward manager's one call: a score per sample
+        def score_batch(self, records):
+            return [RewardOutcome("ok", score=1.0) for _ in records]
+
+    reward = type("RewardSide", (), {"colocated": Colocated(), "colocated_teacher": teacher})()
+    ops = StepOps(None, None, reward, None)
+
+    def batch():
+        row = PromptRow("a cat", "ocr", "cat")
+        return [Sample(index=i, uid="u", row=row, seed=i, result=r) for i, r in enumerate(results)]
+
+    samples, timer = batch(), Timer()
+    ops.score_colocated(samples, timer)
     assert_teacher_scored_the_samples_windows(samples, teacher)
-    # the teacher's weights differ from the student's: clearly positive at the first step (verl-omni's expectation)
-    assert metrics["actor/distill_kl_loss"] > 0 and metrics["actor/grad_norm"] > 0
-    assert metrics["timing_s/teacher"] > 0
+    assert timer.timing["timing_s/teacher"] > 0
+    validation = batch()
+    ops.score_colocated(validation, Timer(), teacher=False)
+    assert all(s.outcome.ok and s.outcome.teacher_velocity is None for s in validation)
 
 
 @pytest.mark.slow

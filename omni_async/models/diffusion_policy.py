@@ -831,6 +831,11 @@ class DiffusionPolicy(TrainableModule):
             raise ValueError(f"the samples of one batch need SDE windows of one length, got {windows}")
         size = len(windows[0]) if windows else 0
         gens = sample_generators(seeds)
+        if not isinstance(self.adapter, _QwenImageEditAdapter) and any(isinstance(p, EditPrompt) for p in prompts):
+            raise ValueError(
+                f"the prompt rows carry input images (an 'images' column) but {type(self.pipe).__name__} generates "
+                f"from text only. Fix: use an image-editing checkpoint ({', '.join(EDIT_PIPELINES)}) or drop the column"
+            )
         cond = self.adapter.encode(list(prompts))
         prepared = self.prepare(cond, batched=True)
         ode_conds = {tuple(range(n)): prepared}  # the batched conditioning of each set of rows running ODE

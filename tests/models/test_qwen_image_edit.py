@@ -151,3 +151,9 @@ def test_the_older_edit_pipeline_takes_one_input_image():
     torch.testing.assert_close(step.log_prob, out.log_probs[:, 1], rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="QwenImageEditPipeline edits one input image per prompt, got 2"):
         old.rollout([EditPrompt("x", (png((1, 2, 3)), png((3, 2, 1))))], [1], None)
+
+
+def test_rows_with_input_images_are_refused_by_a_text_to_image_model():
+    t2i = DiffusionPolicy("tiny:qwen_image", SamplingConfig(height=32, width=32, num_inference_steps=1), device="cpu")
+    with pytest.raises(ValueError, match="carry input images .* QwenImagePipeline generates from text only. Fix:"):
+        t2i.rollout([EditPrompt("make it green", (png((255, 0, 0)),))], [1], None)

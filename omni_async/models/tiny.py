@@ -179,8 +179,24 @@ def _tiny_qwen25_vl_text_encoder(vocab_size: int, hidden: int = 32, **vision_tok
     return Qwen2_5_VLForConditionalGeneration(cfg)
 
 
+def _qwen_transformer(z_dim: int, hidden: int, **config):
+    """Qwen-Image's transformer at the tiny sizes: 2x2-packed latent tokens of ``z_dim`` channels, text of ``hidden``."""
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel(
+        **_DENOISER_BLOCKS,
+        patch_size=2,
+        in_channels=4 * z_dim,
+        out_channels=z_dim,
+        attention_head_dim=16,
+        joint_attention_dim=hidden,
+        axes_dims_rope=(4, 6, 6),
+        **config,
+    )
+
+
 def build_qwen_image(out: Path) -> None:
-    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
+    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline
 
     tok = build_qwen2_tokenizer()
     z_dim, hidden = 16, 32
@@ -189,15 +205,7 @@ def build_qwen_image(out: Path) -> None:
         vae=AutoencoderKLQwenImage(**_video_vae(z_dim)),
         text_encoder=_tiny_qwen25_vl_text_encoder(len(tok), hidden),
         tokenizer=tok,
-        transformer=QwenImageTransformer2DModel(
-            **_DENOISER_BLOCKS,
-            patch_size=2,
-            in_channels=4 * z_dim,
-            out_channels=z_dim,
-            attention_head_dim=16,
-            joint_attention_dim=hidden,
-            axes_dims_rope=(4, 6, 6),
-        ),
+        transformer=_qwen_transformer(z_dim, hidden),
     )
     pipe.save_pretrained(out)
 
@@ -208,7 +216,7 @@ def build_qwen_image_edit(out: Path) -> None:
     ``processor/`` image processor, few pixels (at most 64 vision tokens) to keep it fast. The processor is saved
     as its parts (``models.qwen_image_edit.load_processor`` loads them): ``Qwen2VLProcessor`` needs torchvision.
     Its input images go through the VAE at 64x64 (``qwen_image_edit.STAND_IN_VAE_AREA``), not the pipeline's 1024x1024."""
-    from diffusers import AutoencoderKLQwenImage, QwenImageEditPlusPipeline, QwenImageTransformer2DModel
+    from diffusers import AutoencoderKLQwenImage, QwenImageEditPlusPipeline
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from omni_async.models.qwen_image_edit import STAND_IN_VAE_AREA, ImageQwen2VLProcessor
@@ -228,16 +236,7 @@ def build_qwen_image_edit(out: Path) -> None:
         text_encoder=_tiny_qwen25_vl_text_encoder(len(tok), hidden, **ids),
         tokenizer=tok,
         processor=ImageQwen2VLProcessor(image_processor=image_processor, tokenizer=tok),
-        transformer=QwenImageTransformer2DModel(
-            **_DENOISER_BLOCKS,
-            patch_size=2,
-            in_channels=4 * z_dim,
-            out_channels=z_dim,
-            attention_head_dim=16,
-            joint_attention_dim=hidden,
-            axes_dims_rope=(4, 6, 6),
-            zero_cond_t=True,
-        ),
+        transformer=_qwen_transformer(z_dim, hidden, zero_cond_t=True),
     )
     pipe.save_pretrained(out)
     index = json.loads((out / "model_index.json").read_text())

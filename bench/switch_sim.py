@@ -196,11 +196,18 @@ def run(overrides: list[str], run_dir: Path, warmup: int, steps: int, tail: int)
 
 
 def measure(
-    workload: str, out_dir: Path, warmup: int = 2, steps: int = 8, tail: int = 2, staleness: float = 2
+    workload: str,
+    out_dir: Path,
+    warmup: int = 2,
+    steps: int = 8,
+    tail: int = 2,
+    staleness: float = 2,
+    extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """The workload with the switch off, then on (same seeds, same prompts)."""
+    """The workload with the switch off, then on (same seeds, same prompts); ``extra``: overrides after the
+    workload's (a test's shorter responses)."""
     train = write_prompts(out_dir / "train.jsonl", 64)
-    base = [*base_overrides(train, warmup + steps + tail, staleness), *WORKLOADS[workload]]
+    base = [*base_overrides(train, warmup + steps + tail, staleness), *WORKLOADS[workload], *extra]
     off = run(base, out_dir / "off", warmup, steps, tail)
     on = run([*base, SWITCH_ON], out_dir / "on", warmup, steps, tail)
     return {"off": off, "on": on, "switches": on["switches"], "x_off": on["samples_per_s"] / off["samples_per_s"]}

@@ -38,10 +38,11 @@ from omni_async.sample import TextResult
 class SimTimings:
     """Seconds of device time (``actor_rollout_ref.model.override_config`` of a ``sim:`` source)."""
 
-    token_s: float = 0.002  # one decode step of the batch, whatever its rows
-    row_token_s: float = 0.00025  # and per row in it (a batch's compute grows with its rows)
-    prefill_s: float = 0.002  # rows joining the batch (their prompts encoded)
-    update_token_s: float = 0.0001  # the update's forward + backward per response token (a recompute: a third)
+    # The defaults: bench/switch_sim.py's long-tail workload (a large model's decode step on a GPU).
+    token_s: float = 0.01  # one decode step of the batch, whatever its rows
+    row_token_s: float = 0.00125  # and per row in it (a batch's compute grows with its rows)
+    prefill_s: float = 0.01  # rows joining the batch (their prompts encoded)
+    update_token_s: float = 0.0005  # the update's forward + backward per response token (a recompute: a third)
 
     @classmethod
     def keys(cls) -> list[str]:

@@ -36,8 +36,9 @@
 # every denoising step trained, the batch's advantage std (so no update pipeline), mini-batches of 4 prompts (2
 # optimizer steps a step), the old policy copied for 5 steps then decayed (delayed_linear_to_0_999_x15), lr 1e-2
 # from a sweep of 3e-4 / 1e-3 / 3e-3 / 1e-2 (docs/diffusion_nft.md, "Learning", with the measured curves against
-# Flow-GRPO and AWM). ALGO=awm trains with advantage-weighted matching (AWM_LR). Any of their keys also works as a
-# plain override. The resolved config is written to $RUN_DIR/config.yaml.
+# Flow-GRPO and AWM). ALGO=awm trains with advantage-weighted matching (AWM_LR). ALGO=dpo trains with Diffusion-DPO
+# in verl-omni's online spelling (each group's best and worst image as a pair; DPO_LR, DPO_BETA). Any of their keys
+# also works as a plain override. The resolved config is written to $RUN_DIR/config.yaml.
 # Extra Hydra overrides pass through, e.g. the colocated comparison:
 #   bash examples/run_qwen_image_ocr_async_reward.sh reward.reward_model.enable_resource_pool=False
 # or the sync baseline: ... reward.streaming=false
@@ -74,6 +75,7 @@ if [[ "$MODEL_PATH" != tiny:* ]]; then
   LORA_RANK="${LORA_RANK:-64}"
   LORA_ALPHA="${LORA_ALPHA:-128}"
   (( HEIGHT * WIDTH <= 512 * 512 )) && MICRO_BATCH="${MICRO_BATCH:-4}"
+  [[ "$ALGO" == dpo ]] && MICRO_BATCH="${MICRO_BATCH:-2}"  # a (chosen, rejected) pair per micro-batch at least
   TARGETS="to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out"
   if [[ "$ALGO" == diffusion_nft ]]; then
     # verl-omni's Qwen-Image DiffusionNFT recipe (examples/diffusionnft_trainer/qwen_image/run_qwen_image_ocr_lora.sh),
@@ -187,7 +189,17 @@ case "$ALGO" in
       actor_rollout_ref.actor.diffusion_loss.ref_kl_coef=0.003 actor_rollout_ref.actor.diffusion_loss.clip_ratio=1.0
       algorithm.old_policy_decay_schedule=linear_to_0_3)  # training steps: the authors' draw (the config's default)
     ;;
-  *) echo "ALGO=$ALGO: use flow_grpo, diffusion_nft or awm" >&2; exit 2 ;;
+  dpo)
+    # Diffusion-DPO with verl-omni's online recipe keys (examples/dpo_trainer/qwen_image): the live weights sample
+    # (ODE, final images), each group's best and worst image a pair against the adapter-off reference, beta 100.
+    [[ "$MODEL_PATH" == tiny:* ]] && DPO_LR="${DPO_LR:-1e-3}"  # on the tiny renderer: AWM's lr, not tuned
+    LR="${DPO_LR:-$LR}"
+    ALGO_RECIPE=(actor_rollout_ref.model.algorithm=dpo actor_rollout_ref.model.model_type=diffusion_dpo_model
+      algorithm.trainer_type=direct_preference algorithm.paired_preference=true
+      actor_rollout_ref.actor.diffusion_loss.dpo_beta="${DPO_BETA:-100.0}"
+      actor_rollout_ref.rollout.calculate_log_probs=false)
+    ;;
+  *) echo "ALGO=$ALGO: use flow_grpo, diffusion_nft, awm or dpo" >&2; exit 2 ;;
 esac
 # CPU defaults: the config's mini-batch of 2 prompts, or one prompt per actor rank when there are more ranks.
 MINI_BATCH="${MINI_BATCH:-$(( ACTOR_RANKS > 2 ? ACTOR_RANKS : 2 ))}"

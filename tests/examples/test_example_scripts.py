@@ -176,10 +176,15 @@ def test_algo_picks_the_loss_with_verl_omnis_keys(tmp_path):
     assert awm["actor_rollout_ref"]["actor"]["diffusion_loss"]["old_kl_coef"] == 1.0
     assert awm["actor_rollout_ref"]["actor"]["optim"]["lr"] == 1e-3
     assert awm["actor_rollout_ref"]["rollout"]["rollout_adapter"] == "default"  # the live weights sample
+    (tmp_path / "dpo").mkdir()
+    dpo = run_example("run_qwen_image_ocr_async_reward.sh", tmp_path / "dpo", ALGO="dpo")
+    assert dpo["actor_rollout_ref"]["actor"]["diffusion_loss"]["loss_mode"] == "dpo"
+    assert dpo["algorithm"]["paired_preference"] is True and dpo["actor_rollout_ref"]["model"]["lora_rank"] > 0
+    assert dpo["actor_rollout_ref"]["actor"]["diffusion_loss"]["dpo_beta"] == 100.0  # verl-omni's recipes'
     bad = subprocess.run(
         ["bash", str(ROOT / "examples/run_qwen_image_ocr_async_reward.sh")],
         capture_output=True,
         text=True,
         env={**os.environ, "ALGO": "ppo", "PYTHON": "/bin/false", "DATA_DIR": str(tmp_path / "data")},
     )
-    assert bad.returncode == 2 and "ALGO=ppo: use flow_grpo, diffusion_nft or awm" in bad.stderr
+    assert bad.returncode == 2 and "ALGO=ppo: use flow_grpo, diffusion_nft, awm or dpo" in bad.stderr

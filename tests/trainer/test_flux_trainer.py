@@ -1,7 +1,7 @@
 """FLUX.1 through the trainer (real Ray, ``tiny:flux``: FLUX.1-dev's guidance-distilled layout at 32x32): Flow-GRPO and
-DiffusionNFT each train in the lock-step modes (sync, stream, one-step-off) on the hybrid worker and fully async on a
-rollout pool; Flow-GRPO's first update scores the rollout's own samples at ratio 1 (rollout and update agree on the
-packed latents)."""
+DiffusionNFT each train sync, one-step-off and fully async, one trainer per loss switching modes (Flow-GRPO on the
+hybrid worker, DiffusionNFT with a rollout pool); Flow-GRPO's first update scores the rollout's own samples at
+ratio 1 (rollout and update agree on the packed latents)."""
 
 from __future__ import annotations
 
@@ -47,37 +47,59 @@ def trainers(tmp_path):
     t.close()
 
 
-def trained(metrics: dict, loss_metric: str) -> None:
-    assert math.isfinite(metrics[loss_metric]) and metrics["actor/grad_norm"] > 0, metrics
-    assert metrics["reward/failed"] == 0
+def trained(metrics: dict, loss_metric: str, mode: str = "") -> None:
+    assert math.isfinite(metrics[loss_metric]) and metrics["actor/grad_norm"] > 0, (mode, metrics)
+    assert metrics["reward/failed"] == 0, mode
+
+
+def walk(trainer, step: int, modes: list[tuple[str, dict, int]], metric: str) -> list:
+    """Train ``trainer`` on from ``step`` through ``modes`` (name, ``switch_mode`` arguments, steps), asserting every
+    step trained; returns each step's samples. Every group is trained whole and once across the switches."""
+    uids, drawn = record_trained_uids(trainer.ops), []
+    for name, switch, steps in modes:
+        if switch:
+            switch_mode(trainer, **switch)
+        for _ in range(steps):
+            metrics, samples = trainer.train_step(step)
+            trained(metrics, metric, name)
+            drawn.append(samples)
+            step += 1
+    everything = [s.uid for samples in drawn for s in samples]
+    assert sorted(set(uids)) == sorted(set(everything)) and len(uids) == len(everything)
+    return drawn
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss", list(LOSSES))
-def test_trains_stream_one_step_off_and_sync(trainers, loss):
-    keys, metric = LOSSES[loss]
-    trainer = trainers(*FLUX, *keys, "reward.streaming=true", "algorithm.rollout_correction.bypass_mode=true")
+def test_flow_grpo_trains_stream_one_step_off_fully_async_and_sync(trainers):
+    """One hybrid trainer (fully async here is verl v1's colocate_async) walks the modes; its first update scores the
+    rollout's own log-probs (bypass) before any optimizer step: ratio 1."""
+    keys, metric = LOSSES["flow_grpo"]
+    trainer = trainers(
+        *FLUX, *keys, "reward.streaming=true", "algorithm.rollout_correction.bypass_mode=true",
+        "async_training.staleness_threshold=1",
+    )  # fmt: skip
     metrics, samples = trainer.train_step(0)
     trained(metrics, metric)
-    if loss == "flow_grpo":  # bypass: pi_old is the rollout's log-prob; one optimizer step: the policy has not moved
-        assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
-        assert all(s.result.window_latents.shape[1:] == (4, 16) for s in samples)  # packed 2x2 tokens
-    else:  # ODE rollout with the old policy: final latents, no log-probs
-        assert all(s.result.latents_clean is not None and s.result.log_probs.numel() == 0 for s in samples)
-    switch_mode(trainer, one_step_off_policy=True)
-    trained(trainer.train_step(1)[0], metric)
-    switch_mode(trainer, streaming=False, one_step_off_policy=False)  # sync: rollout, scoring, then the update
-    trained(trainer.train_step(2)[0], metric)
+    assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert all(s.result.window_latents.shape[1:] == (4, 16) for s in samples)  # packed: 4 tokens of 2x2x4 channels
+    modes = [
+        ("one_step_off", {"one_step_off_policy": True}, 1),
+        ("fully_async", {"one_step_off_policy": False, "fully_async": True}, 2),
+        ("sync", {"streaming": False, "fully_async": False}, 1),
+    ]
+    walk(trainer, 1, modes, metric)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss", list(LOSSES))
-def test_trains_fully_async(trainers, loss):
-    keys, metric = LOSSES[loss]
+def test_diffusion_nft_trains_fully_async_one_step_off_and_sync_on_a_rollout_pool(trainers):
+    """DiffusionNFT with its rollout workers on their own pool (the old policy shipped to them): fully async, then
+    one-step-off, then sync. The rollout is ODE with the old policy: final latents, no log-probs."""
+    keys, metric = LOSSES["diffusion_nft"]
     trainer = trainers(*FLUX, *keys, *POOL, "async_reward.fully_async=true", "async_training.staleness_threshold=1")
-    uids = record_trained_uids(trainer.ops)
-    steps = [trainer.train_step(step) for step in range(2)]
-    for metrics, _ in steps:
-        trained(metrics, metric)
-    drawn = [s.uid for _, samples in steps for s in samples]
-    assert sorted(set(uids)) == sorted(set(drawn)) and len(uids) == len(drawn)  # each sample trained once
+    modes = [
+        ("fully_async", {}, 2),
+        ("one_step_off", {"fully_async": False, "one_step_off_policy": True}, 1),
+        ("sync", {"streaming": False, "one_step_off_policy": False}, 1),
+    ]
+    drawn = walk(trainer, 0, modes, metric)
+    assert all(s.result.latents_clean is not None and s.result.log_probs.numel() == 0 for d in drawn for s in d)

@@ -66,7 +66,7 @@ def test_edit_rows_from_jsonl_with_paths_and_bad_rows_name_row_and_column(tmp_pa
 
 @pytest.fixture(scope="module")
 def policy():
-    cfg = SamplingConfig(height=32, width=32, num_inference_steps=4, true_cfg_scale=4.0)
+    cfg = SamplingConfig(height=32, width=32, num_inference_steps=3, true_cfg_scale=4.0)
     return DiffusionPolicy("tiny:qwen_image_edit", cfg, lora_rank=4, device="cpu", dtype=torch.float32)
 
 
@@ -77,7 +77,8 @@ def test_rollout_conditions_on_the_input_images_and_the_update_recomputes_the_sa
     cond = out.conditioning
     assert cond[IMAGE_LATENTS].shape == (2, 16, 64)  # 64x64 input -> 8x8 latents -> 4x4 packed tokens of 16x4
     assert not torch.equal(cond[IMAGE_LATENTS][0], cond[IMAGE_LATENTS][1])
-    assert not np.array_equal(out.images[0], out.images[1])  # the same noise, another input image: another output
+    # the same noise, another input image: another trajectory
+    assert (out.window_latents[0, -1] - out.window_latents[1, -1]).abs().max() > 1e-3
     # the update's recompute from the carried conditioning (no text encoder, no VAE) gives the rollout's log-probs
     carried = policy.conditioning_from({k: v.clone() for k, v in cond.items()})
     for j in range(2):
@@ -157,3 +158,27 @@ def test_rows_with_input_images_are_refused_by_a_text_to_image_model():
     t2i = DiffusionPolicy("tiny:qwen_image", SamplingConfig(height=32, width=32, num_inference_steps=1), device="cpu")
     with pytest.raises(ValueError, match="carry input images .* QwenImagePipeline generates from text only. Fix:"):
         t2i.rollout([EditPrompt("make it green", (png((255, 0, 0)),))], [1], None)
+
+
+def test_ode_rollout_is_the_pipelines_own_edit(policy, monkeypatch):
+    """Without an SDE window the rollout is ``QwenImageEditPlusPipeline.__call__``'s own edit (same seed, input image,
+    instruction, true CFG with its " " negative prompt): the same final latents to float rounding, so the conditioning
+    is the pipeline's (another input image moves them by ~4e-2, another instruction by ~9e-3). The pipeline's VAE
+    size is the stand-in's (module docstring of ``models.qwen_image_edit``)."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
+    image = png((200, 30, 30))
+    ours = policy.with_sampling(clean_latents=True).rollout([EditPrompt("make it green", (image,))], [5], None)
+    theirs = policy.pipe(
+        image=[Image.open(io.BytesIO(image)).convert("RGB")],
+        prompt="make it green",
+        negative_prompt=" ",
+        true_cfg_scale=4.0,
+        height=32,
+        width=32,
+        num_inference_steps=3,
+        generator=torch.Generator().manual_seed(5),
+        output_type="latent",
+    ).images
+    torch.testing.assert_close(ours.final_latents, theirs.float(), rtol=0, atol=1e-5)

@@ -22,17 +22,21 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from omegaconf import OmegaConf
-from verl import DataProto
 
 from omni_async.cluster import resume_gc
 from omni_async.logs import setup_logging
 from omni_async.reward.manager import RewardManager
 from omni_async.reward.teacher import TEACHER_INPUT, Teacher
 from omni_async.sample import RewardOutcome
+
+if TYPE_CHECKING:
+    # verl's reward-loop API types only: importing verl pulls in tensordict (torch._dynamo) and transformers, ~2 s of a
+    # reward worker's start that the dispatcher's plain records never need.
+    from verl import DataProto
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,7 @@ PIXELS = "solution_image"  # the one tensor field: uint8 pixels, [1, (T,) H, W, 
 def sample_to_proto(sample: dict[str, Any]) -> DataProto:
     """The minimal one-row chunk sent to a reward worker (``sample`` is ``Sample.reward_input()``)."""
     import torch
+    from verl import DataProto
 
     non_tensors = {}
     for key in TEXT_FIELDS:

@@ -2,7 +2,7 @@
 # The GPU kit (docs/gpu_and_memory.md, "Running the product on a GPU machine"): carry the packages a bare CUDA image
 # lacks to an air-gapped GPU machine in parts of at most 60 MiB, install them there outside the tree, run the checks.
 #
-#   bash scripts/gpu_kit.sh pack [--python 3.12] [--platform manylinux_2_28_x86_64] [--part-mib 60]
+#   bash scripts/gpu_kit.sh pack [--python 3.12] [--platform manylinux_2_28_x86_64] [--part-mib 60] [--xz 6]
 #       where PyPI is reachable, in the project's venv (scripts/setup_env.sh): pip puts the wheels of the packages
 #       the image lacks (omni_async.tools.gpu_kit's closure, at requirements/constraints-cpu.txt's versions) for
 #       that interpreter and platform into a staging folder, what the product never imports is removed, the rest is
@@ -18,7 +18,8 @@
 #       gpu_kit_run.log (GPU_KIT_OUT default .gpu_kit/out). Checks:
 #         tier    the GPU tier of tests: pytest -m gpu tests/gpu
 #         main    the main job (tiny:qwen_image_text_bimodal, 20 steps) on one device, OCR on CPU workers
-#         recipe  the main job's GPU recipe on random:qwen_image (512², 10 steps, CFG 4, LoRA r64) for 3 steps
+#         recipe  the main job's GPU recipe on random:qwen_image (512², 10 steps, CFG 4, LoRA r64) for 3 steps of
+#                 2 prompts x 4 samples
 #         import  import the product's dependencies and start Ray with one actor (seconds; for a quick look)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,19 +27,22 @@ cd "$root"
 kit_root="$root/.gpu_kit"
 
 pack() {
-  local python=3.12 platform=manylinux_2_28_x86_64 part_mib=60
+  local python=3.12 platform=manylinux_2_28_x86_64 part_mib=60 preset=6
   while (($#)); do
     case "$1" in
       --python) python="$2"; shift 2 ;;
       --platform) platform="$2"; shift 2 ;;
       --part-mib) part_mib="$2"; shift 2 ;;
-      *) echo "gpu_kit pack: unknown option $1 (--python X.Y, --platform TAG, --part-mib N)" >&2; exit 2 ;;
+      --xz) preset="$2"; shift 2 ;;  # 0-9: 1 packs several times faster on a busy box, a few parts more
+      *) echo "gpu_kit pack: unknown option $1 (--python X.Y, --platform TAG, --part-mib N, --xz 0-9)" >&2; exit 2 ;;
     esac
   done
   local py="$root/.venv/bin/python"
   [[ -x "$py" ]] || { echo "gpu_kit pack: no $py: run bash scripts/setup_env.sh first" >&2; exit 2; }
-  local out="$kit_root/py$python" stage="$kit_root/stage-$python" req="$kit_root/requirements-$python.txt"
-  mkdir -p "$kit_root"
+  local out="$kit_root/py$python" req="$kit_root/requirements-$python.txt" build="$kit_root/build-$python"
+  local stage="$build/stage"
+  rm -rf "$build"
+  mkdir -p "$build"
   "$py" -m omni_async.tools.gpu_kit packages --lock requirements/constraints-cpu.txt --python "$python" > "$req"
   echo "[gpu_kit] $(wc -l < "$req") packages for CPython $python ($platform) -> $stage" >&2
   # pip accepts only wheels built for exactly the tags given: every manylinux glibc level up to the one asked for.
@@ -46,7 +50,7 @@ pack() {
   glibc="${glibc%_x86_64}"
   for ((minor = 5; minor <= ${glibc#2_}; minor++)); do tags+=(--platform "manylinux_2_${minor}_x86_64"); done
   tags+=(--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
-  rm -rf "$stage" "$out"
+  rm -rf "$out"
   # Wheels wherever one exists for the target; a package published only as a source archive (antlr4-python3-runtime
   # 4.9.3, which omegaconf pins) is built here, so it must be pure Python: a compiled module built for this
   # interpreter instead of the target's is refused below.
@@ -61,25 +65,25 @@ pack() {
   fi
   local before after
   before="$(du -sb "$stage" | cut -f1)"
-  "$py" -m omni_async.tools.gpu_kit trim "$stage" > "$kit_root/trimmed-$python.txt"
+  "$py" -m omni_async.tools.gpu_kit trim "$stage" > "$build/trimmed.txt"
   after="$(du -sb "$stage" | cut -f1)"
-  echo "[gpu_kit] trimmed $(((before - after) >> 20)) MiB; compressing $((after >> 20)) MiB (xz)" >&2
-  local archive="$kit_root/kit.tar.xz"
+  echo "[gpu_kit] trimmed $(((before - after) >> 20)) MiB; compressing $((after >> 20)) MiB (xz -$preset)" >&2
+  local archive="$build/kit.tar.xz"
   # Sorted names and fixed owners: the same packages give the same archive.
-  tar -C "$stage" --sort=name --owner=0 --group=0 --numeric-owner -cf - . | xz -T0 -6 > "$archive"
-  "$py" - "$req" "$kit_root/trimmed-$python.txt" "$python" "$platform" "$before" "$after" > "$kit_root/info.json" <<'EOF'
+  tar -C "$stage" --sort=name --owner=0 --group=0 --numeric-owner -cf - . | xz -T0 "-$preset" > "$archive"
+  "$py" - "$req" "$build/trimmed.txt" "$python" "$platform" "$before" "$after" "$preset" > "$build/info.json" <<'EOF'
 import json, sys
 from omni_async.tools.gpu_kit import BASE_PACKAGES, DROP
-req, trimmed, python, platform, before, after = sys.argv[1:]
+req, trimmed, python, platform, before, after, preset = sys.argv[1:]
 pins = dict(line.strip().split("==") for line in open(req) if "==" in line)
 print(json.dumps({
     "python": python, "platform": platform, "packages": pins, "base": list(BASE_PACKAGES), "dropped": DROP,
     "trimmed": [line.split(" ", 1)[1].strip() for line in open(trimmed) if line.startswith("trimmed ")],
-    "unpacked_bytes": int(after), "trimmed_bytes": int(before) - int(after),
+    "unpacked_bytes": int(after), "trimmed_bytes": int(before) - int(after), "xz_preset": int(preset),
 }))
 EOF
-  "$py" -m omni_async.tools.gpu_kit seal --archive "$archive" --out "$out" --part-mib "$part_mib" --info "$kit_root/info.json"
-  rm -rf "$archive" "$stage" "$kit_root/info.json"
+  "$py" -m omni_async.tools.gpu_kit seal --archive "$archive" --out "$out" --part-mib "$part_mib" --info "$build/info.json"
+  rm -rf "$build"
   echo "[gpu_kit] kit: $out ($(du -sh "$out" | cut -f1)); carry it as .gpu_kit/py$python with the tree" >&2
 }
 
@@ -123,7 +127,8 @@ run() {
       import) "$PYTHON" -m omni_async.tools.gpu_kit smoke ;;
       tier) "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/gpu ;;
       main) RUN_DIR="$out/main" NUM_GPUS_REWARD=0 STEPS=20 bash examples/run_qwen_image_ocr_async_reward.sh ;;
-      recipe) RUN_DIR="$out/recipe" NUM_GPUS_REWARD=0 MODEL_PATH=random:qwen_image STEPS=3 \
+      # 2 prompts x 4 samples a step (the recipe's 16 x 8 would take minutes a step): 512², 10 steps, CFG 4, r64
+      recipe) RUN_DIR="$out/recipe" NUM_GPUS_REWARD=0 MODEL_PATH=random:qwen_image STEPS=3 BATCH=2 GROUP=4 \
           bash examples/run_qwen_image_ocr_async_reward.sh ;;
       *) echo "unknown check $check (import, tier, main, recipe)"; false ;;
     esac >> "$log" 2>&1
@@ -132,18 +137,18 @@ run() {
     echo "{\"check\": \"$check\", \"rc\": $rc, \"seconds\": $((SECONDS - start))}" >> "$results"
     echo "[gpu_kit] check $check: rc $rc in $((SECONDS - start)) s" | tee -a "$log"
   done
-  "$PYTHON" - "$results" "$out/gpu_kit_run.json" "$kit" "$install_s" <<'EOF'
+  "$PYTHON" - "$results" "$out/gpu_kit_run.json" "$prefix" "$install_s" <<'EOF'
 import json, platform, sys
-results, path, kit, install_s = sys.argv[1:]
+results, path, prefix, install_s = sys.argv[1:]
 import torch
 checks = [json.loads(line) for line in open(results)]
-manifest = json.load(open(f"{kit}/manifest.json"))
+stamp = json.load(open(f"{prefix}/.omni_async_kit.json"))  # the archive's sha256, or "index"
 cuda = torch.cuda.is_available()
 json.dump({
     "device": torch.cuda.get_device_name(0) if cuda else "no CUDA device",
     "devices": torch.cuda.device_count() if cuda else 0,
     "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-    "kit_sha256": manifest["archive"]["sha256"], "install_s": int(install_s),
+    "kit_sha256": stamp["sha256"], "install_s": int(install_s),
     "checks": checks, "passed": all(c["rc"] == 0 for c in checks),
 }, open(path, "w"), indent=1)
 print(f"[gpu_kit] {path}: " + ", ".join(f"{c['check']} rc {c['rc']}" for c in checks))

@@ -66,7 +66,7 @@ _SHARED_CLUSTER = pytest.StashKey()
 
 def cuda_devices_present() -> bool:
     """Whether the NVIDIA driver lists a GPU here (without importing torch: the xdist controller never does)."""
-    return any(Path("/proc/driver/nvidia/gpus").glob("*"))
+    return any(Path("/proc/driver/nvidia/gpus").glob("*")) or any(Path("/dev").glob("nvidia[0-9]*"))
 
 
 def pytest_configure(config):

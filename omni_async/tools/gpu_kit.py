@@ -23,7 +23,7 @@ import json
 import shutil
 import sys
 import tarfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -107,7 +107,7 @@ def read_lock(lock: Path) -> dict[str, str]:
     return pins
 
 
-def closure(roots: Iterable[str], python: str, skip: Iterable[str] = ()) -> set[str]:
+def closure(roots: Iterable[str], python: str, skip: Container[str] = ()) -> set[str]:
     """Canonical names of ``roots`` and everything they require (extras followed; ``skip`` and what only it
     requires left out), from this environment's installed metadata, with markers evaluated for CPython ``python``
     on Linux x86_64."""

@@ -79,16 +79,7 @@ IDLE_WINDOW = 10
 
 class RLTrainer:
     def __init__(self, cfg: DictConfig):
-        self.cfg = check_at_start(cfg)  # before Ray starts: a typo costs a second, not a cluster start
-        init_ray(cfg)
-        # Decided once from the validated config, then handed down: nothing below reads the mode or layout from cfg.
-        self.plan = plan(self.cfg)
-        self.mode = self.plan.mode
-        self.modality = modality_of(self.cfg)
-        self.run_dir = Path(cfg.trainer.run_dir)
-        # The resolved config beside the curves it produced: which loss and settings made a run is on record.
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+        self._begin(cfg)
         train_rows = first_rows(load_prompts(cfg.data.train_files), cfg.data.train_max_samples)
         self.val_rows = (
             first_rows(load_prompts(cfg.data.val_files), cfg.data.val_max_samples, cfg.data.val_batch_size)
@@ -147,6 +138,20 @@ class RLTrainer:
             self.layout.name,
             self.total_steps,
         )
+
+    def _begin(self, cfg: DictConfig) -> None:
+        """What every trainer does first (offline DPO's too): the config checked, Ray joined, the plan decided, the
+        resolved config written to the run directory."""
+        self.cfg = check_at_start(cfg)  # before Ray starts: a typo costs a second, not a cluster start
+        init_ray(cfg)
+        # Decided once from the validated config, then handed down: nothing below reads the mode or layout from cfg.
+        self.plan = plan(self.cfg)
+        self.mode = self.plan.mode
+        self.modality = modality_of(self.cfg)
+        self.run_dir = Path(cfg.trainer.run_dir)
+        # The resolved config beside the curves it produced: which loss and settings made a run is on record.
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
 
     # ---- the producer -----------------------------------------------------------------------------------------
     @property

@@ -11,20 +11,16 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from omni_async.agent_loop.rollouter import Group
-from omni_async.cluster import init_ray
-from omni_async.modality import modality_of
 from omni_async.sample import Sample
-from omni_async.trainer.config import plan, total_training_steps
+from omni_async.trainer.config import total_training_steps
 from omni_async.trainer.dataset import PromptSampler, first_rows
 from omni_async.trainer.layout import make_layout
 from omni_async.trainer.loop import RLTrainer
 from omni_async.trainer.metrics import advantage_metrics, reward_metrics
-from omni_async.trainer.model_paths import check_at_start
 from omni_async.trainer.offline_pairs import load_pairs, pair_groups
 from omni_async.trainer.placement import make_pools, place
 from omni_async.trainer.step_ops import StepOps
@@ -40,14 +36,7 @@ class OfflinePreferenceTrainer(RLTrainer):
     producer: the state it shares with the online trainer is set here, without the agent loop and the reward side."""
 
     def __init__(self, cfg: DictConfig):  # no super().__init__: it starts the rollout and reward sides
-        self.cfg = check_at_start(cfg)
-        init_ray(cfg)
-        self.plan = plan(self.cfg)
-        self.mode = self.plan.mode
-        self.modality = modality_of(self.cfg)
-        self.run_dir = Path(cfg.trainer.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+        self._begin(cfg)
         pairs = first_rows(load_pairs(cfg.data.train_files), cfg.data.train_max_samples)
         self.val_rows = []  # nothing generates: no validation (verl-omni's offline trainer skips it)
         self.sampler = PromptSampler(pairs, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)

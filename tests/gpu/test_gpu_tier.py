@@ -15,9 +15,11 @@ masters and fp32 log-probs, its first update scoring its own samples at ratio 1 
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import ray
+import ray.cloudpickle
 import torch
 from helpers import SMALL_IMAGE_TRAINER, Trainers, write_prompts
 
@@ -61,6 +63,10 @@ FIRST_UPDATE = {
         0.05,
     ),
 }
+
+
+# Ray workers cannot import this test module: functions sent to them from here (worker_report) travel by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def worker_report(self) -> dict:

@@ -27,8 +27,8 @@ from helpers import SMALL_IMAGE_TRAINER, Trainers, write_prompts
 from test_fully_async import test_colocate_async_on_the_hybrid_layout_trains_every_group_once_within_the_bound  # noqa: F401
 from test_reliability import test_rollout_worker_killed_mid_step_regenerates_the_same_samples  # noqa: F401
 from test_sync_trainer import test_sync_run_then_kill_and_resume_gives_same_next_step  # noqa: F401
+from test_text_mode import DIGITS, write_arith
 from test_text_mode import SMALL as SMALL_TEXT_TRAINER
-from test_text_mode import write_arith
 
 pytestmark = [
     pytest.mark.gpu,
@@ -56,6 +56,7 @@ FIRST_UPDATE = {
         "grpo_text_trainer",
         [
             *SMALL_TEXT_TRAINER,
+            *DIGITS,  # a reward that differs within a group from the first step (gsm8k's is 0 for all of them)
             "actor_rollout_ref.model.lora_rank=8",  # the text default is a full fine-tune; LoRA as the image's
             "actor_rollout_ref.model.lora_alpha=16",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4",

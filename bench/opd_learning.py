@@ -11,7 +11,8 @@ Two steps, run by hand (``docs/losses.md`` has the result):
    (``actor/distill_kl_loss``) and OCR reward (monitored only) of its ``metrics.jsonl``, as JSON.
 
     python bench/opd_learning.py teacher --run <flow_grpo run dir> --step 12 --out <teacher dir>
-    python bench/opd_learning.py summary --run <distill run dir> --teacher-run <flow_grpo run dir> --out <json>
+    python bench/opd_learning.py summary --run <distill run dir> --teacher-run <flow_grpo run dir> --out <json> \\
+        --plot <png>
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def summary(run: Path, teacher_run: Path | None, out: Path) -> None:
+def summary(run: Path, teacher_run: Path | None, out: Path, plot: Path | None = None) -> None:
     train = [r for r in rows(run) if "actor/distill_kl_loss" in r]
     record = {
         "run": str(run),
@@ -80,6 +81,29 @@ def summary(run: Path, teacher_run: Path | None, out: Path) -> None:
     kl, rew = record["distill_kl_loss"], record["reward_mean"]
     print(f"distill_kl first 3 {sum(kl[:3]) / 3:.4g}, last 3 {sum(kl[-3:]) / 3:.4g}; ", end="")
     print(f"reward first 3 {sum(rew[:3]) / 3:.3f}, last 3 {sum(rew[-3:]) / 3:.3f} -> {out}")
+    if plot is not None:
+        draw(record, plot)
+
+
+def draw(record: dict, path: Path) -> None:
+    """Teacher agreement (distill_kl, log scale) and the monitored OCR reward per step, with the teacher's own run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
+    a.semilogy(record["steps"], record["distill_kl_loss"], marker=".")
+    a.set(xlabel="step", ylabel="actor/distill_kl_loss", title="KL to the teacher (lower: closer)")
+    b.plot(record["steps"], record["reward_mean"], marker=".", label="student (distill_kl)")
+    if "teacher_run_reward_mean" in record:
+        t = record["teacher_run_reward_mean"]
+        b.plot(range(1, len(t) + 1), t, marker=".", label="teacher's Flow-GRPO run")
+    b.set(xlabel="step", ylabel="OCR reward, rollout mean", title="reward (monitored, not trained)")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
 
 
 def main() -> None:
@@ -93,11 +117,12 @@ def main() -> None:
     s.add_argument("--run", type=Path, required=True)
     s.add_argument("--teacher-run", type=Path)
     s.add_argument("--out", type=Path, required=True)
+    s.add_argument("--plot", type=Path, help="also draw the two curves into this PNG")
     a = ap.parse_args()
     if a.cmd == "teacher":
         make_teacher(a.run, a.step, a.out)
     else:
-        summary(a.run, a.teacher_run, a.out)
+        summary(a.run, a.teacher_run, a.out, a.plot)
 
 
 if __name__ == "__main__":

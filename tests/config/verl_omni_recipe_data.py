@@ -57,10 +57,10 @@ STAND_INS: dict[str, dict[str | None, tuple[str, str]]] = {
         ),
     },
     "actor_rollout_ref.rollout.name": {"vllm_omni": ("transformers", "rollout here runs diffusers")},
-    "reward.reward_model.model_path": {None: ("tiny:qwen2_vl", "a random Qwen2-VL judge, built offline")},
     "distillation.teacher_models.teacher_model.model_path": {
         None: ("tiny:sd3_teacher", "tiny:sd3 with its transformer drawn from another seed (a teacher of its family)")
     },
+    "reward.reward_model.model_path": {None: ("tiny:qwen2_vl", "a random Qwen2-VL judge, built offline")},
     "reward.reward_model.rollout.name": {"vllm": ("transformers", "no vLLM on this box: the judge runs in-worker")},
     "reward.custom_reward_function.path": {
         "verl_omni/utils/reward_score/genrm_ocr.py": _GENRM,

@@ -383,9 +383,8 @@ def make_producer(
     reward = RewardSide(cfg, None, None)  # the real wiring: reward-loop workers as CPU actors, their dispatcher
     reward.wait_ready()
     modality = get_modality("image")
-    agent = AgentLoopManager(
-        stand_ins, reward.dispatcher_factory(), in_flight, reward.post_process, coalesce=modality.name == "image"
-    )
+    batch = int(cfg.actor_rollout_ref.rollout.agent.max_batch_size) if modality.name == "image" else 0
+    agent = AgentLoopManager(stand_ins, reward.dispatcher_factory(), in_flight, reward.post_process, coalesce=batch)
     rows = [PromptRow(f"a photo of item {i}", "bench", f"item {i}") for i in range(max(1024, groups_per_step))]
     sampler = PromptSampler(rows, groups_per_step, shuffle=True, seed=seed)
     draws = Draws.from_config(cfg, sampler, modality.uses_window)

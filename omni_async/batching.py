@@ -114,7 +114,8 @@ class TurnCalls(Generic[T]):
     at the end of that turn as one call, ``send(key, items)``, an awaitable (a Ray ``ObjectRef``) of one answer per
     item, handed to each item's future; an answer that is an exception is raised at its item's caller. A call that
     raises (its worker died) raises at every caller of its items; one with no answer within ``timeout_s`` raises
-    ``asyncio.TimeoutError`` there, after ``on_timeout(call)`` (``ray.cancel``).
+    ``asyncio.TimeoutError`` there, after ``on_timeout(call)`` (``ray.cancel``). ``max_items``: at most this many items
+    per call (a call is answered when its last item is: a rollout worker's device batch), the rest in further calls.
 
     Why: one Ray call costs the driver about as much CPU as the rest of a sample's handling (pickling, submitting,
     the reply on Ray's io thread), so at thousands of samples a second the per-sample call is the largest cost
@@ -126,8 +127,10 @@ class TurnCalls(Generic[T]):
         send: Callable[[Hashable, list[T]], Awaitable[list[Any]]],
         timeout_s: float | None = None,
         on_timeout: Callable[[Any], object] | None = None,
+        max_items: int | None = None,
     ):
         self._send, self.timeout_s, self._on_timeout = send, timeout_s, on_timeout
+        self.max_items = max_items
         self._pending: dict[Hashable, list[tuple[T, asyncio.Future]]] = {}
         self._answering: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
         self.calls = self.items = 0
@@ -146,17 +149,22 @@ class TurnCalls(Generic[T]):
     def _flush(self) -> None:
         pending, self._pending = self._pending, {}
         for key, entries in pending.items():
-            futures = [f for _, f in entries]
-            try:
-                call = self._send(key, [item for item, _ in entries])
-            except Exception as e:  # the call could not be made (e.g. an argument that does not pickle)
-                _fail(futures, e)
-                continue
-            self.calls += 1
-            self.items += len(entries)
-            task = asyncio.ensure_future(self._answer(call, futures))
-            self._answering.add(task)
-            task.add_done_callback(self._answering.discard)
+            step = self.max_items or len(entries)
+            for i in range(0, len(entries), step):
+                self._call(key, entries[i : i + step])
+
+    def _call(self, key: Hashable, entries: list[tuple[T, asyncio.Future]]) -> None:
+        futures = [f for _, f in entries]
+        try:
+            call = self._send(key, [item for item, _ in entries])
+        except Exception as e:  # the call could not be made (e.g. an argument that does not pickle)
+            _fail(futures, e)
+            return
+        self.calls += 1
+        self.items += len(entries)
+        task = asyncio.ensure_future(self._answer(call, futures))
+        self._answering.add(task)
+        task.add_done_callback(self._answering.discard)
 
     async def _answer(self, call: Awaitable[list[Any]], futures: list[asyncio.Future]) -> None:
         try:

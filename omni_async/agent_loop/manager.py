@@ -8,9 +8,10 @@ the other samples keep generating. When a whole ``uid`` group is scored, the rew
 groups as they complete).
 
 With ``coalesce`` (images: a worker's requests sent together share a device batch and finish together) the requests
-made for one rollout worker in one turn of the loop go in one ``generate_many`` call (``batching.TurnCalls``): the
-same requests to the same worker in the same order, each handed to its batcher as its own call would be, so the
-same device batches and pixels, at a fraction of the driver's CPU per sample (``bench/driver_cost.py``). A text
+made for one rollout worker in one turn of the loop go in ``generate_many`` calls of up to ``coalesce`` requests, a
+device batch each (``batching.TurnCalls``; a call is answered when its last request is): the same requests to the
+same worker in the same order, each handed to its batcher as its own call would be, so the same device batches and
+pixels, at a fraction of the driver's CPU per sample (``bench/driver_cost.py``). A text
 response ends at its own token and is answered alone (one call each), as are continued ones and those of a lent
 trainer device.
 
@@ -188,7 +189,7 @@ class AgentLoopManager:
         post_process: bool = False,
         restore_worker: Callable[[Any], Awaitable[None]] | None = None,
         restartable: bool = True,
-        coalesce: bool = False,
+        coalesce: int = 0,
     ):
         """``dispatcher_factory()`` builds the :class:`RewardDispatcher` on the loop (``None``: generate only).
 
@@ -196,15 +197,18 @@ class AgentLoopManager:
         queue, generation stops there. ``post_process``: run the reward classes' group hook on complete groups.
         ``restore_worker(handle)`` brings a restarted rollout worker back to the current weights.
         ``restartable=False`` (hybrid layout: the rollout workers are actor ranks, never restarted with their
-        optimizer state) gives a dead worker up at once instead of waiting for Ray to restart it. ``coalesce``: one
-        generation call per worker per turn of the loop (module docstring; for requests that finish together).
+        optimizer state) gives a dead worker up at once instead of waiting for Ray to restart it. ``coalesce``: the
+        requests for one worker in one turn of the loop go in generation calls of up to this many (module docstring:
+        for requests that finish together, a worker's device batch); 0: a call per request.
         """
         self.workers = list(workers)
         self.down = [False] * len(self.workers)
         self.restore_worker, self.restartable = restore_worker, restartable
         self.post_process = post_process
         self._calls: TurnCalls[tuple] | None = (
-            TurnCalls(lambda w, requests: self.workers[w].generate_many.remote(requests)) if coalesce else None
+            TurnCalls(lambda w, requests: self.workers[w].generate_many.remote(requests), max_items=coalesce)
+            if coalesce
+            else None
         )
         self.counts = AgentLoopMetrics()  # every counter of the loop (on the loop)
         self.loop = asyncio.new_event_loop()

@@ -111,9 +111,9 @@ class RLTrainer:
             self.reward.post_process,
             restore_worker=self.layout.restore,
             restartable=not self.layout.rollout_is_actor,
-            # An image's requests sent together share a device batch and finish together: one call per worker per
-            # turn. A text response ends at its own token and is answered alone.
-            coalesce=self.modality.name == "image",
+            # An image's requests sent together share a device batch and finish together: a call per worker per
+            # turn, a device batch at most. A text response ends at its own token and is answered alone.
+            coalesce=agent.max_batch_size if self.modality.name == "image" else 0,
         )
         self.layout.on_death = self.agent.worker_died
         self.ops = StepOps(cfg, self.modality, self.reward, self.placement.actor_wg, self.latest_checkpoint)

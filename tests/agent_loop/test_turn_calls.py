@@ -37,6 +37,22 @@ def test_a_turns_items_go_in_one_call_per_key_in_order_and_each_caller_gets_its_
     assert (calls.calls, calls.items) == (3, 5)
 
 
+def test_a_keys_items_go_in_calls_of_at_most_max_items_in_order():
+    """``max_items`` (the agent loop: a rollout worker's device batch): a call answers when its last item is done, so
+    a turn's requests beyond one batch go in further calls instead of waiting for the later batch."""
+    sent: list[list[int]] = []
+
+    def send(key, items):
+        sent.append(list(items))
+        return asyncio.sleep(0, [10 * i for i in items])
+
+    async def run():
+        calls = TurnCalls(send, max_items=2)
+        return await asyncio.gather(*(calls.submit("w", i) for i in range(5)))
+
+    assert asyncio.run(run()) == [0, 10, 20, 30, 40] and sent == [[0, 1], [2, 3], [4]]
+
+
 def test_a_failed_or_silent_call_raises_at_every_caller_and_a_silent_one_is_cancelled():
     cancelled: list[object] = []
 

@@ -91,7 +91,7 @@ class RolloutReplica(RolloutWorker):
             max_batch_size,
             max_wait_ms,
             self.slots,
-            stream=self._stream if hasattr(self.policy, "generate_stream") else None,
+            stream=self._stream if self.policy.continuous_batching else None,
         )
 
     @property

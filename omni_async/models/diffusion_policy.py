@@ -22,8 +22,9 @@ negative prompt, padded to one length with a mask). Branches are combined in fp3
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ from omni_async.models.offload import HostOffload
 from omni_async.models.qwen_image_edit import EDIT_PIPELINES, IMAGE_LATENTS, condition_shapes, edit_load_kwargs
 from omni_async.models.qwen_image_edit import encode as encode_edit
 from omni_async.models.random_models import build_pipeline
+from omni_async.models.rollout_policy import refuse_inapplicable
 from omni_async.models.tiny import is_random, resolve_model_path
 from omni_async.sample import EditPrompt, ImageResult
 
@@ -464,6 +466,8 @@ def window_noise(generators: list[torch.Generator], like: torch.Tensor, steps: i
 
 class DiffusionPolicy(TrainableModule):
     """Load a pipeline, add LoRA to its transformer, sample with the SDE window, recompute log-probs."""
+
+    continuous_batching: ClassVar[bool] = False  # a device batch is one run of denoising steps (models.rollout_policy)
 
     def __init__(
         self, model_path: Any, sampling: SamplingConfig, *, trainable_dtype: torch.dtype | None = None, **options: Any
@@ -909,10 +913,14 @@ class DiffusionPolicy(TrainableModule):
         window: range | list[range] | None = None,
         *,
         sampling: dict[str, Any] | None = None,
+        resume: list[Any] | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> list[ImageResult]:
         """:meth:`rollout`, split per sample (a rollout worker answers each request with its own sample). Each
         sample's tensors are its own CPU copies: a row view would carry the whole batch's storage when pickled.
-        ``sampling``: :class:`SamplingConfig` fields that differ for these samples (:meth:`with_sampling`)."""
+        ``sampling``: :class:`SamplingConfig` fields that differ for these samples (:meth:`with_sampling`). An image
+        batch is one run of denoising steps: nothing to resume or stop between tokens (``models.rollout_policy``)."""
+        refuse_inapplicable("DiffusionPolicy", resume=resume, should_stop=should_stop)
         policy = self.with_sampling(**(sampling or {}))
         out = policy.rollout(prompts, seeds, window)
         if policy is not self:  # state the rollout changed on the view (e.g. where the frozen modules are) is ours

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from omni_async.models.loading import causal_lm_load_kwargs
 from omni_async.models.lora import PolicyOptions, TrainableModule
+from omni_async.models.rollout_policy import refuse_inapplicable
 from omni_async.models.tiny import resolve_model_path
 from omni_async.models.tokens import eos_ids, pad_rows
 from omni_async.sample import TextResult
@@ -80,6 +81,8 @@ def hf_config_overrides(path: str, override: dict | None) -> dict[str, Any]:
 
 
 class TextPolicy(TrainableModule):
+    continuous_batching: ClassVar[bool] = True  # generate_stream: responses join and leave between tokens
+
     def __init__(self, model_path: str, sampling: TextSamplingConfig, **options: Any):
         """``options``: :class:`~omni_async.models.lora.PolicyOptions` (LoRA, device, frozen weights' dtype)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -111,15 +114,19 @@ class TextPolicy(TrainableModule):
         self,
         prompts: list[str],
         seeds: list[int],
+        windows: list[range] | None = None,
         *,
+        sampling: dict[str, Any] | None = None,
         resume: list[TextResult | None] | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> list[TextResult]:
-        """One response per (prompt, seed): token ids up to and including EOS, text, per-token log-probs.
+        """One response per (prompt, seed): token ids up to and including EOS, text, per-token log-probs. (No SDE
+        windows; the sampling settings are the policy's own: ``models.rollout_policy``.)
 
         ``resume[i]``: an interrupted response of that prompt and seed, continued from where it stopped (its tokens
         stay, new ones follow). ``should_stop()`` is asked after each token: once true, the batch returns and the
         responses not done come back unfinished (partial rollout at a weight sync)."""
+        refuse_inapplicable(type(self).__name__, windows=windows, sampling=sampling)
         rows = [
             r.prompt_ids if r is not None else self.prompt_ids(p)
             for p, r in zip(prompts, resume or [None] * len(prompts), strict=True)

@@ -34,13 +34,15 @@ import shutil
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import torch
 
+from omni_async.models.rollout_policy import refuse_inapplicable
 from omni_async.models.text_policy import TextSamplingConfig, chat_prompt_ids
 from omni_async.models.tiny import resolve_model_path
 from omni_async.models.tokens import eos_ids
@@ -74,6 +76,8 @@ def generation_eos_ids(model_path: str, tokenizer) -> list[int]:
 
 
 class VLLMTextPolicy:
+    continuous_batching: ClassVar[bool] = False  # the vLLM server batches the requests it is sent
+
     def __init__(
         self,
         model_path: str,
@@ -191,8 +195,21 @@ class VLLMTextPolicy:
             raise RuntimeError(f"vLLM rollout server {self.url} answered HTTP {r.status_code}: {r.text[:200]}")
         return r.json()
 
-    def generate(self, prompts: list[str], seeds: list[int]) -> list[TextResult]:
-        """One response per (prompt, seed); the batch's requests are in flight together, all on one adapter."""
+    def generate(
+        self,
+        prompts: list[str],
+        seeds: list[int],
+        windows: list[range] | None = None,
+        *,
+        sampling: dict[str, Any] | None = None,
+        resume: list[Any] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[TextResult]:
+        """One response per (prompt, seed); the batch's requests are in flight together, all on one adapter. (The
+        server batches them; no windows, other sampling settings or partial rollout here: ``models.rollout_policy``.)"""
+        refuse_inapplicable(
+            "VLLMTextPolicy", windows=windows, sampling=sampling, resume=resume, should_stop=should_stop
+        )
         rows = [self.prompt_ids(p) for p in prompts]  # the tokenizer stays on this thread
         with self._lock:
             adapter = self.model_name

@@ -150,7 +150,7 @@ class ActorWorker(Worker, RolloutWorker):
             self._device_thread,
             r.agent.max_batch_size,
             r.agent.max_wait_ms,
-            stream=self._stream if hasattr(self.policy, "generate_stream") else None,
+            stream=self._stream if self.policy.continuous_batching else None,
         )
 
     # ---- rollout (hybrid layout; lent to generation in the disaggregated one) ----------------------------------

@@ -4,11 +4,14 @@ fix."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
 from omni_async.config_error import check as _check
+
+if TYPE_CHECKING:
+    from omni_async.algos.loss_modes import LossMode
 
 
 def check_rollout(cfg: DictConfig) -> None:
@@ -177,14 +180,52 @@ def check_loss(cfg: DictConfig) -> None:
     """The diffusion loss (``actor_rollout_ref.actor.diffusion_loss.*``, verl-omni's ``DiffusionLossConfig``), the
     algorithm and the keys verl-omni pairs with it (``model.model_type``, ``policy_state_adapters``,
     ``rollout.rollout_adapter``, ``rollout.calculate_log_probs``, ``algorithm.trainer_type`` / ``sample_source``),
-    and DiffusionNFT's / AWM's ``algorithm.*`` (``algos.diffusion_nft``, ``algos.awm``). Text keeps verl's
-    ``actor.clip_ratio`` and ``algorithm.adv_clip_max``."""
-    from omegaconf import OmegaConf
+    and DiffusionNFT's / AWM's / Diffusion-DPO's own keys (``algos.diffusion_nft``, ``algos.awm``, ``algos.dpo``).
+    Text keeps verl's ``actor.clip_ratio`` and ``algorithm.adv_clip_max``. One check per part, in this order: the
+    loss mode, the keys paired with it, the values' ranges, then the loss's own keys."""
+    from omni_async.algos.loss_modes import FINAL_LATENTS
 
-    from omni_async.algos.diffusion_nft import ADV_MODES, DECAY_SCHEDULES
+    if cfg.actor_rollout_ref.model.modality == "text":
+        _check_text_loss(cfg)
+        return
+    mode = _check_loss_mode(cfg)
+    _check_loss_pairing(cfg, mode)
+    _check_loss_values(cfg, mode.name)
+    if mode.name == "awm":
+        _check_awm(cfg)
+    if mode.data_path == FINAL_LATENTS:
+        _check_final_latents(cfg, mode.name)
+
+
+def _check_text_loss(cfg: DictConfig) -> None:
+    """Text GRPO: verl's PPO clip and engine type; no distillation."""
+    arr = cfg.actor_rollout_ref
+    actor = arr.actor
+    _check(
+        not cfg.distillation.enabled,
+        "distillation.enabled",
+        "DiffusionOPD distills a diffusion student (its SDE window); a causal LM has no teacher path here",
+        "drop distillation.* (set distillation.enabled=false)",
+    )
+    _check(
+        actor.clip_ratio is not None,
+        "actor_rollout_ref.actor.clip_ratio",
+        "text GRPO's PPO clip (verl's key) is not set",
+        "set actor_rollout_ref.actor.clip_ratio=0.2 (--config-name grpo_text_trainer sets it)",
+    )
+    _check(
+        arr.model.model_type == "language_model",
+        "actor_rollout_ref.model.model_type",
+        f"{arr.model.model_type!r} is a diffusion engine; a causal LM trains as language_model",
+        "set actor_rollout_ref.model.model_type=language_model",
+    )
+
+
+def _check_loss_mode(cfg: DictConfig) -> LossMode:
+    """The algorithm and the loss mode (``loss_mode`` follows ``model.algorithm``): built, of that algorithm, with
+    its SDE type and teacher; the clip keys read from verl-omni's diffusion_loss section. Returns the loss mode."""
     from omni_async.algos.loss_modes import (
         DISTILL_LOSS_MODES,
-        FINAL_LATENTS,
         LOSS_MODES,
         PLANNED_ALGORITHMS,
         PLANNED_ISSUE,
@@ -194,26 +235,6 @@ def check_loss(cfg: DictConfig) -> None:
 
     arr, algo = cfg.actor_rollout_ref, cfg.algorithm
     actor, dl = arr.actor, arr.actor.diffusion_loss
-    if arr.model.modality == "text":
-        _check(
-            not cfg.distillation.enabled,
-            "distillation.enabled",
-            "DiffusionOPD distills a diffusion student (its SDE window); a causal LM has no teacher path here",
-            "drop distillation.* (set distillation.enabled=false)",
-        )
-        _check(
-            actor.clip_ratio is not None,
-            "actor_rollout_ref.actor.clip_ratio",
-            "text GRPO's PPO clip (verl's key) is not set",
-            "set actor_rollout_ref.actor.clip_ratio=0.2 (--config-name grpo_text_trainer sets it)",
-        )
-        _check(
-            arr.model.model_type == "language_model",
-            "actor_rollout_ref.model.model_type",
-            f"{arr.model.model_type!r} is a diffusion engine; a causal LM trains as language_model",
-            "set actor_rollout_ref.model.model_type=language_model",
-        )
-        return
     _check(
         actor.clip_ratio is None,
         "actor_rollout_ref.actor.clip_ratio",
@@ -298,6 +319,19 @@ def check_loss(cfg: DictConfig) -> None:
         "set actor_rollout_ref.rollout.algo.sde_type=sde",
     )
     check_distillation(cfg, mode.teacher)
+    return mode
+
+
+def _check_loss_pairing(cfg: DictConfig, mode: LossMode) -> None:
+    """The keys verl-omni pairs with the loss mode: the steps it trains, its adapters and trainer type, online or
+    offline samples, pairs (Diffusion-DPO), and whether the rollout returns log-probs."""
+    from omegaconf import OmegaConf
+
+    from omni_async.algos.loss_modes import FINAL_LATENTS
+
+    arr, algo = cfg.actor_rollout_ref, cfg.algorithm
+    dl = arr.actor.diffusion_loss
+    name = mode.name
     final = mode.data_path == FINAL_LATENTS
     _check(  # DanceGRPO's own code trains a random timestep_fraction of the steps; verl-omni's trains its SDE window
         final or algo.timestep_fraction == 1.0,
@@ -340,6 +374,14 @@ def check_loss(cfg: DictConfig) -> None:
         else "FlowGRPO's rollout always returns the SDE window's log-probs (the SDE step's by-product)",
         f"set it to {str(not final).lower()}, or null (what the loss needs)",
     )
+
+
+def _check_loss_values(cfg: DictConfig, name: str) -> None:
+    """The diffusion loss's and DiffusionNFT's ``algorithm.*`` values in their ranges, and AWM's anchor term only
+    with AWM."""
+    from omni_async.algos.diffusion_nft import ADV_MODES, DECAY_SCHEDULES
+
+    algo, dl = cfg.algorithm, cfg.actor_rollout_ref.actor.diffusion_loss
     positive = {"clip_ratio": dl.clip_ratio, "adv_clip_max": dl.adv_clip_max, "mix_beta": dl.mix_beta}
     positive |= {"adaptive_weight_min": dl.adaptive_weight_min, "dpo_beta": dl.dpo_beta}
     positive |= {"awm_ghuber_power": dl.awm_ghuber_power}
@@ -390,10 +432,6 @@ def check_loss(cfg: DictConfig) -> None:
         f"is AWM's pull toward its EMA anchor; loss_mode={name} has no such term",
         "set it to 0 (or loss_mode=awm)",
     )
-    if name == "awm":
-        _check_awm(cfg)
-    if final:
-        _check_final_latents(cfg, name)
 
 
 def _check_dpo(cfg: DictConfig) -> None:

@@ -177,11 +177,11 @@ class _Worker:
     """A reward-loop worker stand-in: scores every sample 1.0 (the dispatcher's own queue and counters are real)."""
 
     def __init__(self):
-        self.score = SimpleNamespace(remote=self._score)
+        self.score_many = SimpleNamespace(remote=self._score_many)  # the dispatcher's call: a turn's records at once
 
     @staticmethod
-    async def _score(chunk):
-        return RewardOutcome("ok", score=1.0)
+    async def _score_many(records):
+        return [RewardOutcome("ok", score=1.0) for _ in records]
 
 
 def test_reward_queue_metrics_carry_verl_recipes_names():

@@ -71,6 +71,7 @@ def _cfg(path, modality="image", override=None):
         {
             "actor_rollout_ref": {"model": {"path": path, "modality": modality, "override_config": override or {}}},
             "reward": {"reward_model": {"model_path": None}},
+            "distillation": {"enabled": False},  # the paths checked at start include a teacher's (DiffusionOPD)
         }
     )
 

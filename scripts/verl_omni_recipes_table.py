@@ -1,7 +1,7 @@
 """Write ``docs/verl_omni_recipes.md``: what each of verl-omni's diffusion recipes gives here, and what each key they
 use means here. Everything in it is computed: the recipes' overrides (``tests/config/verl_omni_recipes/``), composed
 and validated as ``tests/config/test_verl_omni_recipes.py`` does, and the rules of
-``omni_async/trainer/upstream_keys.py``.
+``omni_async/config/upstream_keys.py``.
 
     python scripts/verl_omni_recipes_table.py
 """
@@ -29,8 +29,8 @@ from verl_omni_recipe_data import (  # noqa: E402
     trainable,
 )
 
+from omni_async.config.overrides import known, rule_for, rule_key  # noqa: E402
 from omni_async.trainer.config import compose  # noqa: E402
-from omni_async.trainer.overrides import known, rule_for, rule_key  # noqa: E402
 
 OUT = ROOT / "docs/verl_omni_recipes.md"
 KIND = {
@@ -163,7 +163,7 @@ def main() -> None:
             if owned
             else []
         ),
-        "The other keys, by what they mean here (`omni_async/trainer/upstream_keys.py`; a key ending in `.*` there "
+        "The other keys, by what they mean here (`omni_async/config/upstream_keys.py`; a key ending in `.*` there "
         "covers every key under it):",
         "",
         *rows,

@@ -431,7 +431,7 @@ _ADAPTERS = {
     **dict.fromkeys(EDIT_PIPELINES, _QwenImageEditAdapter),
     "FluxPipeline": _FluxAdapter,
 }
-assert tuple(_ADAPTERS) == SUPPORTED_PIPELINES  # the start check (trainer.model_paths) refuses the others by name
+assert tuple(_ADAPTERS) == SUPPORTED_PIPELINES  # the start check (config.model_paths) refuses the others by name
 
 
 # What a :meth:`DiffusionPolicy.with_sampling` view has of its own; everything else is the policy's.

@@ -1,6 +1,6 @@
 """Compose and validate the trainer config.
 
-Hydra rejects unknown keys (the config is struct-mode) and ``config_schema`` wrong types. What neither can see is a
+Hydra rejects unknown keys (the config is struct-mode) and ``config.schema`` wrong types. What neither can see is a
 combination that is legal key by key but cannot run, e.g. a dedicated reward pool with zero devices. Those are
 checked here, at start, before any Ray actor exists, and each error names the key and the fix.
 """
@@ -8,17 +8,20 @@ checked here, at start, before any Ray actor exists, and each error names the ke
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from omni_async.config_error import ConfigError
+from omni_async.config.model_paths import check_model_paths
+from omni_async.config.overrides import check_overrides
+from omni_async.config.schema import CONFIG_DIR, CONFIG_NAMES, compose_untyped, typed
+from omni_async.config_error import ConfigError, ConfigErrors
 from omni_async.config_error import check as _check
 from omni_async.logs import check_log_level
 from omni_async.modality.config_checks import check_loss, check_rollout
 from omni_async.reward.config_checks import check_reward
 from omni_async.reward.wiring import streaming_enabled
-from omni_async.trainer.config_schema import CONFIG_DIR, CONFIG_NAMES, compose_untyped, typed
 from omni_async.trainer.layout import Layout, check_layout, layout_class
 from omni_async.trainer.mode import (
     Mode,
@@ -28,7 +31,6 @@ from omni_async.trainer.mode import (
     resolve_bypass_mode,
     resolve_trainer_mode,
 )
-from omni_async.trainer.overrides import check_overrides
 
 # verl's actor kl_loss_coef default (verl/trainer/config/actor/actor.yaml; verl-omni's diffusion actor too): the KL
 # coefficient of actor.use_kl_loss=true when kl_loss_coef is not set
@@ -55,7 +57,7 @@ def compose(overrides: list[str] | None = None, config_name: str = "flowgrpo_tra
     """Compose a config the way ``python -m omni_async.trainer.main`` does (for tests, benchmarks, notebooks): the
     overrides checked key by key (``overrides.check_overrides``: verl / verl-omni keys renamed, accepted or refused,
     unknown keys refused naming the nearest ones), the YAML defaults with the overrides, then the type check
-    (``config_schema.typed``)."""
+    (``config.schema.typed``)."""
     return typed(compose_untyped(check_overrides(list(overrides or []), config_name), config_name))
 
 
@@ -457,3 +459,26 @@ def _check_mini_batch_feeds_ranks(cfg: DictConfig) -> None:
         f"groups are never split, so {ranks - mb} rank(s) would train on padding rows in every update",
         f"{fix}, or use fewer actor ranks",
     )
+
+
+def check_at_start(cfg: DictConfig) -> DictConfig:
+    """What a run checks on the driver before Ray starts: the config (:func:`validate`,
+    its first problem) and the model paths (:func:`omni_async.config.model_paths.check_model_paths`). Raises one
+    :class:`ConfigError` naming every problem found (a :class:`ConfigErrors` when there are several); returns the
+    validated config."""
+    problems: list[tuple[str, str]] = []
+    for check_one in (validate, check_model_paths):
+        try:
+            check_one(cfg)
+        except ConfigError as err:
+            problems += err.problems if isinstance(err, ConfigErrors) else [(_key_of(str(err)), str(err))]
+    if len(problems) == 1:
+        raise ConfigError(problems[0][1])
+    if problems:
+        raise ConfigErrors(problems)
+    return cfg
+
+
+def _key_of(message: str) -> str:
+    """The key a :func:`omni_async.config_error.check` message starts with (``key: ...`` or ``key=value: ...``)."""
+    return re.match(r"[^\s:=]+", message).group(0)

@@ -41,7 +41,7 @@ from omni_async.modality import modality_of
 from omni_async.reward.wiring import RewardSide
 from omni_async.sample import Sample
 from omni_async.trainer.atomic_files import write_text_atomic
-from omni_async.trainer.config import plan, total_training_steps
+from omni_async.trainer.config import check_at_start, plan, total_training_steps
 from omni_async.trainer.dataset import PromptSampler, check_prompt_lengths, first_rows, load_prompts
 from omni_async.trainer.layout import make_layout
 from omni_async.trainer.metrics import (
@@ -55,7 +55,6 @@ from omni_async.trainer.metrics import (
 )
 from omni_async.trainer.metrics_logger import MetricsLogger
 from omni_async.trainer.mode import Mode
-from omni_async.trainer.model_paths import check_at_start
 from omni_async.trainer.placement import make_pools, place
 from omni_async.trainer.step_ops import RewardFailureError, StepOps
 from omni_async.trainer.timeline import save_timeline, timeline_record

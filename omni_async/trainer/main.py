@@ -11,8 +11,8 @@ from omegaconf import DictConfig
 @hydra.main(config_path="../config", config_name="flowgrpo_trainer", version_base=None)
 def main(cfg: DictConfig) -> None:
     from omni_async.cluster import shutdown_ray, tune_driver_gc
+    from omni_async.config.schema import typed
     from omni_async.logs import setup_logging
-    from omni_async.trainer.config_schema import typed
     from omni_async.trainer.offline_trainer import make_trainer
 
     cfg = typed(cfg)
@@ -35,7 +35,7 @@ def checked_argv(argv: list[str]) -> list[str]:
     """``argv`` with its overrides checked before Hydra sees them (``overrides.check_overrides``: upstream keys
     renamed or accepted, unknown and refused keys raised together, naming each key and the fix, instead of Hydra's
     ``Could not override``). Hydra's own flags and ``hydra.*`` overrides pass unchanged."""
-    from omni_async.trainer.overrides import check_overrides
+    from omni_async.config.overrides import check_overrides
 
     flags, overrides, config_name = [], [], "flowgrpo_trainer"
     args = iter(argv[1:])

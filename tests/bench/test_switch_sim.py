@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from omni_async.config.model_paths import check_model_paths
 from omni_async.modality import get_modality
 from omni_async.models.text_policy import length_budget
 from omni_async.trainer.config import ConfigError, compose
-from omni_async.trainer.model_paths import check_model_paths
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,16 +11,16 @@ from types import SimpleNamespace
 import pytest
 
 from omni_async.agent_loop.draws import Draws
+from omni_async.config.model_paths import path_problem, pipeline_class
 from omni_async.config_error import ConfigErrors
 from omni_async.reward.dispatcher import RewardDispatcher
 from omni_async.reward.vllm_server import server_command
 from omni_async.sample import RewardOutcome
-from omni_async.trainer.config import ConfigError, compose, validate
+from omni_async.trainer.config import ConfigError, check_at_start, compose, validate
 from omni_async.trainer.dataset import first_rows
 from omni_async.trainer.loop import RLTrainer
 from omni_async.trainer.metrics import discard_metrics
 from omni_async.trainer.mode import mode_of
-from omni_async.trainer.model_paths import check_at_start, path_problem, pipeline_class
 
 BASE = ["data.train_files=x.jsonl"]
 
@@ -304,8 +304,8 @@ def test_use_kl_loss_true_without_a_coefficient_takes_verls_default():
 def test_fsdp2_offload_policy_is_param_and_optimizer_offload():
     """verl's ``fsdp_config.offload_policy=true`` (FSDP2 keeps parameters and optimizer state on the CPU) composes
     to this project's param_offload + optimizer_offload; false changes nothing; a contradicting value is refused."""
+    from omni_async.config.overrides import OverrideError
     from omni_async.trainer.config import compose
-    from omni_async.trainer.overrides import OverrideError
 
     key = "actor_rollout_ref.actor.fsdp_config"
     on = compose([f"{key}.offload_policy=true"]).actor_rollout_ref.actor.fsdp_config

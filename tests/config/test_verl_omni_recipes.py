@@ -13,9 +13,9 @@ import pytest
 from verl_omni_recipe_data import OWNED_ELSEWHERE, key_of, outcome, recipes, source, stand_in, start_refusal
 
 import omni_async.trainer.loop as loop
+from omni_async.config.overrides import OverrideError, check_overrides, known, rule_for
 from omni_async.trainer.config import ConfigError, compose, validate
 from omni_async.trainer.main import checked_argv
-from omni_async.trainer.overrides import OverrideError, check_overrides, known, rule_for
 
 BASE = ["data.train_files=x.jsonl"]
 RECIPES = recipes()
@@ -222,7 +222,7 @@ def test_this_projects_earlier_spelling_is_renamed_and_two_spellings_must_agree(
 
 
 def test_no_effect_key_is_logged_once_and_refused_values_name_the_fix(caplog):
-    with caplog.at_level(logging.WARNING, logger="omni_async.trainer.overrides"):
+    with caplog.at_level(logging.WARNING, logger="omni_async.config.overrides"):
         compose([*BASE, "+actor_rollout_ref.rollout.engine_kwargs.vllm_omni.max_num_seqs=8"])
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "has no effect here" in lines[0] and "vLLM-Omni" in lines[0]

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from omni_async.config.overrides import OverrideError
 from omni_async.config_error import ConfigError
 from omni_async.trainer.config import compose, validate
-from omni_async.trainer.overrides import OverrideError
 
 RECIPE_DIR = Path(__file__).resolve().parent / "verl_omni_recipes"
 OFFLINE_DPO_DATA = Path(__file__).resolve().parents[2] / "examples/data/offline_dpo"
@@ -228,10 +228,10 @@ def on_cpu(overrides: list[str], data: str | Path, run: str | Path) -> list[str]
 
 def start_refusal(overrides: list[str]) -> list[tuple[str, str]]:
     """What refuses ``overrides`` at start, before Ray: the override check and compose (``main.py``), then
-    ``model_paths.check_at_start`` (the first thing ``RLTrainer`` does). One ``(key, message)`` per problem named;
+    ``trainer.config.check_at_start`` (the first thing ``RLTrainer`` does). One ``(key, message)`` per problem named;
     empty when the run starts."""
     from omni_async.config_error import ConfigErrors
-    from omni_async.trainer.model_paths import check_at_start
+    from omni_async.trainer.config import check_at_start
 
     try:
         check_at_start(compose(overrides))

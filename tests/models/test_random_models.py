@@ -7,11 +7,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from omni_async.config.model_paths import check_model_paths, path_problem
 from omni_async.config_error import ConfigError
 from omni_async.models.published import PUBLISHED
 from omni_async.models.random_models import build_pipeline, override_problems
 from omni_async.models.tiny import RANDOM_TOKENIZERS
-from omni_async.trainer.model_paths import check_model_paths, path_problem
 
 CASES = {
     "sd3.5_medium": (

@@ -21,6 +21,7 @@ LAYERS = {
     "algos": 1,
     "models": 2,
     "cluster": 3,
+    "config": 3,  # omni_async.config: the YAML, its schema, upstream spellings and model paths (reads models only)
     "modality": 3,
     "reward": 4,
     "agent_loop": 5,

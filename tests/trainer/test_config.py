@@ -94,12 +94,12 @@ def test_types_admit_what_the_keys_mean():
 
 
 def test_every_nullable_key_has_a_type():
-    """A key whose default is null in every config file says its type in config_schema.NULLABLE (else any value
+    """A key whose default is null in every config file says its type in config.schema.NULLABLE (else any value
     would pass)."""
     from omegaconf import OmegaConf
 
+    from omni_async.config.schema import NULLABLE
     from omni_async.trainer.config import CONFIG_NAMES, compose_untyped
-    from omni_async.trainer.config_schema import NULLABLE
 
     def nulls(node, prefix=""):
         for k, v in node.items():
@@ -113,7 +113,7 @@ def test_every_nullable_key_has_a_type():
     null_somewhere = {k for c in configs for k in nulls(OmegaConf.to_container(c, resolve=False))}
     # A key null in one file and set in another takes the set value's type.
     untyped = {k for k in null_somewhere if all(OmegaConf.select(c, k) is None for c in configs)} - set(NULLABLE)
-    assert not untyped, f"add these keys' types to config_schema.NULLABLE: {sorted(untyped)}"
+    assert not untyped, f"add these keys' types to config.schema.NULLABLE: {sorted(untyped)}"
 
 
 def test_mini_batch_feeds_every_actor_rank():

@@ -13,10 +13,10 @@ import pytest
 import torch
 from helpers import SMALL_LORA
 
+from omni_async.config.overrides import OverrideError
 from omni_async.trainer.config import ConfigError, compose, validate
 from omni_async.trainer.dataset import DatasetError
 from omni_async.trainer.offline_pairs import load_pairs, pair_groups
-from omni_async.trainer.overrides import OverrideError
 
 SHIPPED = Path(__file__).resolve().parents[2] / "examples/data/offline_dpo"
 

@@ -136,7 +136,7 @@ def _dataclass(prefix: str, nodes: list[dict]) -> type:
     return make_dataclass(f"{name}Config", fields)
 
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
+CONFIG_DIR = Path(__file__).resolve().parent  # the YAML files sit beside the code that reads them
 
 
 CONFIG_NAMES = ("flowgrpo_trainer", "grpo_text_trainer")  # every config file users compose from

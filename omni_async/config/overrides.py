@@ -6,7 +6,7 @@ run, and partly features it does not have. Every override is looked at here firs
 
 * a key of this project's config passes unchanged (``+key`` on a key that exists becomes ``++key``, since upstream
   adds with ``+`` keys its own config lacks and this one has);
-* a verl / verl-omni key listed in :mod:`omni_async.trainer.upstream_keys` is renamed to this project's spelling,
+* a verl / verl-omni key listed in :mod:`omni_async.config.upstream_keys` is renamed to this project's spelling,
   accepted (meaning the same here, or logged once as having no effect here) or refused, value by value;
 * any other key is refused naming the nearest keys that do exist.
 
@@ -24,9 +24,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from omni_async.config.schema import compose_untyped, parse
+from omni_async.config.upstream_keys import RULES, Get, Rule
 from omni_async.config_error import ConfigError
-from omni_async.trainer.config_schema import compose_untyped, parse
-from omni_async.trainer.upstream_keys import RULES, Get, Rule
 
 logger = logging.getLogger(__name__)
 

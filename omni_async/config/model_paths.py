@@ -10,8 +10,8 @@ A diffusion policy's checkpoint must also be a pipeline this project has an adap
 directory, the hub cache, or the hub itself when reachable): a checkpoint of another class is refused here naming
 it, not by diffusers inside a Ray actor.
 
-:func:`check_at_start` is what a run checks before Ray starts: the config (``config.validate``) and the model paths,
-every problem found named at once.
+:func:`omni_async.trainer.config.check_at_start` is what a run checks before Ray starts: the config and these model
+paths, every problem found named at once.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from omni_async.config_error import ConfigError, ConfigErrors, check
+from omni_async.config_error import check
 from omni_async.models import SUPPORTED_PIPELINES
 from omni_async.models.tiny import (
     RANDOM_PREFIX,
@@ -205,27 +205,3 @@ def _check_override_config(model: DictConfig) -> None:
             f"changes a random:<family> architecture; {model.path!r} is loaded as saved",
             "drop override_config, or use random:<family> (e.g. random:qwen_image) for a dry run",
         )
-
-
-def check_at_start(cfg: DictConfig) -> DictConfig:
-    """What a run checks on the driver before Ray starts: the config (:func:`omni_async.trainer.config.validate`,
-    its first problem) and the model paths (:func:`check_model_paths`). Raises one :class:`ConfigError` naming
-    every problem found (a :class:`ConfigErrors` when there are several); returns the validated config."""
-    from omni_async.trainer.config import validate
-
-    problems: list[tuple[str, str]] = []
-    for check_one in (validate, check_model_paths):
-        try:
-            check_one(cfg)
-        except ConfigError as err:
-            problems += err.problems if isinstance(err, ConfigErrors) else [(_key_of(str(err)), str(err))]
-    if len(problems) == 1:
-        raise ConfigError(problems[0][1])
-    if problems:
-        raise ConfigErrors(problems)
-    return cfg
-
-
-def _key_of(message: str) -> str:
-    """The key a :func:`omni_async.config_error.check` message starts with (``key: ...`` or ``key=value: ...``)."""
-    return re.match(r"[^\s:=]+", message).group(0)

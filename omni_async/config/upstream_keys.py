@@ -4,7 +4,7 @@ Read from verl-omni's own config (``verl_omni/trainer/config/*.yaml``, ``algorit
 diffusion recipes use (``tests/config/verl_omni_recipes/``). Keys that mean the same here and are keys of this
 project's config (``rollout.pipeline.height``, ``rollout.seed``, ``data.val_max_samples``, ...) are not listed: they
 are in ``omni_async/config/flowgrpo_trainer.yaml``. A key ending in ``.*`` covers every key under it.
-:mod:`omni_async.trainer.overrides` applies the rules; ``docs/verl_omni_recipes.md`` is generated from them.
+:mod:`omni_async.config.overrides` applies the rules; ``docs/verl_omni_recipes.md`` is generated from them.
 """
 
 from __future__ import annotations

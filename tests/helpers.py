@@ -225,6 +225,18 @@ def train_step_killing_rollout(trainer, step: int, replica, after_batches: int =
         time.sleep(0.05)
     ray.kill(replica, no_restart=False)
     thread.join(timeout=300)
+    # The step may end on samples made before the kill while Ray still restarts the worker (images: a turn's
+    # requests go out as one call, so the first batch can hold all the step needs); a caller's next direct call would
+    # meet "the actor is restarting". Wait until it answers again.
+    deadline = time.time() + 120
+    while True:
+        try:
+            ray.get(replica.stats.remote())
+            break
+        except ray.exceptions.ActorUnavailableError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.1)
     return out[0]
 
 

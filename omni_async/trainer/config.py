@@ -7,6 +7,7 @@ checked here, at start, before any Ray actor exists, and each error names the ke
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import re
 from dataclasses import dataclass
@@ -107,8 +108,10 @@ def actor_ranks(cfg: DictConfig) -> int:
 
 
 def validate(cfg: DictConfig) -> DictConfig:
-    """Raise :class:`ConfigError` for the first combination that cannot run; return ``cfg``, with the upstream
-    aliases (top-level ``rollout.*``, ``trainer.v1.*``) folded into the canonical keys they stand for."""
+    """Raise :class:`ConfigError` for the first combination that cannot run; return the config the run uses: a copy
+    of ``cfg`` with the upstream aliases (top-level ``rollout.*``, ``trainer.v1.*``) folded into the canonical keys
+    they stand for and the mode-dependent nulls resolved (``bypass_mode``). ``cfg`` itself is left as given."""
+    cfg = copy.deepcopy(cfg)
     missing = OmegaConf.missing_keys(cfg)
     _check(
         not missing,
@@ -467,16 +470,24 @@ def check_at_start(cfg: DictConfig) -> DictConfig:
     :class:`ConfigError` naming every problem found (a :class:`ConfigErrors` when there are several); returns the
     validated config."""
     problems: list[tuple[str, str]] = []
-    for check_one in (validate, check_model_paths):
-        try:
-            check_one(cfg)
-        except ConfigError as err:
-            problems += err.problems if isinstance(err, ConfigErrors) else [(_key_of(str(err)), str(err))]
+
+    def note(err: ConfigError) -> None:
+        problems.extend(err.problems if isinstance(err, ConfigErrors) else [(_key_of(str(err)), str(err))])
+
+    resolved = cfg
+    try:
+        resolved = validate(cfg)
+    except ConfigError as err:
+        note(err)
+    try:
+        check_model_paths(resolved)
+    except ConfigError as err:
+        note(err)
     if len(problems) == 1:
         raise ConfigError(problems[0][1])
     if problems:
         raise ConfigErrors(problems)
-    return cfg
+    return resolved
 
 
 def _key_of(message: str) -> str:

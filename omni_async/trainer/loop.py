@@ -78,7 +78,7 @@ IDLE_WINDOW = 10
 
 class RLTrainer:
     def __init__(self, cfg: DictConfig):
-        self._begin(cfg)
+        cfg = self._begin(cfg)
         train_rows = first_rows(load_prompts(cfg.data.train_files), cfg.data.train_max_samples)
         self.val_rows = (
             first_rows(load_prompts(cfg.data.val_files), cfg.data.val_max_samples, cfg.data.val_batch_size)
@@ -138,10 +138,11 @@ class RLTrainer:
             self.total_steps,
         )
 
-    def _begin(self, cfg: DictConfig) -> None:
+    def _begin(self, given: DictConfig) -> DictConfig:
         """What every trainer does first (offline DPO's too): the config checked, Ray joined, the plan decided, the
-        resolved config written to the run directory."""
-        self.cfg = check_at_start(cfg)  # before Ray starts: a typo costs a second, not a cluster start
+        resolved config written to the run directory. Returns the validated config, the one the run reads
+        (``validate`` leaves ``given`` as it was)."""
+        self.cfg = cfg = check_at_start(given)  # before Ray starts: a typo costs a second, not a cluster start
         init_ray(cfg)
         # Decided once from the validated config, then handed down: nothing below reads the mode or layout from cfg.
         self.plan = plan(self.cfg)
@@ -151,6 +152,7 @@ class RLTrainer:
         # The resolved config beside the curves it produced: which loss and settings made a run is on record.
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+        return cfg
 
     # ---- the producer -----------------------------------------------------------------------------------------
     @property

@@ -36,7 +36,7 @@ class OfflinePreferenceTrainer(RLTrainer):
     producer: the state it shares with the online trainer is set here, without the agent loop and the reward side."""
 
     def __init__(self, cfg: DictConfig):  # no super().__init__: it starts the rollout and reward sides
-        self._begin(cfg)
+        cfg = self._begin(cfg)
         pairs = first_rows(load_pairs(cfg.data.train_files), cfg.data.train_max_samples)
         self.val_rows = []  # nothing generates: no validation (verl-omni's offline trainer skips it)
         self.sampler = PromptSampler(pairs, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)

@@ -9,6 +9,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from omegaconf import OmegaConf
 
 from omni_async.agent_loop.draws import Draws
 from omni_async.config.model_paths import path_problem, pipeline_class
@@ -115,6 +116,9 @@ def test_separate_async_without_its_keys_takes_verl_omnis_defaults():
     # n = 2 groups per update: cap floor(1.25 x 4 x 2) = 10, lag bound ceil(10 / 2) - 1 = 4 (< 8 - 1)
     assert (m.cap, m.bound) == (10, 4)
     assert validate(cfg) == cfg  # idempotent
+    raw = compose(SEPARATE)  # validation returns the resolved config and leaves the one it was given as given
+    before = OmegaConf.to_container(raw)
+    assert validate(raw) == cfg and OmegaConf.to_container(raw) == before and raw != cfg
     given = [
         "async_training.trigger_parameter_sync_step=2",
         "async_training.staleness_threshold=0.5",
@@ -282,7 +286,7 @@ def test_a_checkpoint_of_a_pipeline_not_trained_here_is_refused_before_ray_with_
     assert [k for k, _ in err.value.problems] == ["reward.custom_reward_function.path", "actor_rollout_ref.model.path"]
     assert str(err.value).startswith("2 problems stop this run:\n- reward.custom_reward_function.path")
     cfg = compose([*BASE, f"actor_rollout_ref.model.path={tmp_path}/sd3"])
-    assert check_at_start(cfg) is cfg  # a supported pipeline starts
+    assert check_at_start(cfg) == validate(cfg)  # a supported pipeline starts, with the validated config
     with pytest.raises(ConfigError, match=r"^reward\.custom_reward_function\.path"):  # one problem: a plain one
         check_at_start(compose([*BASE, bad_reward]))
 

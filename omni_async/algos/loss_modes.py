@@ -57,6 +57,12 @@ class LossMode:
     # scored beside the reward by ``reward.teacher``; distillation.enabled must be on with it and only with it)
     teacher: bool = False
 
+    @property
+    def final_latents(self) -> bool:
+        """Trained from each sample's clean latents (the forward process: DiffusionNFT, AWM, DPO), not from its SDE
+        window's log-probs."""
+        return self.data_path == FINAL_LATENTS
+
 
 SDE_WINDOW, FINAL_LATENTS = "sde_window", "final_latents"
 PLANNED_ISSUE = "issue 38"  # where the modes not built are tracked

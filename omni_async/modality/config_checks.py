@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from omni_async.config_error import check as _check
 
@@ -183,8 +183,6 @@ def check_loss(cfg: DictConfig) -> None:
     and DiffusionNFT's / AWM's / Diffusion-DPO's own keys (``algos.diffusion_nft``, ``algos.awm``, ``algos.dpo``).
     Text keeps verl's ``actor.clip_ratio`` and ``algorithm.adv_clip_max``. One check per part, in this order: the
     loss mode, the keys paired with it, the values' ranges, then the loss's own keys."""
-    from omni_async.algos.loss_modes import FINAL_LATENTS
-
     if cfg.actor_rollout_ref.model.modality == "text":
         _check_text_loss(cfg)
         return
@@ -193,7 +191,7 @@ def check_loss(cfg: DictConfig) -> None:
     _check_loss_values(cfg, mode.name)
     if mode.name == "awm":
         _check_awm(cfg)
-    if mode.data_path == FINAL_LATENTS:
+    if mode.final_latents:
         _check_final_latents(cfg, mode.name)
 
 
@@ -325,14 +323,10 @@ def _check_loss_mode(cfg: DictConfig) -> LossMode:
 def _check_loss_pairing(cfg: DictConfig, mode: LossMode) -> None:
     """The keys verl-omni pairs with the loss mode: the steps it trains, its adapters and trainer type, online or
     offline samples, pairs (Diffusion-DPO), and whether the rollout returns log-probs."""
-    from omegaconf import OmegaConf
-
-    from omni_async.algos.loss_modes import FINAL_LATENTS
-
     arr, algo = cfg.actor_rollout_ref, cfg.algorithm
     dl = arr.actor.diffusion_loss
     name = mode.name
-    final = mode.data_path == FINAL_LATENTS
+    final = mode.final_latents
     _check(  # DanceGRPO's own code trains a random timestep_fraction of the steps; verl-omni's trains its SDE window
         final or algo.timestep_fraction == 1.0,
         "algorithm.timestep_fraction",

@@ -38,7 +38,6 @@ from omni_async.algos.awm import awm_loss, matching_log_prob
 from omni_async.algos.diffusion_nft import forward_noised, nft_loss
 from omni_async.algos.dpo import dpo_loss, train_index
 from omni_async.algos.loss import BYPASS_CORRECTION_KEY, bypass_rollout_correction, correction_weights
-from omni_async.algos.loss_modes import FINAL_LATENTS
 from omni_async.algos.loss_modes import loss_mode as registered_loss_mode
 from omni_async.algos.sde import kl_to_reference
 from omni_async.algos.window_losses import WindowStepInputs
@@ -59,7 +58,7 @@ class ImageModality(Modality):
         self.loss_mode = loss_mode
         self.mode = registered_loss_mode(loss_mode)  # what the losses dispatch on (algos.loss_modes)
         self.awm_weighting = {"weighting": awm_weighting, "ghuber_power": float(awm_ghuber_power)}
-        self.final_latents = self.mode.data_path == FINAL_LATENTS
+        self.final_latents = self.mode.final_latents
         self.old_means = self.mode.old_means  # GRPO-Guard, Flow-DPPO: pi_old's window-step means
         # DiffusionNFT samples with any solver: ODE here, so no SDE window is drawn for its samples.
         self.uses_window = not self.final_latents

@@ -166,3 +166,14 @@ def pytest_collection_modifyitems(config, items):
         w = 3 if _runs_apart(item) else item.get_closest_marker("slow") is not None
         weight[item.location[0]] = weight.get(item.location[0], 0) + w
     items.sort(key=lambda item: -weight[item.location[0]])
+
+
+@pytest.fixture
+def trainers(tmp_path):
+    """``helpers.Trainers`` over 8 prompts in ``tmp_path``: a test builds its trainers with it (one Ray session
+    each); the last one is closed after the test."""
+    from helpers import Trainers, write_prompts
+
+    made = Trainers(write_prompts(tmp_path / "train.jsonl", 8), tmp_path)
+    yield made
+    made.close()

@@ -1,5 +1,5 @@
 """The GPU tier's set-up: its CPU twins' modules importable (their tests run here unchanged on the device), and the
-fixtures those twins take."""
+fixtures those twins take (``trainers`` is the suite's, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,5 +11,4 @@ for folder in ("trainer", "."):  # pytest puts a test's own folder on sys.path o
     if str(TESTS / folder) not in sys.path:
         sys.path.insert(0, str(TESTS / folder))
 
-from test_fully_async import trainers  # noqa: E402, F401  (a twin's fixture: Trainers over 8 prompts)
 from test_sync_trainer import data_dir  # noqa: E402, F401  (a twin's fixture: the OCR prompts)

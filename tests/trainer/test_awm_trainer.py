@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import SMALL_LORA, Trainers, drawn_latents, record_trained_uids, through_lock_step_modes, write_prompts
+from helpers import SMALL_LORA, drawn_latents, record_trained_uids, through_lock_step_modes
 from verl import DataProto
 
 from omni_async.modality import modality_of
@@ -163,13 +163,6 @@ MODES = {
         "trainer.total_training_steps=8",
     ],
 }
-
-
-@pytest.fixture
-def trainers(tmp_path):
-    t = Trainers(write_prompts(tmp_path / "train.jsonl", 8), tmp_path)
-    yield t
-    t.close()
 
 
 @pytest.mark.slow

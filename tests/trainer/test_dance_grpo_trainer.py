@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from helpers import SMALL_LORA, Trainers, record_trained_uids, switch_mode, through_lock_step_modes, write_prompts
+from helpers import SMALL_LORA, record_trained_uids, switch_mode, through_lock_step_modes
 
 from omni_async.trainer.config import ConfigError, compose, validate
 
@@ -65,13 +65,6 @@ def assert_drawn_with_dance_sde(samples, sigmas) -> None:
             i = r.window_start + j
             std = 1.2 * math.sqrt(float(sigmas[i] - sigmas[i + 1]))
             assert lp + math.log(std) + LOG_SQRT_2PI == pytest.approx(-0.5, abs=0.25), (i, lp)
-
-
-@pytest.fixture
-def trainers(tmp_path):
-    t = Trainers(write_prompts(tmp_path / "train.jsonl", 8), tmp_path)
-    yield t
-    t.close()
 
 
 @pytest.fixture(scope="module")

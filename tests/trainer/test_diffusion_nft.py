@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import SMALL_IMAGE_TRAINER, SMALL_LORA, Trainers, drawn_latents, record_trained_uids, write_prompts
+from helpers import SMALL_IMAGE_TRAINER, SMALL_LORA, drawn_latents, record_trained_uids
 
 from omni_async.modality import modality_of
 from omni_async.trainer.config import ConfigError, compose, validate
@@ -184,13 +184,6 @@ MODES = {
     "fully_async_disaggregated": [*POOL, "async_reward.fully_async=true", "async_training.staleness_threshold=1"],
 }
 LAGGED = {"one_step_off_disaggregated", "fully_async_disaggregated"}
-
-
-@pytest.fixture
-def trainers(tmp_path):
-    t = Trainers(write_prompts(tmp_path / "train.jsonl", 8), tmp_path)
-    yield t
-    t.close()
 
 
 @pytest.mark.slow

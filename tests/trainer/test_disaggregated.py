@@ -141,13 +141,6 @@ def test_text_long_tail_gives_each_sample_its_own_length_budget():
 
 
 # ---- on Ray ----------------------------------------------------------------------------------------------------
-@pytest.fixture
-def trainers(tmp_path):
-    made = Trainers(write_prompts(tmp_path / "train.jsonl", 8), tmp_path)
-    yield made
-    made.close()
-
-
 def pid(handle) -> int:
     return ray.get(handle.__ray_call__.remote(lambda self: __import__("os").getpid()))
 

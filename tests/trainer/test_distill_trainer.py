@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import SMALL_LORA, Trainers, record_trained_uids, write_prompts
+from helpers import SMALL_LORA, record_trained_uids
 
 from omni_async.trainer.config import ConfigError, compose, validate
 
@@ -54,13 +54,6 @@ def test_what_does_not_fit_distillation_is_refused_naming_the_fix(overrides, key
 def test_a_text_run_refuses_distillation():
     with pytest.raises(ConfigError, match=r"distillation.enabled.*causal LM.*Fix:"):
         validate(compose(["data.train_files=x.jsonl", "distillation.enabled=true"], config_name="grpo_text_trainer"))
-
-
-@pytest.fixture
-def trainers(tmp_path):
-    t = Trainers(write_prompts(tmp_path / "train.jsonl", 8), tmp_path)
-    yield t
-    t.close()
 
 
 @pytest.fixture(scope="module")

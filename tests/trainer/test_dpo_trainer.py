@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import SMALL_LORA, Trainers, record_trained_uids, write_prompts
+from helpers import SMALL_LORA, record_trained_uids
 
 from omni_async.modality import modality_of
 from omni_async.sample import PromptRow, RewardOutcome, Sample
@@ -91,13 +91,6 @@ RUN = [
     "trainer.log_image_freq=-1",
     "trainer.log_timeline_freq=-1",
 ]
-
-
-@pytest.fixture
-def trainers(tmp_path):
-    t = Trainers(write_prompts(tmp_path / "train.jsonl", 8), tmp_path)
-    yield t
-    t.close()
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from helpers import Trainers, record_trained_uids, switch_mode, write_prompts
+from helpers import record_trained_uids, switch_mode
 
 FLUX = [
     "actor_rollout_ref.model.path=tiny:flux",
@@ -38,13 +38,6 @@ NFT = [
 ]
 LOSSES = {"flow_grpo": ([], "actor/pg_loss"), "diffusion_nft": (NFT, "actor/policy_loss")}
 POOL = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
-
-
-@pytest.fixture
-def trainers(tmp_path):
-    t = Trainers(write_prompts(tmp_path / "train.jsonl", 8), tmp_path)
-    yield t
-    t.close()
 
 
 def trained(metrics: dict, loss_metric: str, mode: str = "") -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import ray
 import torch
-from helpers import SMALL_LORA, Trainers, record_trained_uids, train_step_killing_rollout, write_prompts
+from helpers import SMALL_LORA, record_trained_uids, train_step_killing_rollout, write_prompts
 
 from omni_async.agent_loop.draws import sample_seed
 from omni_async.cluster import shutdown_ray
@@ -178,13 +178,6 @@ def test_text_partial_rollout_is_accepted_and_refused_only_for_a_vllm_rollout():
 
 
 # ---- on Ray ----------------------------------------------------------------------------------------------------
-@pytest.fixture
-def trainers(tmp_path):
-    made = Trainers(write_prompts(tmp_path / "train.jsonl", 8), tmp_path)
-    yield made
-    made.close()
-
-
 @pytest.mark.slow
 def test_image_run_with_a_slow_trainer_and_a_killed_rollout_worker_stays_in_bounds_trains_every_group_once(trainers):
     """Staleness 1, a sync every 2 updates of 1 group (K=2, n=1): at most floor(2 x 2) = 4 groups started per window

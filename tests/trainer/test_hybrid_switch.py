@@ -123,13 +123,6 @@ def test_a_device_going_back_to_training_withdraws_the_requests_it_has_not_start
 
 
 # ---- on Ray ----------------------------------------------------------------------------------------------------
-@pytest.fixture
-def trainers(tmp_path):
-    made = Trainers(write_prompts(tmp_path / "train.jsonl", 8), tmp_path)
-    yield made
-    made.close()
-
-
 def slow_generation(handle, seconds: float) -> None:
     """Each device batch of ``handle`` (a rollout worker or a trainer rank) takes ``seconds`` longer (set again: the
     new delay replaces the old). A trainer rank's batches are recorded in ``device_batches``: the lend they ran in

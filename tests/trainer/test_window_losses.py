@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import Trainers, switch_mode, through_lock_step_modes, write_prompts
+from helpers import switch_mode, through_lock_step_modes
 
 from omni_async.algos.mix_grpo import mix_grpo_window
 
@@ -43,13 +43,6 @@ MIX = [
 ]
 QUIET = ["trainer.log_image_freq=-1", "trainer.log_timeline_freq=-1", "trainer.total_training_steps=10"]
 ONE_MINIBATCH = ["actor_rollout_ref.actor.ppo_mini_batch_size=2"]  # the step's 2 groups: one optimizer step
-
-
-@pytest.fixture
-def trainers(tmp_path):
-    t = Trainers(write_prompts(tmp_path / "train.jsonl", 8), tmp_path)
-    yield t
-    t.close()
 
 
 @pytest.mark.slow

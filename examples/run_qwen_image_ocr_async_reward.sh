@@ -23,7 +23,8 @@
 # r64 on the eight attention projections, bf16 frozen weights, gradient checkpointing, micro-batch 4 up to 512x512
 # and 1 above (MICRO_BATCH; 4 cut the update by 32 % on an H200 at 65 GB peak, docs/gpu_and_memory.md),
 # true CFG 4 (CFG; ALGO=diffusion_nft: verl-omni's NFT recipe instead, CFG-free, groups of 16, LoRA on the MLPs too,
-# old policy delayed_linear_to_0_999 every 2 steps, reference KL 1e-4); each is an env variable or a Hydra override. One hybrid worker per actor GPU; each optimizer
+# old policy delayed_linear_to_0_999 every 2 steps, reference KL 1e-4; ALGO=awm: its authors' OCR recipe, CFG-free,
+# groups of 24, LoRA r32 on the attention); each is an env variable or a Hydra override. One hybrid worker per actor GPU; each optimizer
 # step takes 2 prompts (groups) per actor GPU (MINI_BATCH, default 2 x NUM_GPUS_ACTOR_ROLLOUT x NNODES: a group is
 # never split across GPUs, so fewer groups than GPUs would leave GPUs idle; BATCH is rounded up to a multiple).
 # Also: LR, LORA_RANK, LORA_ALPHA, NOISE_LEVEL, VAL_FREQ (validation every N steps), STEPS, BATCH, GROUP; on the
@@ -72,6 +73,14 @@ if [[ "$MODEL_PATH" != tiny:* ]]; then
   # LoRA on all eight attention projections of the dual-stream blocks, as verl-omni's Qwen-Image recipe.
   HEIGHT="${HEIGHT:-512}"
   WIDTH="${WIDTH:-512}"
+  if [[ "$ALGO" == awm ]]; then
+    # The AWM authors' OCR recipe (config/dgx_awm.py, ocr_sd3_no_cfg_1node): CFG-free, groups of 24, LoRA r32 /
+    # alpha 64 on the attention projections (the targets below); the batch's advantage std is the config's default.
+    CFG="${CFG:-1.0}"
+    GROUP="${GROUP:-24}"
+    LORA_RANK="${LORA_RANK:-32}"
+    LORA_ALPHA="${LORA_ALPHA:-64}"
+  fi
   LORA_RANK="${LORA_RANK:-64}"
   LORA_ALPHA="${LORA_ALPHA:-128}"
   (( HEIGHT * WIDTH <= 512 * 512 )) && MICRO_BATCH="${MICRO_BATCH:-4}"

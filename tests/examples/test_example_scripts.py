@@ -111,6 +111,24 @@ def test_gpu_recipe_nft_is_verl_omnis_nft_recipe(tmp_path):
     assert grpo["actor_rollout_ref"]["rollout"]["pipeline"]["true_cfg_scale"] == 4.0
 
 
+def test_gpu_recipe_awm_is_its_authors_ocr_recipe(tmp_path):
+    """``ALGO=awm`` with real weights composes the AWM authors' OCR recipe (config/dgx_awm.py,
+    ocr_sd3_no_cfg_1node): CFG-free, groups of 24, LoRA r32 / alpha 64 on the eight attention projections, lr 3e-4,
+    the batch's advantage std, reference KL 0.003, clip 1, the EMA anchor decayed linearly to 0.3."""
+    cfg = run_example("run_qwen_image_ocr_async_reward.sh", tmp_path, MODEL_PATH="/models/Qwen-Image", ALGO="awm")
+    arr, algo = cfg["actor_rollout_ref"], cfg["algorithm"]
+    loss = arr["actor"]["diffusion_loss"]
+    assert arr["model"]["algorithm"] == "awm" and arr["rollout"]["pipeline"]["true_cfg_scale"] == 1.0
+    assert arr["rollout"]["n"] == 24 and (arr["model"]["lora_rank"], arr["model"]["lora_alpha"]) == (32, 64)
+    assert set(arr["model"]["target_modules"]) == {
+        *("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    }
+    assert arr["actor"]["optim"]["lr"] == 3e-4 and algo["global_std"] is True
+    assert (loss["ref_kl_coef"], loss["clip_ratio"], loss["old_kl_coef"]) == (0.003, 1.0, 1.0)
+    assert loss["adv_clip_max"] == 5.0  # with their advantage_max 1: advantages scaled to [-1, 1]
+    assert algo["old_policy_decay_schedule"] == "linear_to_0_3"
+
+
 def test_gpu_recipe_without_a_reward_gpu_scores_ocr_on_cpu_actors(tmp_path):
     """NUM_GPUS_REWARD=0: no reward pool (no device reserved for a CPU scorer); OCR workers are CPU actors."""
     cfg = run_example(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import SMALL_IMAGE_TRAINER, SMALL_LORA, drawn_latents, record_trained_uids
+from helpers import SMALL_IMAGE_TRAINER, SMALL_LORA, drawn_latents, record_trained_uids, switch_mode
 
 from omni_async.modality import modality_of
 from omni_async.trainer.config import ConfigError, compose, validate
@@ -173,65 +173,84 @@ RUN = [
     "trainer.log_timeline_freq=-1",
 ]
 POOL = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
-# Each way the rollout reads the old policy: the hybrid worker's old adapter in place (sync) or its snapshot (any mode
-# that overlaps update and generation sets the snapshot up: the pipeline here, one-step-off alike), and the old
-# weights shipped to a rollout pool (one-step-off and fully async; the split layout ships them through the same
-# ``get_weights`` call: test_full_finetune_old_copy_samples_and_ships).
-MODES = {
-    "sync_hybrid": ["reward.streaming=false"],
-    "stream_pipeline_hybrid": ["reward.streaming=true", *PIPELINE],
-    "one_step_off_disaggregated": [*POOL, "async_reward.one_step_off_policy=true"],
-    "fully_async_disaggregated": [*POOL, "async_reward.fully_async=true", "async_training.staleness_threshold=1"],
+# One trainer per layout walks its modes (name, ``switch_mode`` arguments, steps): each way the rollout reads the old
+# policy. Hybrid: built for the pipeline, so its worker generates from a snapshot of the old adapter taken at each
+# sync (any mode that overlaps update and generation sets the snapshot up, one-step-off alike), which the sync mode
+# it switches to goes on reading. (A hybrid worker built for a sync mode reads the old adapter in place: that branch
+# is test_full_finetune_old_copy_samples_and_ships' hybrid case, the LoRA ``old_policy()`` it enters
+# tests/models/test_nft_policy.py's.) Disaggregated: the old weights shipped to a rollout pool, one-step-off then
+# fully async (the split layout ships them through the same ``get_weights`` call: the full fine-tune test's split
+# case). One-step-off runs 3 steps: its first draw made after a trained version is step 3's.
+LAYOUTS = {
+    "hybrid": (
+        ["reward.streaming=true", *PIPELINE],
+        [("stream_pipeline", {}, 2), ("sync", {"streaming": False, "update_pipeline": False}, 2)],
+    ),
+    "disaggregated": (
+        [*POOL, "async_reward.one_step_off_policy=true", "async_training.staleness_threshold=1"],
+        [("one_step_off", {}, 3), ("fully_async", {"one_step_off_policy": False, "fully_async": True}, 2)],
+    ),
 }
-LAGGED = {"one_step_off_disaggregated", "fully_async_disaggregated"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", list(MODES))
-def test_trains_in_every_mode_sampling_with_the_old_policy(trainers, mode, tmp_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_trains_in_every_mode_sampling_with_the_old_policy(trainers, layout, tmp_path):
     """``old_policy_decay=1``: the old policy never moves from the start (the base model), while lr 5e-2 moves the
-    live weights far. Every sample of every step must then be the base model's, in every layout: the rollout reads
-    the old policy (hybrid: the old adapter or its snapshot; split / disaggregated: the old weights are what is
-    shipped). Samples carry clean latents and no log-probs; every drawn group is trained once."""
-    trainer = trainers(*RUN, *MODES[mode], "algorithm.old_policy_decay=1.0", "algorithm.old_policy_update_interval=1")
+    live weights far. Every sample of every step must then be the base model's, in every mode and layout: the
+    rollout reads the old policy (hybrid: the old adapter's snapshot; disaggregated: the old weights are what is
+    shipped). Samples carry clean latents and no log-probs; every drawn group is trained once across the switches.
+    The hybrid trainer's sync steps also walk the refresh schedule (:func:`old_policy_follows_the_schedule`)."""
+    build, modes = LAYOUTS[layout]
+    trainer = trainers(*RUN, *build, "algorithm.old_policy_decay=1.0", "algorithm.old_policy_update_interval=1")
     trained = record_trained_uids(trainer.ops)
-    steps = []
-    for step in range(3 if mode in LAGGED else 2):  # lagged: step 3 trains samples drawn after a trained version
-        metrics, samples = trainer.train_step(step)
-        steps.append((metrics, samples))
+    steps, later, step = [], [], 0
+    for name, switch, count in modes:
+        if switch:
+            switch_mode(trainer, **switch)
+        if name == "sync":
+            steps += old_policy_follows_the_schedule(trainer, step, tmp_path / "ckpt")
+        else:  # the old policy refreshed at decay 1 after every step: it stays where it started
+            steps += [trainer.train_step(s) for s in range(step, step + count)]
+            assert all(m["old_policy/updated"] == 1.0 and m["old_policy/moved_l2"] == 0.0 for m, _ in steps[-count:])
+        step += count
+        drawn = [s for _, samples in steps[-count:] for s in samples if s.version >= 1]  # after the weights moved
+        assert drawn, name
+        later += drawn
     for metrics, samples in steps:
         assert all(s.result.log_probs.numel() == 0 and s.result.window_latents.numel() == 0 for s in samples)
         assert all(s.result.latents_clean is not None for s in samples)
-        assert metrics["old_policy/updated"] == 1.0 and metrics["old_policy/moved_l2"] == 0.0
         assert metrics["actor/policy_loss"] > 0 and "actor/pg_loss" not in metrics
-    later = [s for _, samples in steps for s in samples if s.version >= 1]  # drawn after the live weights moved
-    assert later
     got = torch.stack([s.result.latents_clean for s in later])
     assert (got - drawn_latents(later)).abs().max() < 1e-4
+    if layout != "hybrid":  # (the hybrid trainer checkpointed before its old policy's first move)
+        trainer.placement.actor_wg.save_checkpoint(str(tmp_path / "ckpt"))
     # The live weights did move, far enough that a rollout reading them would have drawn other samples; the
     # checkpoint holds both, the old ones still the start's.
-    trainer.placement.actor_wg.save_checkpoint(str(tmp_path / "ckpt"))
     state = torch.load(tmp_path / "ckpt" / "actor.pt", weights_only=True)
     assert (got - drawn_latents(later, state["weights"])).abs().max() > 1e-2
     assert max(float(state["old_weights"][k].abs().max()) for k in state["old_weights"] if "lora_B" in k) == 0.0
     uids = [s.uid for _, samples in steps for s in samples]
     assert sorted(set(trained)) == sorted(set(uids)) and len(trained) == len(uids)  # each sample trained once
-    if mode == "sync_hybrid":
-        old_policy_follows_the_schedule_every_interval(trainer, len(steps))
 
 
-def old_policy_follows_the_schedule_every_interval(trainer, step: int) -> None:
-    """The trainer goes on with ``linear_to_0_5`` every 2 steps instead of the fixed decay 1 (``algorithm.*`` is read
-    at each refresh): no refresh after 1-based step 3, a refresh after step 4 with decay 0.004 (0.001 per step) that
-    moves the old weights by (1 - 0.004) of their gap to the live ones, nonzero since the live weights moved while
-    the old ones stayed at the start. (A test of its own, with a trainer of its own, until 2026-11-26.)"""
+def old_policy_follows_the_schedule(trainer, step: int, ckpt) -> list:
+    """Two steps from ``step`` (an even one, the old policy fixed at the start until then) with ``linear_to_0_5``
+    every 2 steps instead of the fixed decay 1 (``algorithm.*`` is read at each refresh): no refresh after the
+    first, a refresh after the second with decay 0.001 x its 1-based step number that moves the old weights by
+    (1 - decay) of their gap to the live ones, nonzero since the live weights moved while the old ones stayed at the
+    start. The trainer is checkpointed to ``ckpt`` between the two (the old policy still the start's). Both steps'
+    samples are drawn before that refresh (sync: a draw after the previous step's sync), by the start's old policy;
+    returns both steps' ``(metrics, samples)``. (A test of its own, with a trainer of its own, until 2026-11-26.)"""
     algo = trainer.ops.cfg.algorithm
     algo.old_policy_decay, algo.old_policy_decay_schedule, algo.old_policy_update_interval = None, "linear_to_0_5", 2
-    third, _ = trainer.train_step(step)
-    fourth, _ = trainer.train_step(step + 1)
-    assert third["old_policy/updated"] == 0.0 and "old_policy/decay" not in third
-    assert fourth["old_policy/updated"] == 1.0 and fourth["old_policy/decay"] == pytest.approx(0.004)
-    assert fourth["old_policy/moved_l2"] > 0
+    first = trainer.train_step(step)
+    trainer.placement.actor_wg.save_checkpoint(str(ckpt))
+    second = trainer.train_step(step + 1)
+    assert first[0]["old_policy/updated"] == 0.0 and "old_policy/decay" not in first[0]
+    assert second[0]["old_policy/updated"] == 1.0 and second[0]["old_policy/decay"] == pytest.approx(0.001 * (step + 2))
+    assert second[0]["old_policy/moved_l2"] > 0
+    return [first, second]
 
 
 def test_small_trainer_base_is_the_flow_grpo_default():

@@ -20,7 +20,9 @@ The image modality dispatches on the entry (``ImageModality.backward``): a windo
 final-latent loss names its backward (``backward``: ``nft`` -> ``_nft_backward``, ``awm`` -> ``_awm_backward``,
 each a ``_forward_steps`` loop; ``dpo`` -> ``_dpo_backward``, one forward per pair). To add a loss: its pure math
 in ``algos/`` and an entry here with ``built=True`` (a window loss: an adapter in ``algos.window_losses``; a
-final-latent loss: its backward in the modality).
+final-latent loss: its backward in the modality, and the batch it needs as flags: ``optimality_prob``,
+``preference_pairs``, ``stratified_steps``, ``matching_log_prob``). The trainer and the modality ask the entry, never
+the loss's name (``tests/structure/test_decided_once.py``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,17 @@ class LossMode:
     # the loss reads the frozen teacher's velocity at each window step (DiffusionOPD: batch key ``teacher_velocity``,
     # scored beside the reward by ``reward.teacher``; distillation.enabled must be on with it and only with it)
     teacher: bool = False
+    # What the trainer's batch carries for a final-latent loss, asked by StepOps instead of the loss's name:
+    # DiffusionNFT's optimality probability r = map(advantage) (batch key ``reward_prob``, algos.diffusion_nft)
+    optimality_prob: bool = False
+    # Diffusion-DPO: each group's (chosen, rejected) pair, adjacent rows (StepOps.preference_batch, algos.dpo)
+    preference_pairs: bool = False
+    # AWM: the training steps drawn stratified once per mini-batch (algos.awm.draw_train_steps); otherwise
+    # DiffusionNFT's random algorithm.timestep_fraction of the steps per sample (algos.diffusion_nft.train_steps)
+    stratified_steps: bool = False
+    # AWM: its log-prob is the matching log-likelihood at the batch's training steps (algos.awm.matching_log_prob),
+    # recomputed as pi_old with rollout_correction.bypass_mode=false; a window loss's is the SDE step's
+    matching_log_prob: bool = False
 
     @property
     def final_latents(self) -> bool:
@@ -71,13 +84,20 @@ LOSS_MODES: dict[str, LossMode] = {
     m.name: m
     for m in (
         LossMode("flow_grpo", SDE_WINDOW, "flow_grpo", window_loss=flow_grpo_window),
-        LossMode("diffusion_nft", FINAL_LATENTS, "diffusion_nft", clips_advantages=False, backward="nft"),
+        LossMode(
+            "diffusion_nft",
+            FINAL_LATENTS,
+            "diffusion_nft",
+            clips_advantages=False,
+            backward="nft",
+            optimality_prob=True,
+        ),
         # verl-omni's other modes (issue 38), and AWM (which verl-omni names but has no loss for).
         LossMode("grpo_guard", SDE_WINDOW, "flow_grpo", old_means=True, window_loss=grpo_guard_window),
         LossMode(
             "flow_dppo", SDE_WINDOW, "flow_grpo", old_means=True, clips_advantages=False, window_loss=flow_dppo_window
         ),
-        LossMode("awm", FINAL_LATENTS, "awm", backward="awm"),
+        LossMode("awm", FINAL_LATENTS, "awm", backward="awm", stratified_steps=True, matching_log_prob=True),
         # DanceGRPO (algos.dance_grpo): verl-omni's FlowGRPO loss and advantage on DanceGRPO's SDE step
         # (rollout.algo.sde_type=dance_sde, which its recipe sets).
         LossMode("dance_grpo", SDE_WINDOW, "dance_grpo", window_loss=dance_grpo_window),
@@ -86,7 +106,7 @@ LOSS_MODES: dict[str, LossMode] = {
         LossMode("distill_kl", SDE_WINDOW, "flow_grpo", teacher=True, window_loss=distill_kl_window),
         # Diffusion-DPO (algos.dpo): each group's best and worst final latents as a (chosen, rejected) pair, or an
         # offline dataset's pairs (algorithm.sample_source=offline); StepOps.preference_batch lays the pairs out.
-        LossMode("dpo", FINAL_LATENTS, "dpo", backward="dpo"),
+        LossMode("dpo", FINAL_LATENTS, "dpo", backward="dpo", preference_pairs=True),
     )
 }
 

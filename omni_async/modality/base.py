@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from omni_async.algos.loss_modes import LossMode
 from omni_async.sample import Sample
 
 
@@ -17,6 +18,8 @@ class Modality(ABC):
 
     name: str
     uses_window: bool  # generation takes an SDE window (diffusion) or not (text)
+    # the diffusion loss's registry entry (algos.loss_modes), which the trainer asks what the batch needs; text: None
+    mode: LossMode | None = None
 
     @abstractmethod
     def sampling_config(self, cfg: Any) -> Any:

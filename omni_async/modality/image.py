@@ -38,6 +38,7 @@ from omni_async.algos.awm import awm_loss, matching_log_prob
 from omni_async.algos.diffusion_nft import forward_noised, nft_loss
 from omni_async.algos.dpo import dpo_loss, train_index
 from omni_async.algos.loss import BYPASS_CORRECTION_KEY, bypass_rollout_correction, correction_weights
+from omni_async.algos.loss_modes import LossMode
 from omni_async.algos.loss_modes import loss_mode as registered_loss_mode
 from omni_async.algos.sde import kl_to_reference
 from omni_async.algos.window_losses import WindowStepInputs
@@ -56,7 +57,7 @@ class ImageModality(Modality):
         log-likelihood (``diffusion_loss.awm_weighting``, ``awm_ghuber_power``: ``algos.awm``) is the modality's, so
         the update and the log-prob recompute, which gets no actor config, read the same one."""
         self.loss_mode = loss_mode
-        self.mode = registered_loss_mode(loss_mode)  # what the losses dispatch on (algos.loss_modes)
+        self.mode: LossMode = registered_loss_mode(loss_mode)  # what the losses dispatch on (algos.loss_modes)
         self.awm_weighting = {"weighting": awm_weighting, "ghuber_power": float(awm_ghuber_power)}
         self.final_latents = self.mode.final_latents
         self.old_means = self.mode.old_means  # GRPO-Guard, Flow-DPPO: pi_old's window-step means
@@ -171,7 +172,7 @@ class ImageModality(Modality):
         ``{"old_log_probs": [B, W], "old_means": [B, W, ...]}``, the means of the same forward passes (verl-omni's
         old-log-prob recompute returns them alike). AWM: its matching log-likelihood ``lp`` [B, T] at the batch's
         training steps (``algos.awm.matching_log_prob``)."""
-        if self.mode.backward == "awm":
+        if self.mode.matching_log_prob:
             cond = policy.conditioning_from(batch.batch, batched=True)
             lps = [
                 matching_log_prob(

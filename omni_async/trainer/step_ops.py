@@ -25,7 +25,6 @@ from omni_async.algos.awm import draw_train_steps
 from omni_async.algos.diffusion_nft import old_policy_decay, optimality_probability, refreshes_after, train_steps
 from omni_async.algos.dpo import logit_normal_u, preference_pairs
 from omni_async.algos.loss import BYPASS_CORRECTION_FIELDS, BYPASS_CORRECTION_KEY
-from omni_async.algos.loss_modes import loss_mode
 from omni_async.modality import REF_TIME_KEY, Modality
 from omni_async.models.lora import OLD_ADAPTER
 from omni_async.reward.teacher import trajectory_fields
@@ -115,10 +114,9 @@ class StepOps:
         image = self.cfg.actor_rollout_ref.model.modality == "image"
         # images: verl-omni's diffusion_loss.adv_clip_max (flow_grpo and DiffusionNFT); text: algorithm.adv_clip_max
         clip = self.cfg.actor_rollout_ref.actor.diffusion_loss.adv_clip_max if image else algo.adv_clip_max
-        nft = image and self.modality.loss_mode == "diffusion_nft"
+        mode = self.modality.mode  # the image loss's registry entry (algos.loss_modes); None for text
         # DiffusionNFT clips inside the map to the optimality probability (below); Flow-DPPO takes them unclipped
-        clipped = not image or loss_mode(self.modality.loss_mode).clips_advantages
-        final = image and self.modality.final_latents  # DiffusionNFT, AWM: trained on the forward process
+        clipped = mode is None or mode.clips_advantages
         batch = DataProto.from_dict(
             tensors=self.modality.batch_tensors(samples),
             non_tensors={
@@ -137,11 +135,11 @@ class StepOps:
             global_std=algo.global_std,
             adv_clip_max=clip if clipped else None,
         )
-        if image and self.modality.loss_mode == "dpo":
+        if mode is not None and mode.preference_pairs:
             return self.preference_batch(batch, samples, adv, loss_mask)
-        if nft:
+        if mode is not None and mode.optimality_prob:
             batch.batch["reward_prob"] = optimality_probability(adv, adv_clip_max=clip, adv_mode=algo.adv_mode)[:, None]
-        if final:
+        if mode is not None and mode.final_latents:  # DiffusionNFT, AWM: trained on the forward process
             self.forward_process_batch(batch, samples)
         if algo.drop_zero_adv_samples:  # flow_grpo filters them out of the batch: the loss mean runs over the rest
             loss_mask = loss_mask & (adv != 0)
@@ -186,7 +184,7 @@ class StepOps:
         recompute of ``lp_old`` and every micro-batch see the same steps), seeded by the mini-batch's sample seeds
         (the same on a resume)."""
         steps = int(self.cfg.actor_rollout_ref.rollout.pipeline.num_inference_steps)
-        if self.modality.loss_mode == "awm":
+        if self.modality.mode is not None and self.modality.mode.stratified_steps:
             batch.batch["train_steps"] = self._awm_train_steps(samples, steps)
         else:
             gens = [torch.Generator().manual_seed(sample_seed(s.seed, 0, 0, SEED_NFT_STEPS)) for s in samples]
@@ -245,7 +243,7 @@ class StepOps:
         recomputed the same way; DiffusionNFT has no log-probs at all."""
         rc = self.cfg.algorithm.rollout_correction
         if "old_log_probs" not in batch.batch.keys():  # a final-latent loss: no rollout log-probs
-            if not rc.bypass_mode and getattr(self.modality, "loss_mode", None) == "awm":
+            if not rc.bypass_mode and self.modality.mode is not None and self.modality.mode.matching_log_prob:
                 with timer("old_log_prob"):
                     batch.batch["old_log_probs"] = self._pi_old_call(batch, keep_synced)
             return

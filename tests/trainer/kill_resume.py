@@ -6,9 +6,10 @@ a checkpoint's write resumes from the previous complete checkpoint. One case per
 the kill points are spread over them (each point's code is the same in every mode); the cases are in two modules so
 that the test session's two workers share them.
 
-The fully async kill (partial rollout, text) is in ``test_fully_async.py``. The killed run starts its own Ray cluster
-(killed with it); the resumed run joins the test session's (``RAY_ADDRESS``), as ``python -m
-omni_async.trainer.main`` joins a running cluster."""
+The fully async kill (partial rollout, text) is in ``test_fully_async.py``. Both runs join the test session's Ray
+cluster (``RAY_ADDRESS``), as ``python -m omni_async.trainer.main`` joins a running cluster, instead of the killed run
+starting one of its own (~15-20 s on a 2-core box): the kill takes the killed run's process tree and every process of
+its Ray job at once, as a machine's crash would, so none of its actors outlives it until Ray notices (:func:`kill_run`)."""
 
 from __future__ import annotations
 
@@ -40,15 +41,30 @@ STEPS = 2  # 2 prompts x 4 samples a step; a checkpoint after every step; the ki
 # of that step (one reward worker; the step's draw after the earlier steps' 8 samples each).
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
+RUN_TAG = "OMNI_ASYNC_TEST_RUN_TAG"  # an OMNI_ASYNC_* variable: the job's runtime env hands it to its Ray workers
+
+
+def kill_run(proc: subprocess.Popen, tag: str) -> int:
+    """SIGKILL the run ``proc`` started with ``$OMNI_ASYNC_TEST_RUN_TAG=tag``: its process tree and, at once, its Ray
+    job's workers on a cluster it joined (they carry the tag in their environment). Returns how many of those
+    workers were killed."""
     family = psutil.Process(proc.pid).children(recursive=True)
+    mine = {p.pid for p in family} | {proc.pid}
+    workers = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid not in mine and p.environ().get(RUN_TAG) == tag:
+                workers.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
     os.killpg(proc.pid, signal.SIGKILL)
-    for p in family:
+    for p in family + workers:
         try:
             p.kill()
         except psutil.NoSuchProcess:
             pass
     proc.wait(30)
+    return len(workers)
 
 
 def _rows(path) -> list[tuple[int, str, int, int]]:
@@ -79,12 +95,9 @@ def kill_then_resume(tmp_path, case: str, config_name: str, base: list[str], poi
     kill_env = {"KILL_AT": f"{point}:{at}", "KILL_READY": str(ready)}
     if point == "reward":
         kill_env = {"OMNI_ASYNC_TEST_KILL_AFTER": str(8 * at), "OMNI_ASYNC_TEST_KILL_READY": str(ready)}
-    # The killed run starts a Ray cluster of its own, so the SIGKILL of its process tree takes its actors too, as a
-    # machine's crash would (joined to the session's cluster, its actors would outlive it until Ray noticed).
-    own_cluster = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}
     killed = subprocess.Popen(
         [*runner, str(logs[0]), *overrides],
-        env={**own_cluster, **kill_env},
+        env={**env, **kill_env, RUN_TAG: str(tmp_path)},
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=open(tmp_path / "killed.err", "w"),  # noqa: SIM115 -- the child's, closed with it
@@ -93,7 +106,7 @@ def kill_then_resume(tmp_path, case: str, config_name: str, base: list[str], poi
     while not ready.exists() and killed.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     assert ready.exists() and killed.poll() is None, (tmp_path / "killed.err").read_text()[-3000:]
-    _kill_tree(killed)
+    assert kill_run(killed, str(tmp_path)) >= 1 or not os.environ.get("RAY_ADDRESS")  # its actors went with it
     complete = sorted(int(p.parent.name[5:]) for p in (run / "checkpoints").glob("step_*/trainer.json"))
     resumed_from = complete[-1] if complete else 0
     if point == "checkpoint":  # the half-written marker was never renamed: the previous checkpoint is the last one

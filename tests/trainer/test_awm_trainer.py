@@ -1,14 +1,15 @@
 """AWM (``loss_mode=awm``) through the trainer: its keys compose and what does not fit is refused naming the fix (as are
-the loss modes not built, naming the one to use instead), and real Ray runs on tiny SD3, sync (with the step-start
-recompute of the matching log-likelihood) and fully async: the rollout samples with the live weights, never the EMA
-anchor; samples carry final latents only; every group is trained once."""
+the loss modes not built, naming the one to use instead), and real Ray runs on tiny SD3, one trainer per layout: hybrid
+(the step-start recompute of the matching log-likelihood, then bypass through the lock-step modes and sync) and fully
+async on a rollout pool: the rollout samples with the live weights, never the EMA anchor; samples carry final latents
+only; every group is trained once."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from helpers import SMALL_LORA, drawn_latents, record_trained_uids, through_lock_step_modes
+from helpers import SMALL_LORA, drawn_latents, record_trained_uids, switch_mode, through_lock_step_modes
 from verl import DataProto
 
 from omni_async.modality import modality_of
@@ -152,16 +153,16 @@ RUN = [
     "trainer.log_timeline_freq=-1",
 ]
 POOL = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
+# One trainer per layout. Hybrid: three steps recomputing lp_old (two mini-batches per step: the second sees the
+# weights the first moved, against lp_old from the step's start), one in bypass, then the pipeline, one-step-off and
+# both (helpers.through_lock_step_modes), then sync (reward after the rollout). Disaggregated: fully async.
 MODES = {
-    # two mini-batches per step: the second sees the weights the first moved, against lp_old from the step's start
-    "sync_hybrid_recompute": ["reward.streaming=false", "algorithm.rollout_correction.bypass_mode=false"],
-    "fully_async_disaggregated": [*POOL, "async_reward.fully_async=true", "async_training.staleness_threshold=1"],
-    # then through the pipeline, one-step-off and both (helpers.through_lock_step_modes)
-    "stream_hybrid": [
+    "hybrid": [
         "reward.streaming=true",
-        "algorithm.rollout_correction.bypass_mode=true",
+        "algorithm.rollout_correction.bypass_mode=false",
         "trainer.total_training_steps=8",
     ],
+    "fully_async_disaggregated": [*POOL, "async_reward.fully_async=true", "async_training.staleness_threshold=1"],
 }
 
 
@@ -170,11 +171,14 @@ MODES = {
 def test_trains_sampling_with_the_live_policy(trainers, mode, tmp_path):
     trainer = trainers(*RUN, *MODES[mode])
     trained = record_trained_uids(trainer.ops)
-    sync = mode.startswith("sync")
-    steps = [trainer.train_step(step) for step in range(2 if sync else 3)]  # fully async: 3 spans a lagged draw
-    if sync:  # the weights step 2's samples are drawn with: the ones after step 1 (hybrid, lock-step)
+    hybrid = mode == "hybrid"
+    steps = [trainer.train_step(step) for step in range(2 if hybrid else 3)]  # fully async: 3 spans a lagged draw
+    if hybrid:  # the weights step 2's samples are drawn with: the ones after step 1 (hybrid, lock-step)
         trainer.placement.actor_wg.save_checkpoint(str(tmp_path / "ckpt"))
         steps.append(trainer.train_step(2))
+        # bypass from here (pi_old is read at each step): the lock-step modes after this one need it
+        trainer.ops.cfg.algorithm.rollout_correction.bypass_mode = True
+        steps.append(trainer.train_step(3))
     for metrics, samples in steps:
         assert all(s.result.log_probs.numel() == 0 and s.result.window_latents.numel() == 0 for s in samples)
         assert all(s.result.latents_clean is not None for s in samples)
@@ -184,19 +188,23 @@ def test_trains_sampling_with_the_live_policy(trainers, mode, tmp_path):
     # The live weights left the frozen anchor, and the anchor term says so.
     assert all(metrics["actor/old_kl_loss"] > 0 for metrics, _ in steps[1:])
     ratios = [metrics["actor/ratio_mean"] for metrics, _ in steps]
-    if sync:  # lp_old recomputed at the step's start: the second mini-batch's ratio moved
-        assert any(abs(r - 1) > 1e-4 for r in ratios)
-        drawn = steps[-1][1]
+    bypassed = ratios[3:] if hybrid else ratios
+    assert bypassed == [1.0] * len(bypassed)  # bypass: lp_old = sg(lp), ratio 1
+    if hybrid:  # lp_old recomputed at the step's start: the second mini-batch's ratio moved
+        assert any(abs(r - 1) > 1e-4 for r in ratios[:3])
+        drawn = steps[2][1]
         state = torch.load(tmp_path / "ckpt" / "actor.pt", weights_only=True)
         got = torch.stack([s.result.latents_clean for s in drawn])
         assert (got - drawn_latents(drawn, state["weights"])).abs().max() < 1e-4  # the live weights drew them
-    else:  # bypass: lp_old = sg(lp), ratio 1
-        assert ratios == [1.0] * len(steps)
     later = [s for _, samples in steps for s in samples if s.version >= 1]
     assert later
     got = torch.stack([s.result.latents_clean for s in later])
     assert (got - drawn_latents(later)).abs().max() > 1e-2  # not the anchor's (= the base model's) samples
     uids = [s.uid for _, samples in steps for s in samples]
     assert sorted(set(trained)) == sorted(set(uids)) and len(trained) == len(uids)  # each sample trained once
-    if mode == "stream_hybrid":
-        through_lock_step_modes(trainer, len(steps), "actor/pg_loss")
+    if hybrid:
+        step = through_lock_step_modes(trainer, len(steps), "actor/pg_loss")
+        switch_mode(trainer, streaming=False, update_pipeline=False, one_step_off_policy=False)
+        metrics, samples = trainer.train_step(step)  # sync: rollout, then scoring, then the update
+        assert metrics["reward/failed"] == 0 and metrics["actor/grad_norm"] > 0 and metrics["actor/old_kl_loss"] > 0
+        assert all(s.result.latents_clean is not None for s in samples)

@@ -62,6 +62,8 @@ def check_reward(cfg: DictConfig) -> None:
             f"{reward.num_workers} workers do not fit a reward pool of {size} devices",
             "usually reward.num_workers = n_gpus_per_node x nnodes / tensor_model_parallel_size",
         )
+    if rm.colocate_with_actor:
+        _check_colocated_with_actor(cfg)
     if rm.enable:
         _check(
             rm.model_path is not None,
@@ -126,3 +128,36 @@ def _check_reward_functions(reward: DictConfig, modality: str) -> None:
             )
     except ValueError as e:  # a RewardConfigError, or a reward_functions entry without path / name
         raise ConfigError(str(e)) from e
+
+
+def _check_colocated_with_actor(cfg: DictConfig) -> None:
+    """``reward.reward_model.colocate_with_actor``: the reward-loop workers on the actor pool's devices, at most one
+    per device (each takes its share of one; a second there would ask more than the device has)."""
+    from omni_async.reward.wiring import streaming_enabled
+
+    reward, rm, key = cfg.reward, cfg.reward.reward_model, "reward.reward_model.colocate_with_actor"
+    _check(
+        not rm.enable_resource_pool,
+        key,
+        "the reward-loop workers sit either beside the actor or on their own pool (enable_resource_pool), not both",
+        "drop one of the two",
+    )
+    _check(
+        not (rm.enable and rm.rollout.name == "vllm"),
+        key,
+        "vLLM judge servers run on the dedicated reward pool",
+        "set reward.reward_model.enable_resource_pool=True instead",
+    )
+    _check(
+        streaming_enabled(cfg),
+        key,
+        "places the reward-loop workers, and reward.streaming=false scores in the trainer's process (none are made)",
+        "set reward.streaming=auto (or true), or drop colocate_with_actor",
+    )
+    devices = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
+    _check(
+        reward.num_workers <= devices,
+        "reward.num_workers",
+        f"{reward.num_workers} workers beside the actor need as many actor devices, the actor has {devices}",
+        f"set reward.num_workers={devices} (one per actor device) or fewer",
+    )

@@ -3,6 +3,8 @@
 - ``reward.reward_model.enable_resource_pool=True``: on verl's dedicated ``reward_pool`` resource pool
   (``n_gpus_per_node x nnodes`` devices, its own placement groups, so the actor/rollout pool is untouched);
   worker ``i`` takes bundle ``i`` (one device each: a judge model or OCR engine per device).
+- ``reward.reward_model.colocate_with_actor=True``: on the actor pool's bundles, worker ``i`` beside actor rank
+  ``i``, taking ``1 / max_colocate_count`` of its device as every process there does (verl's colocation rule).
 - otherwise: plain CPU actors (verl's rule: with no reward model, streaming needs no device).
 
 Workers restart when their process dies (``max_restarts``); the dispatcher re-sends what they had in flight.
@@ -56,17 +58,17 @@ def create_reward_workers(
         if bundles:
             pg, index = bundles[i % len(bundles)]
             opts.update(
-                num_gpus=1,
+                num_gpus=1 / resource_pool.max_colocate_count if reward_cfg.reward_model.colocate_with_actor else 1,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=index
                 ),
             )
         workers.append(cls.options(**opts).remote(cfg_dict, i, list(judge_urls or []), teacher))
-    logger.info(
-        "starting %d reward worker(s) %s",
-        len(workers),
-        f"on the reward pool ({len(bundles)} device(s))" if bundles else "as CPU actors",
-    )
+    where = "as CPU actors"
+    if bundles:
+        shared = reward_cfg.reward_model.colocate_with_actor
+        where = f"{'beside the actor on' if shared else 'on the reward pool'}: {len(bundles)} device(s)"
+    logger.info("starting %d reward worker(s) %s", len(workers), where)
     return workers
 
 

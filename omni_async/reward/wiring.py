@@ -24,11 +24,12 @@ from omni_async.reward.teacher import Teacher, teacher_spec
 
 
 def streaming_enabled(cfg: DictConfig) -> bool:
-    """verl's rule: stream rewards whenever there is no reward model, or the reward model has its own pool."""
+    """verl's rule: stream rewards whenever there is no reward model, or the reward model has its own pool (or
+    its reward-loop workers sit beside the actor: ``reward.reward_model.colocate_with_actor``)."""
     mode = str(cfg.reward.streaming).lower()
     if mode == "auto":
         rm = cfg.reward.reward_model
-        return (not rm.enable) or bool(rm.enable_resource_pool)
+        return (not rm.enable) or bool(rm.enable_resource_pool) or bool(rm.colocate_with_actor)
     return mode == "true"
 
 

@@ -153,9 +153,8 @@ class Split(Layout):
         self._weights: tuple[Any, int] | None = None  # (object ref of the newest weights, version)
 
     def start_rollout(self, pools: Any) -> list[Any]:
-        self.workers = rollout_replicas(
-            self.cfg, pools.get_resource_pool("actor"), 1.0 / ACTOR_ROLLOUT_COLOCATE, self.mode.interrupts_at_sync
-        )
+        actor = pools.get_resource_pool("actor")  # its processes per device: the actor's, the replica's (a reward's)
+        self.workers = rollout_replicas(self.cfg, actor, 1.0 / actor.max_colocate_count, self.mode.interrupts_at_sync)
         return self.workers
 
     @property

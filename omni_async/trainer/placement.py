@@ -5,7 +5,9 @@
 - the layout's own pools (``Layout.pool_spec``): the disaggregated layout's ``rollout_pool``,
   ``rollout.n_gpus_per_node x nnodes`` devices, one inference-only replica on each.
 - ``reward_pool`` (``reward.reward_model.enable_resource_pool``): the reward-loop workers' own devices; or TP
-  bundles for vLLM judge servers (``reward.reward_model.rollout.name=vllm``).
+  bundles for vLLM judge servers (``reward.reward_model.rollout.name=vllm``). With
+  ``reward.reward_model.colocate_with_actor`` the reward-loop workers sit on the actor pool's devices instead: one
+  more process per device (verl's ``max_colocate_count``), each process taking ``1 / count`` of its device.
 """
 
 from __future__ import annotations
@@ -53,9 +55,12 @@ def make_pools(cfg: DictConfig, layout: Layout) -> Pools:
         judge_pg = judge_placement_group(cfg.reward)
     elif rm.enable_resource_pool:
         spec["reward_pool"], mapping["reward"] = [rm.n_gpus_per_node] * rm.nnodes, "reward_pool"
+    elif rm.colocate_with_actor:  # one more process per actor device: each takes 1 / count of it (verl's rule)
+        mapping["reward"] = "actor_rollout"
     for name, devices in layout.pool_spec().items():
         spec[name], mapping["rollout"] = devices, name
-    pools = ResourcePoolManager(resource_pool_spec=spec, mapping=mapping, max_colocate_count=layout.colocate)
+    colocate = layout.colocate + int(bool(rm.colocate_with_actor))
+    pools = ResourcePoolManager(resource_pool_spec=spec, mapping=mapping, max_colocate_count=colocate)
     pools.create_resource_pool()
     reward_pool = pools.get_resource_pool("reward") if "reward" in mapping else None
     return Pools(pools, reward_pool, judge_pg)

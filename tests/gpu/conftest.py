@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-for folder in ("trainer", "."):  # pytest puts a test's own folder on sys.path only when it collects that folder
+# pytest puts a test's own folder on sys.path only when it collects that folder
+for folder in ("trainer", "reward", "."):
     if str(TESTS / folder) not in sys.path:
         sys.path.insert(0, str(TESTS / folder))
 

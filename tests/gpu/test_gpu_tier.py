@@ -6,10 +6,13 @@ devices (``tests/conftest.py``), Ray hands each actor/rollout worker its device,
 (``cluster.configure_worker``) and ``model_dtype: null`` makes the frozen weights bf16 there. So the CPU twins below
 run unchanged (the same function, collected here as well): a rollout worker killed and restarted with its requests
 generated again (``test_reliability``), a checkpoint saved and resumed through the entry point
-(``test_sync_trainer``), fully async training on the device that trains (``test_fully_async``). The tests written
-here check what only a device shows: the hybrid worker of each modality generates and updates in bf16 with fp32
-masters and fp32 log-probs, its first update scoring its own samples at ratio 1 (nothing clipped at clip_ratio
-1e-5), and the split layout's replica beside the actor on a share of the same device, taking the weight push.
+(``test_sync_trainer``), fully async training on the device that trains (``test_fully_async``), a reward-loop worker
+beside the actor rank on half of the same device (``reward.reward_model.colocate_with_actor``:
+``tests/reward/test_reward_beside_actor.py``). The tests written here check what only a device shows: the hybrid
+worker of each modality generates and updates in bf16 with fp32 masters and fp32 log-probs, its first update scoring
+its own samples at ratio 1 (nothing clipped at clip_ratio 1e-5), the split layout's replica beside the actor on a
+share of the same device, taking the weight push, and the trainer's reward-loop worker beside its actor rank on that
+device while a step trains.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from helpers import SMALL_IMAGE_TRAINER, Trainers, write_prompts
 # The CPU twins, collected in this module as well, so its marks below apply to them here.
 from test_fully_async import test_colocate_async_on_the_hybrid_layout_trains_every_group_once_within_the_bound  # noqa: F401
 from test_reliability import test_rollout_worker_killed_mid_step_regenerates_the_same_samples  # noqa: F401
+from test_reward_beside_actor import test_reward_worker_sits_beside_the_actor_on_a_share_of_its_device  # noqa: F401
 from test_sync_trainer import test_sync_run_then_kill_and_resume_gives_same_next_step  # noqa: F401
 from test_text_mode import DIGITS, write_arith
 from test_text_mode import SMALL as SMALL_TEXT_TRAINER
@@ -133,3 +137,24 @@ def test_split_replica_shares_the_device_and_takes_the_weight_push(make):
     assert ray.get(actor.stats.remote())["weights_shipped"] == 3
     assert [m["rollout/policy_version"] for m, _ in steps] == [0.0, 1.0]
     assert all(s.version == 1 and s.outcome.ok for s in steps[1][1])
+
+
+def test_reward_worker_beside_the_actor_shares_its_device_while_a_step_trains(make):
+    """CPU twin: ``tests/reward/test_reward_beside_actor.py`` (the actor rank and the reward-loop worker on one
+    device, half each, in Ray's accounting); here the trainer itself with ``reward.reward_model.colocate_with_actor``:
+    its actor rank's model on the CUDA device, its reward-loop worker on the same device, a step trained with every
+    sample scored there."""
+    t = make("image", "reward.reward_model.colocate_with_actor=true")
+    actor, reward = t.placement.actor_wg.workers[0], t.reward.workers[0]
+    ids = ray.get([w.__ray_call__.remote(lambda self: ray.get_gpu_ids()) for w in (actor, reward)])
+    assert ids[0] == ids[1] and len(ids[0]) == 1
+    shares = ray.get(
+        [
+            w.__ray_call__.remote(lambda self: ray.get_runtime_context().get_assigned_resources())
+            for w in (actor, reward)
+        ]
+    )
+    assert [sum(v for k, v in r.items() if k.startswith("GPU")) for r in shares] == pytest.approx([0.5, 0.5], abs=1e-3)
+    assert ray.get(actor.__ray_call__.remote(worker_report))["device"].startswith("cuda")
+    metrics, samples = t.train_step(0)
+    assert all(s.outcome.ok for s in samples) and metrics["actor/grad_norm"] > 0

@@ -1,16 +1,17 @@
 """Trainer devices lending a hand to generation, on simulated devices (issue 52 item 4).
 
-    .venv/bin/python bench/switch_sim.py --workload long_tail_text|update_heavy --out FILE [--steps 8]
+    .venv/bin/python bench/switch_sim.py --workload long_tail_text|update_heavy|image_batches --out FILE [--steps 8]
 
 Fully async training on the disaggregated layout, 1 rollout + 1 trainer device, run twice in one process: with
 ``trainer.v1.separate_async.hybrid_rollout.enable_switch`` off, then on. The devices are simulated
-(``actor_rollout_ref.model.path=sim:text``, ``omni_async.models.sim_policy``): a decode step and the update's
-forward + backward are timed waits that hold no CPU, as GPU kernels, so what the switch gains or costs is not hidden
+(``actor_rollout_ref.model.path=sim:text``, ``omni_async.models.sim_policy``; ``sim:image``,
+``omni_async.models.sim_image_policy``): a decode step or an image batch and the update's forward + backward are
+timed waits that hold no CPU, as GPU kernels, so what the switch gains or costs is not hidden
 by this box's 2 cores (the CPU measurements: docs/fully_async.md). Everything else is the product as it ships: the
 driver, the rollouter, the agent loop, the reward-loop worker (a simulated remote scorer), the switch policy, the
 weight syncs over Ray, the metrics.
 
-Workloads (:data:`WORKLOADS`; the device times are ``sim:text``'s ``override_config`` keys):
+Workloads (:data:`WORKLOADS`; the device times are ``sim:text``'s and ``sim:image``'s ``override_config`` keys):
 
 - ``long_tail_text``: responses of up to 128 tokens with a Pareto(1.2) length tail (a tenth of that up to all of
   it, mean ~36), up to 8 rows per decode step of 10 ms + 1.25 ms a row (a large model's decode step on a GPU); an
@@ -18,6 +19,10 @@ Workloads (:data:`WORKLOADS`; the device times are ``sim:text``'s ``override_con
   ~1,150 tokens), the update ~0.6 s.
 - ``update_heavy``: 32-token responses, no tail; an update of 4 ms per response token. The trainer device is the
   busier one (update ~4 s a step, generation ~2.6 s): the switch should cost little.
+- ``image_batches``: text-to-image on ``sim:image`` (the image modality's batcher, batches of up to 8 images, an SDE
+  window of 2 steps): a device batch of 0.2 s + 0.1 s an image (a step's 32 images ~4 s), an update of 20 ms per
+  sample and window step (~1.3 s a step, its pi_old recompute a third more). The rollout device is the busier one;
+  an image batch cannot stop between tokens, so a switch back waits for the lent batch to end.
 
 Device times of this size keep the host's share (the driver's, the reward worker's: milliseconds of CPU a sample)
 small beside them, as on GPUs; on this shared 2-core box that CPU time still stretches under load, so each JSON
@@ -81,7 +86,18 @@ WORKLOADS: dict[str, list[str]] = {
         "actor_rollout_ref.rollout.response_length=32",
         *timings(token_s=0.01, row_token_s=0.00125, prefill_s=0.01, update_token_s=0.004),
     ],
+    "image_batches": [
+        "actor_rollout_ref.model.path=sim:image",
+        "actor_rollout_ref.rollout.height=32",
+        "actor_rollout_ref.rollout.width=32",
+        "actor_rollout_ref.rollout.num_inference_steps=4",
+        "actor_rollout_ref.rollout.algo.sde_window_size=2",
+        "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]",
+        *timings(batch_s=0.2, image_s=0.1, update_step_s=0.02),
+    ],
 }
+# The trainer config each workload's modality starts from (sim:text's unless named here).
+CONFIG_NAMES = {"image_batches": "flowgrpo_trainer"}
 
 
 def base_overrides(train_file: Path, steps: int, staleness: float = 2, seed: int = 7) -> list[str]:
@@ -145,14 +161,16 @@ def busy_in(spans: list[tuple[float, float, str]], start: float, end: float, wha
     return sum(max(0.0, min(b, end) - max(a, start)) for a, b, w in spans if what in (None, w))
 
 
-def run(overrides: list[str], run_dir: Path, warmup: int, steps: int, tail: int) -> dict[str, Any]:
+def run(
+    overrides: list[str], run_dir: Path, warmup: int, steps: int, tail: int, config_name: str = "grpo_text_trainer"
+) -> dict[str, Any]:
     """One training run; the measured steps' samples/s, each device's busy fraction and the switch's metrics."""
     from omni_async.cluster import shutdown_ray
     from omni_async.trainer.config import compose
     from omni_async.trainer.loop import RLTrainer
 
     shutdown_ray()
-    cfg = compose([*overrides, f"trainer.run_dir={run_dir}"], config_name="grpo_text_trainer")
+    cfg = compose([*overrides, f"trainer.run_dir={run_dir}"], config_name=config_name)
     trainer = RLTrainer(cfg)
     measured: list[dict[str, float]] = []
     samples = 0
@@ -208,8 +226,9 @@ def measure(
     workload's (a test's shorter responses)."""
     train = write_prompts(out_dir / "train.jsonl", 64)
     base = [*base_overrides(train, warmup + steps + tail, staleness), *WORKLOADS[workload], *extra]
-    off = run(base, out_dir / "off", warmup, steps, tail)
-    on = run([*base, SWITCH_ON], out_dir / "on", warmup, steps, tail)
+    config_name = CONFIG_NAMES.get(workload, "grpo_text_trainer")
+    off = run(base, out_dir / "off", warmup, steps, tail, config_name)
+    on = run([*base, SWITCH_ON], out_dir / "on", warmup, steps, tail, config_name)
     return {"off": off, "on": on, "switches": on["switches"], "x_off": on["samples_per_s"] / off["samples_per_s"]}
 
 
@@ -233,7 +252,7 @@ def main() -> None:
         "steps": args.steps,
         "tail": args.tail,
         "staleness": args.staleness,
-        "devices": "1 rollout + 1 trainer, simulated (sim:text)",
+        "devices": f"1 rollout + 1 trainer, simulated ({'sim:image' if args.workload in CONFIG_NAMES else 'sim:text'})",
         "load_average": {"before": load_before, "after": os.getloadavg()},
         "cpu_count": os.cpu_count(),
         "host": platform.node(),

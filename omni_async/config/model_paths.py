@@ -187,17 +187,23 @@ def _check_override_config(model: DictConfig) -> None:
                 "use the component's own config keys, e.g. "
                 "++actor_rollout_ref.model.override_config.transformer.num_layers=1",
             )
-    elif is_sim(model.path):
+    elif is_sim(model.path) and path_problem(model.path) is None:
+        simulated = str(model.path)[len(SIM_PREFIX) :]  # sim:<modality> (models.tiny.SIM_SOURCES)
         check(
-            model.modality == "text",
+            model.modality == simulated,
             "actor_rollout_ref.model.path",
-            "sim:<name> simulates a text policy's device",
-            "set actor_rollout_ref.model.modality=text",
+            f"{model.path} simulates a {simulated} policy's device",
+            f"set actor_rollout_ref.model.modality={simulated}",
         )
-        from omni_async.models.sim_policy import sim_override_problems
+        from omni_async.models.sim_policy import SimTimings, sim_override_problems
 
-        problems = sim_override_problems(override)
-        check(not problems, key, "; ".join(problems), "e.g. ++actor_rollout_ref.model.override_config.token_s=0.002")
+        keys = SimTimings.keys()
+        if simulated == "image":
+            from omni_async.models.sim_image_policy import SimImageTimings
+
+            keys = SimImageTimings.keys()
+        problems = sim_override_problems(override, keys)
+        check(not problems, key, "; ".join(problems), f"e.g. ++{key}.{keys[0]}=0.01")
     elif model.modality == "image":
         check(
             not override,

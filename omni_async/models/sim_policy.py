@@ -1,4 +1,5 @@
-"""A simulated device: a text policy whose generation and update are timed waits (``sim:text``).
+"""A simulated device: a text policy whose generation and update are timed waits (``sim:text``; images:
+``sim:image``, :mod:`omni_async.models.sim_image_policy`).
 
 ``actor_rollout_ref.model.path=sim:text`` (``modality=text``) builds :class:`SimTextPolicy` on every rollout worker
 and trainer rank. It is ``tiny:qwen2`` (its tokenizer, its LoRA or full weights, the real optimizer step, weight
@@ -49,15 +50,13 @@ class SimTimings:
         return [f.name for f in fields(cls)]
 
 
-def sim_override_problems(override: dict[str, Any]) -> list[str]:
-    """What is wrong with a ``sim:`` source's ``override_config``: unknown keys, negative or non-numeric values."""
-    problems = [
-        f"unknown key {k!r} (a sim: source takes {', '.join(SimTimings.keys())})"
-        for k in override
-        if k not in SimTimings.keys()
-    ]
+def sim_override_problems(override: dict[str, Any], keys: list[str] | None = None) -> list[str]:
+    """What is wrong with a ``sim:`` source's ``override_config``: unknown keys (``keys``: its timings', by default
+    ``sim:text``'s), negative or non-numeric values."""
+    keys = SimTimings.keys() if keys is None else keys
+    problems = [f"unknown key {k!r} (a sim: source takes {', '.join(keys)})" for k in override if k not in keys]
     for k, v in override.items():
-        if k in SimTimings.keys() and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+        if k in keys and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
             problems.append(f"{k}={v!r} must be a number of seconds >= 0")
     return problems
 

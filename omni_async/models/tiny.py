@@ -585,7 +585,8 @@ def is_tiny(name_or_path: str) -> bool:
 
 SIM_PREFIX = "sim:"
 # sim:<name> (models.sim_policy: a simulated device, its generation and update timed waits) -> the tiny model under it.
-SIM_SOURCES = {"text": "tiny:qwen2"}
+# The name is the modality it simulates (sim:text: models.sim_policy, sim:image: models.sim_image_policy).
+SIM_SOURCES = {"text": "tiny:qwen2", "image": "tiny:sd3"}
 SIM_BASE = SIM_SOURCES["text"]
 
 

@@ -87,3 +87,41 @@ def test_the_switch_gains_on_the_long_tail_workload_of_simulated_devices(tmp_pat
     assert result["switches"] >= 1 and on["lent_samples"] >= 1 and off["switches"] == 0
     assert on["busy"]["trainer"] > off["busy"]["trainer"] + 0.2  # the lent device generated
     assert on["samples_per_s"] >= 1.1 * off["samples_per_s"]
+
+
+def test_sim_image_device_waits_per_batch_and_keeps_the_rollout_contract():
+    """``sim:image`` (``models.sim_image_policy``): a device batch is one wait of ``batch_s + image_s x images``, its
+    samples drawn from their seeds in the rollout's layout; the update's forward waits per sample and step (a third
+    without gradients) and hangs on the trainable weights."""
+    model = {"path": "sim:image", "lora_rank": 8, "lora_alpha": 16, "target_modules": ["to_q", "to_v"]}
+    timings = {"batch_s": 0.01, "image_s": 0.005, "update_step_s": 0.002}
+    sampling = {"height": 32, "width": 32, "num_inference_steps": 4}
+    policy = get_modality("image").build_policy({**model, "override_config": timings}, sampling)
+    out = policy.generate(["a", "b", "c"], [1, 2, 3], range(1, 3))
+    assert policy.busy.asked_s == pytest.approx(0.01 + 3 * 0.005)  # one wait for the batch
+    assert all(r.window_start == 1 and r.window_latents.shape[0] == 3 and r.log_probs.tolist() == [0, 0] for r in out)
+    assert out[0].pixels.shape == (32, 32, 3) and (out[0].pixels != out[1].pixels).any()
+    again = policy.generate(["x"], [2], range(1, 3))[0]  # a sample is a function of its seed, not of its batch
+    assert (again.pixels == out[1].pixels).all() and torch.equal(again.window_latents, out[1].window_latents)
+    before = policy.busy.asked_s
+    x = out[0].window_latents[None, 0].expand(2, *out[0].window_latents.shape[1:])
+    step = policy.step({}, x, 1, prev_sample=x)
+    assert policy.busy.asked_s - before == pytest.approx(2 * 0.002)
+    assert step.log_prob.tolist() == [0, 0] and step.log_prob.requires_grad and torch.equal(step.mean, x)
+    step.log_prob.sum().backward()
+    assert all(p.grad is not None for p in policy.trainable_parameters())
+    with torch.no_grad():
+        policy.step({}, x, 1, prev_sample=x)
+    assert policy.busy.asked_s - before == pytest.approx(2 * 0.002 * 4 / 3)
+
+
+def test_sim_image_source_keys_are_checked_at_start():
+    def problems(*overrides: str) -> str:
+        cfg = compose(["data.train_files=x.jsonl", "actor_rollout_ref.model.path=sim:image", *overrides])
+        with pytest.raises(ConfigError) as err:
+            check_model_paths(cfg)
+        return str(err.value)
+
+    assert "set actor_rollout_ref.model.modality=image" in problems("actor_rollout_ref.model.modality=text")
+    assert "batch_s, image_s, update_step_s" in problems("++actor_rollout_ref.model.override_config.token_s=1")
+    check_model_paths(compose(["data.train_files=x.jsonl", "actor_rollout_ref.model.path=sim:image"]))

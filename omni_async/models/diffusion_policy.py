@@ -22,6 +22,7 @@ negative prompt, padded to one length with a mask). Branches are combined in fp3
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -400,10 +401,17 @@ class _WanAdapter(_Adapter):
         super().__init__(pipe, cfg)
         k = pipe.vae_scale_factor_temporal
         if (cfg.num_frames - 1) % k:
-            raise ValueError(
-                f"actor_rollout_ref.rollout.pipeline.num_frames={cfg.num_frames} does not fit Wan's temporal "
-                f"compression {k}; use {k}*n+1 frames, e.g. {k + 1} or {4 * k + 1}"
+            # Wan's VAE keeps the first frame and packs each k after it into one latent frame: diffusers' WanPipeline
+            # and verl-omni's Wan 2.2 rollout round to k*n+1 frames the same way (its DanceGRPO recipe's 8 -> 9)
+            frames = max(cfg.num_frames // k * k + 1, 1)
+            logging.getLogger(__name__).warning(
+                "actor_rollout_ref.rollout.pipeline.num_frames=%d does not fit Wan's temporal compression %d: "
+                "generating %d frames (k*n+1, as diffusers and verl-omni round it)",
+                cfg.num_frames,
+                k,
+                frames,
             )
+            cfg.num_frames = frames
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         do_cfg = self.uses_cfg()

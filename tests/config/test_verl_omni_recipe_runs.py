@@ -33,6 +33,8 @@ RECIPES = recipes()
 # One training run per effective config: the runner -> every recipe it covers (itself first). What each covered
 # recipe differs in, and why that picks no code path, is in CODE_PATH_NEUTRAL.
 RUNS: dict[str, list[str]] = {
+    # Wan 2.2 video, a full fine-tune; verl-omni's HPSv3 reward stood in by verl_omni_hpsv3_stand_in (its contract)
+    "dancegrpo_trainer.wan22.run_wan22_5b_t2v_hpsv3_auto": ["dancegrpo_trainer.wan22.run_wan22_5b_t2v_hpsv3_auto"],
     "diffusionnft_trainer.qwen_image.run_qwen_image_ocr_lora": [
         "diffusionnft_trainer.qwen_image.run_qwen_image_ocr_lora"
     ],
@@ -82,6 +84,7 @@ RUNS: dict[str, list[str]] = {
 # The loss each loss mode logs (verl's actor/pg_loss for the policy-gradient ones).
 LOSS_METRIC = {
     "flow_grpo": "actor/pg_loss",
+    "dance_grpo": "actor/pg_loss",
     "grpo_guard": "actor/pg_loss",
     "flow_dppo": "actor/pg_loss",
     "diffusion_nft": "actor/policy_loss",
@@ -101,14 +104,18 @@ def test_one_run_covers_recipes_of_one_effective_config():
 
 
 def base_transformer(path: str) -> dict[str, torch.Tensor]:
-    """The untrained transformer's weights, as the model directory holds them."""
+    """The untrained transformer's weights, as the model directory holds them; Wan 2.2's two experts (transformer/,
+    transformer_2/) under their folder's name, as the checkpoint keeps them."""
     from safetensors.torch import load_file
 
     from omni_async.models.tiny import resolve_model_path
 
     state: dict[str, torch.Tensor] = {}
-    for f in sorted((Path(resolve_model_path(path)) / "transformer").glob("*.safetensors")):
-        state.update(load_file(f))
+    folders = sorted(p for p in Path(resolve_model_path(path)).glob("transformer*") if p.is_dir())
+    for folder in folders:
+        prefix = f"{folder.name}." if len(folders) > 1 else ""
+        for f in sorted(folder.glob("*.safetensors")):
+            state.update({prefix + k: v for k, v in load_file(f).items()})
     assert state, f"no safetensors under {path}/transformer"
     return state
 

@@ -39,8 +39,8 @@ _BAGEL = {
 _PICKSCORE = {"reward.custom_reward_function.path"}  # verl-omni's PickScore file (the edit recipe's pkg:// is stood in)
 _64_RANKS = {"actor_rollout_ref.actor.ppo_mini_batch_size"}  # 16 groups per mini-batch cannot feed 64 ranks
 EXPECTED_REFUSED: dict[str, set[str]] = {
-    # DanceGRPO (algos.dance_grpo, its loss, algorithm and dance_sde step built): no HPSv3 reward file here
-    "dancegrpo_trainer.wan22.run_wan22_5b_t2v_hpsv3_auto": {"reward.custom_reward_function.path"},
+    # DanceGRPO (algos.dance_grpo, its loss, algorithm and dance_sde step built), HPSv3 stood in (its contract)
+    "dancegrpo_trainer.wan22.run_wan22_5b_t2v_hpsv3_auto": set(),
     "diffusionnft_trainer.minimax_h3.run_minimax_h3_t2va_lora": _AUDIO_VIDEO
     | {
         "actor_rollout_ref.model.architecture",
@@ -161,7 +161,6 @@ MISSING = {
         "actor_rollout_ref.rollout.pipeline.output_type",
         "rewards on latents",
     ),
-    "dancegrpo_trainer.wan22.run_wan22_5b_t2v_hpsv3_auto": ("reward.custom_reward_function.path", "hpsv3_reward.py"),
 }
 
 

@@ -64,6 +64,11 @@ STAND_INS: dict[str, dict[str | None, tuple[str, str]]] = {
     "reward.reward_model.rollout.name": {"vllm": ("transformers", "no vLLM on this box: the judge runs in-worker")},
     "reward.custom_reward_function.path": {
         "verl_omni/utils/reward_score/genrm_ocr.py": _GENRM,
+        "verl_omni/utils/reward_score/hpsv3_reward.py": (
+            str(Path(__file__).resolve().parent / "verl_omni_hpsv3_stand_in.py"),
+            "no HPSv3 model here: each scored frame's contrast under verl-omni's function name, signature, frame "
+            "sampling of the [C, F, H, W] video and return",
+        ),
         "pkg://verl_omni.utils.reward_score.pickscore_reward": (
             str(Path(__file__).resolve().parent / "verl_omni_pickscore_stand_in.py"),
             "no PickScore model here: closeness of the edited image to its input image (extra_info's "
@@ -130,6 +135,16 @@ ON_CPU: dict[str, tuple[str, str]] = {
     "trainer.default_local_dir": ("{run}/checkpoints", "checkpoints in the run's directory, not the recipe's"),
     "trainer.rollout_data_dir": ("{run}/samples", "the same"),
     "trainer.validation_data_dir": ("{run}/validation", "the same"),
+}
+
+# Sizes a one-step CPU run lowers to at most this where the recipe sets more, key -> (cap, why); unset or smaller
+# values are the recipe's.
+ON_CPU_CAPS: dict[str, tuple[int, str]] = {
+    "actor_rollout_ref.rollout.pipeline.max_sequence_length": (
+        256,
+        "Wan's UMT5 pads every prompt to this length: at the DanceGRPO recipe's 1024 a tiny Wan 2.2 generates ~5x "
+        "slower on CPU; the test prompts are a few tokens (the edit recipe's 8192 too: Qwen's encoder does not pad)",
+    ),
 }
 
 # Keys whose value does not pick a code path of a one-step CPU run, key -> why. Recipes whose configs (stand-ins and
@@ -208,7 +223,7 @@ ON_CPU_OFFLINE: dict[str, tuple[str, str]] = {
 def on_cpu(overrides: list[str], data: str | Path, run: str | Path) -> list[str]:
     """A recipe's overrides (its stand-ins already swapped) as one training step on this CPU box runs them:
     ``ON_CPU``'s values (an offline recipe's data: ``ON_CPU_OFFLINE``'s) where the recipe sets those keys, and added
-    where it does not."""
+    where it does not; ``ON_CPU_CAPS``' sizes where the recipe sets larger ones."""
     offline = ON_CPU_OFFLINE if "algorithm.sample_source=offline" in overrides else {}
     values = {k: v.format(data=data, run=run) for k, (v, _) in {**ON_CPU, **offline}.items()}
     out, seen = [], set()
@@ -221,6 +236,8 @@ def on_cpu(overrides: list[str], data: str | Path, run: str | Path) -> list[str]
         elif key in values:
             out.append(f"{lhs}={values[key]}")
             seen.add(key)
+        elif key in ON_CPU_CAPS and value.isdigit() and int(value) > ON_CPU_CAPS[key][0]:
+            out.append(f"{lhs}={ON_CPU_CAPS[key][0]}")
         else:
             out.append(line)
     return out + [f"{k}={v}" for k, v in values.items() if k not in seen]

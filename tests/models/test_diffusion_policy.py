@@ -260,6 +260,7 @@ def test_lora_weights_roundtrip_and_reference_is_adapter_off():
         other.load_weights_state_dict({"transformer_blocks.0.attn.nope.lora_A.weight": torch.zeros(1)})
 
 
-def test_wan_frames_must_fit_temporal_compression():
-    with pytest.raises(ValueError, match=r"num_frames=4.*4\*n\+1"):
-        make("wan", num_frames=4)
+def test_wan_frames_round_to_the_temporal_compression_as_diffusers_and_verl_omni(caplog):
+    # diffusers' WanPipeline and verl-omni's Wan 2.2 rollout: num_frames // 4 * 4 + 1 (its DanceGRPO recipe's 8 -> 9)
+    policy = make("wan", num_frames=8)
+    assert policy.sampling.num_frames == 9 and "generating 9 frames" in caplog.text

@@ -9,7 +9,9 @@ that the test session's two workers share them.
 The fully async kill (partial rollout, text) is in ``test_fully_async.py``. Both runs join the test session's Ray
 cluster (``RAY_ADDRESS``), as ``python -m omni_async.trainer.main`` joins a running cluster, instead of the killed run
 starting one of its own (~15-20 s on a 2-core box): the kill takes the killed run's process tree and every process of
-its Ray job at once, as a machine's crash would, so none of its actors outlives it until Ray notices (:func:`kill_run`)."""
+its Ray job at once, as a machine's crash would, so none of its actors outlives it until Ray notices (:func:`kill_run`).
+The resumed run is a fresh trainer in the test's process (``logging_trainer.run``), without a second interpreter's
+start and imports."""
 
 from __future__ import annotations
 
@@ -20,9 +22,12 @@ import subprocess
 import sys
 import time
 
+import logging_trainer
 import psutil
 import torch
 from helpers import ROOT, SMALL_IMAGE_TRAINER, TEST_REWARDS, write_prompts
+
+from omni_async.cluster import shutdown_ray
 
 QUIET = ["trainer.log_image_freq=-1", "trainer.log_timeline_freq=-1", "trainer.save_interval_min=-1"]
 POOL = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
@@ -111,10 +116,11 @@ def kill_then_resume(tmp_path, case: str, config_name: str, base: list[str], poi
     resumed_from = complete[-1] if complete else 0
     if point == "checkpoint":  # the half-written marker was never renamed: the previous checkpoint is the last one
         assert resumed_from == at and list((run / f"checkpoints/step_{at + 1:06d}").glob(".trainer.json.*.tmp"))
-    resumed = subprocess.run(
-        [*runner, str(logs[1]), *overrides], env=env, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    assert resumed.returncode == 0, resumed.stderr.decode()[-3000:]
+    shutdown_ray()  # the resumed run in this process (logging_trainer.run), as a restarted process would run it
+    try:
+        logging_trainer.run(str(logs[1]), overrides, config_name)
+    finally:
+        shutdown_ray()
 
     first, second = _rows(logs[0]), _rows(logs[1])
     kept = [r for r in first if r[0] < resumed_from]

@@ -1,7 +1,8 @@
 """``python tests/trainer/logging_trainer.py LOG OVERRIDES...``: the trainer's ``fit`` as ``python -m
 omni_async.trainer.main`` runs it, appending ``step uid index seed`` of every trained sample to LOG after each step
 (flushed), and sleeping ``SLOW_UPDATE_S`` seconds in each optimizer step; ``CONFIG_NAME`` picks the shipped config
-(default flowgrpo_trainer). A test kills this process with SIGKILL.
+(default flowgrpo_trainer). A test kills this process with SIGKILL; the run that resumes it is :func:`run`, in the
+test's own process (what a restarted process does, without starting and importing a second interpreter).
 
 ``KILL_AT=<point>:<step>`` with ``KILL_READY=<file>`` stops the run at a named point of step ``<step>`` (0-based, as
 ``train_step`` counts), touches ``<file>`` and waits there for the test's SIGKILL, so the kill lands where the test
@@ -31,12 +32,13 @@ def wait_for_kill(ready: str) -> None:
     time.sleep(3600)
 
 
-def main() -> None:
-    log_path, overrides = sys.argv[1], sys.argv[2:]
-    trainer = RLTrainer(compose(overrides, config_name=os.environ.get("CONFIG_NAME", "flowgrpo_trainer")))
-    slow = float(os.environ.get("SLOW_UPDATE_S", "0"))
-    point, _, at = os.environ.get("KILL_AT", "").partition(":")
-    ready = os.environ.get("KILL_READY", "")
+def run(
+    log_path: str, overrides: list[str], config_name: str, kill_at: str = "", ready: str = "", slow: float = 0
+) -> None:
+    """The run ``main`` makes of its arguments and environment; a test calls it in its own process for a run that is
+    not killed (``kill_at`` empty: nothing is patched beyond the trainer it builds)."""
+    trainer = RLTrainer(compose(overrides, config_name=config_name))
+    point, _, at = kill_at.partition(":")
     real_step, real_train_step = trainer.ops.optimizer_step, trainer.train_step
     current = {"step": -1}
 
@@ -56,7 +58,7 @@ def main() -> None:
         return metrics, samples
 
     def marker_write(path, text):  # the checkpoint of step k (0-based) is step_{k+1}'s trainer.json
-        if point == "checkpoint" and Path(path).parent.name == f"step_{int(at) + 1:06d}":
+        if Path(path).parent.name == f"step_{int(at) + 1:06d}":
             data = text.encode()
             atomic_files.write_atomic(
                 path, lambda f: (f.write(data[: len(data) // 2]), f.flush(), wait_for_kill(ready))
@@ -64,8 +66,21 @@ def main() -> None:
         atomic_files.write_text_atomic(path, text)
 
     trainer.ops.optimizer_step, trainer.train_step = slow_step, logged_train_step
-    loop.write_text_atomic = marker_write
+    if point == "checkpoint":
+        loop.write_text_atomic = marker_write
     trainer.fit()
+
+
+def main() -> None:
+    env = os.environ
+    run(
+        sys.argv[1],
+        sys.argv[2:],
+        env.get("CONFIG_NAME", "flowgrpo_trainer"),
+        env.get("KILL_AT", ""),
+        env.get("KILL_READY", ""),
+        float(env.get("SLOW_UPDATE_S", "0")),
+    )
 
 
 if __name__ == "__main__":

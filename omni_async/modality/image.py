@@ -114,14 +114,14 @@ class ImageModality(Modality):
 
     def trainable_policy(self, path: str, sampling: dict[str, Any], **trainable: Any):
         from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
-
-        return DiffusionPolicy(path, SamplingConfig(**sampling), **trainable)
         from omni_async.models.tiny import is_sim
 
         if is_sim(path):  # a simulated device: generation and update are timed waits (models.sim_image_policy)
             from omni_async.models.sim_image_policy import SimImagePolicy
 
             return SimImagePolicy(path, SamplingConfig(**sampling), **trainable)
+        return DiffusionPolicy(path, SamplingConfig(**sampling), **trainable)
+
     def serving_client(self, model: dict[str, Any], sampling: dict[str, Any], server: dict[str, Any]):
         raise ValueError("actor_rollout_ref.rollout.name=vllm serves text models; diffusion rolls out in-process")
 

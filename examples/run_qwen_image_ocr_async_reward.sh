@@ -38,7 +38,8 @@
 # optimizer steps a step), the old policy copied for 5 steps then decayed (delayed_linear_to_0_999_x15), lr 1e-2
 # from a sweep of 3e-4 / 1e-3 / 3e-3 / 1e-2 (docs/diffusion_nft.md, "Learning", with the measured curves against
 # Flow-GRPO and AWM). ALGO=awm trains with advantage-weighted matching (AWM_LR). ALGO=dpo trains with Diffusion-DPO
-# in verl-omni's online spelling (each group's best and worst image as a pair; DPO_LR, DPO_BETA). Any of their keys
+# in verl-omni's online spelling (each group's best and worst image as a pair; DPO_LR, DPO_BETA). ALGO=dance_grpo
+# trains with DanceGRPO (its SDE step on Flow-GRPO's window and loss; NOISE_LEVEL 1.2, its recipe's). Any of their keys
 # also works as a plain override. The resolved config is written to $RUN_DIR/config.yaml.
 # Extra Hydra overrides pass through, e.g. the colocated comparison:
 #   bash examples/run_qwen_image_ocr_async_reward.sh reward.reward_model.enable_resource_pool=False
@@ -64,6 +65,7 @@ else
   REWARD_POOL=(reward.reward_model.enable_resource_pool=False reward.num_workers="${NUM_REWARD_WORKERS:-2}")
 fi
 ALGO="${ALGO:-flow_grpo}"
+[[ "$ALGO" == dance_grpo ]] && NOISE_LEVEL="${NOISE_LEVEL:-1.2}"  # verl-omni's DanceGRPO recipe's eta
 GPU_RECIPE=()
 CPU_RECIPE=()
 WINDOW_KEYS=()  # Flow-GRPO's SDE window on the tiny renderers
@@ -208,7 +210,14 @@ case "$ALGO" in
       actor_rollout_ref.actor.diffusion_loss.dpo_beta="${DPO_BETA:-100.0}"
       actor_rollout_ref.rollout.calculate_log_probs=false)
     ;;
-  *) echo "ALGO=$ALGO: use flow_grpo, diffusion_nft, awm or dpo" >&2; exit 2 ;;
+  dance_grpo)
+    # DanceGRPO with verl-omni's recipe keys (examples/dancegrpo_trainer/wan22): Flow-GRPO's loss, advantage and SDE
+    # window, each window step drawn with DanceGRPO's SDE step (std eta sqrt(sigma - sigma_next), eta NOISE_LEVEL).
+    ALGO_RECIPE=(${WINDOW_KEYS[@]+"${WINDOW_KEYS[@]}"} algorithm.adv_estimator=dance_grpo
+      actor_rollout_ref.model.algorithm=dance_grpo actor_rollout_ref.actor.diffusion_loss.loss_mode=dance_grpo
+      actor_rollout_ref.rollout.algo.sde_type=dance_sde)
+    ;;
+  *) echo "ALGO=$ALGO: use flow_grpo, dance_grpo, diffusion_nft, awm or dpo" >&2; exit 2 ;;
 esac
 # CPU defaults: the config's mini-batch of 2 prompts, or one prompt per actor rank when there are more ranks.
 MINI_BATCH="${MINI_BATCH:-$(( ACTOR_RANKS > 2 ? ACTOR_RANKS : 2 ))}"

@@ -199,10 +199,16 @@ def test_algo_picks_the_loss_with_verl_omnis_keys(tmp_path):
     assert dpo["actor_rollout_ref"]["actor"]["diffusion_loss"]["loss_mode"] == "dpo"
     assert dpo["algorithm"]["paired_preference"] is True and dpo["actor_rollout_ref"]["model"]["lora_rank"] > 0
     assert dpo["actor_rollout_ref"]["actor"]["diffusion_loss"]["dpo_beta"] == 100.0  # verl-omni's recipes'
+    (tmp_path / "dance").mkdir()
+    dance = run_example("run_qwen_image_ocr_async_reward.sh", tmp_path / "dance", ALGO="dance_grpo")
+    algo = dance["actor_rollout_ref"]["rollout"]["algo"]
+    assert dance["actor_rollout_ref"]["actor"]["diffusion_loss"]["loss_mode"] == "dance_grpo"
+    assert algo["sde_type"] == "dance_sde" and algo["noise_level"] == 1.2  # verl-omni's recipe's
+    assert algo["sde_window_range"] == [0, 4] and dance["algorithm"]["adv_estimator"] == "dance_grpo"  # the job's
     bad = subprocess.run(
         ["bash", str(ROOT / "examples/run_qwen_image_ocr_async_reward.sh")],
         capture_output=True,
         text=True,
         env={**os.environ, "ALGO": "ppo", "PYTHON": "/bin/false", "DATA_DIR": str(tmp_path / "data")},
     )
-    assert bad.returncode == 2 and "ALGO=ppo: use flow_grpo, diffusion_nft, awm or dpo" in bad.stderr
+    assert bad.returncode == 2 and "ALGO=ppo: use flow_grpo, dance_grpo, diffusion_nft, awm or dpo" in bad.stderr

@@ -263,31 +263,23 @@ def test_resume_from_a_lock_step_checkpoint_of_earlier_releases_goes_on_with_the
     assert not {s.row.prompt for s in samples} & {r.prompt for r in lock_step}
 
 
-def _descendants(pid: int) -> list:
-    import psutil
-
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "modality", ["text"]
 )  # images: test_kill_resume_overlap.py's fully async case (AWM, split layout)
 def test_kill_9_of_the_trainer_then_resume_trains_every_group_once(tmp_path, modality):
-    """The trainer process (driver, rollouter, message queue, Ray head) is killed with SIGKILL once its step-2
-    checkpoint exists, with scored groups queued and more generating (text: with verl's partial rollout, responses
+    """The trainer process (driver, rollouter, message queue) and its Ray job's workers are killed with SIGKILL once its
+    step-2 checkpoint exists, with scored groups queued and more generating (text: with verl's partial rollout, responses
     half generated); the resumed run makes the checkpoint's draws again and regenerates the unfinished groups from
     their seeds. Across the two runs every group is trained exactly once (the steps the kill lost are the killed
     run's steps after the checkpoint: they count as not trained)."""
     import os
-    import signal
     import subprocess
     import sys
 
+    import logging_trainer
     from helpers import ROOT, SMALL_IMAGE_TRAINER
+    from kill_resume import RUN_TAG, kill_run
 
     data = write_prompts(tmp_path / "train.jsonl", 8)
     run = tmp_path / "run"
@@ -310,7 +302,7 @@ def test_kill_9_of_the_trainer_then_resume_trains_every_group_once(tmp_path, mod
     logs = [tmp_path / "killed.log", tmp_path / "resumed.log"]
     killed = subprocess.Popen(
         [*runner, str(logs[0]), *overrides],
-        env={**env, "SLOW_UPDATE_S": "1.5"},
+        env={**env, "SLOW_UPDATE_S": "1.5", RUN_TAG: str(tmp_path)},
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -321,22 +313,12 @@ def test_kill_9_of_the_trainer_then_resume_trains_every_group_once(tmp_path, mod
         time.sleep(0.1)
     assert ckpt.exists() and killed.poll() is None, "the run should be past its step-2 checkpoint and still running"
     position = json.loads(ckpt.read_text())  # the rollouter's position: draw, sampler, finished groups
-    family = _descendants(killed.pid)
-    os.killpg(killed.pid, signal.SIGKILL)
-    for p in family:  # Ray's head and workers, wherever they went
-        try:
-            p.kill()
-        except Exception:
-            pass
-    killed.wait(30)
-    subprocess.run(
-        [*runner, str(logs[1]), *overrides],
-        env=env,
-        check=True,
-        timeout=600,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    kill_run(killed, str(tmp_path))  # its process tree and its Ray job's workers, at once
+    shutdown_ray()  # resumed by a fresh trainer in this process, as a restarted process would run it
+    try:
+        logging_trainer.run(str(logs[1]), overrides, config_name)
+    finally:
+        shutdown_ray()
 
     def rows(path):
         return [

@@ -133,7 +133,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--true-cfg-scale", type=float, default=None, help="> 1 runs the negative prompt too (default 4; NFT 1)"
     )
     ap.add_argument("--lora-rank", type=int, default=64)
-    ap.add_argument("--micro-batch", type=int, default=1, help="actor.ppo_micro_batch_size_per_gpu")
+    ap.add_argument("--micro-batch", type=int, default=4, help="actor.ppo_micro_batch_size_per_gpu")
+    ap.add_argument(
+        "--window-batch",
+        type=int,
+        default=None,
+        help="rollout.pipeline.window_batch_size: samples per SDE-window transformer call, in rollout and update "
+        "alike (default: the micro-batch, at most --batch; 1 = the per-sample path measured before 2026-11-27)",
+    )
     ap.add_argument("--no-checkpointing", action="store_true", help="gradient checkpointing off (on by default)")
     ap.add_argument("--param-offload", action="store_true", help="fsdp_config.param_offload")
     ap.add_argument("--optimizer-offload", action="store_true", help="fsdp_config.optimizer_offload")
@@ -172,6 +179,12 @@ def main(argv=None) -> dict:
         num_inference_steps=args.steps,
         true_cfg_scale=args.true_cfg_scale,
         clean_latents=nft,
+        window_batch=args.window_batch or min(args.micro_batch, args.batch),
+    )
+    print(
+        f"SDE window: calls of {sampling.window_batch} samples (rollout and update), text padded to multiples of "
+        f"{sampling.window_text_bucket} tokens; update micro-batch {args.micro_batch}",
+        flush=True,
     )
     t0 = time.perf_counter()
     source = build_qwen_image(device, dtype, args.layers) if args.model == "qwen_image" else args.model
@@ -301,6 +314,8 @@ def main(argv=None) -> dict:
             "true_cfg_scale": args.true_cfg_scale,
             "lora_rank": args.lora_rank,
             "micro_batch": args.micro_batch,
+            "window_batch": sampling.window_batch,
+            "window_text_bucket": sampling.window_text_bucket,
             "gradient_checkpointing": not args.no_checkpointing,
             "model_dtype": str(dtype).replace("torch.", ""),
             "param_offload": args.param_offload,

@@ -35,6 +35,7 @@ NULLABLE: dict[str, Any] = {
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": int,
     "actor_rollout_ref.rollout.pipeline.max_sequence_length": int,
     "actor_rollout_ref.rollout.pipeline.vae_tiling": bool,
+    "actor_rollout_ref.rollout.pipeline.window_batch_size": int,
     "actor_rollout_ref.rollout.server_url": str,
     "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps": int,
     "actor_rollout_ref.rollout.val_kwargs.pipeline.height": int,

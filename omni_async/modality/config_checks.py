@@ -106,6 +106,9 @@ def check_rollout(cfg: DictConfig) -> None:
         f"{rollout.pipeline.height}x{rollout.pipeline.width} is not a multiple of 16 (VAE factor 8 x patch 2)",
         "use e.g. 64x64 on CPU, 512x512 or 1024x1024 on GPUs",
     )
+    for key in ("window_batch_size", "window_text_bucket"):
+        value = rollout.pipeline[key]
+        _check(value is None or value >= 1, f"actor_rollout_ref.rollout.pipeline.{key}", "must be >= 1", "e.g. 4 / 64")
     _check_long_tail(cfg)
 
 

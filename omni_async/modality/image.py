@@ -82,6 +82,8 @@ class ImageModality(Modality):
             max_sequence_length=r.pipeline.max_sequence_length,
             vae_slicing=bool(r.pipeline.vae_slicing),
             vae_tiling=r.pipeline.vae_tiling,
+            window_batch=r.pipeline.window_batch_size or window_batch_default(cfg),
+            window_text_bucket=r.pipeline.window_text_bucket,
             clean_latents=self.final_latents,
             window_means=self.old_means,
         )
@@ -404,6 +406,15 @@ class ForwardStep:
     x0: torch.Tensor
     noise: torch.Tensor
     xt: torch.Tensor
+
+
+def window_batch_default(cfg: Any) -> int:
+    """``rollout.pipeline.window_batch_size``'s null: the update's micro-batch (the mini-batch's samples when unset),
+    so each micro-batch's window step is one call, at most a generation batch (``agent.max_batch_size``), so the
+    rollout fills its calls."""
+    arr = cfg.actor_rollout_ref
+    micro = arr.actor.ppo_micro_batch_size_per_gpu or arr.actor.ppo_mini_batch_size * arr.rollout.n
+    return max(1, min(int(micro), int(arr.rollout.agent.max_batch_size)))
 
 
 def _read_metrics(step_metrics: dict[str, list[torch.Tensor]], ref_s: float) -> dict[str, list[float]]:

@@ -8,15 +8,22 @@ window must return its log-prob (``omni_async.algos.sde``).
 Sampling is reproducible per sample: sample ``i`` draws its initial noise and every SDE noise from its own
 ``torch.Generator(seed_i)``, so the result does not depend on which other samples share its batch.
 
-Inside the SDE window (the steps that have a log-prob) the transformer runs once per sample, on that sample's own
-rows: its prompt, then (CFG) its negative prompt, text trimmed to the valid tokens and the two branches padded to
-one length with a mask only where their lengths differ. Rollout, log-prob recompute and update therefore give the
-transformer the same shapes for a window step whichever batch, micro-batch or padding the sample came in, so pi_old
-(the rollout's log-prob, bypass mode) and the update's first forward agree bit for bit. Batching samples, even
-padded to one fixed length, does not give that: kernels pick their blocking by batch size (measured on CPU in bf16:
-tiny SD3's log-prob moved by 6.5e-4 between a generation batch of 4 and an update micro-batch of 1, against a clip
-of 1e-4). The rollout's ODE steps, which score nothing, run the whole batch in one call (every prompt, then every
-negative prompt, padded to one length with a mask). Branches are combined in fp32.
+Inside the SDE window (the steps that have a log-prob) the transformer runs on calls of exactly
+``SamplingConfig.window_batch`` samples, in the rollout, the log-prob recompute and the update alike: a short last
+call is filled with copies of its last sample, whose outputs are dropped. Each call holds every sample's prompt,
+then (CFG) every sample's negative prompt, as the ODE steps do. A masked text (Qwen-Image's) is right-padded with
+its mask to the sample's own length bucket (its longer branch rounded up to a multiple of
+``SamplingConfig.window_text_bucket`` tokens), and only samples of one bucket (one transformer, Wan 2.2's experts)
+share a call. A sample's window step thus always meets the same shapes, whichever batch, micro-batch, position or
+mini-batch padding it came in, and the kernels compute its rows alike: rows of one same-shaped call do not depend
+on their batch-mates nor on their position (checked on CPU in bf16 and fp32; on GPU this is what cuBLAS and the
+attention kernels are expected to do for a fixed shape; not yet checked on a device), so pi_old (the rollout's log-prob, bypass mode) and
+the update's first forward agree bit for bit. Batching at whatever size a batch has does not give that: kernels
+pick their blocking by batch size (measured on CPU in bf16: tiny SD3's log-prob moved by 6.5e-4 between a
+generation batch of 4 and an update micro-batch of 1, against a clip of 1e-4). ``window_batch=1`` with
+``window_text_bucket=1`` is the earlier per-sample path (one call per sample on its own text length). The rollout's
+ODE steps, which score nothing, run the whole batch in one call (every prompt, then every negative prompt, padded to
+one length with a mask). Branches are combined in fp32.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -61,6 +68,17 @@ class SamplingConfig:
     vae_tiling: bool | None = None  # decode in overlapping spatial tiles; None = on for video (see vae_tiling)
     clean_latents: bool = False  # return each sample's final latents (DiffusionNFT's x0) with its image
     window_means: bool = False  # return each SDE-window step's Gaussian mean (pi_old's, GRPO-Guard / Flow-DPPO)
+    # Samples per transformer call in the SDE window, in rollout, recompute and update alike (module docstring); the
+    # update's micro-batch (a multiple of it) runs in whole calls. Config: rollout.pipeline.window_batch_size.
+    window_batch: int = 4
+    # A masked text (Qwen-Image) is padded to a multiple of this many tokens in the window's calls: one bucket holds
+    # prompts of different lengths (fewer, fuller calls), at the cost of the padding's attention.
+    window_text_bucket: int = 64
+
+    def __post_init__(self) -> None:
+        for key, value in (("window_batch_size", self.window_batch), ("window_text_bucket", self.window_text_bucket)):
+            if int(value) < 1:
+                raise ValueError(f"actor_rollout_ref.rollout.pipeline.{key}={value} must be >= 1 (e.g. 4 / 64)")
 
 
 @dataclass
@@ -116,32 +134,71 @@ def split_conditioning(cond: dict[str, torch.Tensor], n: int) -> list[dict[str, 
     return [{k: v.detach().cpu().clone() for k, v in row.items()} for row in sample_rows(cond, n)]
 
 
+def cfg_branches(row: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """A sample's CFG branches (:func:`sample_rows`' row) under the positive keys: its prompt, then (when the row has
+    ``negative_*`` keys) its negative prompt, each with the inputs both branches take (``SHARED``)."""
+    pos = {k: v for k, v in row.items() if not k.startswith(NEGATIVE)}
+    if not any(k.startswith(NEGATIVE) for k in row):
+        return [pos]
+    neg = {k[len(NEGATIVE) :]: v for k, v in row.items() if k.startswith(NEGATIVE)}
+    return [pos, {**{k: row[k] for k in SHARED if k in row}, **neg}]
+
+
 def batch_rows(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Samples' CFG branches (:func:`sample_rows`) as the rows of one transformer call, under the positive keys:
     every prompt, then (when the rows have ``negative_*`` keys) every negative prompt, padded to one text length
     with a mask where lengths differ (:func:`collate_conditioning`)."""
-    pos = [{k: v for k, v in r.items() if not k.startswith(NEGATIVE)} for r in rows]
-    if not any(k.startswith(NEGATIVE) for k in rows[0]):
-        return collate_conditioning(pos)
-    neg = [
-        {
-            **{k: r[k] for k in SHARED if k in r},
-            **{k[len(NEGATIVE) :]: v for k, v in r.items() if k.startswith(NEGATIVE)},
-        }
-        for r in rows
-    ]
-    return collate_conditioning(pos + neg)
+    branches = [cfg_branches(r) for r in rows]
+    return collate_conditioning([b[k] for k in range(len(branches[0])) for b in branches])
+
+
+def window_rows(row: dict[str, torch.Tensor], masked: bool, bucket: int) -> dict[str, torch.Tensor]:
+    """One sample's inputs to an SDE-window call (module docstring), ``[branches, ...]`` under the positive keys
+    (:func:`cfg_branches`). ``masked`` (a variable-length text, Qwen-Image's): each branch's ``prompt_embeds``
+    right-padded to ``L = ceil(max(branch lengths) / bucket) * bucket`` tokens with its ``prompt_embeds_mask``
+    (1 = token), the mask kept even where nothing is padded, so the sample's shapes depend on its own text only."""
+    branches = cfg_branches(row)
+    if masked:
+        longest = max(len(b["prompt_embeds"]) for b in branches)
+        length = -(-longest // bucket) * bucket
+        for b in branches:
+            emb = b["prompt_embeds"]
+            b["prompt_embeds"] = torch.nn.functional.pad(emb, (0, 0, 0, length - len(emb)))
+            b["prompt_embeds_mask"] = (torch.arange(length, device=emb.device) < len(emb)).long()
+    return {k: torch.stack([b[k] for b in branches]) for k in branches[0]}
+
+
+def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``x[rows]`` without waiting for the device: a view for consecutive rows, else an index copied to the device
+    without blocking (indexing with a list copies it there and waits for the stream)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return x[rows[0] : rows[0] + len(rows)]
+    return x.index_select(0, torch.tensor(rows).to(x.device, non_blocking=True))
 
 
 @dataclass
 class StepConditioning:
     """The transformer's inputs for a batch on the policy's device in its compute dtype, made once per batch
-    (:meth:`DiffusionPolicy.prepare`) and used by every denoising step: ``rows`` per sample (:func:`batch_rows` of
-    the one sample, for steps with a log-prob), ``batched`` the whole batch (:func:`batch_rows`, for the rollout's
-    ODE steps)."""
+    (:meth:`DiffusionPolicy.prepare`) and used by every denoising step: ``rows`` per sample (:func:`window_rows`, for
+    the SDE window's calls), ``batched`` the whole batch (:func:`batch_rows`, for the rollout's ODE steps and the
+    final-latent losses)."""
 
     rows: list[dict[str, torch.Tensor]]
     batched: dict[str, torch.Tensor] | None = None
+    # A window call's inputs by the samples it holds: built at its first step, reused by the window's other steps.
+    calls: dict[tuple[int, ...], dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Samples of one shape key may share a window call (their tensors' shapes: the text bucket, Qwen-Image-Edit's
+        # input images).
+        self.shapes = [tuple((k, tuple(v.shape)) for k, v in r.items()) for r in self.rows]
+
+    def window_call(self, samples: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """The call's rows: every sample's prompt, then (CFG) every sample's negative prompt."""
+        if samples not in self.calls:
+            rows = [self.rows[s] for s in samples]
+            self.calls[samples] = {k: torch.stack([r[k] for r in rows], 1).flatten(0, 1) for k in rows[0]}
+        return self.calls[samples]
 
 
 def collate_conditioning(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -171,6 +228,8 @@ class _Adapter:
 
     # Latent channels per transformer input channel: Qwen-Image packs 2x2 latent patches into one token.
     packed = 1
+    # Whether the text encoder gives variable-length sequences with a mask (Qwen-Image) rather than fixed ones.
+    text_masked = False
 
     def __init__(self, pipe, cfg: SamplingConfig):
         self.pipe, self.cfg = pipe, cfg
@@ -243,14 +302,15 @@ class _QwenImageAdapter(_Adapter):
     """QwenImagePipeline: packed 2x2 latent tokens, text embeddings with a mask, timestep / 1000, true CFG."""
 
     packed = 4
+    text_masked = True
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         emb, mask = self.pipe.encode_prompt(prompt=prompts, device=self.pipe.device, **_seq_len(self.cfg))
         cond = {"prompt_embeds": emb, "prompt_embeds_mask": mask}
-        if self.cfg.true_cfg_scale > 1:
-            cond["negative_prompt_embeds"], cond["negative_prompt_embeds_mask"] = self.pipe.encode_prompt(
-                prompt=[" "] * len(prompts), device=self.pipe.device, **_seq_len(self.cfg)
-            )
+        if self.cfg.true_cfg_scale > 1:  # the one negative prompt, encoded once for the batch
+            neg, neg_mask = self.pipe.encode_prompt(prompt=[" "], device=self.pipe.device, **_seq_len(self.cfg))
+            cond["negative_prompt_embeds"] = neg.expand(len(prompts), *neg.shape[1:])
+            cond["negative_prompt_embeds_mask"] = None if neg_mask is None else neg_mask.expand(len(prompts), -1)
         return cond
 
     def timestep(self, t: torch.Tensor) -> torch.Tensor:
@@ -573,9 +633,10 @@ class DiffusionPolicy(TrainableModule):
 
     def prepare(self, cond: dict[str, torch.Tensor] | StepConditioning, batched: bool = False) -> StepConditioning:
         """Prompt encodings (a batch, as ``encode`` or :func:`collate_conditioning` gives them) as the transformer
-        inputs every denoising step uses (module docstring): trimmed per sample, CFG branches stacked, on the device,
-        floating tensors in the transformer's dtype; with ``batched`` also the whole batch's rows for one call.
-        Already prepared conditioning is returned as is."""
+        inputs every denoising step uses (module docstring): trimmed per sample, then each sample's window rows
+        (:func:`window_rows`: CFG branches stacked, a masked text padded to its bucket), on the device, floating
+        tensors in the transformer's dtype; with ``batched`` also the whole batch's rows for one call. Already
+        prepared conditioning is returned as is."""
         if isinstance(cond, StepConditioning):
             return cond
         cd, dev = self.compute_dtype, self.device
@@ -584,7 +645,9 @@ class DiffusionPolicy(TrainableModule):
             return {k: v.to(dev, cd if v.is_floating_point() else v.dtype) for k, v in rows.items()}
 
         rows = sample_rows(cond, len(cond["prompt_embeds"]))
-        return StepConditioning([place(batch_rows([r])) for r in rows], place(batch_rows(rows)) if batched else None)
+        masked, bucket = self.adapter.text_masked, self.sampling.window_text_bucket
+        window = [place(window_rows(r, masked, bucket)) for r in rows]
+        return StepConditioning(window, place(batch_rows(rows)) if batched else None)
 
     def frozen_modules(self) -> list[torch.nn.Module]:
         """The pipeline's modules besides the transformer(s) it denoises with (Wan 2.2: both experts): text
@@ -684,6 +747,17 @@ class DiffusionPolicy(TrainableModule):
         with torch.no_grad():
             return self.adapter.encode(list(prompts))
 
+    def encode_once(self, prompts: list[str | EditPrompt]) -> dict[str, torch.Tensor]:
+        """:meth:`encode`'s batch, each distinct prompt encoded once and its rows repeated for the samples that
+        share it (a GRPO group's). Only prompts' encodings are reused, never a sample's noise: its pixels are
+        what :meth:`encode` of the whole list gives, to the text encoder's rounding at its batch shape."""
+        first: dict[str | EditPrompt, int] = {}
+        index = [first.setdefault(p, len(first)) for p in prompts]
+        cond = self.encode(list(first))
+        if len(first) == len(prompts):
+            return cond
+        return {k: None if v is None else take_rows(v, index) for k, v in cond.items()}
+
     def _guided(self, x: torch.Tensor, i: int, rows: dict[str, torch.Tensor]) -> torch.Tensor:
         """One transformer call at step ``i`` on ``rows`` for latents ``x`` [B, ...] (rows = B, or 2B under CFG: the
         positive branches, then the negative ones), with that step's transformer (Wan 2.2: its expert); the
@@ -738,8 +812,9 @@ class DiffusionPolicy(TrainableModule):
         *,
         per_sample: bool = True,
     ) -> torch.Tensor:
-        """The (CFG-guided) velocity at step ``i``, fp32: one transformer call per sample on its own rows (module
-        docstring), or with ``per_sample=False`` one call for the batch (needs ``prepare(..., batched=True)``).
+        """The (CFG-guided) velocity at step ``i``, fp32. ``per_sample``: each sample's velocity as the SDE window
+        computes it, the same bits in any batch (module docstring: calls of ``window_batch`` samples,
+        :meth:`_window_velocity`); ``False``: one call for the batch (needs ``prepare(..., batched=True)``).
         ``i``: one step for the batch, or a ``[B]`` tensor of per-sample steps (samples whose SDE windows start at
         different steps; batched, DiffusionNFT's forward-process steps: one call with per-sample timesteps,
         :meth:`_guided_steps`). The gradient flows through both CFG branches, as in flow_grpo and verl-omni.
@@ -750,10 +825,35 @@ class DiffusionPolicy(TrainableModule):
             if torch.is_tensor(i):
                 return self._guided_steps(xs, i, cond.batched)
             return self._guided(xs, i, cond.batched)
-        steps = i.tolist() if torch.is_tensor(i) else [int(i)] * len(xs)  # one host read per call
-        return torch.cat(
-            [self._guided(xs[j : j + 1], k, rows) for j, (k, rows) in enumerate(zip(steps, cond.rows, strict=True))]
-        )
+        steps = i.tolist() if torch.is_tensor(i) else [int(i)] * len(xs)  # the batch's steps (host): one read per call
+        return self._window_velocity(cond, xs, steps, list(range(len(xs))))
+
+    def _window_velocity(
+        self, cond: StepConditioning, x: torch.Tensor, steps: list[int], samples: list[int]
+    ) -> torch.Tensor:
+        """The SDE window's velocity (fp32) of ``x`` [B, ...], row ``b`` being ``cond``'s sample ``samples[b]`` at
+        step ``steps[b]``: calls of exactly ``window_batch`` samples of one shape key and one transformer (Wan 2.2's
+        experts), in the order the rows come; a short call is filled with copies of its last sample and their
+        outputs dropped (module docstring). Samples at different steps share a call with per-sample timesteps."""
+        w = self.sampling.window_batch
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for b, (k, s) in enumerate(zip(steps, samples, strict=True)):
+            groups.setdefault((cond.shapes[s], id(self.denoisers[k]), self.cfg_scales[k]), []).append(b)
+        preds, order = [], []
+        for members in groups.values():
+            for c in range(0, len(members), w):
+                chunk = members[c : c + w]
+                full = chunk + chunk[-1:] * (w - len(chunk))
+                ks = [steps[b] for b in full]
+                t = self.timesteps[ks[0]] if len(set(ks)) == 1 else take_rows(self.timesteps, ks)
+                rows = cond.window_call(tuple(samples[b] for b in full))
+                pred = self._guided_call(take_rows(x, full), t, rows, self.denoisers[ks[0]], self.cfg_scales[ks[0]])
+                preds.append(pred[: len(chunk)])
+                order += chunk
+        out = torch.cat(preds) if len(preds) > 1 else preds[0]
+        if order == sorted(order):
+            return out
+        return take_rows(out, sorted(range(len(order)), key=order.__getitem__))
 
     def train_grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The scheduler's training grid, ``num_train_timesteps`` sigmas and timesteps (descending; cached): the
@@ -832,9 +932,11 @@ class DiffusionPolicy(TrainableModule):
         """Generate one image per (prompt, seed); the steps in a sample's window are SDE (stored), the rest ODE.
 
         ``window``: one ``range`` for every sample, or one per sample (all of one length), as verl-omni's request
-        batches take per-row windows. A step inside some samples' windows runs those samples as SDE (one transformer
-        call each, as every scored step) and the others as one batched ODE call; each sample draws its SDE noise
-        from its own generator for its own window, so its result does not depend on the windows beside it.
+        batches take per-row windows. A step inside some samples' windows runs those samples as SDE (the window's
+        calls of ``window_batch`` samples, as every scored step) and the others as one batched ODE call; each sample
+        draws its SDE noise from its own generator for its own window, so its result does not depend on the windows
+        beside it. Each distinct prompt is encoded once (a GRPO group's samples share it, :meth:`encode_once`);
+        nothing in the denoising loop reads the device.
         """
         self.offload_frozen(False)  # the text encoder and VAE are back on the device if an update offloaded them
         n = len(seeds)
@@ -848,14 +950,14 @@ class DiffusionPolicy(TrainableModule):
                 f"the prompt rows carry input images (an 'images' column) but {type(self.pipe).__name__} generates "
                 f"from text only. Fix: use an image-editing checkpoint ({', '.join(EDIT_PIPELINES)}) or drop the column"
             )
-        cond = self.adapter.encode(list(prompts))
+        cond = self.encode_once(list(prompts))
         prepared = self.prepare(cond, batched=True)
         ode_conds = {tuple(range(n)): prepared}  # the batched conditioning of each set of rows running ODE
 
         def ode_cond(rows: list[int]) -> StepConditioning:
             if tuple(rows) not in ode_conds:
                 ode_conds[tuple(rows)] = self.prepare(
-                    {k: v[rows] for k, v in cond.items() if v is not None}, batched=True
+                    {k: take_rows(v, rows) for k, v in cond.items() if v is not None}, batched=True
                 )
             return ode_conds[tuple(rows)]
 
@@ -874,13 +976,18 @@ class DiffusionPolicy(TrainableModule):
                 x = self.step(prepared, x, i, noise=torch.zeros_like(x), noise_level=0.0, per_sample=False).prev_sample
                 continue
             offsets = [i - windows[r].start for r in sde]
-            out = self.step(StepConditioning([prepared.rows[r] for r in sde]), x[sde], i, noise=noise[sde, offsets])
-            x_next = x.clone()
-            x_next[sde] = out.prev_sample
-            if ode:
-                x_next[ode] = self.step(
-                    ode_cond(ode), x[ode], i, noise=torch.zeros_like(x[ode]), noise_level=0.0, per_sample=False
+            x_sde = take_rows(x, sde)
+            v = self._window_velocity(prepared, x_sde.to(self.compute_dtype), [i] * len(sde), sde)
+            noise_i = torch.stack([noise[r, j] for r, j in zip(sde, offsets, strict=True)])
+            out = self.step_with(v, x_sde, i, noise=noise_i)
+            x_next = out.prev_sample
+            if ode:  # each row from its own step: SDE rows from the window's, the others from one ODE call
+                x_ode = take_rows(x, ode)
+                ode_next = self.step(
+                    ode_cond(ode), x_ode, i, noise=torch.zeros_like(x_ode), noise_level=0.0, per_sample=False
                 ).prev_sample
+                by_row = {**dict(zip(sde, x_next, strict=True)), **dict(zip(ode, ode_next, strict=True))}
+                x_next = torch.stack([by_row[r] for r in range(n)])
             for k, (r, j, lp) in enumerate(zip(sde, offsets, out.log_prob, strict=True)):
                 if j == 0:
                     stored[r, 0] = x[r]

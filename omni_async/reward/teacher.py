@@ -85,9 +85,11 @@ class Teacher:
         ``trajectory``: :func:`trajectory_fields`."""
         start = int(trajectory["window_start"])
         with self._lock:
-            cond = self.policy.conditioning_from({k: torch.as_tensor(v)[None] for k, v in trajectory.items()})
+            # One sample and no log-prob taken from it: the batch's own call, not the SDE window's fixed-size ones.
+            batch = {k: torch.as_tensor(v)[None] for k, v in trajectory.items()}
+            cond = self.policy.conditioning_from(batch, batched=True)
             x = torch.as_tensor(trajectory["window_latents"])[None].to(self.policy.device)
-            steps = [self.policy.velocity(cond, x[:, j], start + j) for j in range(x.shape[1] - 1)]
+            steps = [self.policy.velocity(cond, x[:, j], start + j, per_sample=False) for j in range(x.shape[1] - 1)]
         return torch.stack(steps, 1)[0].float().cpu()
 
 

@@ -59,8 +59,8 @@ def test_gpu_step_runs_without_ray_and_writes_its_report(tmp_path):
     assert report["config"]["gradient_checkpointing"] and report["config"]["param_offload"]
     assert report["params"]["lora"] > 0 and report["params"]["text_encoder"] > 0
     (it,) = report["iterations"]
-    # bf16 with CFG, rollout batch 2, update micro-batch 1: the first update scores the rollout's own samples with the
-    # rollout's log-probs as pi_old and sees exactly them (clip 1e-4: nothing clipped).
+    # bf16 with CFG, rollout batch 2 in SDE-window calls of 2 as the update's: the first update scores the rollout's
+    # own samples with the rollout's log-probs as pi_old and sees exactly them (clip 1e-4: nothing clipped).
     assert it["skipped_step"] == 0.0 and it["ratio_mean"] == 1.0 and it["pg_clipfrac_lower"] == 0.0
     assert report["step1"] == {"ratio_mean": 1.0, "pg_clipfrac_lower": 0.0}
 

@@ -42,6 +42,18 @@ TEXT = [
     "trainer.logger=[jsonl]",
 ]
 STEPS = 2  # 2 prompts x 4 samples a step; a checkpoint after every step; the kills are in the last step
+# Offline Diffusion-DPO (no rollout): verl-omni's OfflineDPODataset rows, 2 pairs a step, each a group of 2 samples
+OFFLINE_DPO = [
+    "algorithm.trainer_type=direct_preference",
+    "algorithm.sample_source=offline",
+    "algorithm.paired_preference=true",
+    "actor_rollout_ref.model.algorithm=dpo",
+    "actor_rollout_ref.model.model_type=diffusion_dpo_model",
+    "actor_rollout_ref.actor.diffusion_loss.loss_mode=dpo",
+    "actor_rollout_ref.actor.diffusion_loss.dpo_beta=100.0",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    f"data.train_files={ROOT / 'examples/data/offline_dpo/train.parquet'}",  # 4 pairs: STEPS x 2, one epoch
+]
 # A case: (config, overrides, kill point, step of the kill (0-based)); the reward point kills at the first reward call
 # of that step (one reward worker; the step's draw after the earlier steps' 8 samples each).
 
@@ -80,10 +92,12 @@ def _rows(path) -> list[tuple[int, str, int, int]]:
 
 def kill_then_resume(tmp_path, case: str, config_name: str, base: list[str], point: str, at: int) -> None:
     """Run ``base`` to ``STEPS`` steps, kill it at ``point`` of step ``at``, resume it, and assert exactly-once."""
-    data = write_prompts(tmp_path / "train.jsonl", 2 * STEPS)
+    offline = "algorithm.sample_source=offline" in base  # its pairs are its data: no prompts
+    group = 2 if offline else 4  # samples per group: a pair, or a prompt's 4 samples
+    data = [] if offline else [f"data.train_files={write_prompts(tmp_path / 'train.jsonl', 2 * STEPS)}"]
     run, ready = tmp_path / "run", tmp_path / "ready"
     overrides = [
-        f"data.train_files={data}",
+        *data,
         f"trainer.run_dir={run}",
         *base,
         *QUIET,
@@ -126,8 +140,9 @@ def kill_then_resume(tmp_path, case: str, config_name: str, base: list[str], poi
     kept = [r for r in first if r[0] < resumed_from]
     assert {r[0] for r in second} == set(range(resumed_from, STEPS))  # resumed after the last complete checkpoint
     trained = [(uid, index) for _, uid, index, _ in kept + second]
-    assert len(trained) == len(set(trained)) == STEPS * 2 * 4  # every sample of every group, once
-    assert len({uid for uid, _ in trained}) == STEPS * 2
+    assert len(trained) == len(set(trained)) == STEPS * 2 * group  # every sample of every group, once
+    # every group once; an offline pair's uid is the pair's and its draw's (pair-i@draw): none skipped, none twice
+    assert len({uid for uid, _ in trained}) == len({uid.partition("@")[0] for uid, _ in trained}) == STEPS * 2
     seeds = {(uid, index): seed for _, uid, index, seed in first + second}
     assert all(seeds[(uid, index)] == seed for _, uid, index, seed in first + second)  # regenerated alike
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

@@ -1,8 +1,9 @@
 """``python tests/trainer/logging_trainer.py LOG OVERRIDES...``: the trainer's ``fit`` as ``python -m
-omni_async.trainer.main`` runs it, appending ``step uid index seed`` of every trained sample to LOG after each step
-(flushed), and sleeping ``SLOW_UPDATE_S`` seconds in each optimizer step; ``CONFIG_NAME`` picks the shipped config
-(default flowgrpo_trainer). A test kills this process with SIGKILL; the run that resumes it is :func:`run`, in the
-test's own process (what a restarted process does, without starting and importing a second interpreter).
+omni_async.trainer.main`` runs it (``make_trainer``: offline Diffusion-DPO's trainer for an offline run), appending
+``step uid index seed`` of every trained sample to LOG after each step (flushed), and sleeping ``SLOW_UPDATE_S``
+seconds in each optimizer step; ``CONFIG_NAME`` picks the shipped config (default flowgrpo_trainer). A test kills
+this process with SIGKILL; the run that resumes it is :func:`run`, in the test's own process (what a restarted
+process does, without starting and importing a second interpreter).
 
 ``KILL_AT=<point>:<step>`` with ``KILL_READY=<file>`` stops the run at a named point of step ``<step>`` (0-based, as
 ``train_step`` counts), touches ``<file>`` and waits there for the test's SIGKILL, so the kill lands where the test
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from omni_async.trainer import atomic_files, loop
 from omni_async.trainer.config import compose
-from omni_async.trainer.loop import RLTrainer
+from omni_async.trainer.offline_trainer import make_trainer
 
 
 def wait_for_kill(ready: str) -> None:
@@ -37,7 +38,7 @@ def run(
 ) -> None:
     """The run ``main`` makes of its arguments and environment; a test calls it in its own process for a run that is
     not killed (``kill_at`` empty: nothing is patched beyond the trainer it builds)."""
-    trainer = RLTrainer(compose(overrides, config_name=config_name))
+    trainer = make_trainer(compose(overrides, config_name=config_name))
     point, _, at = kill_at.partition(":")
     real_step, real_train_step = trainer.ops.optimizer_step, trainer.train_step
     current = {"step": -1}

@@ -1,16 +1,17 @@
 """Online Diffusion-DPO (``loss_mode=dpo``, ``algos.dpo``) through the trainer with verl-omni's recipe keys
 (``examples/dpo_trainer/qwen_image``): the actor's batch holds each group's best and worst sample as an adjacent
-pair; one fully async run (real Ray, tiny SD3, a rollout pool, streamed reward) trains every pair whole and once.
+pair; one trainer (real Ray, tiny SD3, a rollout pool, streamed reward) goes stream -> pipeline -> fully async, and
+each step trains every pair of its groups whole (in one optimizer step), in that step only.
 What does not fit DPO is refused naming the fix."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
-import numpy as np
 import pytest
 import torch
-from helpers import SMALL_LORA, record_trained_uids
+from helpers import SMALL_LORA, switch_mode
 
 from omni_async.modality import modality_of
 from omni_async.sample import PromptRow, RewardOutcome, Sample
@@ -86,24 +87,48 @@ RUN = [
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
     "actor_rollout_ref.rollout.nnodes=1",
     "actor_rollout_ref.rollout.n_gpus_per_node=1",
-    "async_reward.fully_async=true",
+    "reward.streaming=true",
     "async_training.staleness_threshold=1",
     "trainer.log_image_freq=-1",
     "trainer.log_timeline_freq=-1",
 ]
+# One trainer walks the modes where a pair is whole (name, ``switch_mode`` arguments, steps): streamed reward, then the
+# update pipeline (an optimizer step per scored group: SMALL_IMAGE_TRAINER's ppo_mini_batch_size=1, one pair), then
+# fully async (2 steps span a lagged draw).
+MODES = [
+    ("stream", {}, 1),
+    ("stream+pipeline", {"update_pipeline": True}, 1),
+    ("fully_async", {"update_pipeline": False, "fully_async": True}, 2),
+]
 
 
 @pytest.mark.slow
-def test_fully_async_trains_every_pair_whole_and_once(trainers):
+def test_stream_pipeline_and_fully_async_train_every_pair_whole_in_one_step_and_once(trainers):
     trainer = trainers(*RUN)
-    trained = record_trained_uids(trainer.ops)
-    steps = [trainer.train_step(step) for step in range(2)]
-    for metrics, samples in steps:
-        assert all(s.result.latents_clean is not None and s.result.window_latents.numel() == 0 for s in samples)
-        assert math.isfinite(metrics["actor/dpo_loss"]) and metrics["actor/grad_norm"] > 0
-        assert {"actor/implicit_acc", "rewards/chosen", "rewards/rejected", "rewards/margins"} <= set(metrics)
-        assert metrics["reward/masked"] == len(samples) - 2 * len({s.uid for s in samples})  # 2 of each group train
-    uids = [s.uid for _, samples in steps for s in samples]
-    counts = {u: trained.count(u) for u in set(uids)}
-    assert counts == dict.fromkeys(set(uids), 2)  # each group: its pair, whole, once
-    assert len(trained) % 2 == 0 and np.all(np.array(trained[0::2]) == np.array(trained[1::2]))
+    calls: list[list[str]] = []  # the uids of each optimizer step, in order
+    real_step = trainer.ops.optimizer_step
+
+    def recording_step(minibatch, timer):
+        calls.append(minibatch.non_tensor_batch["uid"].tolist())
+        return real_step(minibatch, timer)
+
+    trainer.ops.optimizer_step = recording_step
+    step, seen = 0, set()
+    for name, switch, count in MODES:
+        if switch:
+            switch_mode(trainer, **switch)
+        for _ in range(count):
+            before = len(calls)
+            metrics, samples = trainer.train_step(step)
+            step += 1
+            assert all(s.result.latents_clean is not None and s.result.window_latents.numel() == 0 for s in samples)
+            assert math.isfinite(metrics["actor/dpo_loss"]) and metrics["actor/grad_norm"] > 0, name
+            assert {"actor/implicit_acc", "rewards/chosen", "rewards/rejected", "rewards/margins"} <= set(metrics)
+            groups = {s.uid for s in samples}
+            assert metrics["reward/masked"] == len(samples) - 2 * len(groups)  # 2 of each group train
+            for uids in calls[before:]:  # a pair is whole in each optimizer step: chosen and rejected adjacent
+                assert len(uids) % 2 == 0 and uids[0::2] == uids[1::2], (name, uids)
+            trained = [u for uids in calls[before:] for u in uids]
+            assert Counter(trained) == dict.fromkeys(groups, 2), name  # each group of the step: its pair, in this step
+            assert not groups & seen, name  # and in no other step
+            seen |= groups

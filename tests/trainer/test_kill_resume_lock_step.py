@@ -1,15 +1,20 @@
-"""Kill and resume in the lock-step modes (sync, stream, one-step-off: with Diffusion-DPO, whose pairs are made inside
-each group, so a group trained once is a pair trained once and whole) and text: ``kill_resume.kill_then_resume``."""
+"""Kill and resume in the lock-step modes and text: ``kill_resume.kill_then_resume``. The training methods whose unit
+is not one sample: offline Diffusion-DPO (no rollout: its pairs are drawn from the dataset by the resumable sampler, so
+a pair is trained once, none skipped, across the kill), DiffusionOPD (the teacher scores each sample beside the reward
+on the reward workers; killed mid reward) and online Diffusion-DPO (its pairs are made inside each group, so a group
+trained once is a pair trained once and whole). Flow-GRPO's own image case gave way to them (the same producer and
+checkpoint code; OPD's rollout is its SDE window, Flow-GRPO's)."""
 
 from __future__ import annotations
 
 import pytest
-from kill_resume import IMAGE, POOL, SPLIT, TEXT, kill_then_resume
+from kill_resume import IMAGE, OFFLINE_DPO, POOL, SPLIT, TEXT, kill_then_resume
+from test_distill_trainer import OPD
 from test_dpo_trainer import DPO
 
 CASES = {
-    "sync-hybrid-checkpoint": ("flowgrpo_trainer", [*IMAGE, "reward.streaming=false"], "checkpoint", 1),
-    "stream-split-reward": ("flowgrpo_trainer", [*IMAGE, *SPLIT, "reward.streaming=true"], "reward", 1),
+    "offline-hybrid-dpo-checkpoint": ("flowgrpo_trainer", [*IMAGE, *OFFLINE_DPO], "checkpoint", 1),
+    "stream-split-opd-reward": ("flowgrpo_trainer", [*IMAGE, *SPLIT, *OPD, "reward.streaming=true"], "reward", 1),
     "one_step_off-disaggregated-dpo-update": (
         "flowgrpo_trainer",
         [*IMAGE, *DPO, *POOL, "async_reward.one_step_off_policy=true"],

@@ -285,12 +285,6 @@ RULES: dict[str, Rule] = {
             else {}
         ),
     ),
-    f"{ARR}.actor.fsdp_config.ulysses_sequence_parallel_size": Rule(
-        "same",
-        "Ulysses sequence parallelism is not implemented: each actor rank holds whole samples",
-        "set it to 1 and scale with trainer.n_gpus_per_node (data-parallel actor ranks)",
-        _one_of(1),
-    ),
     f"{ARR}.actor.optim.lr_warmup_steps_ratio": Rule(
         "same",
         "the learning rate is constant here (verl's ratio 0.0)",

@@ -47,6 +47,7 @@ from omni_async.cluster import configure_worker, resume_gc
 from omni_async.modality import modality_of
 from omni_async.modality.base import model_dtype
 from omni_async.models.lora import LIVE_ADAPTER, OLD_ADAPTER
+from omni_async.models.sequence_parallel import SequenceParallel, denoisers
 from omni_async.trainer import data_parallel as dpm
 from omni_async.trainer.actor_core import begin_step, old_log_prob, train_minibatch
 
@@ -112,12 +113,23 @@ class ActorWorker(Worker, RolloutWorker):
         cfg = self.cfg
         m, a, r = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
         # The actor ranks' process group (none with one rank); collectives time out after verl's nccl_timeout.
-        self.dp = dpm.DataParallel(self.device, timeout_s=cfg.actor_rollout_ref.nccl_timeout)
+        sp = int(a.fsdp_config.ulysses_sequence_parallel_size)
+        self.dp = dpm.DataParallel(self.device, timeout_s=cfg.actor_rollout_ref.nccl_timeout, sp=sp)
         torch.manual_seed(int(cfg.trainer.seed))
         sampling = vars(self.modality.sampling_config(cfg))
         dtype = model_dtype(a.fsdp_config.model_dtype, self.device)
         self.policy = self.modality.build_policy(
-            OmegaConf.to_container(m, resolve=True), sampling, self.device, dtype=dtype
+            OmegaConf.to_container(m, resolve=True),
+            sampling,
+            self.device,
+            dtype=dtype,
+            compile_blocks=a.use_torch_compile,  # verl's key: the transformer's blocks (models.acceleration)
+        )
+        # Ulysses over each group of sp ranks, in the update and the log-prob recompute (generation: unsharded)
+        self.sequence_parallel = (
+            SequenceParallel(denoisers(self.policy), sp, self.dp.rank, self.dp.world, self.dp.device)
+            if sp > 1
+            else None
         )
         with self.dp.failfast("init_model"):
             if self.dp.active and self.policy.lora:
@@ -324,7 +336,7 @@ class ActorWorker(Worker, RolloutWorker):
         live ones until the window's first update; ``trainer.actor_core.old_log_prob``), in micro-batches of
         ``rollout.log_prob_micro_batch_size_per_gpu`` samples."""
         arr = self.cfg.actor_rollout_ref
-        with self.dp.failfast("compute_log_prob"):
+        with self.dp.failfast("compute_log_prob"), self._sequence_parallel():
             return dpm.rows_result(
                 data,
                 old_log_prob(
@@ -353,7 +365,8 @@ class ActorWorker(Worker, RolloutWorker):
         (``trainer.actor_core``, ``models.offload``).
         """
         a = self.cfg.actor_rollout_ref.actor
-        with self.dp.failfast("update_minibatch"):  # a rank that raises stops the others at once, naming itself
+        # a rank that raises stops the others at once, naming itself
+        with self.dp.failfast("update_minibatch"), self._sequence_parallel():
             metrics = train_minibatch(
                 self.modality,
                 self.policy,
@@ -367,9 +380,15 @@ class ActorWorker(Worker, RolloutWorker):
         metrics[dpm.SAMPLES_KEY] = [dpm.trained_samples(data)]
         index = data.meta_info.get(dpm.DP_INDEX_KEY)
         real = range(len(data)) if index is None else [i for i, k in enumerate(index) if k >= 0]
+        if self.dp.sp_rank:  # the group's other ranks trained on the same rows: the audit counts them once
+            real = []
         nt = data.non_tensor_batch
         self.trained.extend((str(nt["uid"][i]), int(nt["index"][i]) if "index" in nt else -1) for i in real)
         return dict(metrics)
+
+    def _sequence_parallel(self):
+        """Ulysses across this rank's sequence-parallel group while inside (``models.sequence_parallel``)."""
+        return self.sequence_parallel.active() if self.sequence_parallel else contextlib.nullcontext()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     async def save_checkpoint(self, path: str) -> None:

@@ -209,8 +209,39 @@ def validate(cfg: DictConfig) -> DictConfig:
     )
     decided = plan(cfg)
     check_layout(cfg, decided.mode, decided.layout)
+    _check_sequence_parallel(cfg)
     _check_mini_batch_feeds_ranks(cfg)
     return cfg
+
+
+def _check_sequence_parallel(cfg: DictConfig) -> None:
+    """Ulysses (``models.sequence_parallel``): groups of ``sp`` actor ranks, a diffusion transformer's tokens split
+    across each; built for LoRA on images / video (a full fine-tune's FSDP2 mesh and the text policy have no
+    sequence-parallel path here)."""
+    key = "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"
+    arr = cfg.actor_rollout_ref
+    sp, ranks = arr.actor.fsdp_config.ulysses_sequence_parallel_size, actor_ranks(cfg)
+    _check(
+        sp >= 1 and ranks % sp == 0,
+        key,
+        f"{sp} must be >= 1 and divide the {ranks} actor ranks (trainer.n_gpus_per_node x nnodes)",
+        f"set it to a divisor of {ranks}, or raise trainer.n_gpus_per_node",
+    )
+    if sp == 1:
+        return
+    _check(
+        arr.model.modality != "text",
+        key,
+        f"{sp}: sequence parallelism here splits a diffusion transformer's image / video tokens; the text policy has none",
+        "set it to 1 for model.modality=text",
+    )
+    _check(
+        arr.model.lora_rank > 0,
+        key,
+        f"{sp} with a full fine-tune (lora_rank=0): sequence parallelism is built for LoRA here (FSDP2 sharding over "
+        "the sequence-parallel groups is not)",
+        "train LoRA (actor_rollout_ref.model.lora_rank=64), or set it to 1",
+    )
 
 
 def _check_optimizer(optim: DictConfig) -> None:
@@ -446,7 +477,9 @@ def _check_mini_batch_feeds_ranks(cfg: DictConfig) -> None:
     a mini-batch of fewer groups than ranks leaves ranks with a zero-weight padding row in every update: devices
     held and idle. verl keeps the same meaning of the key (prompts; x ``rollout.n`` samples per mini-batch) and
     requires those samples to divide over the ranks; here the unit that divides is the group."""
-    ranks, mb, batch = actor_ranks(cfg), cfg.actor_rollout_ref.actor.ppo_mini_batch_size, cfg.data.train_batch_size
+    # the data-parallel ranks: a sequence-parallel group of ranks trains on one share
+    ranks = actor_ranks(cfg) // max(1, cfg.actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size)
+    mb, batch = cfg.actor_rollout_ref.actor.ppo_mini_batch_size, cfg.data.train_batch_size
     fits = [m for m in range(ranks, batch + 1, ranks) if batch % m == 0]
     fix = (
         f"set actor_rollout_ref.actor.ppo_mini_batch_size={fits[0]} (a multiple of the {ranks} ranks that "
@@ -458,7 +491,8 @@ def _check_mini_batch_feeds_ranks(cfg: DictConfig) -> None:
     _check(
         mb >= ranks,
         "actor_rollout_ref.actor.ppo_mini_batch_size",
-        f"{mb} prompts per mini-batch = {mb} groups for {ranks} actor ranks (trainer.n_gpus_per_node x nnodes); "
+        f"{mb} prompts per mini-batch = {mb} groups for {ranks} data-parallel actor ranks (trainer.n_gpus_per_node x "
+        "nnodes / ulysses_sequence_parallel_size); "
         f"groups are never split, so {ranks - mb} rank(s) would train on padding rows in every update",
         f"{fix}, or use fewer actor ranks",
     )

@@ -14,6 +14,12 @@ How a mini-batch becomes one optimizer step of the whole group:
    sharded full fine-tune. Every rank then clips the same norm and takes the same AdamW step, so replicated
    (LoRA) weights stay identical on every rank.
 
+Sequence parallelism (``actor.fsdp_config.ulysses_sequence_parallel_size`` = sp, ``models.sequence_parallel``): the
+``W`` ranks are ``W / sp`` data-parallel ranks of ``sp`` consecutive ranks each. The batch is split over the
+data-parallel ranks and each share goes to every rank of its group (:func:`dispatch_by_groups`); one rank per group is
+collected; :func:`loss_scales` counts each group's units once. Each rank's gradient then holds its tokens' part of
+its group's gradient, and the same all-reduce over all ``W`` ranks sums them.
+
 FSDP2 and generation. Forwards of a sharded module are collectives (each block all-gathers its parameters), but
 a rank generates alone. After every optimizer step :func:`full_params` all-gathers the parameters once and keeps
 them (``reshard_after_forward=False``), so generation and the log-prob recompute run locally on full weights;
@@ -96,14 +102,21 @@ def shard_batch(data: Any, ranks: int) -> list[Any]:
     return shares
 
 
+def sequence_parallel_size(worker_group: Any) -> int:
+    """The worker group's Ulysses degree (``ActorWorkerGroup.sequence_parallel_size``; 1 for any other group)."""
+    return int(getattr(worker_group, "sequence_parallel_size", 1))
+
+
 def dispatch_by_groups(worker_group: Any, *args, **kwargs):
-    """verl dispatch function: every ``DataProto`` argument split by :func:`shard_batch`, the rest replicated."""
+    """verl dispatch function: every ``DataProto`` argument split by :func:`shard_batch` over the data-parallel
+    ranks, each share given to the ``sp`` consecutive ranks of its sequence-parallel group
+    (``models.sequence_parallel``); the rest replicated."""
     from verl import DataProto  # here: the rest of this module serves the Ray-free core (trainer.actor_core) too
 
-    n = worker_group.world_size
+    n, sp = worker_group.world_size, sequence_parallel_size(worker_group)
 
     def split(a):
-        return shard_batch(a, n) if isinstance(a, DataProto) else [a] * n
+        return [s for s in shard_batch(a, n // sp) for _ in range(sp)] if isinstance(a, DataProto) else [a] * n
 
     return tuple(split(a) for a in args), {k: split(v) for k, v in kwargs.items()}
 
@@ -115,10 +128,11 @@ def rows_result(data: Any, value: torch.Tensor | dict[str, torch.Tensor]) -> tup
 
 
 def collect_rows(worker_group: Any, outputs: list[tuple[np.ndarray, Any]]) -> torch.Tensor | dict[str, torch.Tensor]:
-    """verl collect function: the ranks' per-row results back in the dispatched batch's order (padding dropped);
-    a dict of tensors is collected key by key."""
+    """verl collect function: the ranks' per-row results back in the dispatched batch's order (padding dropped; one
+    rank per sequence-parallel group, whose ranks return the same rows); a dict of tensors is collected key by key."""
+    outputs = outputs[:: sequence_parallel_size(worker_group)]
     if isinstance(outputs[0][1], dict):
-        return {k: collect_rows(worker_group, [(idx, v[k]) for idx, v in outputs]) for k in outputs[0][1]}
+        return {k: collect_rows(None, [(idx, v[k]) for idx, v in outputs]) for k in outputs[0][1]}
     n = sum(int((idx >= 0).sum()) for idx, _ in outputs)
     first = outputs[0][1]
     out = first.new_empty((n, *first.shape[1:]))
@@ -153,8 +167,9 @@ def merge_rank_metrics(outputs: list[dict[str, list[float]]], time_keys: Sequenc
 
 
 def collect_metrics(worker_group: Any, outputs: list[dict[str, list[float]]]) -> dict[str, float]:
-    """verl collect function of ``update_minibatch``: :func:`merge_rank_metrics` (``timing_s/ref`` a wall time)."""
-    return merge_rank_metrics(outputs, time_keys=(REF_TIME_KEY,))
+    """verl collect function of ``update_minibatch``: :func:`merge_rank_metrics` (``timing_s/ref`` a wall time) of
+    one rank per sequence-parallel group (its ranks computed the same losses)."""
+    return merge_rank_metrics(outputs[:: sequence_parallel_size(worker_group)], time_keys=(REF_TIME_KEY,))
 
 
 # ``register(dispatch_mode=...)`` of the actor's data-parallel methods: per-row results, or one mini-batch's metrics.
@@ -203,10 +218,18 @@ class DataParallel:
     """This actor rank's view of the data-parallel group, from the environment verl's ``RayWorkerGroup`` gives
     each worker (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): ``nccl`` on CUDA (bound to this rank's
     device), ``gloo`` on CPU; ``timeout_s`` bounds every collective (``actor_rollout_ref.nccl_timeout``). With one
-    rank nothing is initialised and every collective is the identity."""
+    rank nothing is initialised and every collective is the identity. ``sp``: the Ulysses degree
+    (``models.sequence_parallel``); rank ``r`` is data-parallel rank ``r // sp`` of ``world // sp``, and the ``sp``
+    ranks of a group train on the same samples."""
 
-    def __init__(self, device: str = "cpu", timeout_s: float = PROCESS_GROUP_TIMEOUT_S):
+    def __init__(self, device: str = "cpu", timeout_s: float = PROCESS_GROUP_TIMEOUT_S, sp: int = 1):
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        self.sp = int(sp)
+        if self.sp < 1 or self.world % self.sp:
+            raise ValueError(
+                f"actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size={sp} does not divide the "
+                f"{self.world} actor ranks: set it to a divisor of trainer.n_gpus_per_node x trainer.nnodes"
+            )
         self.device = torch.device(device)
         self.sharded = False  # set by shard_module (FSDP2 full fine-tune)
         self.store: dist.Store | None = None  # where a failing rank publishes its error (failfast)
@@ -231,6 +254,11 @@ class DataParallel:
     @property
     def active(self) -> bool:
         return self.world > 1
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's place in its sequence-parallel group (0: the one whose rows and metrics are collected)."""
+        return self.rank % self.sp
 
     # ---- a failing rank -------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -342,10 +370,11 @@ def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 
 # ---- the loss weighting ---------------------------------------------------------------------------------------
 def loss_scales(units: Sequence[float], dp: DataParallel | None) -> list[float]:
-    """Each micro-batch's loss weight: its loss units over the mini-batch's units on *all* ranks (all-reduced), so
-    the gradients summed over micro-batches and ranks are the gradient of the whole mini-batch's mean loss."""
+    """Each micro-batch's loss weight: its loss units over the mini-batch's units on *all* ranks (all-reduced, each
+    sequence-parallel group's once: its ``sp`` ranks hold the same samples), so the gradients summed over
+    micro-batches and ranks are the gradient of the whole mini-batch's mean loss."""
     local = float(sum(units))
-    total = dp.sum(local) if dp is not None else local
+    total = dp.sum(local) / dp.sp if dp is not None else local
     return [float(n) / total if total > 0 else 0.0 for n in units]
 
 

@@ -85,7 +85,10 @@ def rendezvous_here(pg: Any, bundle_index: int) -> tuple[str, str] | None:
 
 class ActorWorkerGroup(RayWorkerGroup):
     """verl's ``RayWorkerGroup``, with the rendezvous found on the driver when rank 0 shares its node
-    (:func:`rendezvous_here`), by verl's task otherwise."""
+    (:func:`rendezvous_here`), by verl's task otherwise. ``sequence_parallel_size``: the Ulysses degree its
+    data-parallel dispatch reads (``trainer.data_parallel.dispatch_by_groups``)."""
+
+    sequence_parallel_size = 1
 
     def _get_master_addr_port(self, pg, bundle_index=0, master_port_range=None):
         # An address already set or a port range to honour stays verl's business (no probe here first).
@@ -109,6 +112,7 @@ def place(cfg: DictConfig, made: Pools, layout: Layout) -> Placement:
         RayClassWithInitArgs(ray.remote(ActorWorker), config=cfg_dict, **layout.actor_worker_args()),
         name_prefix="actor",
     )
+    actor_wg.sequence_parallel_size = int(cfg.actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size)
     actor_wg.init_model()
     rollout = layout.connect(actor_wg)
     return Placement(made.manager, actor_wg, rollout, made.reward_pool, made.judge_pg)

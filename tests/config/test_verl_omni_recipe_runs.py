@@ -55,6 +55,10 @@ RUNS: dict[str, list[str]] = {
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_async_reward": [
         "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_async_reward"
     ],
+    # Ulysses sp=2: one sequence-parallel group of 2 actor ranks (ON_CPU_SEQUENCE_PARALLEL), each half of the tokens
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_sp2": [
+        "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_sp2"
+    ],
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_rollout_corr": [  # bypass mode with rollout_is / rs
         "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora_rollout_corr"
     ],

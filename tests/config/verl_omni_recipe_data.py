@@ -220,12 +220,26 @@ ON_CPU_OFFLINE: dict[str, tuple[str, str]] = {
 }
 
 
+# A sequence-parallel recipe's run (``ulysses_sequence_parallel_size`` = sp > 1) instead of ON_CPU's one actor rank,
+# key -> (value, why); ``{sp}`` is the recipe's size.
+ON_CPU_SEQUENCE_PARALLEL: dict[str, tuple[str, str]] = {
+    "trainer.n_gpus_per_node": (
+        "{sp}",
+        "one sequence-parallel group of the recipe's sp actor ranks (one data-parallel rank)",
+    ),
+    "actor_rollout_ref.rollout.agent.num_workers": ("{sp}", "the hybrid layout's rollout worker per actor rank"),
+}
+SEQUENCE_PARALLEL_KEY = "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"
+
+
 def on_cpu(overrides: list[str], data: str | Path, run: str | Path) -> list[str]:
     """A recipe's overrides (its stand-ins already swapped) as one training step on this CPU box runs them:
     ``ON_CPU``'s values (an offline recipe's data: ``ON_CPU_OFFLINE``'s) where the recipe sets those keys, and added
     where it does not; ``ON_CPU_CAPS``' sizes where the recipe sets larger ones."""
     offline = ON_CPU_OFFLINE if "algorithm.sample_source=offline" in overrides else {}
-    values = {k: v.format(data=data, run=run) for k, (v, _) in {**ON_CPU, **offline}.items()}
+    sp = next((int(o.partition("=")[2]) for o in overrides if o.startswith(f"{SEQUENCE_PARALLEL_KEY}=")), 1)
+    group = {k: (v.format(sp=sp), why) for k, (v, why) in ON_CPU_SEQUENCE_PARALLEL.items()} if sp > 1 else {}
+    values = {k: v.format(data=data, run=run) for k, (v, _) in {**ON_CPU, **offline, **group}.items()}
     out, seen = [], set()
     for line in overrides:
         lhs, _, value = line.partition("=")

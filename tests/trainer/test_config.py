@@ -127,6 +127,31 @@ def test_mini_batch_feeds_every_actor_rank():
         validate(compose(BASE + ranks[::2] + split))
 
 
+def test_ulysses_groups_divide_the_actor_ranks_and_count_as_one_data_parallel_rank():
+    """verl's ulysses_sequence_parallel_size: groups of sp actor ranks, each trains one data-parallel share (so the
+    mini-batch feeds ranks / sp), LoRA on a diffusion transformer only; anything else refused naming the key."""
+    key = "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"
+    four = [
+        "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.rollout.agent.num_workers=4",
+        "data.train_batch_size=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.model.lora_rank=4",
+    ]
+    cfg = validate(compose(BASE + four + [f"{key}=2"]))  # 2 groups of 2 ranks: 2 prompts per mini-batch feed them
+    assert cfg.actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size == 2
+    with pytest.raises(ConfigError, match="ppo_mini_batch_size"):  # sp=1: 4 data-parallel ranks for 2 groups
+        validate(compose(BASE + four))
+    for extra, why in (
+        ([f"{key}=3"], "divide the 4 actor ranks"),
+        ([f"{key}=2", "actor_rollout_ref.model.lora_rank=0"], "full fine-tune"),
+    ):
+        with pytest.raises(ConfigError, match=f"{key}.*{why}"):
+            validate(compose(BASE + four + extra))
+    with pytest.raises(ConfigError, match=f"{key}.*text policy"):
+        validate(compose([*BASE, *four, f"{key}=2"], config_name="grpo_text_trainer"))
+
+
 def test_unknown_key_is_a_config_error_naming_the_nearest_keys():
     with pytest.raises(ConfigError, match=r"^reward\.not_a_key: not a key .*nearest keys are reward\.") as err:
         compose(BASE + ["reward.not_a_key=1"])

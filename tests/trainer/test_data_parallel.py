@@ -55,11 +55,32 @@ def test_shards_round_trip_and_an_idle_rank_gets_a_masked_padding_row():
     assert out.tolist() == [0.0, 2.0]
 
 
+def test_sequence_parallel_groups_share_one_data_parallel_share_and_count_it_once():
+    """Ulysses (``models.sequence_parallel``): 4 ranks at sp=2 are 2 data-parallel ranks; each share goes to both
+    ranks of its group, one rank per group is collected, and the loss weights count each group's units once."""
+    from types import SimpleNamespace
+
+    uids = np.array(["a", "a", "b", "b", "c", "c"], dtype=object)
+    data = DataProto.from_dict(
+        tensors={"v": torch.arange(6.0), "loss_mask": torch.ones(6, dtype=torch.bool)}, non_tensors={"uid": uids}
+    )
+    group = SimpleNamespace(world_size=4, sequence_parallel_size=2)
+    (shares,), _ = dpm.dispatch_by_groups(group, data)
+    idx = [s.meta_info[DP_INDEX_KEY].tolist() for s in shares]
+    assert idx[0] == idx[1] and idx[2] == idx[3] and sorted(idx[0] + idx[2]) == list(range(6))
+    out = collect_rows(group, [(s.meta_info[DP_INDEX_KEY], s.batch["v"] * 10) for s in shares])
+    assert torch.equal(out, torch.arange(6.0) * 10)  # each row once, in batch order
+    metrics = [{"actor/pg_loss": [float(r)]} for r in (1, 1, 3, 3)]
+    assert dpm.collect_metrics(group, metrics)["actor/pg_loss"] == 2.0
+    # rank units 4, 4 (group 0) and 2, 2 (group 1): 6 samples in all, not 12
+    assert loss_scales([4.0], _Ranks([4, 4, 2, 2], sp=2)) == [4 / 6]
+
+
 class _Ranks:
     """``DataParallel.sum`` of a group whose every rank's local value is known (no process group needed)."""
 
-    def __init__(self, locals_: list[float]):
-        self.total = sum(locals_)
+    def __init__(self, locals_: list[float], sp: int = 1):
+        self.total, self.sp = sum(locals_), sp
 
     def sum(self, x: float) -> float:
         return self.total

@@ -1,0 +1,249 @@
+"""Ulysses sequence parallelism (``models.sequence_parallel``). On two real gloo ranks (spawned processes): one group
+of ``sp=2`` ranks given the same 2 samples of tiny Qwen-Image (LoRA, one sample per micro-batch) recomputes the one-process log-probs and accumulates, after the data-parallel all-reduce, the one-process
+loss and LoRA gradients to float rounding (fp32), each rank's blocks seeing half of the tokens; outside
+``SequenceParallel.active`` a rank generates alone on whole sequences (no collective), the same samples as one process.
+
+In process: text padded to a multiple of the ranks (masked) leaves the image output as it was; a transformer diffusers
+gives no context-parallel plan (SD3), or heads that do not divide, is refused by name. The dispatch / collect of a
+group's share by data-parallel rank is ``test_data_parallel.py``'s."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+
+SP = 2
+# the two prompts' token counts differ in parity, so one of them is padded to a multiple of SP
+PROMPTS, SEEDS = ["a red sign!", "draw a blue door"], [1, 2]
+ACTOR_CFG = {"diffusion_loss": {"clip_ratio": 0.2}, "kl_loss_coef": 0.0, "ppo_micro_batch_size_per_gpu": 1}
+WINDOW = range(1, 3)  # two SDE steps of four
+
+
+def tiny_transformer():
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(0)
+    return QwenImageTransformer2DModel(
+        num_layers=1,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        patch_size=2,
+        in_channels=64,
+        out_channels=16,
+        joint_attention_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    )
+
+
+def test_text_padded_to_a_multiple_of_the_ranks_leaves_the_image_output_unchanged():
+    from omni_async.models.sequence_parallel import pad_text
+
+    model, g = tiny_transformer(), torch.Generator().manual_seed(1)
+    call = {
+        "hidden_states": torch.randn(2, 4, 64, generator=g),
+        "encoder_hidden_states": torch.randn(2, 5, 32, generator=g),
+        "encoder_hidden_states_mask": None,
+        "timestep": torch.tensor([0.3, 0.8]),
+        "img_shapes": [[(1, 2, 2)]] * 2,
+    }
+    with torch.no_grad():
+        whole = model(**call, return_dict=False)[0]
+        for mask in (None, torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])):  # no mask; one sample's own padding
+            given = {**call, "encoder_hidden_states_mask": mask}
+            padded = pad_text(given, 4, "QwenImageTransformer2DModel")
+            assert padded["encoder_hidden_states"].shape[1] == 8 and padded["encoder_hidden_states_mask"].shape == (
+                2,
+                8,
+            )
+            expected = whole if mask is None else model(**given, return_dict=False)[0]
+            assert torch.allclose(model(**padded, return_dict=False)[0], expected, atol=1e-6)
+    even = {**call, "encoder_hidden_states": call["encoder_hidden_states"][:, :4]}
+    assert pad_text(even, 2, "m") is even  # 4 image and 4 text tokens divide by 2: as given
+    with pytest.raises(ValueError, match="4 image tokens.*height / width"):
+        pad_text(call, 3, "m")
+    no_mask = {k: v for k, v in call.items() if k != "encoder_hidden_states_mask"}
+    with pytest.raises(ValueError, match="takes no text mask.*max_sequence_length"):
+        pad_text(no_mask, 2, "FluxTransformer2DModel")
+
+
+def test_a_transformer_without_a_context_parallel_plan_or_with_indivisible_heads_is_refused_by_name():
+    from diffusers import SD3Transformer2DModel
+
+    from omni_async.models.sequence_parallel import check_supported
+
+    sd3 = SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        caption_projection_dim=16,
+        pooled_projection_dim=16,
+        out_channels=4,
+        pos_embed_max_size=8,
+    )
+    with pytest.raises(ValueError, match="SD3Transformer2DModel declares no context-parallel plan"):
+        check_supported(sd3, 2)
+    with pytest.raises(ValueError, match="2 attention heads.*divisor of 2"):
+        check_supported(tiny_transformer(), 4)
+    check_supported(tiny_transformer(), 2)
+
+
+def tiny_lora_policy():
+    from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
+
+    torch.manual_seed(0)  # the same LoRA initialisation in every process
+    policy = DiffusionPolicy(
+        "tiny:qwen_image",
+        SamplingConfig(height=32, width=32, num_inference_steps=4),
+        lora_rank=4,
+        dtype=torch.float32,
+    )
+    with torch.no_grad():  # LoRA's B starts at 0: move it, so every LoRA weight has a gradient
+        for p in policy.trainable_parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    policy.refresh_working_weights()
+    return policy
+
+
+def batch_of(tensors: dict):
+    from omni_async.trainer.actor_core import TensorBatch
+
+    return TensorBatch(dict(tensors), {"window_start": WINDOW.start})
+
+
+def gradients(policy) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in policy.trainable.named_parameters() if p.requires_grad}
+
+
+def token_counts(policy) -> tuple[list[int], torch.utils.hooks.RemovableHandle]:
+    """The image and text tokens the second block gets, per call (after the first block's split, when active)."""
+    seen: list[int] = []
+
+    def hook(module, args, kwargs):
+        seen.append(int(kwargs["hidden_states"].shape[1]) + int(kwargs["encoder_hidden_states"].shape[1]))
+
+    return seen, policy.transformer.transformer_blocks[1].register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def rank_main(rank: int, port: int, batch_path: str, out_dir: str) -> None:
+    from omegaconf import OmegaConf
+
+    from omni_async.modality.image import ImageModality
+    from omni_async.models.sequence_parallel import SequenceParallel, denoisers
+    from omni_async.trainer.actor_core import accumulate_gradients, compute_log_prob
+    from omni_async.trainer.data_parallel import DataParallel
+
+    torch.set_num_threads(1)
+    results: dict = {}
+    try:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(SP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dp = DataParallel("cpu", timeout_s=120.0, sp=SP)
+        policy = tiny_lora_policy()
+        sp = SequenceParallel(denoisers(policy), SP, dp.rank, dp.world, dp.device)
+        data, modality = batch_of(torch.load(batch_path)), ImageModality()
+        seen, handle = token_counts(policy)
+        with sp.active():
+            results["log_probs"] = compute_log_prob(modality, policy, data)
+            metrics = accumulate_gradients(modality, policy, data, OmegaConf.create(ACTOR_CFG), dp)
+        results["tokens_active"] = sorted(set(seen))
+        dp.all_reduce_grads(policy.trainable_parameters())
+        results["loss"], results["grads"] = metrics["actor/pg_loss"], gradients(policy)
+        seen.clear()
+        if rank == 0:  # rank 1 idle: a collective here would hang
+            results["generated"] = policy.rollout(PROMPTS[:1], SEEDS[:1], window=WINDOW).log_probs
+        results["tokens_alone"] = sorted(set(seen))
+        handle.remove()
+    except Exception:
+        results["crash"] = traceback.format_exc()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """The one-process reference (log-probs, loss, gradients, token counts), then the two ranks' results."""
+    from omegaconf import OmegaConf
+
+    from omni_async.modality.image import ImageModality
+    from omni_async.trainer.actor_core import accumulate_gradients, compute_log_prob
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank: a CPU reduction's order depends on the thread count
+    try:
+        policy = tiny_lora_policy()
+        seen, handle = token_counts(policy)
+        alone = policy.rollout(PROMPTS[:1], SEEDS[:1], window=WINDOW).log_probs
+        tokens_alone = sorted(set(seen))
+        out = policy.rollout(PROMPTS, SEEDS, window=WINDOW)
+        tensors = {
+            "window_latents": out.window_latents,
+            "old_log_probs": out.log_probs,
+            "advantages": torch.tensor([1.0, -0.5]),
+            "loss_mask": torch.ones(2, dtype=torch.bool),
+            **out.conditioning,
+        }
+        path = tmp_path_factory.mktemp("sp") / "batch.pt"
+        torch.save(tensors, path)
+        data = batch_of(tensors)
+        seen.clear()
+        metrics = accumulate_gradients(ImageModality(), policy, data, OmegaConf.create(ACTOR_CFG))
+        reference = {
+            "log_probs": compute_log_prob(ImageModality(), policy, data),
+            "loss": metrics["actor/pg_loss"],
+            "grads": gradients(policy),
+            "tokens": sorted(set(seen)),
+            "tokens_alone": tokens_alone,
+            "generated": alone,
+        }
+        handle.remove()
+    finally:
+        torch.set_num_threads(threads)
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, port, str(path), str(path.parent))) for r in range(SP)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        if p.is_alive():
+            p.kill()
+    results = {r: torch.load(path.parent / f"rank{r}.pt", weights_only=False) for r in range(SP)}
+    for r, res in results.items():
+        assert "crash" not in res, f"rank {r}: {res['crash']}"
+    return reference, results
+
+
+@pytest.mark.slow  # two spawned ranks: not in the fast tier (pytest -m 'not slow')
+def test_two_sequence_ranks_give_one_process_log_probs_loss_and_gradients(ranks):
+    reference, results = ranks
+    for res in results.values():
+        assert torch.allclose(res["log_probs"], reference["log_probs"], atol=1e-5)
+        assert res["loss"] == pytest.approx(reference["loss"], rel=1e-5, abs=1e-7)
+        assert res["grads"].keys() == reference["grads"].keys()
+        for name, g in reference["grads"].items():
+            assert g.abs().max() > 0, name  # every LoRA weight is trained (the check below is not vacuous)
+            assert torch.allclose(res["grads"][name], g, rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.slow
+def test_each_rank_holds_half_of_every_sequence_and_generates_whole_ones_alone(ranks):
+    reference, results = ranks
+    padded = sorted({t + t % SP for t in reference["tokens"]})  # an odd text count padded to a multiple of SP
+    for res in results.values():
+        assert res["tokens_active"] == [t // SP for t in padded]
+    assert results[0]["tokens_alone"] == reference["tokens_alone"]  # whole sequences on rank 0 alone
+    assert torch.allclose(results[0]["generated"], reference["generated"], atol=1e-5)

@@ -188,6 +188,31 @@ def test_each_recipe_starts_or_is_refused_before_ray_naming_what_is_missing(name
         assert any(k == key and words in m for k, m in problems), str(err.value)
 
 
+def test_hpsv3_stand_in_keeps_verl_omnis_contract():
+    """verl-omni's ``compute_score_hpsv3`` (a1139ba): its parameters and defaults, every ``frame_interval``-th frame
+    (``extra_info``, 4) of a ``[C, F, H, W]`` video from the first, the mean of ``reward_scale`` x the raw score,
+    ``{"score", "hpsv3_raw"}``; a video in another layout is refused naming its shape."""
+    import inspect
+
+    import torch
+    from verl_omni_hpsv3_stand_in import compute_score_hpsv3
+
+    params = inspect.signature(compute_score_hpsv3).parameters
+    assert list(params)[:4] == ["data_source", "solution_image", "ground_truth", "extra_info"]
+    assert {k: params[k].default for k in ("model_name", "reward_scale", "device")} == {
+        "model_name": None,
+        "reward_scale": 0.1,
+        "device": None,
+    }
+    video = torch.zeros(3, 9, 8, 8, dtype=torch.uint8)
+    video[:, 4, :, :4] = 255  # frame 4 alone has contrast: 10 x std / 255 = 5.0 (half the pixels 255)
+    out = compute_score_hpsv3("dance_grpo/hpsv3", video, "a cat", {})
+    assert out == pytest.approx({"score": 0.1 * 5.0 / 3, "hpsv3_raw": 5.0 / 3}, rel=1e-3)  # frames 0, 4, 8
+    assert compute_score_hpsv3("x", video, "", {"frame_interval": 3})["hpsv3_raw"] == 0.0  # frames 0, 3, 6
+    with pytest.raises(ValueError, match=r"\(9, 3, 8, 8\)"):
+        compute_score_hpsv3("x", video.permute(1, 0, 2, 3), "", {})
+
+
 def test_multi_reward_spelling_of_verl_omni_is_this_projects_weighted_rewards():
     recipe = stand_in(RECIPES["flowgrpo_trainer.qwen_image.run_qwen_image_ocr_multi_reward"])
     cfg = validate(compose([o for o in recipe if key_of(o) not in OWNED_ELSEWHERE]))

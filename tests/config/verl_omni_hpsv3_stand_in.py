@@ -41,5 +41,5 @@ def compute_score_hpsv3(
     **kwargs: Any,
 ) -> dict[str, float]:
     frames = sampled_frames(solution_image, int(extra_info.get("frame_interval", 4)))
-    raw = [10.0 * float(frame.float().std()) / 255.0 for frame in frames]
+    raw = [10.0 * float(frame.float().std(correction=0)) / 255.0 for frame in frames]
     return {"score": sum(r * reward_scale for r in raw) / len(raw), "hpsv3_raw": sum(raw) / len(raw)}

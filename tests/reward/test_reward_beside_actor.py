@@ -22,7 +22,12 @@ from omni_async.trainer.placement import ActorWorkerGroup, make_pools
 # Ray workers cannot import this test module: the probe's class and the functions sent from here travel by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-BESIDE = ["data.train_files=x.jsonl", "reward.reward_model.colocate_with_actor=true", "trainer.n_gpus_per_node=1"]
+BESIDE = [
+    "data.train_files=x.jsonl",
+    "reward.reward_model.colocate_with_actor=true",
+    "trainer.n_gpus_per_node=1",
+    "reward.custom_reward_function.path=pkg://omni_async.reward.scorers.jpeg",  # loads at once (OCR's engine does not)
+]
 
 
 class DeviceProbe(Worker):

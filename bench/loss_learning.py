@@ -1,7 +1,8 @@
 """The losses compared on the main job (issue 38 item 6): steps and wall seconds each needs to reach Flow-GRPO's level.
 
-The runs are ``bench/ocr_learning.py`` records (the main job's command, ``ALGO=flow_grpo | diffusion_nft | awm``,
-three seeds each) in one results file; this script reads them and adds a ``summary``:
+The runs are ``bench/ocr_learning.py`` records (the main job's command, ``ALGO=flow_grpo | diffusion_nft | awm |
+dpo | dance_grpo``, Flow-GRPO's three seeds beside them) in one results file; this script reads them and adds a
+``summary``:
 
 - two bases, each with its own level:
   - ``rollout``: the mean OCR reward of the step's own samples. Flow-GRPO's are SDE samples (noise level 0.7 on its
@@ -142,7 +143,7 @@ def summarise_basis(runs: dict[str, dict], baseline: list[dict], basis: str) -> 
     return {"level": round(level, 4), "level_is": f"{BASELINE}'s last-3 mean, median over seeds", **per_loss}
 
 
-COLOURS = {"flow_grpo": "tab:blue", "diffusion_nft": "tab:orange", "awm": "tab:green"}
+COLOURS = {"flow_grpo": "tab:blue", "diffusion_nft": "tab:orange", "awm": "tab:green", "dance_grpo": "tab:red"}
 
 
 def plot(results: dict, out: Path, by_run: bool = False) -> Path:

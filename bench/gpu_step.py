@@ -142,6 +142,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "alike (default: the micro-batch, at most --batch; 1 = the per-sample path measured before 2026-11-27)",
     )
     ap.add_argument("--no-checkpointing", action="store_true", help="gradient checkpointing off (on by default)")
+    ap.add_argument(
+        "--attn-backend",
+        default="native",
+        help="actor_rollout_ref.model.attn_backend: diffusers' backend, e.g. native | flash_varlen | "
+        "_flash_3_varlen_hub | sage_varlen (models/acceleration.py)",
+    )
+    ap.add_argument(
+        "--compile", action="store_true", help="actor_rollout_ref.actor.use_torch_compile: regional compilation"
+    )
     ap.add_argument("--param-offload", action="store_true", help="fsdp_config.param_offload")
     ap.add_argument("--optimizer-offload", action="store_true", help="fsdp_config.optimizer_offload")
     ap.add_argument("--dtype", default=None, help="frozen weights: bf16 | fp16 | fp32 (default: bf16 on CUDA)")
@@ -197,6 +206,8 @@ def main(argv=None) -> dict:
         device=device,
         dtype=dtype,
         gradient_checkpointing=not args.no_checkpointing,
+        attn_backend=args.attn_backend,
+        compile_blocks=args.compile,
     )
     sync(device)
     build_s = time.perf_counter() - t0
@@ -317,6 +328,8 @@ def main(argv=None) -> dict:
             "window_batch": sampling.window_batch,
             "window_text_bucket": sampling.window_text_bucket,
             "gradient_checkpointing": not args.no_checkpointing,
+            "attn_backend": args.attn_backend,
+            "use_torch_compile": args.compile,
             "model_dtype": str(dtype).replace("torch.", ""),
             "param_offload": args.param_offload,
             "optimizer_offload": args.optimizer_offload,

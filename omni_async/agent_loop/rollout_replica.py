@@ -52,6 +52,7 @@ class RolloutReplica(RolloutWorker):
         rollout_server: dict[str, Any] | None = None,
         dtype_name: str | None = None,
         partial_rollout: bool = False,
+        use_torch_compile: bool = False,
     ):
         from omni_async.cluster import configure_worker, resume_gc
         from omni_async.modality import get_modality
@@ -60,7 +61,9 @@ class RolloutReplica(RolloutWorker):
         self.device = configure_worker()
         t0 = time.perf_counter()
         dtype = model_dtype(dtype_name, self.device)
-        self.policy = get_modality(modality).build_policy(model, sampling, self.device, rollout_server, dtype=dtype)
+        self.policy = get_modality(modality).build_policy(
+            model, sampling, self.device, rollout_server, dtype=dtype, compile_blocks=use_torch_compile
+        )
         if hasattr(self.policy, "freeze_for_inference"):  # a vLLM client holds no weights in this process
             self.policy.freeze_for_inference(dtype)
         logger.info(

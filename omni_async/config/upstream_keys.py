@@ -90,6 +90,16 @@ def _equals(key: str):
     return lambda v, get: v == get(key)
 
 
+def _rollout_attn_pair(v: Any, get: Get) -> bool:
+    """verl-omni's pairing of its rollout engine's attention with the training engine's (its
+    ``validate_attention_consistency``): other model backends it does not pair, nor does this."""
+    model = get(f"{ARR}.model.attn_backend")
+    if v is None or model not in ("native", "_native_npu", "_flash_3_varlen_hub"):
+        return True
+    fa3 = ("FLASH_ATTN", "FLASH_ATTN_HUB", "FLASH_ATTN_3_HUB")
+    return v in (fa3 if model == "_flash_3_varlen_hub" else ("TORCH_SDPA",))
+
+
 def _verl_omni_adapter(v: Any, get: Get) -> bool:
     """verl-omni's own model-adapter modules (``verl_omni.pipelines.<family>_<algorithm>``), or none."""
     return v is None or str(v).startswith("verl_omni.pipelines.")
@@ -190,11 +200,6 @@ RULES: dict[str, Rule] = {
         "drop it, or set it to float32",
         lambda v, get: v is None or _dtype(v) == "float32",
     ),
-    f"{ARR}.model.attn_backend": Rule(
-        "no_effect",
-        "diffusers' attention backend of verl-omni's training engine; the transformer here runs torch SDPA, the "
-        "same attention",
-    ),
     f"{ARR}.model.external_lib": Rule(
         "same",
         "the module verl-omni imports to register a model adapter for (pipeline, algorithm); verl-omni's own "
@@ -285,6 +290,19 @@ RULES: dict[str, Rule] = {
             else {}
         ),
     ),
+    **{
+        key: Rule(
+            "same",
+            f"verl's copy of {ARR}.actor.use_torch_compile ({why}); here one switch compiles the transformer's blocks "
+            "for every forward",
+            f"drop it, or set {ARR}.actor.use_torch_compile to this value instead",
+            _equals(f"{ARR}.actor.use_torch_compile"),
+        )
+        for key, why in (
+            (f"{ARR}.ref.use_torch_compile", "the reference here is the same transformer with its LoRA adapter off"),
+            (f"{ARR}.actor.fsdp_config.use_torch_compile", "verl's engine setting"),
+        )
+    },
     f"{ARR}.actor.optim.lr_warmup_steps_ratio": Rule(
         "same",
         "the learning rate is constant here (verl's ratio 0.0)",
@@ -309,7 +327,12 @@ RULES: dict[str, Rule] = {
         "no_effect", "vLLM-Omni's step-level scheduling; rollout here batches whole requests (rollout.agent.*)"
     ),
     f"{ARR}.rollout.rollout_attn_backend": Rule(
-        "no_effect", "vLLM-Omni's attention backend; rollout here runs diffusers' transformer on torch SDPA"
+        "same",
+        "vLLM-Omni's attention backend, which verl-omni pairs with model.attn_backend (TORCH_SDPA with native / "
+        "_native_npu, FLASH_ATTN / FLASH_ATTN_HUB / FLASH_ATTN_3_HUB with _flash_3_varlen_hub); rollout here runs the "
+        "update's diffusers transformer, so with model.attn_backend itself",
+        f"drop it, or give the pair of {ARR}.model.attn_backend (native <-> TORCH_SDPA)",
+        _rollout_attn_pair,
     ),
     f"{ARR}.rollout.layered_summon": Rule(
         "no_effect",

@@ -40,12 +40,15 @@ class Modality(ABC):
         device: str = "cpu",
         rollout_server: dict[str, Any] | None = None,
         dtype: torch.dtype = torch.float32,
+        compile_blocks: bool = False,
     ) -> Any:
         """The trainable policy on ``device`` with frozen weights in ``dtype`` (``actor_rollout_ref.model``), or, for
-        a rollout worker with ``rollout_server`` (``rollout.name=vllm``), a client of an inference server."""
+        a rollout worker with ``rollout_server`` (``rollout.name=vllm``), a client of an inference server.
+        ``compile_blocks``: verl's ``actor.use_torch_compile`` (``models.acceleration``)."""
         if rollout_server is not None:
             return self.serving_client(model, sampling, rollout_server)
-        return self.trainable_policy(model["path"], sampling, **trainable_kwargs(model, device, dtype))
+        kwargs = trainable_kwargs(model, device, dtype)
+        return self.trainable_policy(model["path"], sampling, **kwargs, compile_blocks=compile_blocks)
 
     @abstractmethod
     def trainable_policy(self, path: str, sampling: dict[str, Any], **trainable: Any) -> Any:
@@ -128,6 +131,7 @@ def trainable_kwargs(model: dict[str, Any], device: str, dtype: torch.dtype) -> 
         dtype=dtype,
         gradient_checkpointing=gradient_checkpointing(model, device),
         override_config=plain_dict(model.get("override_config")),
+        attn_backend=model.get("attn_backend", "native"),  # verl-omni's; diffusers' backend (models.acceleration)
     )
 
 

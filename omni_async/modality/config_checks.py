@@ -110,6 +110,35 @@ def check_rollout(cfg: DictConfig) -> None:
         value = rollout.pipeline[key]
         _check(value is None or value >= 1, f"actor_rollout_ref.rollout.pipeline.{key}", "must be >= 1", "e.g. 4 / 64")
     _check_long_tail(cfg)
+    _check_transformer_options(cfg)
+
+
+def _check_transformer_options(cfg: DictConfig) -> None:
+    """verl-omni's ``model.attn_backend`` and verl's ``actor.use_torch_compile`` (``models.acceleration``): diffusion
+    transformers only; a backend diffusers knows and whose package is installed; compilation not under FSDP2."""
+    from omni_async.models.acceleration import NATIVE, backend_problem
+
+    arr = cfg.actor_rollout_ref
+    name, compiled = arr.model.attn_backend, arr.actor.use_torch_compile
+    if arr.model.modality == "text":
+        _check(
+            name == NATIVE and not compiled,
+            "actor_rollout_ref.model.attn_backend" if name != NATIVE else "actor_rollout_ref.actor.use_torch_compile",
+            "diffusers' attention backends and the transformer's regional compilation are diffusion settings; the "
+            "text policy runs transformers' own attention, uncompiled",
+            f"drop it (attn_backend={NATIVE}, use_torch_compile=false)",
+        )
+        return
+    problem = backend_problem(str(name))
+    _check(problem is None, f"actor_rollout_ref.model.attn_backend={name}", *(problem or ("", "")))
+    ranks = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
+    _check(
+        not (compiled and arr.model.lora_rank == 0 and ranks > 1),
+        "actor_rollout_ref.actor.use_torch_compile",
+        f"a full fine-tune over {ranks} actor ranks shards each block with FSDP2, and compiled blocks under FSDP2 are "
+        "not built or tested here",
+        "train LoRA (actor_rollout_ref.model.lora_rank > 0), use one actor rank, or set it to false",
+    )
 
 
 def _check_long_tail(cfg: DictConfig) -> None:

@@ -39,6 +39,7 @@ import torch
 
 from omni_async.algos.sde import SDEStep, sde_step_with_logprob
 from omni_async.models import SUPPORTED_PIPELINES
+from omni_async.models.acceleration import accelerate
 from omni_async.models.experts import boundary_timestep, low_noise_steps, trained_module
 from omni_async.models.loading import pipeline_load_kwargs
 from omni_async.models.lora import PolicyOptions, TrainableModule
@@ -592,6 +593,7 @@ class DiffusionPolicy(TrainableModule):
         self.compute_dtype = dtype
         if opts.gradient_checkpointing:  # recompute each block's activations in backward instead of keeping them
             self.trainable.enable_gradient_checkpointing()
+        accelerate(self.pipe, opts.attn_backend, opts.compile_blocks, device)  # model.attn_backend, use_torch_compile
         self.configure_vae()
         self.frozen_offloaded = False  # param_offload: text encoder(s) and VAE on the CPU (offload_frozen)
         self.frozen_offloaded_this_step = False  # at most one offload (so one round trip) per step (begin_step)

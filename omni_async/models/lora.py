@@ -122,6 +122,9 @@ class PolicyOptions:
     # verl's model.override_config: a random:<family> pipeline's per-component configs (models.random_models), a
     # causal LM's Hugging Face config keys (verl's meaning)
     override_config: dict | None = None
+    # diffusion only (models.acceleration): verl-omni's model.attn_backend, verl's actor.use_torch_compile
+    attn_backend: str = "native"
+    compile_blocks: bool = False
 
 
 class TrainableModule:

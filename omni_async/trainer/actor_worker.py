@@ -119,7 +119,11 @@ class ActorWorker(Worker, RolloutWorker):
         sampling = vars(self.modality.sampling_config(cfg))
         dtype = model_dtype(a.fsdp_config.model_dtype, self.device)
         self.policy = self.modality.build_policy(
-            OmegaConf.to_container(m, resolve=True), sampling, self.device, dtype=dtype
+            OmegaConf.to_container(m, resolve=True),
+            sampling,
+            self.device,
+            dtype=dtype,
+            compile_blocks=a.use_torch_compile,  # verl's key: the transformer's blocks (models.acceleration)
         )
         # Ulysses over each group of sp ranks, in the update and the log-prob recompute (generation: unsharded)
         self.sequence_parallel = (

@@ -328,6 +328,7 @@ def rollout_replicas(cfg: DictConfig, pool: Any, device_share: float, interrupts
                 rollout_server,
                 cfg.actor_rollout_ref.actor.fsdp_config.model_dtype,
                 interrupts,
+                cfg.actor_rollout_ref.actor.use_torch_compile,  # the rollout compiles the blocks the update does
             )
         )
     return replicas

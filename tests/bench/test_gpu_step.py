@@ -48,6 +48,8 @@ def test_gpu_step_runs_without_ray_and_writes_its_report(tmp_path):
         "bf16",
         "--param-offload",
         "--optimizer-offload",
+        "--attn-backend",
+        "_native_math",
         "--out",
         str(out),
     ]
@@ -57,6 +59,7 @@ def test_gpu_step_runs_without_ray_and_writes_its_report(tmp_path):
     assert report["device"].startswith("cpu") and report["peak_memory_gb"]["update"] is None  # no CUDA here
     assert report["rollout_s_per_image"] > 0 and report["update_s_per_sample"] > 0
     assert report["config"]["gradient_checkpointing"] and report["config"]["param_offload"]
+    assert report["config"]["attn_backend"] == "_native_math" and report["config"]["use_torch_compile"] is False
     assert report["params"]["lora"] > 0 and report["params"]["text_encoder"] > 0
     (it,) = report["iterations"]
     # bf16 with CFG, rollout batch 2 in SDE-window calls of 2 as the update's: the first update scores the rollout's

@@ -57,6 +57,12 @@ STAND_INS: dict[str, dict[str | None, tuple[str, str]]] = {
         ),
     },
     "actor_rollout_ref.rollout.name": {"vllm_omni": ("transformers", "rollout here runs diffusers")},
+    "actor_rollout_ref.model.attn_backend": {
+        "_flash_3_varlen_hub": ("native", "FA3 is a CUDA kernel (package kernels): this CPU box runs torch SDPA")
+    },
+    "actor_rollout_ref.rollout.rollout_attn_backend": {
+        "FLASH_ATTN_3_HUB": ("TORCH_SDPA", "verl-omni's pair of native, swapped with it")
+    },
     "distillation.teacher_models.teacher_model.model_path": {
         None: ("tiny:sd3_teacher", "tiny:sd3 with its transformer drawn from another seed (a teacher of its family)")
     },

@@ -59,6 +59,26 @@ def check_supported(module: torch.nn.Module, size: int) -> None:
         )
 
 
+def pipeline_problem(pipeline: str) -> str | None:
+    """Why the transformer of diffusers pipeline class ``pipeline`` cannot run Ulysses (it declares no ``_cp_plan``;
+    read from the pipeline's ``transformer`` argument), or None (a plan, or a class this cannot tell)."""
+    import inspect
+    import typing
+
+    import diffusers
+
+    cls = getattr(diffusers, pipeline, None)
+    param = inspect.signature(cls.__init__).parameters.get("transformer") if cls is not None else None
+    if param is None:
+        return None
+    for t in (param.annotation, *typing.get_args(param.annotation)):  # a class, or ``Class | None``
+        if isinstance(t, type) and issubclass(t, torch.nn.Module):
+            if getattr(t, "_cp_plan", None) is None:
+                return f"{pipeline}'s {t.__name__} declares no context-parallel plan (_cp_plan) in diffusers"
+            return None
+    return None
+
+
 def denoisers(policy: Any) -> list[torch.nn.Module]:
     """A diffusion policy's transformers, each once (Wan 2.2: both experts)."""
     out: list[torch.nn.Module] = []

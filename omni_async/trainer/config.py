@@ -472,6 +472,33 @@ def _check_validation(cfg: DictConfig) -> None:
         )
 
 
+def _check_sequence_parallel_model(cfg: DictConfig) -> None:
+    """Ulysses needs a transformer diffusers gives a context-parallel plan (``models.sequence_parallel``): the
+    checkpoint's pipeline class, where the driver can read it (``random:``, ``tiny:`` and local / cached
+    checkpoints); otherwise the actor refuses it when it loads the model."""
+    arr = cfg.actor_rollout_ref
+    if arr.actor.fsdp_config.ulysses_sequence_parallel_size == 1 or arr.model.modality == "text":
+        return
+    from omni_async.config.model_paths import pipeline_class
+    from omni_async.models.random_models import FAMILIES, family_of
+    from omni_async.models.sequence_parallel import pipeline_problem
+    from omni_async.models.tiny import is_random, is_tiny, resolve_model_path
+
+    path = str(arr.model.path)
+    if is_random(path):
+        pipeline = FAMILIES[family_of(path)]
+    else:
+        pipeline = pipeline_class(resolve_model_path(path) if is_tiny(path) else path)
+    problem = pipeline_problem(pipeline) if pipeline else None
+    _check(
+        problem is None,
+        "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size",
+        f"{arr.actor.fsdp_config.ulysses_sequence_parallel_size} with {path!r}: {problem}, so its tokens cannot be "
+        "split across ranks",
+        "set it to 1, or train a model whose transformer has one (Qwen-Image, FLUX.1, Wan)",
+    )
+
+
 def _check_mini_batch_feeds_ranks(cfg: DictConfig) -> None:
     """Every actor rank trains on every mini-batch. A rank takes whole ``uid`` groups (``trainer.data_parallel``), so
     a mini-batch of fewer groups than ranks leaves ranks with a zero-weight padding row in every update: devices
@@ -515,6 +542,7 @@ def check_at_start(cfg: DictConfig) -> DictConfig:
         note(err)
     try:
         check_model_paths(resolved)
+        _check_sequence_parallel_model(resolved)
     except ConfigError as err:
         note(err)
     if len(problems) == 1:

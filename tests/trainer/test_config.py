@@ -6,7 +6,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigAttributeError
 
-from omni_async.trainer.config import ConfigError, compose, streaming_enabled, validate
+from omni_async.trainer.config import ConfigError, check_at_start, compose, streaming_enabled, validate
 
 BASE = ["data.train_files=x.jsonl"]
 
@@ -150,6 +150,10 @@ def test_ulysses_groups_divide_the_actor_ranks_and_count_as_one_data_parallel_ra
             validate(compose(BASE + four + extra))
     with pytest.raises(ConfigError, match=f"{key}.*text policy"):
         validate(compose([*BASE, *four, f"{key}=2"], config_name="grpo_text_trainer"))
+    sd3 = [*four, f"{key}=2", "actor_rollout_ref.model.path=tiny:sd3"]  # before Ray: its transformer has no plan
+    with pytest.raises(ConfigError, match=f"{key}.*StableDiffusion3Pipeline's SD3Transformer2DModel declares no"):
+        check_at_start(compose(BASE + sd3))
+    check_at_start(compose(BASE + four + [f"{key}=2"]))  # tiny:qwen_image's has one
 
 
 def test_unknown_key_is_a_config_error_naming_the_nearest_keys():

@@ -64,6 +64,9 @@ FIRST_UPDATE = {
             "actor_rollout_ref.model.lora_rank=8",  # the text default is a full fine-tune; LoRA as the image's
             "actor_rollout_ref.model.lora_alpha=16",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            # pi_old = the rollout's log-probs (lock-step's default recomputes it, which would make the ratio 1 by
+            # construction): the check is the rollout against the update
+            "algorithm.rollout_correction.bypass_mode=true",
         ],
         0.05,
     ),

@@ -1,5 +1,6 @@
 """Ulysses sequence parallelism (``models.sequence_parallel``). On two real gloo ranks (spawned processes): one group
-of ``sp=2`` ranks given the same 2 samples of tiny Qwen-Image (LoRA, one sample per micro-batch) recomputes the one-process log-probs and accumulates, after the data-parallel all-reduce, the one-process
+of ``sp=2`` ranks given the same 2 samples of tiny Qwen-Image (LoRA, gradient checkpointing, one sample per
+micro-batch) recomputes the one-process log-probs and accumulates, after the data-parallel all-reduce, the one-process
 loss and LoRA gradients to float rounding (fp32), each rank's blocks seeing half of the tokens; outside
 ``SequenceParallel.active`` a rank generates alone on whole sequences (no collective), the same samples as one process.
 
@@ -105,6 +106,7 @@ def tiny_lora_policy():
         SamplingConfig(height=32, width=32, num_inference_steps=4),
         lora_rank=4,
         dtype=torch.float32,
+        gradient_checkpointing=True,  # as on CUDA by default: each block's forward (and its all-to-alls) runs again
     )
     with torch.no_grad():  # LoRA's B starts at 0: move it, so every LoRA weight has a gradient
         for p in policy.trainable_parameters():
@@ -127,8 +129,9 @@ def token_counts(policy) -> tuple[list[int], torch.utils.hooks.RemovableHandle]:
     """The image and text tokens the second block gets, per call (after the first block's split, when active)."""
     seen: list[int] = []
 
-    def hook(module, args, kwargs):
-        seen.append(int(kwargs["hidden_states"].shape[1]) + int(kwargs["encoder_hidden_states"].shape[1]))
+    def hook(module, args, kwargs):  # checkpointing passes the block's inputs by position
+        image, text = args[:2] if args else (kwargs["hidden_states"], kwargs["encoder_hidden_states"])
+        seen.append(int(image.shape[1]) + int(text.shape[1]))
 
     return seen, policy.transformer.transformer_blocks[1].register_forward_pre_hook(hook, with_kwargs=True)
 

@@ -377,19 +377,19 @@ def _check_loss_pairing(cfg: DictConfig, mode: LossMode) -> None:
             f"set {key}={want!r}".replace("'", '"') if isinstance(want, list) else f"set {key}={want}",
         )
     _check(
-        algo.sample_source == "online" or (name == "dpo" and algo.sample_source == "offline"),
+        algo.sample_source == "online" or (mode.preference_pairs and algo.sample_source == "offline"),
         "algorithm.sample_source",
         f"{algo.sample_source!r}: only Diffusion-DPO trains on offline data (pairs); {name} trains on samples it "
         "generates",
         "set algorithm.sample_source=online",
     )
     _check(
-        bool(algo.paired_preference) == (name == "dpo"),
+        bool(algo.paired_preference) == mode.preference_pairs,
         "algorithm.paired_preference",
         f"{algo.paired_preference} does not fit loss_mode={name}: only Diffusion-DPO (loss_mode=dpo) trains on pairs",
-        f"set algorithm.paired_preference={str(name == 'dpo').lower()}",
+        f"set algorithm.paired_preference={str(mode.preference_pairs).lower()}",
     )
-    if name == "dpo":
+    if mode.preference_pairs:
         _check_dpo(cfg)
     logp = arr.rollout.calculate_log_probs
     _check(

@@ -51,12 +51,39 @@ def check_supported(module: torch.nn.Module, size: int) -> None:
             f"{key}={size}: diffusers' {name} declares no context-parallel plan (_cp_plan), so its tokens cannot be "
             f"split across ranks; use a model whose transformer does (Qwen-Image, FLUX.1, Wan), or set {key}=1"
         )
+    backend = unsupported_backend(module)
+    if backend is not None:
+        raise ValueError(
+            f"{key}={size}: {name}'s attention backend {backend!r} has no context-parallel path in diffusers (its "
+            "_parallel_config would be ignored: attention over each rank's slice alone); set "
+            f"actor_rollout_ref.model.attn_backend to one that has ({', '.join(context_parallel_backends())}), or {key}=1"
+        )
     heads = int(getattr(module.config, "num_attention_heads", 0) or 0)
     if heads % size:
         raise ValueError(
             f"{key}={size}: {name} has {heads} attention heads; Ulysses gives each rank heads / {size} of them, so "
             f"{size} must divide {heads}: set {key} to a divisor of {heads}"
         )
+
+
+def context_parallel_backends() -> list[str]:
+    """diffusers' attention backends that run Ulysses (registered with ``supports_context_parallel``)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    return sorted(_AttentionBackendRegistry._supports_context_parallel)
+
+
+def unsupported_backend(module: torch.nn.Module) -> str | None:
+    """The first attention backend among ``module``'s processors (diffusers' active one where a processor sets
+    none) that has no context-parallel path, or None."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    for p in _attention_processors(module):
+        backend = getattr(p, "_attention_backend", None) or _AttentionBackendRegistry.get_active_backend()[0]
+        name = getattr(backend, "value", backend)
+        if name not in context_parallel_backends():
+            return str(name)
+    return None
 
 
 def pipeline_problem(pipeline: str) -> str | None:

@@ -235,6 +235,16 @@ def _check_sequence_parallel(cfg: DictConfig) -> None:
         f"{sp}: sequence parallelism here splits a diffusion transformer's image / video tokens; the text policy has none",
         "set it to 1 for model.modality=text",
     )
+    from omni_async.models.sequence_parallel import context_parallel_backends
+
+    backends = context_parallel_backends()
+    _check(
+        arr.model.attn_backend in backends,
+        key,
+        f"{sp} with actor_rollout_ref.model.attn_backend={arr.model.attn_backend}, which has no context-parallel "
+        "path in diffusers",
+        f"use one of {', '.join(backends)} (native: torch SDPA), or set it to 1",
+    )
     _check(
         arr.model.lora_rank > 0,
         key,

@@ -145,6 +145,7 @@ def test_ulysses_groups_divide_the_actor_ranks_and_count_as_one_data_parallel_ra
     for extra, why in (
         ([f"{key}=3"], "divide the 4 actor ranks"),
         ([f"{key}=2", "actor_rollout_ref.model.lora_rank=0"], "full fine-tune"),
+        ([f"{key}=2", "actor_rollout_ref.model.attn_backend=_native_math"], "no context-parallel path"),
     ):
         with pytest.raises(ConfigError, match=f"{key}.*{why}"):
             validate(compose(BASE + four + extra))

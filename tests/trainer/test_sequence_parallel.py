@@ -5,7 +5,8 @@ loss and LoRA gradients to float rounding (fp32), each rank's blocks seeing half
 ``SequenceParallel.active`` a rank generates alone on whole sequences (no collective), the same samples as one process.
 
 In process: text padded to a multiple of the ranks (masked) leaves the image output as it was; a transformer diffusers
-gives no context-parallel plan (SD3), or heads that do not divide, is refused by name. The dispatch / collect of a
+gives no context-parallel plan (SD3), heads that do not divide, or an attention backend without a context-parallel path
+is refused by name. The dispatch / collect of a
 group's share by data-parallel rank is ``test_data_parallel.py``'s."""
 
 from __future__ import annotations
@@ -94,7 +95,11 @@ def test_a_transformer_without_a_context_parallel_plan_or_with_indivisible_heads
         check_supported(sd3, 2)
     with pytest.raises(ValueError, match="2 attention heads.*divisor of 2"):
         check_supported(tiny_transformer(), 4)
-    check_supported(tiny_transformer(), 2)
+    check_supported(tiny_transformer(), 2)  # native: torch SDPA
+    math = tiny_transformer()
+    math.set_attention_backend("_native_math")  # diffusers would pass it the parallel config and ignore it
+    with pytest.raises(ValueError, match="attention backend '_native_math' has no context-parallel path"):
+        check_supported(math, 2)
 
 
 def tiny_lora_policy():

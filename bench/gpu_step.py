@@ -235,11 +235,12 @@ def main(argv=None) -> dict:
         seeds = [1000 * it + i for i in range(args.batch)]
         reset_peak(device)
         sync(device)
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         with policy.old_policy() if nft else contextlib.nullcontext():
             results = policy.generate(prompts, seeds, None if nft else window)
         sync(device)
         rollout_s, rollout_peak = time.perf_counter() - t, peak_gb(device)
+        rollout_cpu_s = time.process_time() - cpu  # this process's CPU s: steadier than wall on a busy box
 
         samples = [
             Sample(i, f"g{i // 2}", PromptRow(p, "bench", ""), s, result=r, outcome=RewardOutcome("ok", 0.0))
@@ -260,7 +261,7 @@ def main(argv=None) -> dict:
         batch = TensorBatch(tensors, {} if nft else {"window_start": window.start})
         reset_peak(device)
         sync(device)
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         metrics = update_minibatch(
             modality,
             policy,
@@ -275,6 +276,8 @@ def main(argv=None) -> dict:
         record = {
             "rollout_s": rollout_s,
             "update_s": update_s,
+            "rollout_cpu_s": rollout_cpu_s,
+            "update_cpu_s": time.process_time() - cpu,
             "rollout_peak_gb": rollout_peak,
             "update_peak_gb": update_peak,
             "grad_norm": metrics["actor/grad_norm"],

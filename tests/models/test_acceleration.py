@@ -86,15 +86,20 @@ def test_the_build_refuses_what_the_device_or_the_model_cannot_run():
 
 def test_each_cpu_backend_keeps_the_first_updates_ratio_at_one_in_bf16(monkeypatch):
     """Tiny Qwen-Image in bf16 with true CFG 4 (its two branches of different text lengths: a masked call) and a
-    trained adapter, built with ``_native_math``, then switched to ``native``: with each backend in effect the
-    rollout's log-prob (pi_old) and the update's first forward agree to |ratio - 1| <= 1e-5 per sample, and nothing
-    is clipped at verl-omni's clip_ratio 1e-5. (flex runs on CPU too, unfused and ~10x slower: not run here.)"""
+    trained adapter, built as a worker builds it from ``actor_rollout_ref.model`` with ``_native_math`` (and
+    ``use_torch_compile``: the blocks it compiles recorded, not compiled, see the next test), then switched to
+    ``native``: with each backend in effect the rollout's log-prob (pi_old) and the update's first forward agree to
+    |ratio - 1| <= 1e-5 per sample, and nothing is clipped at verl-omni's clip_ratio 1e-5. (flex runs on CPU too,
+    unfused and ~10x slower: not run here.)"""
+    compiled: list[str] = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled.append(type(self).__name__))
     torch.manual_seed(0)
     cfg = SamplingConfig(height=32, width=32, num_inference_steps=2, noise_level=0.7, true_cfg_scale=4.0)
-    policy = DiffusionPolicy(
-        "tiny:qwen_image", cfg, lora_rank=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"],
-        dtype=torch.bfloat16, attn_backend="_native_math",
-    )  # fmt: skip
+    model = {"path": "tiny:qwen_image", "lora_rank": 4, "lora_alpha": 8, "target_modules": ["to_q", "to_k", "to_v"]}
+    policy = ImageModality().build_policy(
+        {**model, "attn_backend": "_native_math"}, vars(cfg), dtype=torch.bfloat16, compile_blocks=True
+    )
+    assert isinstance(policy, DiffusionPolicy) and compiled == ["QwenImageTransformerBlock"] * 2
     with torch.no_grad():  # a trained adapter (B != 0): the LoRA branch is part of every forward
         for p in policy.trainable_parameters():
             p.add_(0.05 * torch.randn_like(p))

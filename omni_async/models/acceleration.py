@@ -4,7 +4,7 @@ backend (verl-omni's ``actor_rollout_ref.model.attn_backend``) and regional comp
 
 Both change the module itself, not a call site, so the rollout, the log-prob recompute and the update (one module in
 a hybrid worker; the same build in a rollout replica) run one attention kernel and one compiled block, and pi_old
-and the update's first forward keep agreeing (the window's per-sample forwards, ``models.diffusion_policy``).
+and the update's first forward keep agreeing (the window's same-shaped calls, ``models.diffusion_policy``).
 
 * **Attention backend.** A value of diffusers' ``AttentionBackendName`` (``native``: torch SDPA, the default;
   ``_native_math``, ``flex``; on CUDA ``_native_efficient``, ``_native_cudnn``, ``flash`` / ``flash_varlen``
@@ -14,9 +14,9 @@ and the update's first forward keep agreeing (the window's per-sample forwards, 
   the policy's build refuses what its device or model family cannot run (:func:`set_attention_backend`).
 * **Regional compilation.** ``torch.compile`` on each repeated block of the transformer (diffusers'
   ``compile_repeated_blocks``, the classes its ``_repeated_blocks`` names; a model without them, SD3, compiles each
-  module of its ``*blocks`` lists): the blocks hold nearly all of the compute, compile in seconds instead of the
-  whole model's minutes, and LoRA (peft's layers inside them) and gradient checkpointing (which calls each block)
-  work as they do eagerly. Inductor rounds as eager does (:func:`compile_repeated_blocks`), which keeps the first
+  module of its ``*blocks`` lists): the blocks hold nearly all of the compute and share one compiled graph per
+  block class (diffusers' reason for it: a fraction of a whole-model compile's time), and LoRA (peft's layers inside
+  them) and gradient checkpointing (which calls each block) work as they do eagerly. Inductor rounds as eager does (:func:`compile_repeated_blocks`), which keeps the first
   update's ratio at 1.
 """
 

@@ -37,29 +37,10 @@ def policy() -> DiffusionPolicy:
     return policy
 
 
-def test_batched_window_gives_the_per_sample_paths_samples_and_log_probs(policy):
+def test_batched_window_gives_the_per_sample_paths_samples_and_log_probs_encoding_each_prompt_once(policy, monkeypatch):
     """fp32: the window's calls of 4 samples, text padded to its bucket with a mask, give what one call per sample on
-    its own text length gave before batching (window_batch=1, window_text_bucket=1), to float rounding."""
-    per_sample = policy.with_sampling(window_batch=1, window_text_bucket=1)
-    batched = policy.rollout(PROMPTS, SEEDS, WINDOWS)
-    alone = per_sample.rollout(PROMPTS, SEEDS, WINDOWS)
-    assert torch.allclose(batched.log_probs, alone.log_probs, rtol=0, atol=1e-5), (
-        (batched.log_probs - alone.log_probs).abs().max()
-    )
-    assert torch.allclose(batched.window_latents, alone.window_latents, rtol=0, atol=1e-5)
-    diff = np.abs(batched.images.astype(np.int16) - alone.images.astype(np.int16))
-    assert diff.max() <= 1 and (diff > 0).mean() < 0.01, (diff.max(), (diff > 0).mean())
-    # The recompute in calls of 4 (per-sample window starts) scores the rollout's own transitions the same.
-    starts = torch.tensor(batched.window_starts)
-    batch = TensorBatch({"window_latents": batched.window_latents, "window_start": starts, **batched.conditioning})
-    with torch.no_grad():
-        again = ImageModality().log_probs(policy, batch)
-    assert torch.equal(again, batched.log_probs.cpu())
-
-
-def test_a_groups_prompt_is_encoded_once(policy, monkeypatch):
-    """The rollout encodes each distinct prompt once (and the negative prompt once), and every sample carries its
-    prompt's encoding."""
+    its own text length gave before batching (window_batch=1, window_text_bucket=1), to float rounding; the rollout
+    encodes each distinct prompt once (and the negative prompt once) and every sample carries its prompt's encoding."""
     encoded: list[list[str]] = []
     encode = policy.pipe.encode_prompt
 
@@ -68,11 +49,27 @@ def test_a_groups_prompt_is_encoded_once(policy, monkeypatch):
         return encode(*args, prompt=prompt, **kwargs)
 
     monkeypatch.setattr(policy.pipe, "encode_prompt", counting)
-    out = policy.rollout(PROMPTS, SEEDS, range(1, 3))
+    batched = policy.rollout(PROMPTS, SEEDS, WINDOWS)
+    monkeypatch.undo()
     assert encoded == [list(dict.fromkeys(PROMPTS)), [" "]]
-    emb, mask = out.conditioning["prompt_embeds"], out.conditioning["prompt_embeds_mask"]
+    cond = batched.conditioning
+    emb, mask, neg = cond["prompt_embeds"], cond["prompt_embeds_mask"], cond["negative_prompt_embeds"]
     assert torch.equal(emb[0], emb[1]) and torch.equal(mask[0], mask[1]) and not torch.equal(emb[0], emb[2])
-    assert torch.equal(out.conditioning["negative_prompt_embeds"][0], out.conditioning["negative_prompt_embeds"][4])
+    assert torch.equal(neg[0], neg[4])
+
+    alone = policy.with_sampling(window_batch=1, window_text_bucket=1).rollout(PROMPTS, SEEDS, WINDOWS)
+    assert torch.allclose(batched.log_probs, alone.log_probs, rtol=0, atol=1e-5), (
+        (batched.log_probs - alone.log_probs).abs().max()
+    )
+    assert torch.allclose(batched.window_latents, alone.window_latents, rtol=0, atol=1e-5)
+    diff = np.abs(batched.images.astype(np.int16) - alone.images.astype(np.int16))
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.01, (diff.max(), (diff > 0).mean())
+    # The recompute in calls of 4 (per-sample window starts) scores the rollout's own transitions the same.
+    starts = torch.tensor(batched.window_starts)
+    batch = TensorBatch({"window_latents": batched.window_latents, "window_start": starts, **cond})
+    with torch.no_grad():
+        again = ImageModality().log_probs(policy, batch)
+    assert torch.equal(again, batched.log_probs.cpu())
 
 
 def test_window_batch_follows_the_update_micro_batch_and_is_checked():
@@ -82,7 +79,5 @@ def test_window_batch_follows_the_update_micro_batch_and_is_checked():
     assert modality.sampling_config(cfg).window_batch == 2
     # Unset micro-batch: the mini-batch's samples, at most a generation batch.
     assert modality.sampling_config(validate(compose(base))).window_batch == 8
-    cfg = validate(compose([*base, "actor_rollout_ref.rollout.pipeline.window_batch_size=3"]))
-    assert modality.sampling_config(cfg).window_batch == 3
     with pytest.raises(ConfigError, match="window_batch_size"):
         validate(compose([*base, "actor_rollout_ref.rollout.pipeline.window_batch_size=0"]))

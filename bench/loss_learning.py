@@ -174,8 +174,9 @@ def plot(results: dict, out: Path, by_run: bool = False) -> Path:
         ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     unique = dict(zip(labels, handles, strict=True))
-    fig.legend(unique.values(), unique.keys(), loc="upper center", ncol=len(unique))
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    rows = -(-len(unique) // 6)  # legend rows of at most 6 entries (a sweep's run names are long)
+    fig.legend(unique.values(), unique.keys(), loc="upper center", ncol=min(len(unique), 6))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.04 * rows))
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out

@@ -20,6 +20,12 @@ Layouts (DESIGN, "On GPUs"), per device, in GB (1e9 bytes):
 * ``trainer`` — a trainer rank of the disaggregated layout: the hybrid update phase without the encoders (prompt
   encodings travel in the batch), plus the weight-sync send bucket.
 
+Ulysses sequence parallelism (``sp`` > 1, LoRA layouts only, as the trainer's config allows): the training micro-batch
+is one rank's of its group, measured with the tokens split (``train_sp``); everything else a rank holds is unchanged
+(a full bf16 transformer and the LoRA state on every rank, the gradient all-reduce over all ranks, the rollout not
+split), and the group's two communicators (the all-to-all Ulysses group and the ring x Ulysses group the output is
+gathered over) add :data:`NCCL_RESERVE_GB` each.
+
 On top of the allocated peak (assumptions, not measurements — the plan runs no GPU):
 
 * :data:`FRAGMENTATION` of the allocated peak: reserved-but-unallocated memory of PyTorch's caching allocator;
@@ -45,6 +51,20 @@ FULL_SHARD_BYTES = 16  # fp32 master + fp32 grad + AdamW (2 x fp32) per paramete
 BF16_BYTES = 2
 VERL_WEIGHTS_BUCKET_GB = (2048 << 20) / GB  # verl's rollout.checkpoint_engine.update_weights_bucket_megabytes default
 LAYOUTS = ("hybrid", "rollout", "trainer")
+SP_COMMUNICATORS = 2  # a Ulysses group's: diffusers' ulysses mesh (all-to-all) and its flattened ring x ulysses mesh
+
+
+def train_figures(entry: dict, full: bool = False, sp: int = 1) -> dict:
+    """The measured training micro-batches of one resolution of a plan, by ``"{cfg}/{ckpt}"`` key: the full
+    fine-tune's (``train_full``), one Ulysses rank's of degree ``sp`` (``train_sp``), else LoRA's (``train``)."""
+    if sp > 1 and full:
+        raise ValueError(
+            f"sp={sp} with full=True: Ulysses sequence parallelism runs with LoRA only here (the trainer refuses "
+            "ulysses_sequence_parallel_size > 1 with a full fine-tune); plan the full fine-tune at sp=1"
+        )
+    if sp > 1:
+        return entry.get("train_sp", {}).get(str(sp), {})
+    return entry.get("train_full" if full else "train", {})
 
 
 def device_peak(
@@ -60,14 +80,21 @@ def device_peak(
     ranks: int = 1,
     snapshot: bool = True,
     weights_bucket_gb: float = VERL_WEIGHTS_BUCKET_GB,
+    sp: int = 1,
 ) -> dict:
     """One device of ``layout`` (module docstring): the allocated peak of each phase and the device total, in GB.
 
     ``micro_scale`` scales the measured training activations linearly (they are proportional to the micro-batch);
     the rollout phase stays at the measured batch (``agent.max_batch_size`` requests, x2 with CFG).
-    ``vae_tiled=None`` follows the policy's default (tiled for video, plain for images)."""
+    ``vae_tiled=None`` follows the policy's default (tiled for video, plain for images). ``sp``: the Ulysses degree
+    (module docstring; ``ranks`` counts every actor rank, a multiple of ``sp``)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: use one of {LAYOUTS}")
+    if sp > 1 and (ranks % sp or layout == "rollout"):
+        raise ValueError(
+            f"sp={sp} with layout={layout!r}, ranks={ranks}: Ulysses splits the update of {sp} actor ranks; use a "
+            f"hybrid or trainer layout with ranks a multiple of {sp}"
+        )
     w, entry = plan["weights"], plan["resolutions"][str(res)]
     tag = "cfg" if cfg else "no_cfg"
     key = f"{tag}/{'ckpt' if ckpt else 'no_ckpt'}"
@@ -78,24 +105,20 @@ def device_peak(
         plan["text_encoder_forward_gb"], entry["rollout_gb"][tag], entry["vae_decode_gb"]["tiled" if tiled else "plain"]
     )
     trains = layout != "rollout"  # a rollout worker reads no training figure
+    if trains and key not in train_figures(entry, full, sp):
+        raise ValueError(f"{key} at {res}² (sp={sp}, full={full}) is not in the plan: measure it (memory_plan --sp)")
+    train_peak = train_figures(entry, full, sp)[key]["peak_gb"] * micro_scale if trains else 0.0
     if full:
         params = plan["full"]["params"]
         state = FULL_SHARD_BYTES * params / ranks / GB
-        train = (
-            (
-                entry["train_full"][key]["peak_gb"] * micro_scale
-                + (plan["full"]["fsdp_buffers_gb"] if ranks > 1 else 0.0)
-            )
-            if trains
-            else 0.0
-        )
+        train = (train_peak + (plan["full"]["fsdp_buffers_gb"] if ranks > 1 else 0.0)) if trains else 0.0
         step = plan["full"]["optimizer_step_gb"] / ranks
         synced = BF16_BYTES * params / GB  # what a weight sync moves (the rollout's dtype)
         adapter = 0.0
     else:
         params = plan["lora"]["params"]
         state = LORA_STATE_BYTES * params / GB
-        train = entry["train"][key]["peak_gb"] * micro_scale if trains else 0.0
+        train = train_peak
         step = max(plan["optimizer_step_gb"], plan["lora_allreduce_bucket_gb"] if ranks > 1 else 0.0)
         synced = adapter = ADAPTER_BYTES * params / GB
     bucket = min(weights_bucket_gb, synced)
@@ -116,6 +139,7 @@ def device_peak(
         rollout = 0.0
         update = (state if full else transformer + state) + max(train, step, bucket)
         communicators = 1 + (1 if ranks > 1 else 0)  # weight-sync group (+ data-parallel group)
+    communicators += SP_COMMUNICATORS if sp > 1 else 0
     allocated = max(rollout, update)
     fragmentation = FRAGMENTATION * allocated
     runtime = RUNTIME_RESERVE_GB + communicators * NCCL_RESERVE_GB
@@ -142,13 +166,11 @@ def recommend(plan: dict, capacity_gb: float, cfg: bool = True, **layout) -> dic
     checkpointing/offload (recomputing every block costs about one extra forward per update; offloading costs two
     host<->device copies of the encoders per step). ``layout``: :func:`device_peak`'s layout keywords."""
     out = {}
-    train_key = "train_full" if layout.get("full") else "train"
     for res in plan["resolutions"]:
         options = []
+        measured = train_figures(plan["resolutions"][res], layout.get("full", False), layout.get("sp", 1))
         for ckpt, offload in ((False, False), (False, True), (True, False), (True, True)):
-            if f"{'cfg' if cfg else 'no_cfg'}/{'ckpt' if ckpt else 'no_ckpt'}" not in plan["resolutions"][res].get(
-                train_key, {}
-            ):
+            if f"{'cfg' if cfg else 'no_cfg'}/{'ckpt' if ckpt else 'no_ckpt'}" not in measured:
                 continue  # not measured
             micro = 0
             while (
@@ -173,7 +195,8 @@ def recommend(plan: dict, capacity_gb: float, cfg: bool = True, **layout) -> dic
 def layout_rows(plan: dict, ranks: tuple[int, ...] = (4, 8)) -> dict:
     """The recipe's settings (CFG as the plan's ``cfg``: on, off for a guidance-distilled FLUX.1-dev; checkpointing
     on, encoders on the GPU, micro-batch as measured) in every layout, per resolution: ``{row: {res:
-    device_peak(...)}}``."""
+    device_peak(...)}}``. Each measured Ulysses degree ``n`` adds hybrid and trainer-rank LoRA rows on ``n`` ranks
+    (one group)."""
     cfg = plan.get("cfg", True)
     key = f"{'cfg' if cfg else 'no_cfg'}/ckpt"
     rows = {
@@ -186,12 +209,14 @@ def layout_rows(plan: dict, ranks: tuple[int, ...] = (4, 8)) -> dict:
         for n in ranks:
             rows[f"hybrid full x{n}"] = {"layout": "hybrid", "full": True, "ranks": n}
             rows[f"trainer rank full x{n}"] = {"layout": "trainer", "full": True, "ranks": n}
+    for n in sorted({int(n) for entry in plan["resolutions"].values() for n in entry.get("train_sp", {})}):
+        rows[f"hybrid LoRA sp{n}"] = {"layout": "hybrid", "ranks": n, "sp": n}
+        rows[f"trainer rank LoRA sp{n}"] = {"layout": "trainer", "ranks": n, "sp": n}
     out = {}
     for name, kw in rows.items():
-        train_key = "train_full" if kw.get("full") else "train"
         out[name] = {
             res: device_peak(plan, int(res), cfg, True, False, **kw)
-            for res in plan["resolutions"]
-            if kw["layout"] == "rollout" or key in plan["resolutions"][res].get(train_key, {})
+            for res, entry in plan["resolutions"].items()
+            if kw["layout"] == "rollout" or key in train_figures(entry, kw.get("full", False), kw.get("sp", 1))
         }
     return out

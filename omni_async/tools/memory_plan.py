@@ -1,7 +1,7 @@
 """Per-device memory plan of the real Qwen-Image, Wan 2.1 and FLUX.1-dev configs, measured on the meta device.
 
 ``python -m omni_async.tools.memory_plan [--model qwen_image|wan_1_3b|wan_14b|flux_1_dev|all] [--resolution 512 1024]
-[--lora-rank 64] [--micro-batch 1] [--rollout-batch N]`` prints a table and writes ``bench/results/memory_plan.json``.
+[--lora-rank 64] [--micro-batch 1] [--rollout-batch N] [--sp 2 ...]`` prints a table and writes ``bench/results/memory_plan.json``.
 
 Method (nothing is downloaded, no weights exist; every figure below is counted or measured, none is typed in,
 except the three runtime assumptions of :mod:`omni_async.tools.memory_layouts`):
@@ -30,6 +30,16 @@ except the three runtime assumptions of :mod:`omni_async.tools.memory_layouts`):
   ``S x S`` fp32 score matrix; a CUDA GPU in bf16 without a mask takes the flash kernel. :func:`flash_sdpa`
   routes SDPA to ``aten._scaled_dot_product_flash_attention`` (its meta kernel and autograd formula are
   PyTorch's), and to the memory-efficient kernel when a mask is given, so the figures are those of a GPU.
+* **Ulysses sequence parallelism** (``--sp N``: ``actor.fsdp_config.ulysses_sequence_parallel_size``, LoRA only,
+  ``models.sequence_parallel``). The LoRA training micro-batch is measured again as one rank of a group of ``N``
+  (``train_sp``, the recipe's CFG setting, checkpointing on and off): the meta transformer runs with diffusers' own
+  context-parallel hooks (its ``_cp_plan``: this rank's ``1/N`` of the image and text tokens from the first block
+  to ``proj_out``, whose output is gathered) and diffusers' Ulysses attention, the collectives emulated in one
+  process (:func:`emulated_ulysses`): each all-to-all a new buffer of its input's size, so attention sees
+  ``[B, S, H/N, d]`` from ``[B, S/N, H, d]`` and the tracker counts the buffers a rank allocates; the output gather
+  a new tensor ``N`` times the slice. Only the collectives' values are not real (none exist on meta). Weights, the
+  LoRA state, the optimizer step, the gradient all-reduce (over all ranks) and the rollout (not split) do not
+  change with ``N``.
 * **Optimizer.** A steady-state ``torch.optim.AdamW`` (foreach) step on the meta LoRA params (and on fp32 copies
   of every transformer parameter for the full fine-tune; a rank steps its 1/ranks share), same tracker.
 * **Gradient all-reduce.** The LoRA gradients' flat buckets (``trainer.data_parallel._buckets``, the code the
@@ -164,6 +174,92 @@ def flash_sdpa():
         functional.scaled_dot_product_attention = original
 
 
+class _EmulatedMesh:
+    """Stands in for diffusers' Ulysses device mesh of ``size`` ranks in :func:`emulated_ulysses` (no process group:
+    the collectives that would use one are emulated)."""
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def get_group(self) -> None:
+        return None
+
+
+class _EmulatedAllGather(torch.autograd.Function):
+    """``funcol.all_gather_tensor`` of ``size`` ranks along ``dim`` in one process: a new tensor ``size`` times the
+    input (what the real gather allocates); backward keeps this rank's slice of the gradient, a view (diffusers'
+    ``AllGatherFunction``)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+        ctx.dim, ctx.size = dim, size
+        return torch.cat([tensor] * size, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.chunk(ctx.size, ctx.dim)[0], None, None
+
+
+@contextlib.contextmanager
+def emulated_ulysses(module: torch.nn.Module, sp: int):
+    """One rank of Ulysses of degree ``sp`` (``models.sequence_parallel``) inside, on a single process: the module's
+    own ``_cp_plan`` hooks and diffusers' ``TemplatedUlyssesAttention`` run unchanged, with their collectives
+    replaced by single-process stand-ins that allocate what the real ones allocate:
+
+    * the input split (``EquipartitionSharder.shard``): this rank's ``1/sp`` chunk of the tokens, a view as in diffusers;
+    * each all-to-all (``attention_dispatch._all_to_all_single``: q, k, v in, the output back, and their gradients):
+      a new tensor of the input's shape (the real one returns a new buffer of the same numel; the values moved between
+      ranks do not exist on meta), so q, k, v reach attention as ``[B, S, H/sp, d]`` from ``[B, S/sp, H, d]``;
+    * the output gather (``EquipartitionSharder.unshard``): :class:`_EmulatedAllGather`.
+
+    Approximation: nothing but the collectives' buffers differs from a real rank (same ops, shapes and saved tensors);
+    NCCL's own buffers are outside PyTorch's allocator (:data:`NCCL_RESERVE_GB`, counted per communicator by
+    :func:`device_peak`). An attention mask (none in :func:`transformer_inputs`) would need the mask all-gather,
+    which is not emulated."""
+    if sp == 1:
+        yield
+        return
+    from unittest import mock
+
+    from diffusers import ContextParallelConfig
+    from diffusers.hooks import context_parallel as hooks
+    from diffusers.models import attention_dispatch
+    from diffusers.models._modeling_parallel import ParallelConfig
+
+    from omni_async.models.sequence_parallel import check_supported
+
+    check_supported(module, sp)
+    cp, mesh = ContextParallelConfig(ulysses_degree=sp), _EmulatedMesh(sp)
+    # what ContextParallelConfig.setup sets from a real (dp, ring=1, ulysses=sp) mesh
+    cp._world_size, cp._mesh, cp._flattened_mesh, cp._ulysses_mesh = sp, mesh, mesh, mesh
+    cp._ring_mesh = _EmulatedMesh(1)
+    config = ParallelConfig(context_parallel_config=cp)
+    processors = [m.processor for m in module.modules() if hasattr(getattr(m, "processor", None), "_parallel_config")]
+
+    def shard(tensor: torch.Tensor, dim: int, mesh: _EmulatedMesh) -> torch.Tensor:
+        return tensor.chunk(mesh.size(), dim=dim)[0]
+
+    def unshard(tensor: torch.Tensor, dim: int, mesh: _EmulatedMesh) -> torch.Tensor:
+        return _EmulatedAllGather.apply(tensor.contiguous(), dim, mesh.size())
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(hooks.EquipartitionSharder, "shard", staticmethod(shard)))
+        stack.enter_context(mock.patch.object(hooks.EquipartitionSharder, "unshard", staticmethod(unshard)))
+        stack.enter_context(mock.patch.object(attention_dispatch, "_all_to_all_single", lambda x, group: x.clone()))
+        for p in processors:
+            p._parallel_config = config
+        hooks.apply_context_parallel(module, cp, module._cp_plan)
+        try:
+            yield
+        finally:
+            hooks.remove_context_parallel(module, module._cp_plan)
+            for p in processors:
+                p._parallel_config = None
+
+
 @functools.cache
 def component(model: str, part: str) -> torch.nn.Module:
     spec = MODELS[model]
@@ -247,10 +343,13 @@ def transformer_inputs(model: str, resolution: int, batch: int) -> dict:
     }
 
 
-def measure_train(model: str, resolution: int, batch: int, checkpointing: bool, rank: int) -> dict:
+def measure_train(model: str, resolution: int, batch: int, checkpointing: bool, rank: int, sp: int = 1) -> dict:
     """Forward + backward of one micro-batch of ``batch`` rows with the LoRA transformer (``rank=0``: every
-    parameter trained); bytes beyond weights and accumulated gradients."""
+    parameter trained); bytes beyond weights and accumulated gradients. ``sp > 1``: one rank of a Ulysses group of
+    ``sp`` (:func:`emulated_ulysses`; text tokens padded as ``models.sequence_parallel.pad_text`` pads them)."""
     from torch.utils.checkpoint import checkpoint
+
+    from omni_async.models.sequence_parallel import pad_text
 
     module, _ = lora_transformer(model, rank)
     if checkpointing:
@@ -269,8 +368,8 @@ def measure_train(model: str, resolution: int, batch: int, checkpointing: bool, 
             saved[storage._cdata] = storage.nbytes()
         return t
 
-    inputs = transformer_inputs(model, resolution, batch)
-    with flash_sdpa(), LiveMemory() as mem:
+    inputs = pad_text(transformer_inputs(model, resolution, batch), sp, type(module).__name__)
+    with flash_sdpa(), emulated_ulysses(module, sp), LiveMemory() as mem:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = module(**inputs)[0]
         held = mem.current
@@ -357,9 +456,11 @@ def plan_model(
     micro_batch: int = 1,
     rollout_batch: int | None = None,
     full: bool = True,
+    sp: tuple[int, ...] = (),
 ) -> dict:
     """Everything measured for one pipeline: weights, LoRA state, training/rollout activations, encoder, VAE; with
-    ``full``, the full fine-tune's training micro-batch (checkpointing on), optimizer step and FSDP2 block size."""
+    ``full``, the full fine-tune's training micro-batch (checkpointing on), optimizer step and FSDP2 block size; per
+    Ulysses degree in ``sp`` (> 1), one rank's LoRA training micro-batch (``train_sp``, the recipe's CFG setting)."""
     rollout_batch = rollout_batch or default_rollout_batch()
     weights = {}
     for part in ("transformer", *text_encoders(model), "vae"):
@@ -404,16 +505,29 @@ def plan_model(
                 entry["train"][key] = measure_train(model, res, batch, ckpt, lora_rank)
             if full:
                 entry["train_full"][f"{tag}/ckpt"] = measure_train(model, res, batch, True, 0)
+            if cfg == result["cfg"]:
+                for n in (n for n in sp if n > 1):
+                    entry.setdefault("train_sp", {})[str(n)] = {
+                        f"{tag}/{'ckpt' if ckpt else 'no_ckpt'}": measure_train(model, res, batch, ckpt, lora_rank, n)
+                        for ckpt in (False, True)
+                    }
         for tiled in (False, True):
             entry["vae_decode_gb"]["tiled" if tiled else "plain"] = measure_vae_decode(model, res, tiled)
         result["resolutions"][str(res)] = entry
     return result
 
 
-def run(models, resolutions, lora_rank: int = 64, micro_batch: int = 1, rollout_batch: int | None = None) -> dict:
+def run(
+    models,
+    resolutions,
+    lora_rank: int = 64,
+    micro_batch: int = 1,
+    rollout_batch: int | None = None,
+    sp: tuple[int, ...] = (),
+) -> dict:
     plans = {}
     for model in models:
-        plan = plans[model] = plan_model(model, resolutions, lora_rank, micro_batch, rollout_batch)
+        plan = plans[model] = plan_model(model, resolutions, lora_rank, micro_batch, rollout_batch, sp=sp)
         plan["micro_batch"] = micro_batch
         plan["recommendations"] = {
             name: {"cfg": recommend(plan, cap, True), "no_cfg": recommend(plan, cap, False)}
@@ -477,6 +591,15 @@ def format_table(report: dict) -> str:
                     f" {entry['rollout_gb'][cfg]:7.2f} | {entry['vae_decode_gb']['plain']:9.2f}"
                     f" {entry['vae_decode_gb']['tiled']:5.2f} | {peak_on:6.1f} / {peak_off:6.1f}"
                 )
+            for n, figures in entry.get("train_sp", {}).items():
+                for key, t in figures.items():
+                    cfg, ckpt = key.split("/")
+                    peak = device_peak(plan, int(res), cfg == "cfg", ckpt == "ckpt", False, ranks=int(n), sp=int(n))
+                    lines.append(
+                        f"  {res:>4}² {'on ' if cfg == 'cfg' else 'off'} {'on ' if ckpt == 'ckpt' else 'off'}  |"
+                        f" {t['held_gb']:8.2f} {t['saved_gb']:7.2f} {t['peak_gb']:7.2f} | Ulysses sp{n}, one rank:"
+                        f" hybrid LoRA device {peak['peak_gb']:.1f} (encoders on GPU)"
+                    )
             for key, t in entry.get("train_full", {}).items():
                 lines.append(
                     f"  {res:>4}² {'on ' if key.startswith('cfg') else 'off'} on   | full FT train peak "
@@ -521,6 +644,13 @@ def main(argv=None) -> dict:
         help="rollout requests per forward (default: the config's agent.max_batch_size)",
     )
     parser.add_argument("--frames", type=int, default=None, help="video frames for Wan (4k+1)")
+    parser.add_argument(
+        "--sp",
+        type=int,
+        nargs="+",
+        default=[],
+        help="Ulysses degrees (ulysses_sequence_parallel_size > 1) to measure one rank's LoRA training micro-batch at",
+    )
     parser.add_argument("--output", default=str(Path(__file__).resolve().parents[2] / "bench/results/memory_plan.json"))
     args = parser.parse_args(argv)
     if args.frames:
@@ -528,7 +658,9 @@ def main(argv=None) -> dict:
             if spec["frames"] > 1:
                 spec["frames"] = args.frames
     models = list(MODELS) if args.model == "all" else [args.model]
-    report = run(models, args.resolution, args.lora_rank, args.micro_batch, args.rollout_batch)
+    if any(n < 2 for n in args.sp):
+        parser.error(f"--sp {args.sp}: Ulysses degrees are >= 2 (sp=1, no split, is always planned)")
+    report = run(models, args.resolution, args.lora_rank, args.micro_batch, args.rollout_batch, tuple(args.sp))
     print(format_table(report))
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=1))

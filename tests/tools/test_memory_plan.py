@@ -172,6 +172,56 @@ def test_activations_are_measured(qwen_plan):
     assert ckpt["held_gb"] >= 60 * tokens * 3072 * 2 / 1e9
 
 
+@pytest.mark.slow  # two meta forward/backward passes of the 60 blocks at 1024² (~8 s; the model is the plan's, cached)
+def test_ulysses_sp2_halves_one_ranks_training_activations():
+    """One rank of Ulysses sp=2 (diffusers' own context-parallel hooks and Ulysses attention, collectives emulated)
+    keeps about half of sp=1's activations for backward and peaks lower: Qwen-Image at 1024², CFG (batch 2), no
+    checkpointing (the case activations dominate; --sp in the plan's command measures checkpointing too)."""
+    one, two = (mp.measure_train("qwen_image", 1024, 2, False, 64, sp=n) for n in (1, 2))
+    assert two["peak_gb"] < 0.6 * one["peak_gb"]
+    assert 0.4 < two["held_gb"] / one["held_gb"] < 0.6
+    assert two["saved_gb"] == pytest.approx(two["held_gb"], rel=0.02)  # the hooks see what the tracker holds
+    module, _ = mp.lora_transformer("qwen_image", 64)  # the emulation is undone: no hook, no parallel config left
+    assert not any(getattr(m, "_diffusers_hook", None) and m._diffusers_hook.hooks for m in module.modules())
+    assert all(
+        getattr(m.processor, "_parallel_config", None) is None for m in module.modules() if hasattr(m, "processor")
+    )
+
+
+def test_ulysses_rows_change_only_the_training_micro_batch():
+    """sp > 1 reads one rank's measured training micro-batch; weights, LoRA state and the rollout stay; the group's
+    two communicators are added; a full fine-tune, a rollout worker, ranks not a multiple of sp and an unmeasured
+    degree are refused."""
+    plan = _fake_plan()
+    entry = plan["resolutions"]["512"]
+    entry["train_sp"] = {"2": {key: {**t, "peak_gb": 0.6} for key, t in entry["train"].items()}}
+    base = ml.device_peak(plan, 512, True, True, False, ranks=2)
+    sp2 = ml.device_peak(plan, 512, True, True, False, ranks=2, sp=2)
+    assert sp2["rollout_gb"] == base["rollout_gb"]
+    assert base["update_gb"] - sp2["update_gb"] == pytest.approx(1.5 - 0.6)
+    assert sp2["runtime_gb"] - base["runtime_gb"] == pytest.approx(2 * ml.NCCL_RESERVE_GB)
+    rows = ml.layout_rows(plan)
+    assert rows["hybrid LoRA sp2"]["512"] == sp2
+    assert rows["trainer rank LoRA sp2"]["512"] == ml.device_peak(
+        plan, 512, True, True, False, ranks=2, sp=2, layout="trainer"
+    )
+    assert "hybrid LoRA sp4" not in rows
+    # 4 GB over sp=1's micro-batch 1: sp=1 adds 1.65 GB per micro-batch (1.5 + fragmentation), sp=2 0.66 after its
+    # 2 GB of communicators
+    fit = base["peak_gb"] + 4.0
+    micro = {n: ml.recommend(plan, fit, True, ranks=2, sp=n)["512"]["options"][0]["max_micro_batch"] for n in (1, 2)}
+    assert micro == {1: 3, 2: 5}
+    for kw, match in (
+        ({"full": True, "ranks": 2}, "LoRA only"),
+        ({"layout": "rollout", "ranks": 2}, "hybrid or trainer"),
+        ({"ranks": 3}, "multiple of 2"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ml.device_peak(plan, 512, True, True, False, sp=2, **kw)
+    with pytest.raises(ValueError, match="--sp"):
+        ml.device_peak(plan, 512, True, True, False, ranks=4, sp=4)
+
+
 def test_live_memory_counts_allocations_not_views():
     import torch
 
@@ -188,14 +238,17 @@ def test_live_memory_counts_allocations_not_views():
 def test_cli_writes_json(tmp_path, monkeypatch, capsys):
     """The command line end to end on a cheap setting (the VAE-free path is shared with the plan above)."""
     calls = []
-    monkeypatch.setattr(mp, "plan_model", lambda model, *args: calls.append(model) or _fake_plan())
+    monkeypatch.setattr(mp, "plan_model", lambda model, *args, sp: calls.append((model, sp)) or _fake_plan())
     out = tmp_path / "plan.json"
-    mp.main(["--model", "wan_1_3b", "--resolution", "512", "--output", str(out)])
+    mp.main(["--model", "wan_1_3b", "--resolution", "512", "--output", str(out), "--sp", "2"])
     report = json.loads(out.read_text())
     plan = report["models"]["wan_1_3b"]
-    assert calls == ["wan_1_3b"] and "H100 80GB" in plan["recommendations"]
+    assert calls == [("wan_1_3b", (2,))] and "H100 80GB" in plan["recommendations"]
     assert plan["layouts"]["rollout worker LoRA"]["512"]["update_gb"] == 0.0
     assert "wan_1_3b" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # sp=1 is the plan itself
+        mp.main(["--model", "wan_1_3b", "--sp", "1", "--output", str(out)])
+    assert "Ulysses degrees are >= 2" in capsys.readouterr().err
 
 
 def _fake_plan():

@@ -39,7 +39,7 @@ except the three runtime assumptions of :mod:`omni_async.tools.memory_layouts`):
   ``[B, S, H/N, d]`` from ``[B, S/N, H, d]`` and the tracker counts the buffers a rank allocates; the output gather
   a new tensor ``N`` times the slice. Only the collectives' values are not real (none exist on meta). Weights, the
   LoRA state, the optimizer step, the gradient all-reduce (over all ranks) and the rollout (not split) do not
-  change with ``N``.
+  change with ``N``; a full fine-tune is not planned with it (the trainer refuses Ulysses without LoRA).
 * **Optimizer.** A steady-state ``torch.optim.AdamW`` (foreach) step on the meta LoRA params (and on fp32 copies
   of every transformer parameter for the full fine-tune; a rank steps its 1/ranks share), same tracker.
 * **Gradient all-reduce.** The LoRA gradients' flat buckets (``trainer.data_parallel._buckets``, the code the

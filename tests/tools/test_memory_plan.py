@@ -7,7 +7,8 @@ runs three meta forward/backward passes at 512² (one of the full fine-tune), tw
 text-encoder forwards (batch 8 and 1), two VAE decodes and two AdamW steps: 45 CPU-s for a pytest process running
 this file alone, its imports and Ray's start included (measured 2026-11-26; wall time grows when the cores are
 shared). The 1024² training figures are the plan's command's
-(``bench/results/memory_plan.json``), not re-measured here."""
+(``bench/results/memory_plan.json``), not re-measured here, except the Ulysses test's two passes without checkpointing
+(sp=1 and sp=2 on the plan's cached model: 8 s more, measured 2026-11-27 at load 6)."""
 
 from __future__ import annotations
 

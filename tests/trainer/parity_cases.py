@@ -5,6 +5,9 @@ version, reward, advantage) and, after the last step, the trainable weights (eac
 a fixed random projection, fp64). ``python tests/trainer/parity_cases.py record`` wrote ``parity/*.json`` with the
 step loop as it was before the modes became settings of one producer (commit 4c1aa46, its strategies
 ``OnPolicy`` / ``OneStepOffPolicy`` / ``FullBatchUpdate``); ``test_producer_parity`` holds today's producer to them.
+hybrid_sync, hybrid_stream, split_sync and disaggregated_stream were recorded again when the rollout began encoding
+each distinct prompt once (see ``test_producer_parity``), after checking that their samples, seeds, versions and
+step-0 floats equal the old recording.
 """
 
 from __future__ import annotations

@@ -285,6 +285,13 @@ def switch_mode(trainer, *, streaming: bool | None = None, **async_reward: bool)
         if not streaming:
             trainer.agent.dispatcher = None
     trainer.set_mode(mode_of(cfg))
+    # The actor workers follow the new mode as a trainer built for it would: generation reads a snapshot of the
+    # adapter exactly where the rollout is the actor and updates now overlap it.
+    import ray
+
+    want = trainer.layout.rollout_is_actor and trainer.mode.overlaps_update
+    stats = ray.get([w.stats.remote() for w in trainer.layout.actor_wg.workers])
+    assert all(s["snapshot_rollout"] == want for s in stats), (want, stats)
 
 
 LOCK_STEP_MODES = (  # (name, switch_mode arguments) in the order a streaming trainer goes through them

@@ -227,6 +227,18 @@ class ActorWorker(Worker, RolloutWorker):
         self.lent_s += time.perf_counter() - self._lent_at
         return {"withdrawn": float(withdrawn), "drain_s": time.perf_counter() - t0}
 
+    async def follow_mode(self, snapshot_rollout: bool, interrupts_at_sync: bool) -> None:
+        """Another mode on the same trainer (``Layout.set_mode``): the mode's decisions for this worker again; where
+        generation now reads a snapshot, it is taken of the weights the rollout reads now (the last sync's)."""
+
+        def apply() -> None:
+            self._interrupts_at_sync = bool(interrupts_at_sync)
+            if snapshot_rollout and not self.snapshot:
+                self.policy.snapshot_for_rollout(OLD_ADAPTER if self.rollout_old else LIVE_ADAPTER)
+            self._snapshot_rollout = self.snapshot = bool(snapshot_rollout)
+
+        await self._on_device(apply)
+
     async def set_rollout_version(self, version: int) -> int:
         """The hybrid layout's weight sync: later samples report ``version`` (and read a fresh adapter snapshot
         when updates overlap generation). Nothing leaves the device."""
@@ -250,6 +262,7 @@ class ActorWorker(Worker, RolloutWorker):
             "rank": self.dp.rank,
             "world_size": self.dp.world,
             "lent_s": self.lent_s,
+            "snapshot_rollout": self.snapshot,  # generation reads the adapter snapshot of the last sync
         }
 
     async def trained_rows(self) -> list[tuple[str, int]]:

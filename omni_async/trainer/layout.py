@@ -117,6 +117,20 @@ class Layout:
         """The layout's own metrics of the step (the switch's), read once per step."""
         return {}
 
+    def set_mode(self, mode: Mode) -> None:
+        """Go on in ``mode`` (``RLTrainer.set_mode``): its decisions for the actor workers handed down again, so a
+        trainer built for one mode generates as one built for the other would (a snapshot of the adapter where
+        updates now overlap generation on the actor's device)."""
+        self.mode = mode
+        if self.actor_wg is not None:
+            args = self.actor_worker_args()
+            ray.get(
+                [
+                    w.follow_mode.remote(args["snapshot_rollout"], args["interrupts_at_sync"])
+                    for w in self.actor_wg.workers
+                ]
+            )
+
     def actor_worker_args(self) -> dict[str, bool]:
         """What each actor worker must know of the layout and the mode (``ActorWorker``'s keyword arguments), so it
         does not derive them again from the config: whether it generates from a snapshot of the adapter taken at the

@@ -192,6 +192,7 @@ class RLTrainer:
         """Go on in another mode with the same groups per step (tests, benchmarks): the producer takes the new
         settings in place, keeping the groups it has started (a lock-step draw started under version v stays v's)."""
         self.mode = mode
+        self.layout.set_mode(mode)
         if self.producer is not None:
             self.producer.set_settings(mode.producer)
 

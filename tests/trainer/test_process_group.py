@@ -14,13 +14,11 @@ One spawn of the two ranks runs the four scenarios in turn (the fail-fast first,
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import socket
-import traceback
 
 import pytest
 import torch
+from spawned_ranks import free_port, run_ranks
 
 pytestmark = pytest.mark.slow  # two spawned ranks, ~1 min: not in the fast tier (pytest -m 'not slow')
 TIMEOUT_S = 120.0  # the group's collective timeout (actor_rollout_ref.nccl_timeout): a fail-fast must beat it
@@ -177,32 +175,20 @@ def fail_between_collectives(dp) -> dict:
     return out
 
 
-def rank_main(rank: int, ports: list[int], batch_path: str, out_dir: str) -> None:
+def rank_main(rank: int, results: dict, ports: list[int], batch_path: str) -> None:
     import torch.distributed as dist
 
     from omni_async.trainer.data_parallel import DataParallel
 
-    torch.set_num_threads(1)
-    results: dict = {}
-    try:
-        os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]))
-        results["failfast"] = fail_between_collectives(DataParallel("cpu", timeout_s=TIMEOUT_S))
-        if dist.is_initialized():  # the waiting rank's torn-down group: a fresh one for the next scenarios
-            dist.destroy_process_group()
-        os.environ["MASTER_PORT"] = str(ports[1])
-        dp = DataParallel("cpu", timeout_s=TIMEOUT_S)
-        results["meta"] = meta_qwen_image_init(dp)
-        results["bf16"] = bf16_full_finetune_step(dp, torch.load(batch_path))
-        results["synced"] = fsdp2_synced_weights(dp, torch.load(batch_path))
-    except Exception:
-        results["crash"] = traceback.format_exc()
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]))
+    results["failfast"] = fail_between_collectives(DataParallel("cpu", timeout_s=TIMEOUT_S))
+    if dist.is_initialized():  # the waiting rank's torn-down group: a fresh one for the next scenarios
+        dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(ports[1])
+    dp = DataParallel("cpu", timeout_s=TIMEOUT_S)
+    results["meta"] = meta_qwen_image_init(dp)
+    results["bf16"] = bf16_full_finetune_step(dp, torch.load(batch_path))
+    results["synced"] = fsdp2_synced_weights(dp, torch.load(batch_path))
 
 
 @pytest.fixture(scope="module")
@@ -241,18 +227,7 @@ def ranks(tmp_path_factory):
         "grad_norm": metrics["actor/grad_norm"],
     }
 
-    ctx = mp.get_context("spawn")
-    ports = [free_port(), free_port()]
-    procs = [ctx.Process(target=rank_main, args=(r, ports, str(path), str(path.parent))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-        if p.is_alive():
-            p.kill()
-    results = {r: torch.load(path.parent / f"rank{r}.pt", weights_only=False) for r in range(2)}
-    for r, res in results.items():
-        assert "crash" not in res, f"rank {r}: {res['crash']}"
+    results = run_ranks(rank_main, 2, [free_port(), free_port()], str(path), out_dir=path.parent, timeout_s=600)
     return reference, results
 
 

@@ -11,13 +11,11 @@ group's share by data-parallel rank is ``test_data_parallel.py``'s."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import socket
-import traceback
 
 import pytest
 import torch
+from spawned_ranks import free_port, run_ranks
 
 SP = 2
 # the two prompts' token counts differ in parity, so one of them is padded to a multiple of SP
@@ -141,7 +139,7 @@ def token_counts(policy) -> tuple[list[int], torch.utils.hooks.RemovableHandle]:
     return seen, policy.transformer.transformer_blocks[1].register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def rank_main(rank: int, port: int, batch_path: str, out_dir: str) -> None:
+def rank_main(rank: int, results: dict, port: int, batch_path: str) -> None:
     from omegaconf import OmegaConf
 
     from omni_async.modality.image import ImageModality
@@ -149,35 +147,23 @@ def rank_main(rank: int, port: int, batch_path: str, out_dir: str) -> None:
     from omni_async.trainer.actor_core import accumulate_gradients, compute_log_prob
     from omni_async.trainer.data_parallel import DataParallel
 
-    torch.set_num_threads(1)
-    results: dict = {}
-    try:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(SP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dp = DataParallel("cpu", timeout_s=120.0, sp=SP)
-        policy = tiny_lora_policy()
-        sp = SequenceParallel(denoisers(policy), SP, dp.rank, dp.world, dp.device)
-        data, modality = batch_of(torch.load(batch_path)), ImageModality()
-        seen, handle = token_counts(policy)
-        with sp.active():
-            results["log_probs"] = compute_log_prob(modality, policy, data)
-            metrics = accumulate_gradients(modality, policy, data, OmegaConf.create(ACTOR_CFG), dp)
-        results["tokens_active"] = sorted(set(seen))
-        dp.all_reduce_grads(policy.trainable_parameters())
-        results["loss"], results["grads"] = metrics["actor/pg_loss"], gradients(policy)
-        seen.clear()
-        if rank == 0:  # rank 1 idle: a collective here would hang
-            results["generated"] = policy.rollout(PROMPTS[:1], SEEDS[:1], window=WINDOW).log_probs
-        results["tokens_alone"] = sorted(set(seen))
-        handle.remove()
-    except Exception:
-        results["crash"] = traceback.format_exc()
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(SP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dp = DataParallel("cpu", timeout_s=120.0, sp=SP)
+    policy = tiny_lora_policy()
+    sp = SequenceParallel(denoisers(policy), SP, dp.rank, dp.world, dp.device)
+    data, modality = batch_of(torch.load(batch_path)), ImageModality()
+    seen, handle = token_counts(policy)
+    with sp.active():
+        results["log_probs"] = compute_log_prob(modality, policy, data)
+        metrics = accumulate_gradients(modality, policy, data, OmegaConf.create(ACTOR_CFG), dp)
+    results["tokens_active"] = sorted(set(seen))
+    dp.all_reduce_grads(policy.trainable_parameters())
+    results["loss"], results["grads"] = metrics["actor/pg_loss"], gradients(policy)
+    seen.clear()
+    if rank == 0:  # rank 1 idle: a collective here would hang
+        results["generated"] = policy.rollout(PROMPTS[:1], SEEDS[:1], window=WINDOW).log_probs
+    results["tokens_alone"] = sorted(set(seen))
+    handle.remove()
 
 
 @pytest.fixture(scope="module")
@@ -220,18 +206,7 @@ def ranks(tmp_path_factory):
     finally:
         torch.set_num_threads(threads)
 
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, port, str(path), str(path.parent))) for r in range(SP)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-        if p.is_alive():
-            p.kill()
-    results = {r: torch.load(path.parent / f"rank{r}.pt", weights_only=False) for r in range(SP)}
-    for r, res in results.items():
-        assert "crash" not in res, f"rank {r}: {res['crash']}"
+    results = run_ranks(rank_main, SP, free_port(), str(path), out_dir=path.parent, timeout_s=300)
     return reference, results
 
 

@@ -18,6 +18,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests/config")]
 
 from verl_omni_recipe_data import (  # noqa: E402
     OWNED_ELSEWHERE,
+    WORLD_SIZE_REFUSAL,
     key_of,
     on_cpu,
     outcome,
@@ -60,7 +61,13 @@ def _here(name: str, overrides: list[str], covered_by: dict[str, str]) -> str:
         runner = covered_by[name]
         rank = compose(on_cpu(stand_in(overrides), "/data", "/run")).actor_rollout_ref.model.lora_rank
         what = f"LoRA r{rank}" if rank > 0 else "full fine-tune"
-        return f"trains one step, {what}" + ("" if runner == name else f" (in the run of `{runner}`)")
+        shrunk = ""
+        if start_refusal(stand_in(overrides)):  # refused_only_at_real_world_size: the run's world is ON_CPU's
+            shrunk = (
+                f"refused at its real world size (`{WORLD_SIZE_REFUSAL}`: fewer prompt groups per mini-batch than "
+                "data-parallel ranks; verl-omni's own update stops there too, on its micro-batches); at one rank "
+            )
+        return f"{shrunk}trains one step, {what}" + ("" if runner == name else f" (in the run of `{runner}`)")
     keys = sorted({k for k, _ in start_refusal([o for o in stand_in(overrides) if key_of(o) not in OWNED_ELSEWHERE])})
     return "refused at start: " + ", ".join(f"`{k}`" for k in keys)
 

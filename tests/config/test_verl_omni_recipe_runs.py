@@ -8,7 +8,9 @@ checkpoint's LoRA ``B`` matrices (zero at start) moved by the optimizer.
 
 Recipes that differ only in keys that pick no code path here (``CODE_PATH_NEUTRAL``, each with why) share one run:
 ``RUNS`` says which run covers which recipe, and ``test_one_run_covers_recipes_of_one_effective_config`` checks that
-the recipes a run covers compose to its effective config. The recipes refused at start, before Ray, are tested in
+the recipes a run covers compose to its effective config. A recipe refused at its real world size only because its
+mini-batch has fewer prompt groups than data-parallel ranks (``WORLD_SIZE_REFUSAL``: the two 64-card recipes) trains
+at ON_CPU's one rank like every other. The recipes refused at start, before Ray, are tested in
 ``test_verl_omni_recipes.py`` (``test_each_recipe_starts_or_is_refused_before_ray_naming_what_is_missing``).
 
 Runs join the test session's Ray cluster (``conftest.py``), one Ray job each."""
@@ -44,6 +46,8 @@ RUNS: dict[str, list[str]] = {
     "flowdppo_trainer.qwen_image.run_qwen_image_ocr_lora": ["flowdppo_trainer.qwen_image.run_qwen_image_ocr_lora"],
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr": [
         "flowgrpo_trainer.qwen_image.run_qwen_image_ocr",
+        # 64 cards, refused at that world size (WORLD_SIZE_REFUSAL), shrunk to ON_CPU's one rank as every run is
+        "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_fsdp2_64cards",
         "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_fsdp2_benchmark",  # worker counts, vLLM judge knobs, logs
     ],
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora": [
@@ -68,7 +72,10 @@ RUNS: dict[str, list[str]] = {
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_reward_server": [
         "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_reward_server"
     ],
-    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_veomni": ["flowgrpo_trainer.qwen_image.run_qwen_image_ocr_veomni"],
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_veomni": [
+        "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_veomni",
+        "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_veomni_64cards",  # the same: 64 cards, shrunk to one rank
+    ],
     # Qwen-Image-Edit-2511: the tiny edit set's input images, a reward reading them (verl_omni_pickscore_stand_in)
     "flowgrpo_trainer.qwen_image_edit.run_qwen_image_edit_lora": [
         "flowgrpo_trainer.qwen_image_edit.run_qwen_image_edit_lora"

@@ -188,6 +188,35 @@ def test_each_recipe_starts_or_is_refused_before_ray_naming_what_is_missing(name
         assert any(k == key and words in m for k, m in problems), str(err.value)
 
 
+@pytest.mark.parametrize("name", sorted(n for n, keys in EXPECTED_REFUSED.items() if keys == _64_RANKS))
+def test_64_card_recipes_refusal_is_verl_omnis_own_arithmetic(name):
+    """At their real 64 ranks the 64-card recipes are refused on ``ppo_mini_batch_size`` alone, and rightly: verl-omni's
+    update (verl's ``train_mini_batch``) gives each of the 64 data-parallel ranks 16 prompts x n=16 / 64 = 4 samples
+    per mini-batch, and verl's ``prepare_micro_batches`` stops on 4 samples in micro-batches of
+    ``ppo_micro_batch_size_per_gpu=16``. Their run (``test_verl_omni_recipe_runs.py``) shrinks the world and the
+    mini-batch together, to ON_CPU's one rank and 2 prompts, as every other recipe's."""
+    import torch
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.utils import prepare_micro_batches
+    from verl_omni_recipe_data import refused_only_at_real_world_size
+
+    overrides = stand_in(RECIPES[name])
+    assert refused_only_at_real_world_size(overrides)
+    cfg = compose(overrides)
+    arr = cfg.actor_rollout_ref
+    ranks = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes // arr.actor.fsdp_config.ulysses_sequence_parallel_size
+    assert ranks == 64 and arr.actor.ppo_mini_batch_size < ranks
+    samples = arr.actor.ppo_mini_batch_size * arr.rollout.n  # verl-omni's global mini-batch, in samples
+    assert samples % ranks == 0  # verl's train_mini_batch: the mini-batch divides over the ranks ...
+    per_rank = TensorDict({"x": torch.zeros(samples // ranks, 1)}, batch_size=[samples // ranks])
+    tu.assign_non_tensor(
+        per_rank, use_dynamic_bsz=False, micro_batch_size_per_gpu=arr.actor.ppo_micro_batch_size_per_gpu
+    )
+    with pytest.raises(AssertionError, match="divisible"):  # ... but not into micro-batches (verl-omni sets no dyn bsz)
+        prepare_micro_batches(per_rank)
+
+
 def test_hpsv3_stand_in_keeps_verl_omnis_contract():
     """verl-omni's ``compute_score_hpsv3`` (a1139ba): its parameters and defaults, every ``frame_interval``-th frame
     (``extra_info``, 4) of a ``[C, F, H, W]`` video from the first, the mean of ``reward_scale`` x the raw score,

@@ -279,9 +279,29 @@ def start_refusal(overrides: list[str]) -> list[tuple[str, str]]:
     return []
 
 
+# The one refusal a recipe may meet at its real world size and still train its step at ON_CPU's (one rank, 2 prompts
+# per mini-batch): a mini-batch of fewer prompt groups than data-parallel ranks (the 64-card recipes' 16 for 64 ranks;
+# verl-omni's own update stops there too, ``test_64_card_recipes_refusal_is_verl_omnis_own_arithmetic``). The run
+# shrinks the world and the mini-batch together, as for every other recipe; the product's check is not loosened.
+WORLD_SIZE_REFUSAL = "actor_rollout_ref.actor.ppo_mini_batch_size"
+
+
+def refused_only_at_real_world_size(overrides: list[str]) -> bool:
+    """``overrides`` (stand-ins swapped) are refused at start only on ``WORLD_SIZE_REFUSAL``, and start at ON_CPU's
+    world and sizes."""
+    keys = {k for k, _ in start_refusal(overrides)}
+    return keys == {WORLD_SIZE_REFUSAL} and not start_refusal(on_cpu(overrides, "/data", "/run"))
+
+
 def trainable() -> list[str]:
-    """The recipes that start here with their stand-ins (the others are refused at start: ``start_refusal``)."""
-    return [name for name, overrides in recipes().items() if not start_refusal(stand_in(overrides))]
+    """The recipes that start here with their stand-ins, or that do at ON_CPU's world size and are refused at their
+    real one only for it (``refused_only_at_real_world_size``); the others are refused at start (``start_refusal``)."""
+    out = []
+    for name, overrides in recipes().items():
+        swapped = stand_in(overrides)
+        if not start_refusal(swapped) or refused_only_at_real_world_size(swapped):
+            out.append(name)
+    return out
 
 
 def effective(overrides: list[str]) -> dict:

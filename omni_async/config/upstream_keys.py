@@ -455,6 +455,15 @@ RULES: dict[str, Rule] = {
         "set it to weighted_sum (other aggregations are not implemented)",
         _one_of("weighted_sum"),
     ),
+    "reward.reward_model.rollout.free_cache_engine": Rule(
+        "no_effect",
+        "verl's sleep of the reward model's vLLM servers between reward computations (KV cache dropped, weights to "
+        "host), which verl does only for a reward model colocated on the actor's pool and skips for one on its own "
+        "pool (standalone, vllm_async_server.sleep). Here vLLM judges always own their reward pool (verl's "
+        "standalone), and the transformers judge runs on its reward worker's CPU, holding no device memory (its "
+        "generate's KV cache is freed after each call): there is no device memory to free for others, whatever the "
+        "value",
+    ),
     "reward.reward_manager.module.path": Rule(
         "same",
         "verl-omni's module of reward managers; reward.reward_manager.name picks this project's RewardManager by "

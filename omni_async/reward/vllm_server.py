@@ -9,8 +9,9 @@ requests over their URLs least-loaded.
 vLLM cannot be installed next to verl 0.9.1, so the server runs from its own environment:
 ``reward.reward_model.rollout.server_python`` is that environment's python (the command is
 ``<server_python> -m vllm.entrypoints.openai.api_server --model ... --tensor-parallel-size ...`` plus
-``server_args``; ``enforce_eager=True`` adds ``--enforce-eager``). Nothing here imports vLLM. ``free_cache_engine``
-is only ``False``: a judge owns its reward-pool devices, so its KV cache stays resident between steps.
+``server_args``; ``enforce_eager=True`` adds ``--enforce-eager``). Nothing here imports vLLM. A judge owns its
+reward-pool devices, so its KV cache stays resident between steps: verl's ``free_cache_engine`` has no effect on such
+a (standalone) server, there as here (``omni_async.config.upstream_keys``).
 
 The judge servers serve the base model (no LoRA). ``--max-lora-rank`` accepts only :data:`VLLM_MAX_LORA_RANKS`
 (vLLM's ``MaxLoRARanks``, ``vllm/config/lora.py``; any other value stops the server at argument parsing): a value

@@ -375,7 +375,7 @@ def _check_verl_keys(cfg: DictConfig) -> None:
     """verl / verl-omni keys that this project implements only in some values: anything else is refused here,
     naming the key and what this project uses instead (no key is accepted and then ignored)."""
     arr, data, t = cfg.actor_rollout_ref, cfg.data, cfg.trainer
-    rollout, actor, judge = arr.rollout, arr.actor, cfg.reward.reward_model.rollout
+    rollout, actor = arr.rollout, arr.actor
     if arr.model.modality == "text":  # images: check_loss (flow_grpo, diffusion_nft)
         _check(
             arr.model.algorithm == "grpo",
@@ -410,13 +410,6 @@ def _check_verl_keys(cfg: DictConfig) -> None:
         f"the reference (adapter-off) forward runs inside each actor micro-batch of {actor_mb} samples, so its "
         f"batch cannot be limited to {ref_mb}",
         "lower actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (it bounds both), or set this key >= it (or null)",
-    )
-    _check(
-        not judge.free_cache_engine,
-        "reward.reward_model.rollout.free_cache_engine",
-        "the vLLM judge servers own the reward pool's devices, nothing else runs there between steps, so their "
-        "KV cache stays resident (vLLM sleep mode is not used)",
-        "set it to False",
     )
     _check_validation(cfg)
     _check(t.total_epochs >= 1, "trainer.total_epochs", f"must be >= 1, got {t.total_epochs}", "e.g. 1")

@@ -49,6 +49,8 @@ RUNS: dict[str, list[str]] = {
         # 64 cards, refused at that world size (WORLD_SIZE_REFUSAL), shrunk to ON_CPU's one rank as every run is
         "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_fsdp2_64cards",
         "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_fsdp2_benchmark",  # worker counts, vLLM judge knobs, logs
+        # the judge's free_cache_engine (no effect: upstream_keys) and gpu_memory_utilization
+        "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_h200_mfu_optimized",
     ],
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora": [
         "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_lora",

@@ -19,9 +19,10 @@ conservative bias of the text length, small next to the 1024 image tokens of a 5
 Writes ``bench/results/gpu_step_<device>.json``: seconds per image (rollout), seconds per sample (update), peak
 device memory per phase (``torch.cuda.max_memory_allocated``; ``null`` on CPU) and the device's name. The first
 iteration warms up (kernel selection, allocator); the figures are the last iteration's. ``step1`` holds
-``actor/ratio_mean`` and ``actor/pg_clipfrac_lower`` of the first update: it scores the rollout's own samples before
-any optimizer step, with the rollout's log-probs as pi_old (bypass mode, clip 1e-4), so any distance of the ratio
-from 1 is a rollout/update mismatch, not learning.
+the first update's ``actor/ratio_mean``, ``ratio_std`` and ``pg_clipfrac``: it scores the rollout's own samples
+before any optimizer step, with the rollout's log-probs as pi_old (bypass mode, clip ``--clip-ratio``, verl-omni's
+1e-5), so any distance of the ratio from 1 is a rollout/update mismatch, not learning; and the largest gap between
+the rollout's log-probs and pi_old's recompute of them (verl's decoupled mode) at the update's micro-batch.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from omni_async.modality.image import ImageModality  # noqa: E402
 from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig  # noqa: E402
 from omni_async.sample import PromptRow, RewardOutcome, Sample  # noqa: E402
 from omni_async.tools.memory_plan import QWEN_TARGETS  # noqa: E402
-from omni_async.trainer.actor_core import TensorBatch, begin_step, update_minibatch  # noqa: E402
+from omni_async.trainer.actor_core import TensorBatch, begin_step, compute_log_prob, update_minibatch  # noqa: E402
 
 GB = 1e9
 # verl-omni's DiffusionNFT Qwen-Image recipe trains LoRA on the MLPs too.
@@ -158,6 +159,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=None, help="qwen_image only: blocks per stack (a build check)")
     ap.add_argument("--loss", default="flow_grpo", choices=("flow_grpo", "diffusion_nft"))
     ap.add_argument("--timestep-fraction", type=float, default=1.0, help="diffusion_nft: algorithm.timestep_fraction")
+    ap.add_argument(
+        "--clip-ratio", type=float, default=1e-5, help="flow_grpo's clip_ratio (verl-omni's Qwen-Image recipe: 1e-5)"
+    )
     ap.add_argument("--iters", type=int, default=2, help="rollout + update iterations; the first warms up")
     ap.add_argument("--out", default=None, help="default: bench/results/gpu_step_<device>.json")
     return ap.parse_args(argv)
@@ -165,7 +169,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # What the first update says. flow_grpo: the ratio of the rollout's own samples before any optimizer step (1 unless
 # rollout and update disagree). diffusion_nft: its loss, and how far the old policy's EMA refresh moved it.
-STEP1_KEYS = {"flow_grpo": ("ratio_mean", "pg_clipfrac_lower"), "diffusion_nft": ("total_loss", "old_moved_l2")}
+STEP1_KEYS = {
+    "flow_grpo": ("ratio_mean", "ratio_std", "pg_clipfrac", "recompute_max_abs_log_prob_diff"),
+    "diffusion_nft": ("total_loss", "old_moved_l2"),
+}
 
 
 def policy_targets(args: argparse.Namespace, nft: bool) -> list[str]:
@@ -219,7 +226,7 @@ def main(argv=None) -> dict:
     actor_cfg = SimpleNamespace(
         # flow_grpo reads clip_ratio; diffusion_nft the rest (verl-omni's recipe values).
         diffusion_loss=SimpleNamespace(
-            clip_ratio=1e-4, mix_beta=0.1, adv_clip_max=5.0, adaptive_weight_min=1e-5, ref_kl_coef=1e-4
+            clip_ratio=args.clip_ratio, mix_beta=0.1, adv_clip_max=5.0, adaptive_weight_min=1e-5, ref_kl_coef=1e-4
         ),
         kl_loss_coef=0.0,
         grad_clip=1.0,
@@ -259,6 +266,14 @@ def main(argv=None) -> dict:
             tensors["train_steps"] = torch.stack([train_steps(args.steps, args.timestep_fraction, g) for g in gens])
             tensors["noise_seed"] = torch.tensor([s + 7 for s in seeds])
         batch = TensorBatch(tensors, {} if nft else {"window_start": window.start})
+        recompute_gap = None
+        if not nft and it == 0:  # pi_old's recompute (verl's decoupled mode) against the rollout's own log-probs
+            t = time.perf_counter()
+            again = compute_log_prob(modality, policy, batch, args.micro_batch)
+            again = again["old_log_probs"] if isinstance(again, dict) else again
+            recompute_gap = float((again.float().cpu() - tensors["old_log_probs"].float()).abs().max())
+            sync(device)
+            recompute_s = time.perf_counter() - t
         reset_peak(device)
         sync(device)
         t, cpu = time.perf_counter(), time.process_time()
@@ -290,8 +305,11 @@ def main(argv=None) -> dict:
             record["refresh_old_s"] = time.perf_counter() - t
             record["total_loss"] = metrics["actor/total_loss"]
         else:
-            record["ratio_mean"] = metrics["actor/ratio_mean"]
-            record["pg_clipfrac_lower"] = metrics["actor/pg_clipfrac_lower"]
+            for k in ("ratio_mean", "ratio_std", "pg_clipfrac", "pg_clipfrac_lower", "pg_clipfrac_higher"):
+                record[k] = metrics[f"actor/{k}"]
+            if recompute_gap is not None:
+                record["recompute_max_abs_log_prob_diff"] = recompute_gap
+                record["recompute_s"] = recompute_s
         iterations.append(record)
         print(
             f"iter {it}: rollout {rollout_s:.2f}s ({rollout_s / args.batch:.3f} s/image), "
@@ -317,6 +335,7 @@ def main(argv=None) -> dict:
         else f"{args.model} (layers={args.layers}: a build check, not the model)",
         "weights": "random (class initialisation)" if args.model == "qwen_image" else "from the model path",
         "config": {
+            "clip_ratio": None if nft else args.clip_ratio,
             "height": args.height,
             "width": args.width,
             "batch": args.batch,

@@ -3,11 +3,12 @@
 # lacks to an air-gapped GPU machine in parts of at most 60 MiB, install them there outside the tree, run the checks.
 #
 #   bash scripts/gpu_kit.sh pack [--python 3.12] [--platform manylinux_2_28_x86_64] [--part-mib 60] [--xz 6]
+#                                [--have requirements/cuda-image-packages.txt]
 #       where PyPI is reachable, in the project's venv (scripts/setup_env.sh): pip puts the wheels of the packages
 #       the image lacks (omni_async.tools.gpu_kit's closure, at requirements/constraints-cpu.txt's versions) for
 #       that interpreter and platform into a staging folder, what the product never imports is removed, the rest is
 #       tar + xz compressed and split into .gpu_kit/py<python>/kit.tar.xz.NNN with manifest.json (sizes, sha256,
-#       versions).
+#       versions). --have FILE (the target's `pip list --format=freeze`) carries only what the target lacks.
 #   bash scripts/gpu_kit.sh verify        on the GPU machine: which parts are missing or damaged.
 #   bash scripts/gpu_kit.sh index-install on a GPU machine that reaches a package index: the same packages from it
 #       (pack's .gpu_kit/requirements-X.Y.txt) into the prefix; run then needs no parts.
@@ -27,14 +28,17 @@ cd "$root"
 kit_root="$root/.gpu_kit"
 
 pack() {
-  local python=3.12 platform=manylinux_2_28_x86_64 part_mib=60 preset=6
+  local python=3.12 platform=manylinux_2_28_x86_64 part_mib=60 preset=6 have=()
   while (($#)); do
     case "$1" in
       --python) python="$2"; shift 2 ;;
       --platform) platform="$2"; shift 2 ;;
       --part-mib) part_mib="$2"; shift 2 ;;
       --xz) preset="$2"; shift 2 ;;  # 0-9: 1 packs several times faster on a busy box, a few parts more
-      *) echo "gpu_kit pack: unknown option $1 (--python X.Y, --platform TAG, --part-mib N, --xz 0-9)" >&2; exit 2 ;;
+      # the target's `python3 -m pip list --format=freeze`: carry only what it lacks (one part instead of four)
+      --have) have=(--have "$(realpath "$2")"); shift 2 ;;
+      *) echo "gpu_kit pack: unknown option $1 (--python X.Y, --platform TAG, --part-mib N, --xz 0-9, --have FILE)" >&2
+         exit 2 ;;
     esac
   done
   local py="$root/.venv/bin/python"
@@ -43,7 +47,7 @@ pack() {
   local stage="$build/stage"
   rm -rf "$build"
   mkdir -p "$build"
-  "$py" -m omni_async.tools.gpu_kit packages --lock requirements/constraints-cpu.txt --python "$python" > "$req"
+  "$py" -m omni_async.tools.gpu_kit packages --lock requirements/constraints-cpu.txt --python "$python" "${have[@]}" > "$req"
   echo "[gpu_kit] $(wc -l < "$req") packages for CPython $python ($platform) -> $stage" >&2
   # pip accepts only wheels built for exactly the tags given: every manylinux glibc level up to the one asked for.
   local glibc="${platform#manylinux_}" tags=() minor
@@ -71,13 +75,15 @@ pack() {
   local archive="$build/kit.tar.xz"
   # Sorted names and fixed owners: the same packages give the same archive.
   tar -C "$stage" --sort=name --owner=0 --group=0 --numeric-owner -cf - . | xz -T0 "-$preset" > "$archive"
-  "$py" - "$req" "$build/trimmed.txt" "$python" "$platform" "$before" "$after" "$preset" > "$build/info.json" <<'EOF'
+  "$py" - "$req" "$build/trimmed.txt" "$python" "$platform" "$before" "$after" "$preset" "${have[1]:-}" \
+    > "$build/info.json" <<'EOF'
 import json, sys
-from omni_async.tools.gpu_kit import BASE_PACKAGES, DROP
-req, trimmed, python, platform, before, after, preset = sys.argv[1:]
+from omni_async.tools.gpu_kit import BASE_PACKAGES, DASHBOARD_ONLY, DROP
+req, trimmed, python, platform, before, after, preset, have = sys.argv[1:]
 pins = dict(line.strip().split("==") for line in open(req) if "==" in line)
 print(json.dumps({
-    "python": python, "platform": platform, "packages": pins, "base": list(BASE_PACKAGES), "dropped": DROP,
+    "python": python, "platform": platform, "packages": pins,
+    "base": f"what {have} lists" if have else list(BASE_PACKAGES), "dropped": {**DROP, **(DASHBOARD_ONLY if have else {})},
     "trimmed": [line.split(" ", 1)[1].strip() for line in open(trimmed) if line.startswith("trimmed ")],
     "unpacked_bytes": int(after), "trimmed_bytes": int(before) - int(after), "xz_preset": int(preset),
 }))

@@ -50,6 +50,34 @@ DROP = {
     "multiprocess": "datasets only",
     "xxhash": "datasets only",
 }
+# Ray's ``default`` extra beyond what the product imports: the dashboard, its metrics exporters and cloud log
+# readers. Without them Ray runs as its minimal install (``pip install ray``), which is all the trainer starts
+# (``include_dashboard=False``). Left out only of a kit packed against the target's package list (``--have``):
+# the full kit keeps them, as its dry run checked.
+DASHBOARD_ONLY = {
+    name: "Ray's dashboard and metrics agents only (the trainer starts Ray with include_dashboard=False)"
+    for name in (
+        "aiohttp-cors",
+        "colorful",
+        "opencensus",
+        "opencensus-context",
+        "opentelemetry-api",
+        "opentelemetry-sdk",
+        "opentelemetry-exporter-prometheus",
+        "opentelemetry-proto",
+        "opentelemetry-semantic-conventions",
+        "smart-open",
+        "google-api-core",
+        "google-auth",
+        "googleapis-common-protos",
+        "proto-plus",
+        "pyasn1",
+        "pyasn1-modules",
+    )
+}
+# Carried even when the target has them: the versions the LoRA paths are tested with (peft's adapter layout and
+# target matching change between releases).
+MUST_MATCH = ("peft",)
 # Paths inside the staged site-packages the product never imports, removed before compression (globs).
 TRIM = (
     "ray/jars",  # Ray's Java workers
@@ -145,10 +173,33 @@ def closure(roots: Iterable[str], python: str, skip: Container[str] = ()) -> set
     return {name for name, _ in seen}
 
 
-def packages(lock: Path, python: str) -> dict[str, str]:
-    """What the kit carries: name -> the lock's version."""
+def read_have(path: Path) -> dict[str, str | None]:
+    """The target's packages, from ``python3 -m pip list --format=freeze`` run there (``name==version``) or a list
+    of bare names (version unknown), keyed by canonical name."""
+    import re
+
+    have: dict[str, str | None] = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            have[re.sub(r"[-_.]+", "-", name.strip()).lower()] = version.strip() or None
+    if not have:
+        raise KitError(f"{path} names no package: write the target's `python3 -m pip list --format=freeze` into it")
+    return have
+
+
+def packages(lock: Path, python: str, have: dict[str, str | None] | None = None) -> dict[str, str]:
+    """What the kit carries: name -> the lock's version. Without ``have``: the product's closure less
+    :data:`BASE_PACKAGES`' closure. With ``have`` (the target's package list): only what the target lacks, plus
+    :data:`MUST_MATCH` where the target's version differs from the lock's or is unknown; Ray's dashboard-only
+    packages are left out (the kit then fits one transfer)."""
     pins = read_lock(lock)
-    carried = closure(["omni-async", *TEST_PACKAGES], python, skip=DROP) - closure(BASE_PACKAGES, python)
+    if have is None:
+        carried = closure(["omni-async", *TEST_PACKAGES], python, skip=DROP) - closure(BASE_PACKAGES, python)
+    else:
+        carried = closure(["omni-async", *TEST_PACKAGES], python, skip={**DROP, **DASHBOARD_ONLY})
+        carried -= {n for n, v in have.items() if n not in MUST_MATCH or v == pins.get(n)}
     carried.discard("omni-async")  # the tree itself is on PYTHONPATH
     missing = sorted(n for n in carried if n not in pins)
     if missing:
@@ -171,6 +222,26 @@ def trim(stage: Path, patterns: Iterable[str] = TRIM) -> list[str]:
     for cache in list(stage.rglob("__pycache__")):
         shutil.rmtree(cache, ignore_errors=True)
     return removed
+
+
+# Ray ships its core binaries and extension with their symbol tables (a third of their size); only a debugger reads
+# them.
+STRIP = ("ray/_raylet.so", "ray/core/src/ray/gcs/gcs_server", "ray/core/src/ray/raylet/raylet")
+
+
+def strip_symbols(stage: Path, paths: Iterable[str] = STRIP) -> list[str]:
+    """``strip --strip-unneeded`` the binaries ``paths`` (relative to ``stage``) where binutils' strip exists;
+    return what was stripped."""
+    import subprocess
+
+    tool = shutil.which("strip")
+    done = []
+    for rel in paths:
+        path = stage / rel
+        if tool and path.is_file():
+            subprocess.run([tool, "--strip-unneeded", str(path)], check=True)
+            done.append(rel)
+    return done
 
 
 def split(archive: Path, out_dir: Path, part_bytes: int = PART_BYTES) -> list[Part]:
@@ -376,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("packages", help="print name==version of every package the kit carries")
     p.add_argument("--lock", type=Path, required=True)
     p.add_argument("--python", default="3.12")
+    p.add_argument("--have", type=Path, help="the target's `pip list --format=freeze`: carry only what it lacks")
     p = sub.add_parser("trim", help="remove what the product never imports from a staged folder")
     p.add_argument("stage", type=Path)
     p = sub.add_parser("seal", help="split a compressed archive into parts and write the manifest")
@@ -392,11 +464,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "packages":
-            for name, version in packages(args.lock, args.python).items():
+            have = read_have(args.have) if args.have else None
+            for name, version in packages(args.lock, args.python, have).items():
                 print(f"{name}=={version}")
         elif args.command == "trim":
             for path in trim(args.stage):
                 print(f"trimmed {path}")
+            for path in strip_symbols(args.stage):
+                print(f"stripped {path}")
         elif args.command == "seal":
             info = json.loads(args.info.read_text()) if args.info else {}
             parts = split(args.archive, args.out, int(args.part_mib * 2**20))

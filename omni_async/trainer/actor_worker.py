@@ -50,6 +50,7 @@ from omni_async.models.lora import LIVE_ADAPTER, OLD_ADAPTER
 from omni_async.models.sequence_parallel import SequenceParallel, denoisers
 from omni_async.trainer import data_parallel as dpm
 from omni_async.trainer.actor_core import begin_step, old_log_prob, train_minibatch
+from omni_async.trainer.device_memory import PhasePeaks
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class ActorWorker(Worker, RolloutWorker):
         self._snapshot_rollout, self._lendable = bool(snapshot_rollout), bool(lendable)
         self._interrupts_at_sync = bool(interrupts_at_sync)
         self.device = configure_worker()
+        self.peaks = PhasePeaks(self.device)
         self.modality = modality_of(self.cfg)
         self._device_thread = DeviceThread("actor-device")
         self.rollout_version = 0
@@ -178,12 +180,12 @@ class ActorWorker(Worker, RolloutWorker):
     def _generate(self, *args, **kwargs):
         if self._stops_text():
             kwargs["should_stop"] = lambda: self.withdrawing
-        with self._rollout_weights():
+        with self._rollout_weights(), self.peaks.phase("gen"):
             return self.policy.generate(*args, **kwargs)
 
     def _stream(self, admit, emit, capacity: int) -> None:
         stop = {"should_stop": lambda: self.withdrawing} if self._stops_text() else {}
-        with self._rollout_weights():
+        with self._rollout_weights(), self.peaks.phase("gen"):
             return self.policy.generate_stream(admit, emit, capacity=capacity, **stop)
 
     def _stops_text(self) -> bool:
@@ -349,7 +351,7 @@ class ActorWorker(Worker, RolloutWorker):
         live ones until the window's first update; ``trainer.actor_core.old_log_prob``), in micro-batches of
         ``rollout.log_prob_micro_batch_size_per_gpu`` samples."""
         arr = self.cfg.actor_rollout_ref
-        with self.dp.failfast("compute_log_prob"), self._sequence_parallel():
+        with self.dp.failfast("compute_log_prob"), self._sequence_parallel(), self.peaks.phase("old_log_prob"):
             return dpm.rows_result(
                 data,
                 old_log_prob(
@@ -379,7 +381,7 @@ class ActorWorker(Worker, RolloutWorker):
         """
         a = self.cfg.actor_rollout_ref.actor
         # a rank that raises stops the others at once, naming itself
-        with self.dp.failfast("update_minibatch"), self._sequence_parallel():
+        with self.dp.failfast("update_minibatch"), self._sequence_parallel(), self.peaks.phase("update"):
             metrics = train_minibatch(
                 self.modality,
                 self.policy,
@@ -391,6 +393,7 @@ class ActorWorker(Worker, RolloutWorker):
                 dp=self.dp,
             )
         metrics[dpm.SAMPLES_KEY] = [dpm.trained_samples(data)]
+        metrics.update({k: [v] for k, v in self.peaks.take().items()})
         index = data.meta_info.get(dpm.DP_INDEX_KEY)
         real = range(len(data)) if index is None else [i for i, k in enumerate(index) if k >= 0]
         if self.dp.sp_rank:  # the group's other ranks trained on the same rows: the audit counts them once

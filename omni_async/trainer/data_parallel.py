@@ -159,6 +159,8 @@ def merge_rank_metrics(outputs: list[dict[str, list[float]]], time_keys: Sequenc
             out[k] = float(np.mean(values[0]))
         elif k == SAMPLES_KEY:
             out[k] = float(max(np.sum(v) for v in values))
+        elif k.startswith("perf/max_memory_"):  # trainer.device_memory's peaks: the fullest rank's
+            out[k] = float(max(x for v in values for x in v))
         else:
             flat = [x for v in values for x in v]
             if flat:

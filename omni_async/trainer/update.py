@@ -29,8 +29,18 @@ from omni_async.trainer.timer import Timer
 SUMMED_ACTOR_METRICS = ("actor/skipped_steps", SAMPLES_KEY)
 
 
-def _mean(sums: dict[str, list[float]]) -> dict[str, float]:
-    return {k: float(np.sum(v) if k in SUMMED_ACTOR_METRICS else np.mean(v)) for k, v in sums.items()}
+# Peaks (``trainer.device_memory``): the step's largest, not its mean.
+PEAK_PREFIX = "perf/max_memory_"
+
+
+def _reduce(key: str, values: list[float]) -> float:
+    if key in SUMMED_ACTOR_METRICS:
+        return float(np.sum(values))
+    return float(np.max(values) if key.startswith(PEAK_PREFIX) else np.mean(values))
+
+
+def _step_metrics(sums: dict[str, list[float]]) -> dict[str, float]:
+    return {k: _reduce(k, v) for k, v in sums.items()}
 
 
 def update(
@@ -73,7 +83,7 @@ def update(
     # per sample, in the loss or not (a sample outside its group's Diffusion-DPO pair has no row in the batch)
     loss_mask = torch.tensor([s.advantage is not None for s in samples])
     step_timing(groups, timer)
-    return groups, samples, loss_mask, _mean(sums)
+    return groups, samples, loss_mask, _step_metrics(sums)
 
 
 def step_timing(groups: list[Group], timer: Timer) -> None:

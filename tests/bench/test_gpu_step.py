@@ -63,9 +63,16 @@ def test_gpu_step_runs_without_ray_and_writes_its_report(tmp_path):
     assert report["params"]["lora"] > 0 and report["params"]["text_encoder"] > 0
     (it,) = report["iterations"]
     # bf16 with CFG, rollout batch 2 in SDE-window calls of 2 as the update's: the first update scores the rollout's
-    # own samples with the rollout's log-probs as pi_old and sees exactly them (clip 1e-4: nothing clipped).
-    assert it["skipped_step"] == 0.0 and it["ratio_mean"] == 1.0 and it["pg_clipfrac_lower"] == 0.0
-    assert report["step1"] == {"ratio_mean": 1.0, "pg_clipfrac_lower": 0.0}
+    # own samples with the rollout's log-probs as pi_old and sees exactly them (clip 1e-5: nothing clipped), and
+    # pi_old's recompute at the update's micro-batch gives the rollout's log-probs back.
+    assert it["skipped_step"] == 0.0 and it["ratio_mean"] == 1.0 and it["pg_clipfrac"] == 0.0
+    assert report["config"]["clip_ratio"] == 1e-5
+    assert report["step1"] == {
+        "ratio_mean": 1.0,
+        "ratio_std": 0.0,
+        "pg_clipfrac": 0.0,
+        "recompute_max_abs_log_prob_diff": 0.0,
+    }
 
 
 def test_gpu_step_runs_diffusion_nfts_step(tmp_path):

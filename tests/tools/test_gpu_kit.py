@@ -134,3 +134,29 @@ def test_the_kit_carries_what_the_image_lacks_at_the_locks_versions():
     for name in ("torch", "transformers", "accelerate", "numpy", "safetensors", "huggingface-hub", *gpu_kit.DROP):
         assert name not in carried
     assert "omni-async" not in carried
+
+
+def test_a_kit_packed_against_the_targets_list_carries_only_what_it_lacks(tmp_path):
+    lock = ROOT / "requirements" / "constraints-cpu.txt"
+    pins = gpu_kit.read_lock(lock)
+    image = (ROOT / "requirements" / "cuda-image-packages.txt").read_text()
+    have_file = tmp_path / "have.txt"
+    # the workplace image's list plus pip freeze spellings (case, underscores), a bare name and an older peft
+    have_file.write_text(image.replace("\npeft\n", "\npeft==0.1.0\n") + "Ray==2.60.0\nfastapi\nhydra_core==1.3.8\n")
+    have = gpu_kit.read_have(have_file)
+    assert have["ray"] == "2.60.0" and have["fastapi"] is None and have["hydra-core"] == "1.3.8"
+    carried = gpu_kit.packages(lock, "3.12", have)
+    # what the target has stays behind, whatever its version (the image's pyarrow and opencv are used)
+    for name in ("ray", "fastapi", "pyarrow", "hydra-core", "opencv-python-headless", "torch", "numpy"):
+        assert name not in carried
+    # peft must match the lock: carried when the target's version differs
+    assert carried["peft"] == pins["peft"]
+    # what it lacks comes at the lock's version (pydantic: the image's transformers does not bring it); Ray's
+    # dashboard-only packages are left out
+    for name in ("verl", "diffusers", "rapidocr", "omegaconf", "pydantic"):
+        assert carried[name] == pins[name]
+    assert not set(gpu_kit.DASHBOARD_ONLY) & set(carried)
+    assert "peft" not in gpu_kit.packages(lock, "3.12", {**have, "peft": pins["peft"]})
+    (tmp_path / "empty.txt").write_text("# nothing\n")
+    with pytest.raises(KitError, match="pip list --format=freeze"):
+        gpu_kit.read_have(tmp_path / "empty.txt")

@@ -114,6 +114,17 @@ _OPD_ADDED = (
     "verl-omni's distillation term added to another loss (flow_grpo + distill_loss_coef x distill_kl) is not built "
     "here: the teacher trains the student as the one loss, diffusion_loss.loss_mode=distill_kl"
 )
+_NO_PROFILER = (
+    "verl's profiler hooks are not built into this project's workers: verl starts a profiled role's Ray workers "
+    "under Nsight Systems (Ray's nsight runtime_env, global_profiler.global_tool_config.nsys.worker_nsight_options) "
+    "or torch.profiler and opens a capture range on each of global_profiler.steps on profiler.ranks "
+    "(verl.utils.profiler.DistProfiler); the actor workers here take no profiler, so any other value would do nothing"
+)
+_NO_PROFILER_FIX = (
+    "drop global_profiler.* and actor_rollout_ref.*.profiler.* (without them verl-omni's nsys recipe trains as "
+    "its run_qwen_image_ocr does); per-step phase timelines: trainer.log_timeline_freq; kernel traces of a whole "
+    "run: run the command under nsys yourself"
+)
 # verl-omni's model.pipeline.* (the training engine's copy of rollout.pipeline.*, which it defaults to).
 _MODEL_PIPELINE = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length")
 # verl-omni's offline DPO dataset class, as its recipe names it (data.custom_cls.*)
@@ -353,7 +364,9 @@ RULES: dict[str, Rule] = {
     ),
     f"{ARR}.rollout.dtype": Rule(
         "same",
-        "the rollout generates with the weights it trains, in actor.fsdp_config.model_dtype",
+        "the rollout generates with the weights it trains, in actor.fsdp_config.model_dtype (verl-omni's DRM recipe "
+        "samples in float32 from a bfloat16-trained model: a rollout copy of the weights in another dtype is not "
+        "built here)",
         f"drop it, or set {ARR}.actor.fsdp_config.model_dtype to the same dtype",
         _same_as(f"{ARR}.actor.fsdp_config.model_dtype", _dtype),
     ),
@@ -385,14 +398,18 @@ RULES: dict[str, Rule] = {
     ),
     f"{ARR}.rollout.pipeline.output_type": Rule(
         "same",
-        "the pipeline returns decoded images / frames (verl-omni's pt), which the reward functions score",
-        "drop it, or set it to pt (rewards on latents, e.g. verl-omni's DRM recipe, are not implemented)",
+        "the pipeline returns decoded images / frames (verl-omni's pt), which the reward functions score; verl-omni's "
+        "latent (its DRM recipe) hands a reward function the clean latent as solution_image ([16, H/8, W/8] for "
+        "SD3) with the rollout's prompt_embeds / pooled_prompt_embeds in extra_info, which the reward workers here "
+        "are not given",
+        "drop it, or set it to pt (rewards on latents are not implemented)",
         _one_of("pt"),
     ),
     f"{ARR}.rollout.val_kwargs.pipeline.output_type": Rule(
         "same",
-        "validation samples are decoded images / frames (pt)",
-        "drop it, or set it to pt (latent outputs are not implemented)",
+        "validation samples are decoded images / frames (pt); verl-omni's both adds the clean latent "
+        "(extra_info latents_clean) for a latent reward, not implemented here",
+        "drop it, or set it to pt",
         _one_of("pt"),
     ),
     f"{ARR}.rollout.val_kwargs.pipeline.num_frames": Rule(
@@ -429,24 +446,14 @@ RULES: dict[str, Rule] = {
     ),
     # ---- profilers ------------------------------------------------------------------------------------------------
     **{
-        f"{ARR}.{role}.profiler.enable": Rule(
-            "same",
-            "profiling hooks are not part of this project",
-            "drop it; per-step timelines are trainer.log_timeline_freq, or run nsys / py-spy around the command",
-            _one_of(False),
-        )
+        f"{ARR}.{role}.profiler.enable": Rule("same", _NO_PROFILER, _NO_PROFILER_FIX, _one_of(False))
         for role in ("actor", "ref", "rollout")
     },
     **{
         f"{ARR}.{role}.profiler.*": Rule("no_effect", "a profiler setting, and profiling is off (profiler.enable)")
         for role in ("actor", "ref", "rollout")
     },
-    "global_profiler.tool": Rule(
-        "same",
-        "profiling hooks are not part of this project",
-        "drop it; per-step timelines are trainer.log_timeline_freq, or run nsys / py-spy around the command",
-        _one_of(None),
-    ),
+    "global_profiler.tool": Rule("same", _NO_PROFILER, _NO_PROFILER_FIX, _one_of(None)),
     "global_profiler.*": Rule("no_effect", "a profiler setting, and profiling is off (global_profiler.tool)"),
     # ---- reward -----------------------------------------------------------------------------------------------------
     "reward.aggregation": Rule(

@@ -518,12 +518,24 @@ def _check_mini_batch_feeds_ranks(cfg: DictConfig) -> None:
         else f"raise data.train_batch_size to a multiple of {ranks} and set ppo_mini_batch_size to a multiple of "
         f"{ranks} that divides it"
     )
+    # verl / verl-omni split a mini-batch's samples (not groups) over the ranks, then each rank's share into
+    # micro-batches of ppo_micro_batch_size_per_gpu (verl's prepare_micro_batches asserts it divides): say when that
+    # fails there too, so a recipe written for them is not taken for one that runs there (the 64-card ones)
+    arr = cfg.actor_rollout_ref
+    per_prompt = 2 if cfg.algorithm.get("paired_preference", False) else arr.rollout.n  # DPO: mini-batches of pairs
+    samples, micro = mb * per_prompt, arr.actor.ppo_micro_batch_size_per_gpu
+    upstream = (
+        f"; verl / verl-omni's update stops here too: {samples} samples / {ranks} ranks = {samples / ranks:g} per rank, not a "
+        f"multiple of ppo_micro_batch_size_per_gpu={micro}"
+        if micro and (samples % ranks or (samples // ranks) % micro)
+        else ""
+    )
     _check(
         mb >= ranks,
         "actor_rollout_ref.actor.ppo_mini_batch_size",
         f"{mb} prompts per mini-batch = {mb} groups for {ranks} data-parallel actor ranks (trainer.n_gpus_per_node x "
         "nnodes / ulysses_sequence_parallel_size); "
-        f"groups are never split, so {ranks - mb} rank(s) would train on padding rows in every update",
+        f"groups are never split, so {ranks - mb} rank(s) would train on padding rows in every update{upstream}",
         f"{fix}, or use fewer actor ranks",
     )
 

@@ -202,6 +202,8 @@ def test_64_card_recipes_refusal_is_verl_omnis_own_arithmetic(name):
 
     overrides = stand_in(RECIPES[name])
     assert refused_only_at_real_world_size(overrides)
+    ((_, message),) = start_refusal(overrides)
+    assert "verl-omni's update stops here too: 256 samples / 64 ranks = 4 per rank" in message  # users are told
     cfg = compose(overrides)
     arr = cfg.actor_rollout_ref
     ranks = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes // arr.actor.fsdp_config.ulysses_sequence_parallel_size

@@ -41,6 +41,7 @@ def step_row(m: dict) -> dict:
         "reserved_gib": m.get("perf/max_memory_reserved_gb"),
         "time_s": {k.split("/", 1)[1]: m[k] for k in SPLIT if k in m},
         "reward_mean": m.get("critic/rewards/mean"),
+        "val_ocr": m.get("val-core/ocr/reward/mean@4", m.get("val-core/ocr/reward/mean@1")),
     }
 
 
@@ -51,7 +52,12 @@ def summarize(run_dir: Path) -> dict:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     steps = [step_row(m) for m in rows if "perf/throughput" in m]
     later = [s["gpu_s_per_image"] for s in steps[1:] if s["gpu_s_per_image"]]
+    rewards = [s["reward_mean"] for s in steps if s["reward_mean"] is not None]
     return {
+        # the main job's learning test (issue 49): the rollout's OCR reward, last 3 steps against the first 3
+        "reward_first3": sum(rewards[:3]) / 3 if len(rewards) >= 6 else None,
+        "reward_last3": sum(rewards[-3:]) / 3 if len(rewards) >= 6 else None,
+        "validation": [(m["step"], m["val-core/ocr/reward/mean@4"]) for m in rows if "val-core/ocr/reward/mean@4" in m],
         "steps": steps,
         "gpu_s_per_image_after_first": sum(later) / len(later) if later else None,
         "peak_gib": {p: max((s["peak_gib"][p] or 0.0) for s in steps) if steps else None for p in PHASES},
@@ -63,17 +69,19 @@ def main(argv=None) -> dict:
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--label", default="recipe")
+    ap.add_argument("--device", default=None, help="the device's name, for a run dir copied off its machine")
+    ap.add_argument("--torch", default=None, help="the torch version there, likewise")
     args = ap.parse_args(argv)
     import platform
 
     import torch
 
     cuda = torch.cuda.is_available()
-    device = torch.cuda.get_device_name(0) if cuda else "cpu"
+    device = args.device or (torch.cuda.get_device_name(0) if cuda else "cpu")
     report = {
         "device": device,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        "torch": args.torch or torch.__version__,
+        "python": None if args.device else platform.python_version(),
         "label": args.label,
         "run_dir": str(args.run_dir),
         **summarize(args.run_dir),

@@ -78,12 +78,13 @@ pack() {
   "$py" - "$req" "$build/trimmed.txt" "$python" "$platform" "$before" "$after" "$preset" "${have[1]:-}" \
     > "$build/info.json" <<'EOF'
 import json, sys
-from omni_async.tools.gpu_kit import BASE_PACKAGES, DASHBOARD_ONLY, DROP
+from omni_async.tools.gpu_kit import BASE_PACKAGES, DROP, EXTRAS_NOT_FOLLOWED
 req, trimmed, python, platform, before, after, preset, have = sys.argv[1:]
 pins = dict(line.strip().split("==") for line in open(req) if "==" in line)
 print(json.dumps({
     "python": python, "platform": platform, "packages": pins,
-    "base": f"what {have} lists" if have else list(BASE_PACKAGES), "dropped": {**DROP, **(DASHBOARD_ONLY if have else {})},
+    "base": f"what {have} lists" if have else list(BASE_PACKAGES), "dropped": DROP,
+    "extras_not_followed": EXTRAS_NOT_FOLLOWED if have else {},
     "trimmed": [line.split(" ", 1)[1].strip() for line in open(trimmed) if line.startswith("trimmed ")],
     "unpacked_bytes": int(after), "trimmed_bytes": int(before) - int(after), "xz_preset": int(preset),
 }))

@@ -64,9 +64,10 @@ SHARED_RAY_GPUS, SHARED_RAY_CPUS = 16, 96
 _SHARED_CLUSTER = pytest.StashKey()
 
 
-def cuda_devices_present() -> bool:
-    """Whether the NVIDIA driver lists a GPU here (without importing torch: the xdist controller never does)."""
-    return any(Path("/proc/driver/nvidia/gpus").glob("*")) or any(Path("/dev").glob("nvidia[0-9]*"))
+def cuda_device_count() -> int:
+    """The GPUs the NVIDIA driver lists here (without importing torch: the xdist controller never does)."""
+    listed = list(Path("/proc/driver/nvidia/gpus").glob("*"))
+    return len(listed) or len([p for p in Path("/dev").glob("nvidia*") if p.name[len("nvidia") :].isdigit()])
 
 
 def pytest_configure(config):
@@ -89,9 +90,10 @@ def pytest_configure(config):
     # forward them to drivers (~70 CPU-s a run; a failing test gets the worker's traceback from Ray's error anyway,
     # and the files stay in the session's log directory).
     os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
-    # On a GPU machine Ray detects the real devices: 16 logical GPUs there would hand an actor an index the
-    # machine does not have (CUDA_VISIBLE_DEVICES=7 on a one-GPU box), leaving it without a device.
-    gpus = {} if cuda_devices_present() else {"num_gpus": SHARED_RAY_GPUS}
+    # On a GPU machine the real devices, counted: 16 logical GPUs there would hand an actor an index the machine
+    # does not have (CUDA_VISIBLE_DEVICES=7 on a one-GPU box), and left to Ray's detection this head node came up
+    # with 0 GPUs on an H200 (the GPU tier's run of 2026-11-27) while ray.init beside it found the device.
+    gpus = {"num_gpus": cuda_device_count() or SHARED_RAY_GPUS}
     cluster = Cluster(
         initialize_head=True,
         head_node_args={

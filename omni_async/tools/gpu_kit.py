@@ -50,30 +50,12 @@ DROP = {
     "multiprocess": "datasets only",
     "xxhash": "datasets only",
 }
-# Ray's ``default`` extra beyond what the product imports: the dashboard, its metrics exporters and cloud log
-# readers. Without them Ray runs as its minimal install (``pip install ray``), which is all the trainer starts
-# (``include_dashboard=False``). Left out only of a kit packed against the target's package list (``--have``):
-# the full kit keeps them, as its dry run checked.
-DASHBOARD_ONLY = {
-    name: "Ray's dashboard and metrics agents only (the trainer starts Ray with include_dashboard=False)"
-    for name in (
-        "aiohttp-cors",
-        "colorful",
-        "opencensus",
-        "opencensus-context",
-        "opentelemetry-api",
-        "opentelemetry-sdk",
-        "opentelemetry-exporter-prometheus",
-        "opentelemetry-proto",
-        "opentelemetry-semantic-conventions",
-        "smart-open",
-        "google-api-core",
-        "google-auth",
-        "googleapis-common-protos",
-        "proto-plus",
-        "pyasn1",
-        "pyasn1-modules",
-    )
+# Extras not followed into a kit packed against the target's list (``--have``): Ray's ``default`` extra is its
+# dashboard, metrics agents and cloud log readers; without them Ray runs as its minimal install (``pip install ray``),
+# which is all the trainer starts (``include_dashboard=False``). A package the extra brings that something else
+# needs stays (fastapi imports opentelemetry-api). The full kit keeps the extra, as its dry run checked.
+EXTRAS_NOT_FOLLOWED = {
+    "ray": "Ray's dashboard and metrics agents only (the trainer starts Ray with include_dashboard=False)"
 }
 # Carried even when the target has them: the versions the LoRA paths are tested with (peft's adapter layout and
 # target matching change between releases).
@@ -135,10 +117,10 @@ def read_lock(lock: Path) -> dict[str, str]:
     return pins
 
 
-def closure(roots: Iterable[str], python: str, skip: Container[str] = ()) -> set[str]:
-    """Canonical names of ``roots`` and everything they require (extras followed; ``skip`` and what only it
-    requires left out), from this environment's installed metadata, with markers evaluated for CPython ``python``
-    on Linux x86_64."""
+def closure(roots: Iterable[str], python: str, skip: Container[str] = (), no_extras: Container[str] = ()) -> set[str]:
+    """Canonical names of ``roots`` and everything they require (extras followed, except those of ``no_extras``;
+    ``skip`` and what only it requires left out), from this environment's installed metadata, with markers
+    evaluated for CPython ``python`` on Linux x86_64."""
     import importlib.metadata as md
 
     from packaging.requirements import Requirement
@@ -158,7 +140,8 @@ def closure(roots: Iterable[str], python: str, skip: Container[str] = ()) -> set
     todo = [Requirement(r) for r in roots]
     while todo:
         req = todo.pop()
-        key = (canonicalize_name(req.name), frozenset(req.extras))
+        name = canonicalize_name(req.name)
+        key = (name, frozenset() if name in no_extras else frozenset(req.extras))
         if key in seen or key[0] in skip:
             continue
         seen.add(key)
@@ -168,7 +151,7 @@ def closure(roots: Iterable[str], python: str, skip: Container[str] = ()) -> set
             raise KitError(f"{req.name} is not installed here: run `bash scripts/setup_env.sh` before packing") from e
         for text in dist.requires or []:
             sub = Requirement(text)
-            if sub.marker is None or any(sub.marker.evaluate({**env, "extra": e}) for e in ("", *req.extras)):
+            if sub.marker is None or any(sub.marker.evaluate({**env, "extra": e}) for e in ("", *key[1])):
                 todo.append(sub)
     return {name for name, _ in seen}
 
@@ -192,13 +175,13 @@ def read_have(path: Path) -> dict[str, str | None]:
 def packages(lock: Path, python: str, have: dict[str, str | None] | None = None) -> dict[str, str]:
     """What the kit carries: name -> the lock's version. Without ``have``: the product's closure less
     :data:`BASE_PACKAGES`' closure. With ``have`` (the target's package list): only what the target lacks, plus
-    :data:`MUST_MATCH` where the target's version differs from the lock's or is unknown; Ray's dashboard-only
-    packages are left out (the kit then fits one transfer)."""
+    :data:`MUST_MATCH` where the target's version differs from the lock's or is unknown; Ray's ``default`` extra is
+    not followed (:data:`EXTRAS_NOT_FOLLOWED`; the kit then fits one transfer)."""
     pins = read_lock(lock)
     if have is None:
         carried = closure(["omni-async", *TEST_PACKAGES], python, skip=DROP) - closure(BASE_PACKAGES, python)
     else:
-        carried = closure(["omni-async", *TEST_PACKAGES], python, skip={**DROP, **DASHBOARD_ONLY})
+        carried = closure(["omni-async", *TEST_PACKAGES], python, skip=DROP, no_extras=EXTRAS_NOT_FOLLOWED)
         carried -= {n for n, v in have.items() if n not in MUST_MATCH or v == pins.get(n)}
     carried.discard("omni-async")  # the tree itself is on PYTHONPATH
     missing = sorted(n for n in carried if n not in pins)

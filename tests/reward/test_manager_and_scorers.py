@@ -158,6 +158,24 @@ def test_ocr_reads_upright_text_as_written(no_network):
     assert ocr.compute_score("ocr", text_image("OHIO"), "OHIO")["score"] == 1.0
 
 
+def test_a_ray_worker_without_a_gpu_owns_none_though_it_sees_one(monkeypatch):
+    """On a GPU machine Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for a CPU actor (the reward workers beside the
+    actor saw its H200): Ray's assignment, not visibility, says which device a worker owns."""
+    import ray
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
+    assert ocr._local_cuda_device() is None
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [3])
+    assert ocr._local_cuda_device() == 0  # CUDA_VISIBLE_DEVICES points at it
+    monkeypatch.setenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
+    assert ocr._local_cuda_device() == 3
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # the scorer server: the visible device
+    assert ocr._local_cuda_device() == 0
+
+
 def test_ocr_reads_on_the_reward_workers_gpu(monkeypatch, caplog):
     """use_cuda=auto: onnxruntime's CUDA provider on the worker's GPU when it has one and the provider exists; CPU
     otherwise (a warning when a GPU then idles); true without them is an error naming the fix."""
@@ -173,9 +191,11 @@ def test_ocr_reads_on_the_reward_workers_gpu(monkeypatch, caplog):
     monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: with_cuda)
     assert ocr.ocr_device("auto") == 0 and ocr.ocr_device(True) == 0 and ocr.ocr_device(False) is None
     monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: cpu_only)  # the CPU onnxruntime wheel
+    ocr._warn_idle_gpu.cache_clear()
     with caplog.at_level("WARNING"):
-        assert ocr.ocr_device("auto") is None
+        assert ocr.ocr_device("auto") is None and ocr.ocr_device("auto") is None
     assert "holds GPU 0 idle" in caplog.text and "onnxruntime-gpu" in caplog.text
+    assert caplog.text.count("holds GPU 0 idle") == 1  # once per process, not per read
     with pytest.raises(RuntimeError, match="onnxruntime-gpu"):
         ocr.ocr_device(True)
     # The GPU engine's settings are rapidocr's own keys: its real config parser takes them.

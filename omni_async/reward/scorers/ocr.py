@@ -58,9 +58,11 @@ def ocr_similarity(pred: str, gt: str, substring_shortcut: bool = True) -> float
 
 
 def _local_cuda_device() -> int | None:
-    """The CUDA device this process owns, or ``None``. Ray points ``CUDA_VISIBLE_DEVICES`` at a worker's own GPU
-    (and hides every GPU from a worker without one), so it is device 0 of the process; with
-    ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` every GPU is visible and Ray's assignment names it."""
+    """The CUDA device this process owns, or ``None``. In a Ray worker, Ray's assignment decides: a worker given no
+    GPU owns none, even though it may see the machine's (Ray 2.60 leaves ``CUDA_VISIBLE_DEVICES`` alone for a worker
+    without GPUs: seen on an H200, where the CPU reward actors beside the actor saw its device); a worker given one
+    sees it as device 0 (Ray points ``CUDA_VISIBLE_DEVICES`` at it), or as Ray's id with
+    ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``. Outside Ray (the scorer server), the visible device 0."""
     try:
         import torch
     except ImportError:
@@ -70,12 +72,27 @@ def _local_cuda_device() -> int | None:
         return 0 if CUDA_EP in onnxruntime.get_available_providers() and not hidden else None
     if not torch.cuda.is_available():
         return None
-    if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):
+    try:
         import ray
-
-        ids = ray.get_gpu_ids() if ray.is_initialized() else []
-        return int(ids[0]) if ids else None
+    except ImportError:  # the scorer server installed beside torch, without Ray
+        return 0
+    if ray.is_initialized():
+        ids = ray.get_gpu_ids()
+        if not ids:
+            return None
+        return int(ids[0]) if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES") else 0
     return 0
+
+
+@functools.cache
+def _warn_idle_gpu(device: int, why: str) -> None:
+    """Once per process: each read asks for the device."""
+    logger.warning(
+        "OCR reward reads on CPU while this worker holds GPU %d idle: %s. To score on CPU without "
+        "reserving a GPU, set reward.reward_model.enable_resource_pool=False",
+        device,
+        why,
+    )
 
 
 def ocr_device(use_cuda: bool | str = "auto") -> int | None:
@@ -99,12 +116,7 @@ def ocr_device(use_cuda: bool | str = "auto") -> int | None:
     if use_cuda is True:
         raise RuntimeError(f"OCR reward with use_cuda=true: {why}; or set use_cuda=auto / false (CPU)")
     if device is not None:
-        logger.warning(
-            "OCR reward reads on CPU while this worker holds GPU %d idle: %s. To score on CPU without "
-            "reserving a GPU, set reward.reward_model.enable_resource_pool=False",
-            device,
-            why,
-        )
+        _warn_idle_gpu(device, why)
     return None
 
 

@@ -103,6 +103,12 @@ if [[ "$MODEL_PATH" != tiny:* ]]; then
     "actor_rollout_ref.model.target_modules=[$TARGETS]"
     actor_rollout_ref.rollout.pipeline.true_cfg_scale="${CFG:-4.0}"
   )
+  if [[ "$ALGO" == flow_grpo || "$ALGO" == dance_grpo ]]; then
+    # pi_old = the rollout's own log-probs (verl's bypass mode), not a recompute: in lock-step they are the same
+    # weights, and on an H200 the recompute gave them back to 1.2e-7 in bf16 while costing 10 % of the step
+    # (1.74 of 16.7 s; docs/gpu_and_memory.md). BYPASS=false recomputes, as verl-omni's recipe does.
+    GPU_RECIPE+=(algorithm.rollout_correction.bypass_mode="${BYPASS:-true}")
+  fi
 fi
 HEIGHT="${HEIGHT:-64}"
 WIDTH="${WIDTH:-64}"

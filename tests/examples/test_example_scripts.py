@@ -85,6 +85,8 @@ def test_gpu_recipe_composes_and_validates(gpus, nodes, tmp_path):
     assert arr["model"]["enable_gradient_checkpointing"] is True
     # Micro-batch 4 at 512² (bench/results/gpu_step_nvidia_h200_mb4.json: -32 % update time, 65 GB peak).
     assert arr["actor"]["ppo_micro_batch_size_per_gpu"] == 4 == arr["rollout"]["log_prob_micro_batch_size_per_gpu"]
+    # pi_old is the rollout's log-probs (the H200 recompute gave them back to 1.2e-7 at 10 % of the step)
+    assert cfg["algorithm"]["rollout_correction"]["bypass_mode"] is True
 
 
 def test_gpu_recipe_nft_is_verl_omnis_nft_recipe(tmp_path):

@@ -14,6 +14,8 @@ Standard library only: the scorer server's own install (``packages/scorer``) shi
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import threading
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
@@ -132,7 +134,7 @@ class TurnCalls(Generic[T]):
         self._send, self.timeout_s, self._on_timeout = send, timeout_s, on_timeout
         self.max_items = max_items
         self._pending: dict[Hashable, list[tuple[T, asyncio.Future]]] = {}
-        self._answering: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
+        self._answering: set[asyncio.Future] = set()  # strong references: the loop keeps only weak ones to tasks
         self.calls = self.items = 0
 
     def submit(self, key: Hashable, item: T) -> asyncio.Future:
@@ -162,26 +164,59 @@ class TurnCalls(Generic[T]):
             return
         self.calls += 1
         self.items += len(entries)
-        task = asyncio.ensure_future(self._answer(call, futures))
-        self._answering.add(task)
-        task.add_done_callback(self._answering.discard)
+        # Callbacks, not a task per call: a task awaiting the call (and ``wait_for``'s own task with a timeout) cost
+        # the loop a task, its steps and its wake-ups per call, at every call of every sample.
+        loop = asyncio.get_running_loop()
+        timer = None
+        if self.timeout_s is not None:
+            timer = loop.call_later(self.timeout_s, self._expire, call, futures)
+        future = getattr(call, "future", None)
+        if callable(future):
+            # A Ray ObjectRef (duck-typed: this module imports no Ray): its concurrent future (what ``await ref``
+            # wraps: a task's error raised as its cause) hands the answer straight to the loop, one wake-up per call.
+            def answered(done: concurrent.futures.Future) -> None:  # on Ray's io thread
+                if not loop.is_closed():
+                    loop.call_soon_threadsafe(self._answer, futures, timer, done)
 
-    async def _answer(self, call: Awaitable[list[Any]], futures: list[asyncio.Future]) -> None:
-        try:
-            answers = await (call if self.timeout_s is None else asyncio.wait_for(call, self.timeout_s))
-        except asyncio.TimeoutError as e:
-            if self._on_timeout is not None:
-                self._on_timeout(call)
-            _fail(futures, e)
+            future().add_done_callback(answered)
             return
-        except Exception as e:
-            _fail(futures, e)
+        answer = asyncio.ensure_future(call)
+        self._answering.add(answer)
+        answer.add_done_callback(self._answering.discard)
+        answer.add_done_callback(functools.partial(self._answer, futures, timer))
+
+    def _expire(self, call: Any, futures: list[asyncio.Future]) -> None:
+        """No answer within ``timeout_s``: the call is cancelled (``on_timeout``) and its items fail; an answer that
+        comes later finds them done."""
+        if self._on_timeout is not None:
+            self._on_timeout(call)
+        if isinstance(call, asyncio.Future):
+            call.cancel()
+        _fail(futures, asyncio.TimeoutError())
+
+    def _answer(
+        self,
+        futures: list[asyncio.Future],
+        timer: asyncio.TimerHandle | None,
+        answer: asyncio.Future | concurrent.futures.Future,
+    ) -> None:
+        """On the loop: the call's answer (done) handed to each item's future."""
+        if timer is not None:
+            timer.cancel()
+        if answer.cancelled():  # past its deadline (_expire failed the items) or cancelled with its loop
+            for f in futures:
+                f.cancel()
             return
+        error = answer.exception()
+        if error is not None:
+            _fail(futures, error)
+            return
+        answers = answer.result()
         if len(answers) != len(futures):
             _fail(futures, RuntimeError(f"a coalesced call answered {len(answers)} items of {len(futures)}"))
             return
         for f, a in zip(futures, answers, strict=True):
-            if f.done():  # its caller gave up (cancelled)
+            if f.done():  # its caller gave up (cancelled), or the call is past its deadline
                 continue
             if isinstance(a, BaseException):
                 f.set_exception(a)

@@ -359,11 +359,13 @@ class AgentLoopManager:
         finally:
             if self._generating is not None:
                 self._generating.release()
-        s.outcome = await scoring
+        s.outcome = await scoring  # at once: the dispatcher's coroutine, scored in this sample's task
 
     # ---- rollout workers, and what happens when one dies ------------------------------------------------------
     async def _live_worker(self, preferred: int) -> int:
         """``preferred`` if it is up, else another live worker; waits while all are restarting."""
+        if not self.down[preferred]:  # every request asks: no lock taken while its worker is up
+            return preferred
         async with self._revived:
             while True:
                 n = len(self.workers)

@@ -37,7 +37,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import ray
@@ -219,8 +219,12 @@ class RewardDispatcher:
         """Queue one sample, score it on a worker, return its typed outcome."""
         return await (await self.enqueue(record, times))
 
-    async def enqueue(self, record: dict[str, Any], times: SampleTimes | None = None) -> asyncio.Task:
-        """Take a place in the queue (waits while it is full) and return the task that will hold the outcome.
+    async def enqueue(
+        self, record: dict[str, Any], times: SampleTimes | None = None
+    ) -> Coroutine[Any, Any, RewardOutcome]:
+        """Take a place in the queue (waits while it is full) and return the coroutine that leaves the queue, scores
+        the sample and returns its outcome: the caller awaits it at once (the place is held until it leaves the
+        queue). A coroutine, not a task: a task per sample cost the agent loop a task, its steps and its wake-ups.
 
         ``times`` receives the sample's ``queued``, ``sent`` and ``scored`` wall-clock timestamps.
         """
@@ -230,7 +234,7 @@ class RewardDispatcher:
         self.counters["total_produced"] += 1
         self.waiting += 1
         self.counters["max_size"] = max(self.counters["max_size"], self.waiting)
-        return asyncio.ensure_future(self._dispatch(record, times))
+        return self._dispatch(record, times)
 
     def _send(self, w: int, items: list[tuple[dict[str, Any], SampleTimes]]) -> Any:
         """One turn's samples for worker ``w`` in one call (pickles the records into Ray's object store)."""
@@ -249,51 +253,58 @@ class RewardDispatcher:
             self.waiting -= 1
             self._places.release()
         attempt = 0
-        while True:
-            try:
-                outcome = await self._calls.submit(w, (record, times))  # the call is cancelled past the deadline
-                break
-            except asyncio.TimeoutError:
-                outcome = RewardOutcome(
-                    "timeout",
-                    error=f"reward worker {w} gave no answer within "
-                    f"{self.deadline_s:g}s (reward.timeout_s + transport)",
-                )
-                break
-            except (RayActorError, ActorUnavailableError) as e:
-                # The worker died with our sample in flight; Ray restarts it. Re-send to whoever is least loaded.
-                if not self.down[w]:
-                    self.down[w] = True
-                    asyncio.ensure_future(self._revive(w))
-                if attempt >= self.max_resends:
-                    self.counters["dropped"] += 1
+        # The worker slot held (None between a dead worker's and the next): given back however this ends, a caller
+        # cancelling the sample's task included (it awaits this coroutine itself: no task of its own).
+        try:
+            while True:
+                try:
+                    outcome = await self._calls.submit(w, (record, times))  # the call is cancelled past the deadline
+                    break
+                except asyncio.TimeoutError:
                     outcome = RewardOutcome(
-                        "failed",
-                        error=f"reward worker died {attempt + 1} times while scoring "
-                        f"this sample (reward.max_resends={self.max_resends}): {e}",
+                        "timeout",
+                        error=f"reward worker {w} gave no answer within "
+                        f"{self.deadline_s:g}s (reward.timeout_s + transport)",
                     )
-                    if (held := self._throttle.ready(("given_up", w))) is not None:
-                        logger.warning(
-                            "reward re-sends exhausted, sample given up as failed: %s (%d more since the last report)",
-                            outcome.error,
+                    break
+                except (RayActorError, ActorUnavailableError) as e:
+                    # The worker died with our sample in flight; Ray restarts it. Re-send to whoever is least loaded.
+                    if not self.down[w]:
+                        self.down[w] = True
+                        asyncio.ensure_future(self._revive(w))
+                    if attempt >= self.max_resends:
+                        self.counters["dropped"] += 1
+                        outcome = RewardOutcome(
+                            "failed",
+                            error=f"reward worker died {attempt + 1} times while scoring "
+                            f"this sample (reward.max_resends={self.max_resends}): {e}",
+                        )
+                        if (held := self._throttle.ready(("given_up", w))) is not None:
+                            logger.warning(
+                                "reward re-sends exhausted, sample given up as failed: %s "
+                                "(%d more since the last report)",
+                                outcome.error,
+                                held,
+                            )
+                        break
+                    if (held := self._throttle.ready(("resent", w))) is not None:
+                        logger.info(
+                            "reward worker %d died with a sample in flight (%s); re-sending it, attempt %d of %d "
+                            "(%d more re-sends since the last report)",
+                            w,
+                            type(e).__name__,
+                            attempt + 2,
+                            self.max_resends + 1,
                             held,
                         )
-                    break
-                if (held := self._throttle.ready(("resent", w))) is not None:
-                    logger.info(
-                        "reward worker %d died with a sample in flight (%s); re-sending it, attempt %d of %d "
-                        "(%d more re-sends since the last report)",
-                        w,
-                        type(e).__name__,
-                        attempt + 2,
-                        self.max_resends + 1,
-                        held,
-                    )
-                await self._give_back(w)
-                attempt += 1
-                self.counters["retried"] += 1
-                w = await self._take_worker()
-        await self._give_back(w)
+                    self._release(w)
+                    w = None
+                    attempt += 1
+                    self.counters["retried"] += 1
+                    w = await self._take_worker()
+        finally:
+            if w is not None:
+                self._release(w)
         self.counters["total_consumed"] += 1
         times.scored = time.time()
         self._watch(outcome)

@@ -90,6 +90,37 @@ def test_a_caller_that_gave_up_leaves_the_others_their_answers():
     assert asyncio.run(run()) == ("b", True)
 
 
+def test_a_ray_call_is_answered_through_its_concurrent_future_from_another_thread():
+    """A Ray ``ObjectRef`` (here a stand-in with its ``future()``) is not awaited by a task: its concurrent future,
+    completed on another thread (Ray's io thread), hands each item its answer on the loop; an error reaches every
+    caller; past the deadline the call is cancelled once and its items time out, and the late answer changes nothing."""
+    import concurrent.futures
+    import threading
+
+    class Ref:
+        def __init__(self, answer: object, after_s: float):
+            self.cf: concurrent.futures.Future = concurrent.futures.Future()
+            setter = self.cf.set_exception if isinstance(answer, BaseException) else self.cf.set_result
+            threading.Timer(after_s, setter, (answer,)).start()
+
+        def future(self) -> concurrent.futures.Future:
+            return self.cf
+
+    cancelled: list[object] = []
+
+    async def run(answer, after_s: float, timeout_s: float | None):
+        calls = TurnCalls(lambda key, items: Ref(answer(items), after_s), timeout_s, cancelled.append)
+        got = await asyncio.gather(*(calls.submit(0, i) for i in range(3)), return_exceptions=True)
+        await asyncio.sleep(2 * after_s)  # a late answer arrives meanwhile
+        return got
+
+    assert asyncio.run(run(lambda items: [10 * i for i in items], 0.01, 5.0)) == [0, 10, 20]
+    died = asyncio.run(run(lambda items: ConnectionError("worker died"), 0.01, None))
+    assert all(isinstance(e, ConnectionError) for e in died) and not cancelled
+    late = asyncio.run(run(lambda items: list(items), 0.05, 0.01))
+    assert all(isinstance(e, asyncio.TimeoutError) for e in late) and len(cancelled) == 1
+
+
 @pytest.mark.parametrize("n", [1, 5])
 def test_a_call_that_cannot_be_made_fails_its_items(n):
     def send(key, items):

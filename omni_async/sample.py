@@ -48,6 +48,15 @@ class PromptRow:
         return EditPrompt(self.prompt, self.images) if self.images else self.prompt
 
 
+# verl-omni's rollout.pipeline.output_type values (ImageResult.reward_fields): "image" is verl-omni's default, "pt"
+# this project's spelling of the same (decoded pixels); "latent" / "both" hand the reward the clean latent.
+PIXEL_OUTPUT_TYPES = ("pt", "image")
+OUTPUT_TYPES = (*PIXEL_OUTPUT_TYPES, "latent", "both")
+# The reward record's field of tensors that the reward worker merges into the function's extra_info (output_type
+# latent / both: the prompt encodings, latents_clean).
+EXTRA_TENSORS = "extra_tensors"
+
+
 def is_video(pixels: np.ndarray | torch.Tensor) -> bool:
     """Our pixel layout is channels-last uint8: ``[H, W, 3]`` for an image, ``[T, H, W, 3]`` for video frames."""
     return pixels.ndim == 4
@@ -72,20 +81,41 @@ class ImageResult:
     # [W, ...] fp32: each window step's Gaussian mean under the generating policy (pi_old in bypass mode), for the
     # losses that read it (GRPO-Guard, Flow-DPPO: ``algos.loss_modes.LossMode.old_means``); None for the others.
     window_means: torch.Tensor | None = None
+    # What a reward function is handed (verl-omni's rollout.pipeline.output_type, OUTPUT_TYPES): "pt" the pixels;
+    # "latent" the clean final latent (latents_clean) as solution_image; "both" the pixels, the latent in extra_info.
+    output_type: str = "pt"
 
     unfinished = False  # an image is one device batch: never interrupted
 
     def reward_fields(self) -> dict[str, Any]:
-        return {"solution_image": self.pixels}
+        """The sample as a reward function sees it, by :attr:`output_type` (verl-omni's SD3 rollout and its reward
+        managers): ``pt`` / ``image``: ``solution_image`` = the pixels. ``latent``: ``solution_image`` = the clean final
+        latent, fp32, in the pipeline's own latent layout (diffusers' ``output_type="latent"``: ``[16, H/8, W/8]`` for
+        SD3), and the prompt encodings it was denoised with (``prompt_embeds``, ``pooled_prompt_embeds``, unpadded,
+        diffusers' names) under :data:`EXTRA_TENSORS`, which the reward worker merges into ``extra_info``. ``both``:
+        the pixels, and the latent as ``extra_info["latents_clean"]`` beside the encodings. The tensors travel as
+        numpy buffers (:func:`to_wire`: Ray's object store, out of band), never in the pickle stream."""
+        if self.output_type in PIXEL_OUTPUT_TYPES:
+            return {"solution_image": self.pixels}
+        if self.latents_clean is None:
+            raise ValueError(
+                f"output_type={self.output_type!r} hands the reward the clean latent, but this sample has none "
+                "(its rollout ran with SamplingConfig.output_type='pt')"
+            )
+        tensors = dict(self.conditioning)
+        if self.output_type == "both":
+            tensors["latents_clean"] = self.latents_clean
+        image = self.pixels if self.output_type == "both" else self.latents_clean
+        return {"solution_image": to_wire(image), EXTRA_TENSORS: to_wire(tensors)}
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled with its tensors as numpy arrays (:class:`_Array`), which Ray sends as raw buffers: torch's own
         pickling runs a ``torch.save`` per tensor, ~0.3 ms of the driver's CPU per answer received
         (``bench/driver_cost.py``)."""
-        return {key: _pack(value) for key, value in vars(self).items()}
+        return {key: to_wire(value) for key, value in vars(self).items()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({key: _unpack(value) for key, value in state.items()})
+        self.__dict__.update({key: from_wire(value) for key, value in state.items()})
 
 
 # dtypes numpy has no type for, sent as the integer type of their width
@@ -115,19 +145,22 @@ class _Array:
         self.array, self.dtype = state
 
 
-def _pack(value: Any) -> Any:
+def to_wire(value: Any) -> Any:
+    """``value`` with each tensor (in dicts, at any depth) as a numpy buffer that Ray sends out of band
+    (:class:`_Array`); :func:`from_wire` gives the tensors back."""
     if isinstance(value, torch.Tensor):
         return _Array(value)
     if isinstance(value, dict):
-        return {k: _pack(v) for k, v in value.items()}
+        return {k: to_wire(v) for k, v in value.items()}
     return value
 
 
-def _unpack(value: Any) -> Any:
+def from_wire(value: Any) -> Any:
+    """:func:`to_wire`'s inverse: each wired tensor a torch tensor again (its own copy, writable)."""
     if isinstance(value, _Array):
         return value.tensor()
     if isinstance(value, dict):
-        return {k: _unpack(v) for k, v in value.items()}
+        return {k: from_wire(v) for k, v in value.items()}
     return value
 
 

@@ -364,9 +364,8 @@ RULES: dict[str, Rule] = {
     ),
     f"{ARR}.rollout.dtype": Rule(
         "same",
-        "the rollout generates with the weights it trains, in actor.fsdp_config.model_dtype (verl-omni's DRM recipe "
-        "samples in float32 from a bfloat16-trained model: a rollout copy of the weights in another dtype is not "
-        "built here)",
+        "text: the rollout generates with the weights it trains, in actor.fsdp_config.model_dtype (the diffusion "
+        "trainer's rollout.dtype, a key of its config, samples in a wider dtype: verl-omni's DRM recipe's fp32)",
         f"drop it, or set {ARR}.actor.fsdp_config.model_dtype to the same dtype",
         _same_as(f"{ARR}.actor.fsdp_config.model_dtype", _dtype),
     ),
@@ -395,22 +394,6 @@ RULES: dict[str, Rule] = {
         "one agent loop per modality here (verl-omni's diffusion_single_turn_agent)",
         f"drop it; {_NO_VIDEO_AUDIO}",
         _one_of("diffusion_single_turn_agent"),
-    ),
-    f"{ARR}.rollout.pipeline.output_type": Rule(
-        "same",
-        "the pipeline returns decoded images / frames (verl-omni's pt), which the reward functions score; verl-omni's "
-        "latent (its DRM recipe) hands a reward function the clean latent as solution_image ([16, H/8, W/8] for "
-        "SD3) with the rollout's prompt_embeds / pooled_prompt_embeds in extra_info, which the reward workers here "
-        "are not given",
-        "drop it, or set it to pt (rewards on latents are not implemented)",
-        _one_of("pt"),
-    ),
-    f"{ARR}.rollout.val_kwargs.pipeline.output_type": Rule(
-        "same",
-        "validation samples are decoded images / frames (pt); verl-omni's both adds the clean latent "
-        "(extra_info latents_clean) for a latent reward, not implemented here",
-        "drop it, or set it to pt",
-        _one_of("pt"),
     ),
     f"{ARR}.rollout.val_kwargs.pipeline.num_frames": Rule(
         "same",

@@ -86,6 +86,8 @@ class ImageModality(Modality):
             window_text_bucket=r.pipeline.window_text_bucket,
             clean_latents=self.final_latents,
             window_means=self.old_means,
+            output_type=str(r.pipeline.output_type),
+            rollout_dtype=None if r.dtype is None else str(r.dtype),
         )
 
     def validation_sampling(self, cfg: Any) -> dict[str, Any]:
@@ -101,6 +103,7 @@ class ImageModality(Modality):
             "guidance_scale_2": p.guidance_scale_2,
             "max_sequence_length": p.max_sequence_length,
             "noise_level": v.algo.noise_level,
+            "output_type": p.output_type,
         }
         return {k: val for k, val in fields.items() if val is not None}
 

@@ -28,9 +28,10 @@ one length with a mask). Branches are combined in fp32.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -49,7 +50,10 @@ from omni_async.models.qwen_image_edit import encode as encode_edit
 from omni_async.models.random_models import build_pipeline
 from omni_async.models.rollout_policy import refuse_inapplicable
 from omni_async.models.tiny import is_random, resolve_model_path
-from omni_async.sample import EditPrompt, ImageResult
+from omni_async.sample import OUTPUT_TYPES, PIXEL_OUTPUT_TYPES, EditPrompt, ImageResult
+
+_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # config spellings -> torch's names
+LATENT_OUT = tuple(t for t in OUTPUT_TYPES if t not in PIXEL_OUTPUT_TYPES)  # output types that hand the latent over
 
 
 @dataclass
@@ -69,6 +73,11 @@ class SamplingConfig:
     vae_tiling: bool | None = None  # decode in overlapping spatial tiles; None = on for video (see vae_tiling)
     clean_latents: bool = False  # return each sample's final latents (DiffusionNFT's x0) with its image
     window_means: bool = False  # return each SDE-window step's Gaussian mean (pi_old's, GRPO-Guard / Flow-DPPO)
+    # What the reward is handed (sample.OUTPUT_TYPES, verl-omni's pipeline.output_type): latent / both keep the clean
+    # latents too. The pixels are decoded either way (sample pictures, validation grids).
+    output_type: str = "pt"
+    # verl-omni's rollout.dtype: the transformer samples in it (DiffusionPolicy.sampling_dtype); None: model_dtype
+    rollout_dtype: str | None = None
     # Samples per transformer call in the SDE window, in rollout, recompute and update alike (module docstring); the
     # update's micro-batch (a multiple of it) runs in whole calls. Config: rollout.pipeline.window_batch_size.
     window_batch: int = 4
@@ -80,6 +89,10 @@ class SamplingConfig:
         for key, value in (("window_batch_size", self.window_batch), ("window_text_bucket", self.window_text_bucket)):
             if int(value) < 1:
                 raise ValueError(f"actor_rollout_ref.rollout.pipeline.{key}={value} must be >= 1 (e.g. 4 / 64)")
+        if self.output_type not in OUTPUT_TYPES:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.pipeline.output_type={self.output_type!r}: use one of {', '.join(OUTPUT_TYPES)}"
+            )
 
 
 @dataclass
@@ -931,6 +944,41 @@ class DiffusionPolicy(TrainableModule):
 
     @torch.no_grad()
     def rollout(self, prompts: list[str], seeds: list[int], window: range | list[range] | None) -> Rollout:
+        """:meth:`rollout_in_model_dtype`, with the transformer in ``SamplingConfig.rollout_dtype`` when that is set
+        (:meth:`sampling_dtype`)."""
+        with self.sampling_dtype():
+            return self.rollout_in_model_dtype(prompts, seeds, window)
+
+    @contextlib.contextmanager
+    def sampling_dtype(self) -> Iterator[None]:
+        """verl-omni's ``rollout.dtype`` (its DRM recipe samples in fp32 from a bf16-trained model): inside, the
+        trained module's tensors in the weights' dtype (the frozen weights, buffers, an adapter of that dtype) are
+        cast to the rollout dtype and the transformer computes in it; after, they are cast back. Only a wider rollout
+        dtype is taken (``trainer.config`` refuses the rest), so the round trip is exact (bf16 -> fp32 -> bf16) and
+        the update's weights are bit for bit what they were; an fp32 adapter and the fp32 masters are not touched.
+        The text encoders and the VAE keep their dtype. The rollout's log-probs then come from another dtype than
+        the update's: pi_old must be recomputed (``bypass_mode=false``, verl-omni's default, which the recipe runs)."""
+        name = self.sampling.rollout_dtype
+        dtype = getattr(torch, _DTYPE_NAMES.get(name, name)) if name else self.compute_dtype
+        model_dtype = self.compute_dtype
+        if dtype == model_dtype:
+            yield
+            return
+        module = self.trainable
+        tensors = [t for t in (*module.parameters(), *module.buffers()) if t.dtype == model_dtype]
+        for t in tensors:
+            t.data = t.data.to(dtype)
+        self.compute_dtype = dtype
+        try:
+            yield
+        finally:
+            for t in tensors:
+                t.data = t.data.to(model_dtype)
+            self.compute_dtype = model_dtype
+
+    def rollout_in_model_dtype(
+        self, prompts: list[str], seeds: list[int], window: range | list[range] | None
+    ) -> Rollout:
         """Generate one image per (prompt, seed); the steps in a sample's window are SDE (stored), the rest ODE.
 
         ``window``: one ``range`` for every sample, or one per sample (all of one length), as verl-omni's request
@@ -1007,7 +1055,7 @@ class DiffusionPolicy(TrainableModule):
             log_probs=log_probs if size else torch.empty(n, 0),
             conditioning={k: v for k, v in cond.items() if v is not None},
             window_starts=[w.start for w in windows],
-            final_latents=x.float() if self.sampling.clean_latents else None,
+            final_latents=x.float() if self.sampling.clean_latents or self.sampling.output_type in LATENT_OUT else None,
             window_means=means,
         )
 
@@ -1052,6 +1100,7 @@ class DiffusionPolicy(TrainableModule):
                 window_start=out.window_starts[i],
                 latents_clean=None if out.final_latents is None else out.final_latents[i].cpu().clone(),
                 window_means=None if out.window_means is None else out.window_means[i].cpu().clone(),
+                output_type=policy.sampling.output_type,
             )
             for i in range(len(prompts))
         ]

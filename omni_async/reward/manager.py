@@ -8,7 +8,10 @@ and ``name`` (``reward.contract.check_reward_function``; no path = dispatch by `
 ``solution_image`` is what verl-omni passes: a uint8 torch tensor ``(C, H, W)``, or ``(C, F, H, W)`` for a video.
 An edited image's input images (Qwen-Image-Edit's rows) come in ``extra_info["condition_images"]`` (verl-omni's name
 for them), a list of tensors in the same form: verl-omni hands a reward function its side data there (``audio``,
-``latents_clean``).
+``latents_clean``). With ``rollout.pipeline.output_type=latent`` (verl-omni's DRM recipe) ``solution_image`` is the
+clean latent instead (fp32, the pipeline's latent layout) and ``extra_info`` holds the prompt encodings
+(``prompt_embeds``, ``pooled_prompt_embeds``); with ``both`` the pixels, and ``extra_info["latents_clean"]`` too
+(``sample.ImageResult.reward_fields``).
 
 A function may be sync (run in a thread, off the event loop), ``async def`` (awaited), or a class (instantiated
 once per manager with the kwargs, then its ``compute_score`` is used). It may return a number, a dict with a
@@ -36,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from omni_async.reward.contract import check_reward_function, declared_arguments
 from omni_async.reward.pixels import to_solution_image
 from omni_async.reward.scores import RewardFunctionError, normalize_result
-from omni_async.sample import RewardOutcome
+from omni_async.sample import EXTRA_TENSORS, RewardOutcome, from_wire
 
 # verl's reward-function argument for the generated sample, per modality (see ``sample.*Result.reward_fields``).
 SOLUTION_FIELDS = ("solution_image", "solution_str")
@@ -182,6 +185,7 @@ class RewardFunction:
         extra_info.setdefault("prompt", sample.get("prompt"))  # remote judges and scorers want the prompt too
         if "condition_images" in sample:
             extra_info["condition_images"] = sample["condition_images"]
+        extra_info.update(sample.get(EXTRA_TENSORS) or {})  # output_type latent / both: the prompt encodings, ...
         kw = dict(
             data_source=sample["data_source"], ground_truth=sample["ground_truth"], extra_info=extra_info, **self.kwargs
         )
@@ -264,6 +268,12 @@ def scorer_names(reward_cfg: DictConfig) -> str:
     return specs[0].label
 
 
+def is_latent(solution_image: Any) -> bool:
+    """A clean latent (``output_type=latent``: a floating-point tensor, as verl-omni's reward managers tell it from
+    uint8 pixels), not pixels."""
+    return getattr(solution_image, "is_floating_point", lambda: False)()
+
+
 def _decoded(data: bytes) -> Any:
     from PIL import Image
 
@@ -289,7 +299,10 @@ class RewardManager:
         return ", ".join(f.label for f in self.functions)
 
     async def _score(self, sample: dict[str, Any]) -> RewardOutcome:
-        if "solution_image" in sample:  # verl-omni's form: uint8 torch (C, H, W), or (C, F, H, W) for a video
+        sample = {**sample, **from_wire({k: sample[k] for k in ("solution_image", EXTRA_TENSORS) if k in sample})}
+        if "solution_image" in sample and not is_latent(sample["solution_image"]):
+            # verl-omni's form: uint8 torch (C, H, W), or (C, F, H, W) for a video; a latent (output_type=latent)
+            # is handed over as the rollout made it
             sample = {**sample, "solution_image": to_solution_image(sample["solution_image"])}
         if "condition_images" in sample:  # encoded bytes (Sample.reward_input) -> the same form as solution_image
             sample = {

@@ -31,7 +31,7 @@ from omni_async.cluster import resume_gc
 from omni_async.logs import setup_logging
 from omni_async.reward.manager import RewardManager
 from omni_async.reward.teacher import TEACHER_INPUT, Teacher
-from omni_async.sample import RewardOutcome
+from omni_async.sample import EXTRA_TENSORS, RewardOutcome, from_wire
 
 if TYPE_CHECKING:
     # verl's reward-loop API types only: importing verl pulls in tensordict (torch._dynamo) and transformers, ~2 s of a
@@ -41,8 +41,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Per-sample fields a reward function may see; everything else (trajectory latents, embeddings) stays behind.
-TEXT_FIELDS = ("prompt", "data_source", "ground_truth", "extra_info", "uid", "solution_str", "condition_images")
-PIXELS = "solution_image"  # the one tensor field: uint8 pixels, [1, (T,) H, W, 3] in a chunk
+TEXT_FIELDS = (
+    "prompt",
+    "data_source",
+    "ground_truth",
+    "extra_info",
+    "uid",
+    "solution_str",
+    "condition_images",
+    EXTRA_TENSORS,  # output_type latent / both: wired tensors for extra_info, an object column
+)
+PIXELS = "solution_image"  # the one tensor field: uint8 pixels [1, (T,) H, W, 3], or a float latent, in a chunk
 
 
 def sample_to_proto(sample: dict[str, Any]) -> DataProto:
@@ -56,7 +65,12 @@ def sample_to_proto(sample: dict[str, Any]) -> DataProto:
             col = np.empty(1, dtype=object)
             col[0] = sample[key]
             non_tensors[key] = col
-    tensors = {PIXELS: torch.tensor(np.asarray(sample[PIXELS]))[None]} if PIXELS in sample else None
+    tensors = None
+    if PIXELS in sample:
+        solution = from_wire(sample[PIXELS])  # a latent arrives wired (Sample.reward_input)
+        tensors = {
+            PIXELS: (solution if isinstance(solution, torch.Tensor) else torch.tensor(np.asarray(solution)))[None]
+        }
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
 
 
@@ -65,7 +79,8 @@ def proto_to_sample(data: DataProto) -> dict[str, Any]:
         raise ValueError(f"a reward-loop worker scores one sample per call, got a chunk of {len(data)} rows")
     sample = {key: data.non_tensor_batch[key][0] for key in data.non_tensor_batch}
     if data.batch is not None and PIXELS in data.batch.keys():
-        sample[PIXELS] = data.batch[PIXELS][0].numpy()
+        solution = data.batch[PIXELS][0]
+        sample[PIXELS] = solution if solution.is_floating_point() else solution.numpy()  # a latent stays a tensor
     return sample
 
 

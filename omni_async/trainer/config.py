@@ -20,9 +20,11 @@ from omni_async.config.schema import CONFIG_DIR, CONFIG_NAMES, compose_untyped, 
 from omni_async.config_error import ConfigError, ConfigErrors
 from omni_async.config_error import check as _check
 from omni_async.logs import check_log_level
+from omni_async.modality.base import MODEL_DTYPES
 from omni_async.modality.config_checks import check_loss, check_rollout
 from omni_async.reward.config_checks import check_reward
 from omni_async.reward.wiring import streaming_enabled
+from omni_async.sample import OUTPUT_TYPES
 from omni_async.trainer.layout import Layout, check_layout, layout_class
 from omni_async.trainer.mode import (
     Mode,
@@ -412,6 +414,7 @@ def _check_verl_keys(cfg: DictConfig) -> None:
         "lower actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (it bounds both), or set this key >= it (or null)",
     )
     _check_validation(cfg)
+    _check_rollout_dtype(cfg)
     _check(t.total_epochs >= 1, "trainer.total_epochs", f"must be >= 1, got {t.total_epochs}", "e.g. 1")
     _check(t.log_val_generations >= 0, "trainer.log_val_generations", "must be >= 0", "e.g. 8, or 0 for none")
     _check_logger(list(t.logger))
@@ -464,6 +467,13 @@ def _check_validation(cfg: DictConfig) -> None:
         "use e.g. 64x64 or 512x512",
     )
     _check(v.algo.noise_level >= 0, "actor_rollout_ref.rollout.val_kwargs.algo.noise_level", "must be >= 0", "0.0")
+    for key, value in (("pipeline", rollout.pipeline.output_type), ("val_kwargs.pipeline", v.pipeline.output_type)):
+        _check(
+            value is None or value in OUTPUT_TYPES,
+            f"actor_rollout_ref.rollout.{key}.output_type",
+            f"{value!r} is not one of {', '.join(OUTPUT_TYPES)}",
+            "pt (the reward gets pixels), latent (the clean latent and the prompt encodings) or both",
+        )
     if v.algo.noise_level > 0:
         size, hi = rollout.algo.sde_window_size, int(rollout.algo.sde_window_range[1])
         _check(
@@ -473,6 +483,43 @@ def _check_validation(cfg: DictConfig) -> None:
             f"algo.sde_window_range, which passes the {steps} validation steps",
             "raise val_kwargs.pipeline.num_inference_steps, or set val_kwargs.algo.noise_level=0.0 (ODE)",
         )
+
+
+def _check_rollout_dtype(cfg: DictConfig) -> None:
+    """``actor_rollout_ref.rollout.dtype`` (verl-omni's; its DRM recipe samples in fp32 from a bf16-trained model):
+    the rollout casts the transformer to it for each batch and back (``DiffusionPolicy.sampling_dtype``), which is
+    exact only towards a wider dtype; the rollout's log-probs then come from another dtype than the update's, so
+    pi_old is recomputed in model_dtype (bypass_mode=false) and the first update's ratio stays 1."""
+    arr = cfg.actor_rollout_ref
+    name, model = arr.rollout.get("dtype"), arr.actor.fsdp_config.model_dtype
+    if name is None:
+        return
+    key = "actor_rollout_ref.rollout.dtype"
+    _check(str(name) in MODEL_DTYPES, key, f"{name!r} is not a dtype", "bf16, fp16 or fp32 (null: model_dtype)")
+    if model is not None and MODEL_DTYPES.get(str(model)) == MODEL_DTYPES[str(name)]:
+        return
+    _check(
+        MODEL_DTYPES[str(name)] == MODEL_DTYPES["fp32"],
+        key,
+        f"{name} differs from actor.fsdp_config.model_dtype={model}: the rollout casts the frozen weights to its dtype "
+        "and back after each batch, exact only towards a wider dtype (fp32)",
+        f"drop it, or set it to fp32 or to model_dtype ({model})",
+    )
+    _check(
+        not cfg.algorithm.rollout_correction.bypass_mode,
+        key,
+        f"with algorithm.rollout_correction.bypass_mode=true pi_old is the rollout's log-probs, computed in {name} "
+        f"while the update computes in model_dtype={model}: the first update's ratio would be off 1 by the dtype gap",
+        "set algorithm.rollout_correction.bypass_mode=false (pi_old recomputed in model_dtype: verl-omni's default, "
+        "which its DRM recipe runs), or drop rollout.dtype",
+    )
+    _check(
+        not (actor_ranks(cfg) > 1 and arr.model.lora_rank == 0),
+        key,
+        "a full fine-tune over several actor ranks shards the transformer (FSDP2), whose weights the rollout does not "
+        "cast",
+        "drop it, or train LoRA (model.lora_rank > 0)",
+    )
 
 
 def _check_sequence_parallel_model(cfg: DictConfig) -> None:

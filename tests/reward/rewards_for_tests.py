@@ -258,3 +258,14 @@ async def blocks_after(data_source, solution_image=None, solution_str=None, grou
     if solution_str is not None:
         return float(len(solution_str) % 3)
     return jpeg_score(data_source, solution_image, ground_truth, extra_info)
+
+
+def latent_contract(solution_image, extra_info):
+    """What a latent reward (verl-omni's DRM client) is handed, as text in its extra info: ``solution_image``'s dtype
+    and shape, and each tensor of ``extra_info`` with its own."""
+
+    def form(t):
+        return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+
+    tensors = {k: form(v) for k, v in extra_info.items() if hasattr(v, "dtype") and hasattr(v, "shape")}
+    return {"score": 0.0, "solution": form(solution_image), "tensors": tensors}

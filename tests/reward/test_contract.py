@@ -472,3 +472,56 @@ def test_http_scorer_client_encodes_the_tensor_form_reward_functions_receive():
     assert client._image_json(to_solution_image(img)) == client._image_json(img)
     video = np.stack([img, img[::-1]])
     assert client._image_json(to_solution_image(video)) == client._image_json(video)
+
+
+def test_latent_output_hands_the_reward_the_clean_latent_and_prompt_encodings_and_pt_is_unchanged():
+    """verl-omni's SD3 ``output_type`` (its DRM recipe), tiny:sd3 at 32x32 with bf16 weights sampling in fp32
+    (``rollout.dtype``): ``latent`` hands the reward the clean latent as ``solution_image`` (fp32 ``[C, H/8, W/8]``, the
+    pipeline's latent layout: SD3.5's C is 16, tiny:sd3's 4) and the rollout's ``prompt_embeds`` ``[L, D]`` / ``pooled_prompt_embeds`` ``[D]`` in
+    ``extra_info``; ``both`` the uint8 pixels and ``extra_info["latents_clean"]`` too; ``pt`` the pixels alone. Through
+    a pickle (what Ray sends) and verl's one-row chunk alike; verl-omni's DRM client's stand-in scores the very
+    tensors the rollout made. The fp32 rollout leaves the bf16 weights bit for bit as they were."""
+    import dataclasses
+    import pickle
+
+    from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
+    from omni_async.reward.worker import proto_to_sample, sample_to_proto
+    from omni_async.sample import EXTRA_TENSORS, PromptRow, Sample
+
+    drm = Path(__file__).parents[1] / "config/verl_omni_drm_stand_in.py"
+    sampling = SamplingConfig(height=32, width=32, num_inference_steps=2, rollout_dtype="float32")
+    policy = DiffusionPolicy("tiny:sd3", sampling, dtype=torch.bfloat16, lora_rank=2, lora_alpha=4)
+    weights = {k: v.clone() for k, v in policy.trainable.state_dict().items()}
+    seen = {"seen": {"path": TEST_REWARDS, "name": "latent_contract"}}
+    drm = {"drm": {"path": str(drm), "name": "compute_score", "server_url": "unused", "noise_seed": 3}}
+    managers = {"pt": _manager({"reward_functions": seen}), "latent": _manager({"reward_functions": {**seen, **drm}})}
+    row = PromptRow("a red cube", "drm", None)
+    (generated,) = policy.generate([row.prompt], [7], sampling={"output_type": "latent"})
+    assert generated.output_type == "latent" and generated.latents_clean.dtype == torch.float32
+    got = {}
+    for output_type in ("latent", "both", "pt"):  # one rollout, handed over as each output_type hands it
+        result = dataclasses.replace(generated, output_type=output_type)
+        sample = Sample(0, "u", row, 7, result=result)
+        record = pickle.loads(pickle.dumps(sample.reward_input()))
+        for form in (record, proto_to_sample(sample_to_proto(record))):
+            out = asyncio.run(managers["pt" if output_type == "pt" else "latent"].score(form))
+            assert out.ok, out.error
+            got[output_type] = out.extra
+        assert (EXTRA_TENSORS in record) == (output_type != "pt")  # pt's record is as it was: pixels only
+        if output_type != "pt":
+            embeds = {k: v.float() for k, v in result.conditioning.items()}
+            # the stand-in's score is a function of the latent and the pooled embedding as the rollout made them
+            x_u = 0.6 * result.latents_clean[None] + 0.4 * torch.randn(
+                (1, *result.latents_clean.shape), generator=torch.Generator().manual_seed(3)
+            )
+            raw = float(-x_u.pow(2).mean() + 0.01 * embeds["pooled_prompt_embeds"].mean())
+            assert out.parts["drm"] == pytest.approx(raw, rel=1e-5)
+    assert policy.compute_dtype == torch.bfloat16
+    assert all(torch.equal(v, weights[k]) for k, v in policy.trainable.state_dict().items())  # same bits
+    (length, dim) = result.conditioning["prompt_embeds"].shape
+    pooled = result.conditioning["pooled_prompt_embeds"].shape[0]
+    embeds = {"prompt_embeds": f"bfloat16 [{length}, {dim}]", "pooled_prompt_embeds": f"bfloat16 [{pooled}]"}
+    assert got["latent"]["solution"] == "float32 [4, 4, 4]" and got["latent"]["tensors"] == embeds
+    assert got["both"]["solution"] == "uint8 [3, 32, 32]"
+    assert got["both"]["tensors"] == {**embeds, "latents_clean": "float32 [4, 4, 4]"}
+    assert got["pt"]["solution"] == "uint8 [3, 32, 32]" and got["pt"]["tensors"] == {}

@@ -18,7 +18,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests/config")]
 
 from verl_omni_recipe_data import (  # noqa: E402
     OWNED_ELSEWHERE,
-    WORLD_SIZE_REFUSAL,
+    SIZE_REFUSALS,
     key_of,
     on_cpu,
     outcome,
@@ -62,11 +62,10 @@ def _here(name: str, overrides: list[str], covered_by: dict[str, str]) -> str:
         rank = compose(on_cpu(stand_in(overrides), "/data", "/run")).actor_rollout_ref.model.lora_rank
         what = f"LoRA r{rank}" if rank > 0 else "full fine-tune"
         shrunk = ""
-        if start_refusal(stand_in(overrides)):  # refused_only_at_real_world_size: the run's world is ON_CPU's
-            shrunk = (
-                f"refused at its real world size (`{WORLD_SIZE_REFUSAL}`: fewer prompt groups per mini-batch than "
-                "data-parallel ranks; verl-omni's own update stops there too, on its micro-batches); at one rank "
-            )
+        refused = sorted({k for k, _ in start_refusal(stand_in(overrides))})  # refused_only_at_real_world_size
+        if refused:  # the run's world and sizes are ON_CPU's
+            why = "; ".join(f"`{k}`: {SIZE_REFUSALS[k]}" for k in refused)
+            shrunk = f"refused at its real sizes ({why}); at ON_CPU's sizes "
         return f"{shrunk}trains one step, {what}" + ("" if runner == name else f" (in the run of `{runner}`)")
     keys = sorted({k for k, _ in start_refusal([o for o in stand_in(overrides) if key_of(o) not in OWNED_ELSEWHERE])})
     return "refused at start: " + ", ".join(f"`{k}`" for k in keys)

@@ -82,6 +82,9 @@ RUNS: dict[str, list[str]] = {
     "flowgrpo_trainer.qwen_image_edit.run_qwen_image_edit_lora": [
         "flowgrpo_trainer.qwen_image_edit.run_qwen_image_edit_lora"
     ],
+    # output_type=latent: the clean latent and the prompt encodings to verl-omni's DRM client (its stand-in);
+    # rollout.dtype=float32 from bf16 weights, pi_old recomputed in bf16
+    "flowgrpo_trainer.sd35.run_sd35_medium_drm_lora": ["flowgrpo_trainer.sd35.run_sd35_medium_drm_lora"],
     "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora": [
         "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora",
         "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora_v1",  # verl v1's spelling of the same (sync) mode

@@ -104,6 +104,13 @@ STAND_INS: dict[str, dict[str | None, tuple[str, str]]] = {
             "run: PP-OCR reads no text in a random tiny model's images, every score would be 0 and train nothing",
         )
     },
+    "+reward.reward_functions.drm.path": {
+        "pkg://verl_omni.utils.reward_score.latent_http_scorer_client": (
+            str(Path(__file__).resolve().parent / "verl_omni_drm_stand_in.py"),
+            "no DRM server here: the latent's score computed in-process under verl-omni's client's signature, reading "
+            "the clean latent and extra_info's prompt encodings as it does (the recipe's server_url is not called)",
+        )
+    },
     "+reward.reward_functions.jpeg.path": {
         "/verl-omni/verl_omni/utils/reward_score/jpeg_compressibility.py": (
             str(VERL_OMNI_REWARDS / "jpeg_compressibility.py"),
@@ -284,13 +291,25 @@ def start_refusal(overrides: list[str]) -> list[tuple[str, str]]:
 # verl-omni's own update stops there too, ``test_64_card_recipes_refusal_is_verl_omnis_own_arithmetic``). The run
 # shrinks the world and the mini-batch together, as for every other recipe; the product's check is not loosened.
 WORLD_SIZE_REFUSAL = "actor_rollout_ref.actor.ppo_mini_batch_size"
+# The other refusal at real sizes that ON_CPU's lift: a reference micro-batch smaller than the actor's (the DRM recipe's
+# ref.log_prob_micro_batch_size_per_gpu=2 < ppo_micro_batch_size_per_gpu=9). The reference forward runs inside each
+# actor micro-batch here, so this memory bound is not honoured below it and the product refuses it; at ON_CPU's 2
+# samples per micro-batch it holds.
+REF_MICRO_BATCH_REFUSAL = "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"
+# Each refusal at real sizes only -> what the recipe table says of it.
+SIZE_REFUSALS = {
+    WORLD_SIZE_REFUSAL: "fewer prompt groups per mini-batch than data-parallel ranks; verl-omni's own update stops "
+    "there too, on its micro-batches",
+    REF_MICRO_BATCH_REFUSAL: "a reference micro-batch below the actor's, a memory bound not honoured here: the "
+    "reference forward runs inside each actor micro-batch",
+}
 
 
 def refused_only_at_real_world_size(overrides: list[str]) -> bool:
-    """``overrides`` (stand-ins swapped) are refused at start only on ``WORLD_SIZE_REFUSAL``, and start at ON_CPU's
+    """``overrides`` (stand-ins swapped) are refused at start only on ``SIZE_REFUSALS``' keys, and start at ON_CPU's
     world and sizes."""
     keys = {k for k, _ in start_refusal(overrides)}
-    return keys == {WORLD_SIZE_REFUSAL} and not start_refusal(on_cpu(overrides, "/data", "/run"))
+    return bool(keys) and keys <= set(SIZE_REFUSALS) and not start_refusal(on_cpu(overrides, "/data", "/run"))
 
 
 def trainable() -> list[str]:

@@ -3,8 +3,8 @@ and the actor's per-phase peaks reduce as peaks (the largest, never a mean) acro
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +14,11 @@ from omni_async.trainer.device_memory import PhasePeaks
 from omni_async.trainer.update import _step_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import gpu_product  # noqa: E402
+# Loaded by path: bench/ on sys.path would let bench/http_scorer.py shadow the http_scorer package for every later
+# test in the process.
+_spec = importlib.util.spec_from_file_location("bench_gpu_product", ROOT / "bench/gpu_product.py")
+gpu_product = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_product)
 
 
 def test_gpu_seconds_per_image_and_peaks_per_phase(tmp_path):

@@ -88,6 +88,7 @@ class ImageModality(Modality):
             window_means=self.old_means,
             output_type=str(r.pipeline.output_type),
             rollout_dtype=None if r.dtype is None else str(r.dtype),
+            reference_batch=cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
         )
 
     def validation_sampling(self, cfg: Any) -> dict[str, Any]:

@@ -84,6 +84,10 @@ class SamplingConfig:
     # A masked text (Qwen-Image) is padded to a multiple of this many tokens in the window's calls: one bucket holds
     # prompts of different lengths (fewer, fuller calls), at the cost of the padding's attention.
     window_text_bucket: int = 64
+    # verl's ref.log_prob_micro_batch_size_per_gpu: the reference (adapter-off, KL) forward's SDE-window calls hold at
+    # most this many samples (only the KL reads them, so their batch shape need not match the rollout's); None:
+    # window_batch.
+    reference_batch: int | None = None
 
     def __post_init__(self) -> None:
         for key, value in (("window_batch_size", self.window_batch), ("window_text_bucket", self.window_text_bucket)):
@@ -590,6 +594,7 @@ class DiffusionPolicy(TrainableModule):
                 f"actor_rollout_ref.model.path={model_path!r} is a {family}; supported: {', '.join(_ADAPTERS)}"
             )
         self.sampling = sampling
+        self._in_reference = False  # reference(): window calls of at most sampling.reference_batch samples
         self.adapter = _ADAPTERS[family](self.pipe, sampling)
         for module in (m for m in self.pipe.components.values() if isinstance(m, torch.nn.Module)):
             module.requires_grad_(False)
@@ -819,6 +824,17 @@ class DiffusionPolicy(TrainableModule):
             out[members] = pred
         return out
 
+    @contextlib.contextmanager
+    def reference(self):
+        """The adapter-off reference (``TrainableModule.reference``), its SDE-window calls capped at
+        ``sampling.reference_batch`` samples (verl's ``ref.log_prob_micro_batch_size_per_gpu``)."""
+        with super().reference():
+            self._in_reference = True
+            try:
+                yield
+            finally:
+                self._in_reference = False
+
     def velocity(
         self,
         cond: dict[str, torch.Tensor] | StepConditioning,
@@ -851,6 +867,8 @@ class DiffusionPolicy(TrainableModule):
         experts), in the order the rows come; a short call is filled with copies of its last sample and their
         outputs dropped (module docstring). Samples at different steps share a call with per-sample timesteps."""
         w = self.sampling.window_batch
+        if self._in_reference and self.sampling.reference_batch:
+            w = min(w, int(self.sampling.reference_batch))
         groups: dict[tuple[Any, ...], list[int]] = {}
         for b, (k, s) in enumerate(zip(steps, samples, strict=True)):
             groups.setdefault((cond.shapes[s], id(self.denoisers[k]), self.cfg_scales[k]), []).append(b)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
+from omni_async.algos.loss_modes import LOSS_MODES
 from omni_async.config.model_paths import check_model_paths
 from omni_async.config.overrides import check_overrides
 from omni_async.config.schema import CONFIG_DIR, CONFIG_NAMES, compose_untyped, typed
@@ -406,11 +407,22 @@ def _check_verl_keys(cfg: DictConfig) -> None:
     )
     ref_mb = arr.ref.log_prob_micro_batch_size_per_gpu
     actor_mb = actor.ppo_micro_batch_size_per_gpu or actor.ppo_mini_batch_size * rollout.n
+    # An SDE-window loss runs the reference in window calls of at most ref_mb samples (SamplingConfig.reference_batch);
+    # the other losses' reference is one batched call per actor micro-batch.
+    mode = LOSS_MODES.get(str(actor.diffusion_loss.loss_mode)) if arr.model.modality == "image" else None
+    windowed = mode is not None and mode.window_loss is not None
     _check(
-        ref_mb is None or ref_mb >= actor_mb,
+        ref_mb is None or ref_mb >= 1,
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-        f"the reference (adapter-off) forward runs inside each actor micro-batch of {actor_mb} samples, so its "
-        f"batch cannot be limited to {ref_mb}",
+        f"must be >= 1 or null, got {ref_mb}",
+        "e.g. 2, or null (the actor's micro-batch)",
+    )
+    _check(
+        ref_mb is None or windowed or ref_mb >= actor_mb,
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+        f"the reference (adapter-off) forward runs inside each actor micro-batch of {actor_mb} samples in one call "
+        f"(only an SDE-window loss such as flow_grpo splits it into calls of this size), so its batch cannot be "
+        f"limited to {ref_mb}",
         "lower actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (it bounds both), or set this key >= it (or null)",
     )
     _check_validation(cfg)

@@ -82,10 +82,9 @@ EXPECTED_REFUSED: dict[str, set[str]] = {
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_veomni": set(),
     "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_veomni_64cards": _64_RANKS,
     "flowgrpo_trainer.qwen_image_edit.run_qwen_image_edit_lora": set(),  # tiny:qwen_image_edit, a PickScore stand-in
-    # the clean latent and the prompt encodings to a DRM stand-in; fp32 sampling from bf16 weights, pi_old recomputed.
-    # Refused at its real sizes on its reference micro-batch (2 < the actor's 9: REF_MICRO_BATCH_REFUSAL), trains at
-    # ON_CPU's
-    "flowgrpo_trainer.sd35.run_sd35_medium_drm_lora": {"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"},
+    # the clean latent and the prompt encodings to a DRM stand-in; fp32 sampling from bf16 weights, pi_old recomputed;
+    # its reference micro-batch of 2 below the actor's 9 honoured in the SDE window's reference calls
+    "flowgrpo_trainer.sd35.run_sd35_medium_drm_lora": set(),
     "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora": set(),
     "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora_v1": set(),
     "flowgrpo_trainer.sd35.run_sd35_medium_ocr_lora_v1_separate_async": set(),

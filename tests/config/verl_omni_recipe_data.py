@@ -291,17 +291,10 @@ def start_refusal(overrides: list[str]) -> list[tuple[str, str]]:
 # verl-omni's own update stops there too, ``test_64_card_recipes_refusal_is_verl_omnis_own_arithmetic``). The run
 # shrinks the world and the mini-batch together, as for every other recipe; the product's check is not loosened.
 WORLD_SIZE_REFUSAL = "actor_rollout_ref.actor.ppo_mini_batch_size"
-# The other refusal at real sizes that ON_CPU's lift: a reference micro-batch smaller than the actor's (the DRM recipe's
-# ref.log_prob_micro_batch_size_per_gpu=2 < ppo_micro_batch_size_per_gpu=9). The reference forward runs inside each
-# actor micro-batch here, so this memory bound is not honoured below it and the product refuses it; at ON_CPU's 2
-# samples per micro-batch it holds.
-REF_MICRO_BATCH_REFUSAL = "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"
 # Each refusal at real sizes only -> what the recipe table says of it.
 SIZE_REFUSALS = {
     WORLD_SIZE_REFUSAL: "fewer prompt groups per mini-batch than data-parallel ranks; verl-omni's own update stops "
     "there too, on its micro-batches",
-    REF_MICRO_BATCH_REFUSAL: "a reference micro-batch below the actor's, a memory bound not honoured here: the "
-    "reference forward runs inside each actor micro-batch",
 }
 
 

@@ -76,8 +76,45 @@ def test_window_batch_follows_the_update_micro_batch_and_is_checked():
     base = ["data.train_files=x.jsonl", "actor_rollout_ref.rollout.agent.max_batch_size=8"]
     modality = ImageModality()
     cfg = validate(compose([*base, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]))
-    assert modality.sampling_config(cfg).window_batch == 2
+    assert modality.sampling_config(cfg).window_batch == 2 and modality.sampling_config(cfg).reference_batch is None
+    # verl's ref micro-batch below the actor's: Flow-GRPO's window runs its reference in calls of that size
+    ref = validate(compose([*base, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1"]))  # fmt: skip
+    assert modality.sampling_config(ref).reference_batch == 1
     # Unset micro-batch: the mini-batch's samples, at most a generation batch.
     assert modality.sampling_config(validate(compose(base))).window_batch == 8
     with pytest.raises(ConfigError, match="window_batch_size"):
         validate(compose([*base, "actor_rollout_ref.rollout.pipeline.window_batch_size=0"]))
+
+
+def test_the_reference_forward_runs_in_window_calls_of_the_ref_micro_batch(policy):
+    """verl's ref.log_prob_micro_batch_size_per_gpu (SamplingConfig.reference_batch): the adapter-off KL forward of an
+    SDE-window loss runs in calls of at most that many samples (here 2 of the window's 4; CFG puts both branches of a
+    sample in its call), the live forward keeps the window's calls, and the reference velocities are those of the
+    uncapped calls to float rounding (only the KL reads them)."""
+    capped = policy.with_sampling(reference_batch=2)
+    short = [0, 1, 2, 4]  # one text bucket: one window call of 4
+    pick = lambda xs: [xs[k] for k in short]  # noqa: E731
+    out = capped.rollout(pick(PROMPTS), pick(SEEDS), pick(WINDOWS))
+    cond = capped.conditioning_from(out.conditioning)
+    x = out.window_latents[:, 0].to(capped.device)
+    rows: list[int] = []
+
+    def record(module, args, kwargs):
+        rows.append((args[0] if args else kwargs["hidden_states"]).shape[0])
+
+    hook = capped.transformer.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            capped.velocity(cond, x, 1)
+            live_rows, rows[:] = list(rows), []
+            with capped.reference():
+                ref = capped.velocity(cond, x, 1)
+            ref_rows = list(rows)
+            with policy.reference():
+                ref_full = policy.velocity(policy.conditioning_from(out.conditioning), x, 1)
+    finally:
+        hook.remove()
+    assert live_rows == [8] and ref_rows == [4, 4]  # 4 samples x 2 CFG branches, then 2 calls of 2 x 2
+    assert torch.allclose(ref, ref_full, rtol=0, atol=1e-5), (ref - ref_full).abs().max()
+    assert not capped._in_reference  # the cap ends with the reference

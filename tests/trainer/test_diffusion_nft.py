@@ -149,6 +149,16 @@ def test_compressed_delayed_ramp_is_accepted_and_named_in_the_refusal():
             "model.lora_rank",
             "one actor rank",
         ),  # fmt: skip
+        (
+            # NFT's reference is one call per actor micro-batch (only an SDE-window loss splits it)
+            [
+                *NFT,
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+            ],
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+            "ppo_micro_batch_size_per_gpu",
+        ),
     ],
 )
 def test_what_does_not_fit_is_refused_naming_key_and_fix(overrides, key, fix):

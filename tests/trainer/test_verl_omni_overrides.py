@@ -176,12 +176,9 @@ BASE = ["data.train_files=x.jsonl"]
         ),
         (["actor_rollout_ref.model.algorithm=dpo"], "actor_rollout_ref.model.model_type", "diffusion_dpo_model"),
         (
-            [
-                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-            ],
+            ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=0"],
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-            "ppo_micro_batch_size_per_gpu",
+            "must be >= 1",
         ),
         (
             [

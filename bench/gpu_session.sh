@@ -12,6 +12,8 @@
 #   fg16       bench/gpu_step.py (no Ray): Flow-GRPO, rollout batch 16, update micro-batch 4, clip 1e-5
 #   fg8        the same at batch 8, micro-batch 8 (is the per-sample update time non-increasing from 4 to 8?)
 #   nft        DiffusionNFT's step (verl-omni's recipe: all 10 steps, no CFG), micro-batch 4
+#   fg16-compile / fg16-cudnn / fg16-efficient   fg16 with regional torch.compile, or diffusers' cuDNN / memory-
+#              efficient SDPA backend (both take Qwen-Image's text mask): speed and the first update's ratio at 1e-5
 #   tier+main  the GPU tier (pytest -m gpu) and the main job (tiny renderer, 20 steps: must learn), side by side
 # Each step has its own time limit and the session its budget (BUDGET_S): a step cut short is recorded as such and
 # the next one runs. Everything lands in $OUT: session.log, one JSON per step.
@@ -56,20 +58,29 @@ for what in "$@"; do
       python3 bench/gpu_product.py "$GPU_KIT_OUT/recipe" --out "$OUT/gpu_product.json" --label "recipe, random:qwen_image"
       ;;
     fg16) step fg16 120 python3 bench/gpu_step.py --batch 16 --micro-batch 4 --out "$OUT/gpu_step_fg_b16_mb4.json" ;;
+    fg16-compile) step fg16-compile 240 python3 bench/gpu_step.py --batch 16 --micro-batch 4 --compile \
+                    --out "$OUT/gpu_step_fg_b16_mb4_compile.json" ;;
+    fg16-cudnn | fg16-efficient)
+      backend="_native_${what#fg16-}"
+      step "$what" 120 python3 bench/gpu_step.py --batch 16 --micro-batch 4 --attn-backend "$backend" \
+        --out "$OUT/gpu_step_fg_b16_mb4_${what#fg16-}.json" ;;
     fg8) step fg8 90 python3 bench/gpu_step.py --batch 8 --micro-batch 8 --out "$OUT/gpu_step_fg_b8_mb8.json" ;;
     nft) step nft 80 python3 bench/gpu_step.py --loss diffusion_nft --batch 4 --micro-batch 4 \
            --out "$OUT/gpu_step_nft_b4_mb4.json" ;;
     tier+main)
       GPU_KIT_OUT="$root/.gpu_kit/out_tier" step tier 200 bash scripts/gpu_kit.sh run tier &
+      tier_pid=$!
       GPU_KIT_OUT="$root/.gpu_kit/out_main" step main 200 bash scripts/gpu_kit.sh run main
-      wait
+      # this job only: a bare `wait` also waits for the log's tee (the exec's process substitution), which never
+      # ends (the H200 session of 2026-11-27 hung there until its call's limit)
+      wait "$tier_pid"
       for d in out_tier out_main; do
         cp "$root/.gpu_kit/$d/gpu_kit_run.json" "$OUT/kit_${d#out_}.json" 2>/dev/null
         tail -n 40 "$root/.gpu_kit/$d/gpu_kit_run.log"
       done
       python3 bench/gpu_product.py "$root/.gpu_kit/out_main/main" --out "$OUT/gpu_main.json" --label "main job, tiny"
       ;;
-    *) echo "[session] unknown step $what (recipe, fg16, fg8, nft, tier+main)" ;;
+    *) echo "[session] unknown step $what (recipe, fg16, fg16-compile, fg16-cudnn, fg16-efficient, fg8, nft, tier+main)" ;;
   esac
 done
 echo "[session] done at $SECONDS s"

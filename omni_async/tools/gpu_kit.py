@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import shutil
 import sys
 import tarfile
@@ -104,16 +105,19 @@ def sha256_of(path: Path) -> str:
 # ---------------------------------------------------------------------------------------------------------------- pack
 
 
-def read_lock(lock: Path) -> dict[str, str]:
-    """``name==version`` lines of the lock, keyed by canonical name (PEP 503: lower case, runs of ``-_.`` as ``-``)."""
-    import re
+def canonical(name: str) -> str:
+    """A distribution's canonical name (PEP 503: lower case, runs of ``-_.`` as ``-``)."""
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
 
+
+def read_lock(lock: Path) -> dict[str, str]:
+    """``name==version`` lines of the lock, keyed by :func:`canonical` name."""
     pins = {}
     for line in lock.read_text().splitlines():
         line = line.split("#")[0].strip()
         if "==" in line:
             name, version = line.split("==", 1)
-            pins[re.sub(r"[-_.]+", "-", name).lower()] = version.strip()
+            pins[canonical(name)] = version.strip()
     return pins
 
 
@@ -158,15 +162,13 @@ def closure(roots: Iterable[str], python: str, skip: Container[str] = (), no_ext
 
 def read_have(path: Path) -> dict[str, str | None]:
     """The target's packages, from ``python3 -m pip list --format=freeze`` run there (``name==version``) or a list
-    of bare names (version unknown), keyed by canonical name."""
-    import re
-
+    of bare names (version unknown), keyed by :func:`canonical` name."""
     have: dict[str, str | None] = {}
     for line in path.read_text().splitlines():
         line = line.split("#")[0].strip()
         if line:
             name, _, version = line.partition("==")
-            have[re.sub(r"[-_.]+", "-", name.strip()).lower()] = version.strip() or None
+            have[canonical(name)] = version.strip() or None
     if not have:
         raise KitError(f"{path} names no package: write the target's `python3 -m pip list --format=freeze` into it")
     return have

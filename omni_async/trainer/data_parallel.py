@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from omni_async.modality import REF_TIME_KEY
 from omni_async.trainer.atomic_files import torch_save_atomic
+from omni_async.trainer.device_memory import PEAK_PREFIX
 
 DP_INDEX_KEY = "dp_index"  # meta_info of a rank's share: its rows' indices in the dispatched batch (-1: padding)
 SAMPLES_KEY = "perf/samples_per_rank"  # the most samples a rank trained on in a mini-batch
@@ -159,7 +160,7 @@ def merge_rank_metrics(outputs: list[dict[str, list[float]]], time_keys: Sequenc
             out[k] = float(np.mean(values[0]))
         elif k == SAMPLES_KEY:
             out[k] = float(max(np.sum(v) for v in values))
-        elif k.startswith("perf/max_memory_"):  # trainer.device_memory's peaks: the fullest rank's
+        elif k.startswith(PEAK_PREFIX):  # trainer.device_memory's peaks: the fullest rank's
             out[k] = float(max(x for v in values for x in v))
         else:
             flat = [x for v in values for x in v]

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import torch
 
 GIB = 2**30
+# Every metric PhasePeaks reports starts so: merged across micro-batches and ranks as a peak (the largest), not a mean.
+PEAK_PREFIX = "perf/max_memory_"
 
 
 class PhasePeaks:
@@ -42,8 +44,8 @@ class PhasePeaks:
         """The peaks since the last call, as metrics; the record starts again."""
         if not self.allocated:
             return {}
-        out = {f"perf/max_memory_allocated_gb/{name}": gb for name, gb in self.allocated.items()}
-        out["perf/max_memory_allocated_gb"] = max(self.allocated.values())
-        out["perf/max_memory_reserved_gb"] = max(self.reserved.values())
+        out = {f"{PEAK_PREFIX}allocated_gb/{name}": gb for name, gb in self.allocated.items()}
+        out[f"{PEAK_PREFIX}allocated_gb"] = max(self.allocated.values())
+        out[f"{PEAK_PREFIX}reserved_gb"] = max(self.reserved.values())
         self.allocated, self.reserved = {}, {}
         return out

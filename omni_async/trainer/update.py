@@ -20,6 +20,7 @@ from verl import DataProto
 from omni_async.agent_loop.rollouter import Group
 from omni_async.sample import Sample
 from omni_async.trainer.data_parallel import SAMPLES_KEY
+from omni_async.trainer.device_memory import PEAK_PREFIX
 from omni_async.trainer.mode import Mode
 from omni_async.trainer.step_ops import StepOps
 from omni_async.trainer.timer import Timer
@@ -29,14 +30,10 @@ from omni_async.trainer.timer import Timer
 SUMMED_ACTOR_METRICS = ("actor/skipped_steps", SAMPLES_KEY)
 
 
-# Peaks (``trainer.device_memory``): the step's largest, not its mean.
-PEAK_PREFIX = "perf/max_memory_"
-
-
 def _reduce(key: str, values: list[float]) -> float:
     if key in SUMMED_ACTOR_METRICS:
         return float(np.sum(values))
-    return float(np.max(values) if key.startswith(PEAK_PREFIX) else np.mean(values))
+    return float(np.max(values) if key.startswith(PEAK_PREFIX) else np.mean(values))  # peaks: the step's largest
 
 
 def _step_metrics(sums: dict[str, list[float]]) -> dict[str, float]:

@@ -42,7 +42,7 @@ from omni_async.algos.loss_modes import LossMode
 from omni_async.algos.loss_modes import loss_mode as registered_loss_mode
 from omni_async.algos.sde import kl_to_reference
 from omni_async.algos.window_losses import WindowStepInputs
-from omni_async.modality.base import REF_TIME_KEY, Modality, rm_score, score_labels
+from omni_async.modality.base import MODEL_DTYPES, REF_TIME_KEY, Modality, rm_score, score_labels
 from omni_async.models.device import device_clock
 from omni_async.sample import ImageResult, Sample, is_video
 
@@ -87,7 +87,8 @@ class ImageModality(Modality):
             clean_latents=self.final_latents,
             window_means=self.old_means,
             output_type=str(r.pipeline.output_type),
-            rollout_dtype=None if r.dtype is None else str(r.dtype),
+            # torch's name for the config's spelling (bf16 / bfloat16 ...; trainer.config refused any other)
+            rollout_dtype=None if r.dtype is None else str(MODEL_DTYPES[str(r.dtype)]).removeprefix("torch."),
             reference_batch=cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
         )
 

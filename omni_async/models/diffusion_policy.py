@@ -52,7 +52,6 @@ from omni_async.models.rollout_policy import refuse_inapplicable
 from omni_async.models.tiny import is_random, resolve_model_path
 from omni_async.sample import OUTPUT_TYPES, PIXEL_OUTPUT_TYPES, EditPrompt, ImageResult
 
-_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # config spellings -> torch's names
 LATENT_OUT = tuple(t for t in OUTPUT_TYPES if t not in PIXEL_OUTPUT_TYPES)  # output types that hand the latent over
 
 
@@ -76,7 +75,8 @@ class SamplingConfig:
     # What the reward is handed (sample.OUTPUT_TYPES, verl-omni's pipeline.output_type): latent / both keep the clean
     # latents too. The pixels are decoded either way (sample pictures, validation grids).
     output_type: str = "pt"
-    # verl-omni's rollout.dtype: the transformer samples in it (DiffusionPolicy.sampling_dtype); None: model_dtype
+    # verl-omni's rollout.dtype, by torch's name (float32 ...): the transformer samples in it
+    # (DiffusionPolicy.sampling_dtype); None: model_dtype
     rollout_dtype: str | None = None
     # Samples per transformer call in the SDE window, in rollout, recompute and update alike (module docstring); the
     # update's micro-batch (a multiple of it) runs in whole calls. Config: rollout.pipeline.window_batch_size.
@@ -977,7 +977,7 @@ class DiffusionPolicy(TrainableModule):
         The text encoders and the VAE keep their dtype. The rollout's log-probs then come from another dtype than
         the update's: pi_old must be recomputed (``bypass_mode=false``, verl-omni's default, which the recipe runs)."""
         name = self.sampling.rollout_dtype
-        dtype = getattr(torch, _DTYPE_NAMES.get(name, name)) if name else self.compute_dtype
+        dtype = getattr(torch, name) if name else self.compute_dtype
         model_dtype = self.compute_dtype
         if dtype == model_dtype:
             yield

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import socket
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -61,6 +63,7 @@ def server_factory():
 # two tests at a time fit. OMNI_ASYNC_TEST_OWN_RAY=1 gives every test its own local cluster instead; tests that must
 # own theirs use the `own_ray_cluster` fixture.
 SHARED_RAY_GPUS, SHARED_RAY_CPUS = 16, 96
+TOOLS_ENV = "OMNI_ASYNC_TEST_TOOLS_DIR"  # the shared cluster's directory of stand-in tools (pytest_configure)
 _SHARED_CLUSTER = pytest.StashKey()
 
 
@@ -94,6 +97,10 @@ def pytest_configure(config):
     # does not have (CUDA_VISIBLE_DEVICES=7 on a one-GPU box), and left to Ray's detection this head node came up
     # with 0 GPUs on an H200 (the GPU tier's run of 2026-11-27) while ray.init beside it found the device.
     gpus = {"num_gpus": cuda_device_count() or SHARED_RAY_GPUS}
+    # A directory on the cluster's PATH (fixed when its raylet starts) for a tool a test stands in for: Ray's nsight
+    # runtime env calls `nsys` from there (test_verl_omni_recipe_runs.nsys_on_ray_path). Empty otherwise.
+    tools = tempfile.mkdtemp(prefix="omni_async_test_tools_")
+    os.environ[TOOLS_ENV], os.environ["PATH"] = tools, tools + os.pathsep + os.environ.get("PATH", "")
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
@@ -122,6 +129,7 @@ def pytest_unconfigure(config):
     if cluster is not None:
         os.environ.pop("RAY_ADDRESS", None)
         cluster.shutdown()
+        shutil.rmtree(os.environ.pop(TOOLS_ENV, ""), ignore_errors=True)
 
 
 @pytest.fixture

@@ -144,7 +144,12 @@ def check_overrides(overrides: list[str], config_name: str = "flowgrpo_trainer")
     for o in parsed:
         key, line = o.key_or_group, o.input_line
         if key == "hydra" or key.startswith("hydra.") or known(key, config_name):
-            kept.append("+" + line if o.type.name == "ADD" and key in flat else line)
+            if key not in flat and not o.is_delete() and not key.startswith("hydra"):
+                # a key of an open mapping (nsight options, reward_kwargs): verl's config names some of them
+                # (nsys' trace=...), so its recipes set them without the ``+`` a mapping empty here would need
+                kept.append("++" + line.lstrip("+"))
+            else:
+                kept.append("+" + line if o.type.name == "ADD" and key in flat else line)
             continue
         rule = rule_for(key)
         if rule is None:

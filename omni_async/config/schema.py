@@ -88,6 +88,9 @@ NULLABLE: dict[str, Any] = {
     "actor_rollout_ref.rollout.calculate_log_probs": bool,
     "algorithm.adv_clip_max": float,
     "algorithm.old_policy_decay": float,
+    "actor_rollout_ref.actor.profiler.tool": str,
+    "global_profiler.tool": str,
+    "global_profiler.steps": list[int],
 }
 # Keys with a whole-number default whose values are real numbers (so 2.5 is accepted, "120s" is not).
 REAL: frozenset[str] = frozenset(

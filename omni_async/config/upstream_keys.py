@@ -114,17 +114,12 @@ _OPD_ADDED = (
     "verl-omni's distillation term added to another loss (flow_grpo + distill_loss_coef x distill_kl) is not built "
     "here: the teacher trains the student as the one loss, diffusion_loss.loss_mode=distill_kl"
 )
-_NO_PROFILER = (
-    "verl's profiler hooks are not built into this project's workers: verl starts a profiled role's Ray workers "
-    "under Nsight Systems (Ray's nsight runtime_env, global_profiler.global_tool_config.nsys.worker_nsight_options) "
-    "or torch.profiler and opens a capture range on each of global_profiler.steps on profiler.ranks "
-    "(verl.utils.profiler.DistProfiler); the actor workers here take no profiler, so any other value would do nothing"
+_PROFILED_WITH_ACTOR = (
+    "the reference here is the actor's own transformer with its LoRA adapter off, and in the hybrid layout the "
+    "rollout runs in the actor ranks: both are profiled with actor_rollout_ref.actor.profiler (NVTX ranges gen / "
+    "old_log_prob / update); a separate rollout or reference worker is not profiled"
 )
-_NO_PROFILER_FIX = (
-    "drop global_profiler.* and actor_rollout_ref.*.profiler.* (without them verl-omni's nsys recipe trains as "
-    "its run_qwen_image_ocr does); per-step phase timelines: trainer.log_timeline_freq; kernel traces of a whole "
-    "run: run the command under nsys yourself"
-)
+_PROFILED_WITH_ACTOR_FIX = "drop it (or set it to false); profile the actor ranks: actor_rollout_ref.actor.profiler"
 # verl-omni's model.pipeline.* (the training engine's copy of rollout.pipeline.*, which it defaults to).
 _MODEL_PIPELINE = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length")
 # verl-omni's offline DPO dataset class, as its recipe names it (data.custom_cls.*)
@@ -427,17 +422,58 @@ RULES: dict[str, Rule] = {
         "drop it, or set it to cuda",
         _one_of("cuda", "gpu"),
     ),
-    # ---- profilers ------------------------------------------------------------------------------------------------
+    # ---- profilers (global_profiler.{tool,steps,...} and actor.profiler.{enable,ranks,...}: trainer.profiling) ----
     **{
-        f"{ARR}.{role}.profiler.enable": Rule("same", _NO_PROFILER, _NO_PROFILER_FIX, _one_of(False))
-        for role in ("actor", "ref", "rollout")
+        f"{ARR}.{role}.profiler.enable": Rule("same", _PROFILED_WITH_ACTOR, _PROFILED_WITH_ACTOR_FIX, _one_of(False))
+        for role in ("ref", "rollout")
     },
     **{
-        f"{ARR}.{role}.profiler.*": Rule("no_effect", "a profiler setting, and profiling is off (profiler.enable)")
-        for role in ("actor", "ref", "rollout")
+        f"{ARR}.{role}.profiler.*": Rule("no_effect", "a profiler setting of a role that is not profiled here")
+        for role in ("ref", "rollout")
     },
-    "global_profiler.tool": Rule("same", _NO_PROFILER, _NO_PROFILER_FIX, _one_of(None)),
-    "global_profiler.*": Rule("no_effect", "a profiler setting, and profiling is off (global_profiler.tool)"),
+    **{
+        key: Rule(
+            "no_effect",
+            "nsys writes its reports where Ray's nsight plugin puts them (<Ray session>/logs/nsight) and the "
+            "controller's in the working directory; verl reads save_path only to move them (relocate_results)",
+        )
+        for key in ("global_profiler.save_path", f"{ARR}.actor.profiler.save_path")
+    },
+    **{
+        key: Rule(
+            "same",
+            "the reports stay where nsys writes them (moving them, verl's relocate_results, is not built here)",
+            "drop it, or set it to false",
+            _one_of(False),
+        )
+        for key in ("global_profiler.relocate_results", f"{ARR}.actor.profiler.relocate_results")
+    },
+    **{
+        key: Rule(
+            "same",
+            "no command is run after profiling here (verl's finish hook)",
+            "drop it (run the command after the job)",
+            _one_of(None),
+        )
+        for key in ("global_profiler.finish_hook_cmd", f"{ARR}.actor.profiler.finish_hook_cmd")
+    },
+    **{
+        key: Rule("no_effect", "read only with finish_hook_cmd, which is not built here")
+        for key in (
+            "global_profiler.finish_hook_all_ranks",
+            "global_profiler.finish_hook_ranks",
+            f"{ARR}.actor.profiler.finish_hook_all_ranks",
+            f"{ARR}.actor.profiler.finish_hook_ranks",
+        )
+    },
+    f"{ARR}.actor.profiler.tool_config.nsys.discrete": Rule(
+        "same",
+        "verl's per-role copy of global_profiler.global_tool_config.nsys.discrete (its default)",
+        "drop it, or set global_profiler.global_tool_config.nsys.discrete to this value instead",
+        _equals("global_profiler.global_tool_config.nsys.discrete"),
+    ),
+    f"{ARR}.actor.profiler.*": Rule("no_effect", "a setting of a profiler tool other than nsys, the only one here"),
+    "global_profiler.*": Rule("no_effect", "a setting of a profiler tool other than nsys, the only one here"),
     # ---- reward -----------------------------------------------------------------------------------------------------
     "reward.aggregation": Rule(
         "same",

@@ -51,6 +51,7 @@ from omni_async.models.sequence_parallel import SequenceParallel, denoisers
 from omni_async.trainer import data_parallel as dpm
 from omni_async.trainer.actor_core import begin_step, old_log_prob, train_minibatch
 from omni_async.trainer.device_memory import PhasePeaks
+from omni_async.trainer.profiling import RankProfiler, nsys_plan
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class ActorWorker(Worker, RolloutWorker):
         self._interrupts_at_sync = bool(interrupts_at_sync)
         self.device = configure_worker()
         self.peaks = PhasePeaks(self.device)
+        self.profiler = RankProfiler(nsys_plan(self.cfg), self.rank)  # global_profiler: this rank's capture ranges
         self.modality = modality_of(self.cfg)
         self._device_thread = DeviceThread("actor-device")
         self.rollout_version = 0
@@ -106,6 +108,22 @@ class ActorWorker(Worker, RolloutWorker):
             self.device,
             time.perf_counter() - t0,
         )
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        """A phase of the rank's work (gen / old_log_prob / update): its peak memory, and its NVTX range when
+        profiled."""
+        with self.peaks.phase(name), self.profiler.phase(name):
+            yield
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    async def start_profile(self) -> None:
+        """Open this rank's capture range before a profiled step (a no-op on a rank not profiled)."""
+        await self._on_device(self.profiler.start)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    async def stop_profile(self) -> None:
+        await self._on_device(self.profiler.stop)
 
     def _log_rank0(self, msg: str, *args: Any) -> None:
         """INFO on rank 0, DEBUG on the others: one line per event of the whole group."""
@@ -180,12 +198,12 @@ class ActorWorker(Worker, RolloutWorker):
     def _generate(self, *args, **kwargs):
         if self._stops_text():
             kwargs["should_stop"] = lambda: self.withdrawing
-        with self._rollout_weights(), self.peaks.phase("gen"):
+        with self._rollout_weights(), self._phase("gen"):
             return self.policy.generate(*args, **kwargs)
 
     def _stream(self, admit, emit, capacity: int) -> None:
         stop = {"should_stop": lambda: self.withdrawing} if self._stops_text() else {}
-        with self._rollout_weights(), self.peaks.phase("gen"):
+        with self._rollout_weights(), self._phase("gen"):
             return self.policy.generate_stream(admit, emit, capacity=capacity, **stop)
 
     def _stops_text(self) -> bool:
@@ -351,7 +369,7 @@ class ActorWorker(Worker, RolloutWorker):
         live ones until the window's first update; ``trainer.actor_core.old_log_prob``), in micro-batches of
         ``rollout.log_prob_micro_batch_size_per_gpu`` samples."""
         arr = self.cfg.actor_rollout_ref
-        with self.dp.failfast("compute_log_prob"), self._sequence_parallel(), self.peaks.phase("old_log_prob"):
+        with self.dp.failfast("compute_log_prob"), self._sequence_parallel(), self._phase("old_log_prob"):
             return dpm.rows_result(
                 data,
                 old_log_prob(
@@ -381,7 +399,7 @@ class ActorWorker(Worker, RolloutWorker):
         """
         a = self.cfg.actor_rollout_ref.actor
         # a rank that raises stops the others at once, naming itself
-        with self.dp.failfast("update_minibatch"), self._sequence_parallel(), self.peaks.phase("update"):
+        with self.dp.failfast("update_minibatch"), self._sequence_parallel(), self._phase("update"):
             metrics = train_minibatch(
                 self.modality,
                 self.policy,

@@ -35,6 +35,7 @@ from omni_async.trainer.mode import (
     resolve_bypass_mode,
     resolve_trainer_mode,
 )
+from omni_async.trainer.profiling import check_profiler
 
 # verl's actor kl_loss_coef default (verl/trainer/config/actor/actor.yaml; verl-omni's diffusion actor too): the KL
 # coefficient of actor.use_kl_loss=true when kl_loss_coef is not set
@@ -214,6 +215,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_layout(cfg, decided.mode, decided.layout)
     _check_sequence_parallel(cfg)
     _check_mini_batch_feeds_ranks(cfg)
+    check_profiler(cfg, actor_ranks(cfg))
     return cfg
 
 

@@ -56,6 +56,7 @@ from omni_async.trainer.metrics import (
 from omni_async.trainer.metrics_logger import MetricsLogger
 from omni_async.trainer.mode import Mode
 from omni_async.trainer.placement import make_pools, place
+from omni_async.trainer.profiling import StepWindows, nsys_plan, require_nsys
 from omni_async.trainer.step_ops import RewardFailureError, StepOps
 from omni_async.trainer.timeline import save_timeline, timeline_record
 from omni_async.trainer.timer import Timer
@@ -143,6 +144,7 @@ class RLTrainer:
         resolved config written to the run directory. Returns the validated config, the one the run reads
         (``validate`` leaves ``given`` as it was)."""
         self.cfg = cfg = check_at_start(given)  # before Ray starts: a typo costs a second, not a cluster start
+        require_nsys(cfg)  # global_profiler.tool=nsys: the binary Ray's nsight plugin calls, before Ray too
         init_ray(cfg)
         # Decided once from the validated config, then handed down: nothing below reads the mode or layout from cfg.
         self.plan = plan(self.cfg)
@@ -442,12 +444,14 @@ class RLTrainer:
             project=t.project_name,
             config=OmegaConf.to_container(self.cfg, resolve=True),
         )
+        profile = StepWindows(nsys_plan(self.cfg), self.placement.actor_wg)  # global_profiler.steps, 1-based
         try:
             if t.val_before_train and self.val_rows:  # logged at the starting step, as verl does
                 logger_.log(start, self.validate_step(start), advance=False)
             for step in range(start, self.total_steps):
-                metrics, samples = self.train_step(step)
                 done = step + 1
+                profile.before(done)
+                metrics, samples = self.train_step(step)
                 if t.test_freq > 0 and self.val_rows and done % t.test_freq == 0:
                     metrics.update(self.validate_step(done))
                 logger_.log(done, metrics)
@@ -459,6 +463,8 @@ class RLTrainer:
                     )
                 if self._checkpoint_due(done):
                     self.save_checkpoint(done)
+                profile.after(done)  # verl's window holds the step's validation and checkpoint too
+            profile.close()
         finally:
             logger_.close()
             self.close()

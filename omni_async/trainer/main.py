@@ -14,9 +14,12 @@ def main(cfg: DictConfig) -> None:
     from omni_async.config.schema import typed
     from omni_async.logs import setup_logging
     from omni_async.trainer.offline_trainer import make_trainer
+    from omni_async.trainer.profiling import rerun_under_nsys
 
     cfg = typed(cfg)
     setup_logging(cfg.trainer.log_level)  # before anything logs; init_ray hands the level to the Ray workers
+    # global_profiler.tool=nsys: this process is verl's controller; it runs again under nsys' controller options
+    rerun_under_nsys(cfg, sys.argv)
     try:
         trainer = make_trainer(cfg)  # RLTrainer, or offline DPO's without rollout and reward
         tune_driver_gc()

@@ -21,6 +21,7 @@ from verl.single_controller.ray import RayWorkerGroup
 
 from omni_async.trainer.actor_worker import ActorWorker
 from omni_async.trainer.layout import Layout
+from omni_async.trainer.profiling import NsysPlan, nsys_plan
 
 
 @dataclass
@@ -86,9 +87,32 @@ def rendezvous_here(pg: Any, bundle_index: int) -> tuple[str, str] | None:
 class ActorWorkerGroup(RayWorkerGroup):
     """verl's ``RayWorkerGroup``, with the rendezvous found on the driver when rank 0 shares its node
     (:func:`rendezvous_here`), by verl's task otherwise. ``sequence_parallel_size``: the Ulysses degree its
-    data-parallel dispatch reads (``trainer.data_parallel.dispatch_by_groups``)."""
+    data-parallel dispatch reads (``trainer.data_parallel.dispatch_by_groups``). ``nsys``: the ranks it profiles
+    start under Ray's nsight runtime env (``trainer.profiling``), the others without."""
 
     sequence_parallel_size = 1
+
+    def __init__(self, *args: Any, nsys: NsysPlan | None = None, **kwargs: Any) -> None:
+        self._nsys = nsys  # read while the workers are created, inside verl's __init__
+        super().__init__(*args, **kwargs)
+
+    def _create_worker(self, rank, pg_idx, pg, local_rank, resource_pool, ray_cls_with_init, worker_env, detached):
+        env = self._nsys.runtime_env(rank) if self._nsys is not None else None
+        if env is None:
+            return super()._create_worker(
+                rank, pg_idx, pg, local_rank, resource_pool, ray_cls_with_init, worker_env, detached
+            )
+        # verl's own switch to a worker under nsight (its _create_worker: profile_steps and worker_nsight_options),
+        # set for this rank only
+        saved = self.profile_steps, self.worker_nsight_options
+        self.profile_steps, self.worker_nsight_options = list(self._nsys.steps), env["nsight"]
+        try:
+            worker_env = {**(worker_env or {}), **env["env_vars"]}
+            return super()._create_worker(
+                rank, pg_idx, pg, local_rank, resource_pool, ray_cls_with_init, worker_env, detached
+            )
+        finally:
+            self.profile_steps, self.worker_nsight_options = saved
 
     def _get_master_addr_port(self, pg, bundle_index=0, master_port_range=None):
         # An address already set or a port range to honour stays verl's business (no probe here first).
@@ -111,6 +135,7 @@ def place(cfg: DictConfig, made: Pools, layout: Layout) -> Placement:
         made.manager.get_resource_pool("actor"),
         RayClassWithInitArgs(ray.remote(ActorWorker), config=cfg_dict, **layout.actor_worker_args()),
         name_prefix="actor",
+        nsys=nsys_plan(cfg),
     )
     actor_wg.sequence_parallel_size = int(cfg.actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size)
     actor_wg.init_model()

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import TOOLS_ENV
 from helpers import write_ocr_rows
-from verl_omni_recipe_data import effective, on_cpu, recipes, runs, stand_in, trainable
+from verl_omni_recipe_data import effective, on_cpu, profiles, recipes, runs, stand_in, trainable
 
 from omni_async.cluster import shutdown_ray
 from omni_async.trainer.config import compose
@@ -44,7 +47,10 @@ RUNS: dict[str, list[str]] = {
     "dpo_trainer.qwen_image.run_qwen_image_online_dpo_lora": ["dpo_trainer.qwen_image.run_qwen_image_online_dpo_lora"],
     "dpo_trainer.sd35.run_sd35_medium_offline_dpo_lora": ["dpo_trainer.sd35.run_sd35_medium_offline_dpo_lora"],
     "flowdppo_trainer.qwen_image.run_qwen_image_ocr_lora": ["flowdppo_trainer.qwen_image.run_qwen_image_ocr_lora"],
-    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr": [
+    # the nsys recipe, under the nsys stand-in (nsys_on_ray_path): its profiling keys pick no code path of the
+    # training (PROFILING), so it trains what the four below do
+    "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_fsdp2_benchmark_nsys": [
+        "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_fsdp2_benchmark_nsys",
         "flowgrpo_trainer.qwen_image.run_qwen_image_ocr",
         # 64 cards, refused at that world size (WORLD_SIZE_REFUSAL), shrunk to ON_CPU's one rank as every run is
         "flowgrpo_trainer.qwen_image.run_qwen_image_ocr_fsdp2_64cards",
@@ -152,11 +158,33 @@ def wall():
     print("\nrecipe runs (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
 
 
+@pytest.fixture
+def nsys_on_ray_path(tmp_path, monkeypatch):
+    """``nsys_stand_in.py`` as ``nsys`` on the PATH of the Ray cluster the run uses (Ray's nsight plugin calls it from
+    the raylet's PATH): the shared cluster's stand-in directory (``conftest``), or, for a cluster the run starts
+    itself, a directory put first on PATH here. Yields the file the stand-in logs its calls to."""
+    tools = os.environ.get(TOOLS_ENV)
+    if tools is None:
+        if os.environ.get("RAY_ADDRESS"):
+            pytest.skip("the Ray cluster at RAY_ADDRESS was started without a stand-in directory on its PATH")
+        tools = str(tmp_path / "tools")
+        os.makedirs(tools)
+        monkeypatch.setenv("PATH", tools + os.pathsep + os.environ.get("PATH", ""))
+    nsys, log = Path(tools) / "nsys", Path(tools) / "nsys_calls.jsonl"
+    nsys.write_text(f"#!{sys.executable}\n" + (Path(__file__).parent / "nsys_stand_in.py").read_text())
+    nsys.chmod(0o755)
+    log.unlink(missing_ok=True)
+    yield log
+    nsys.unlink(missing_ok=True)
+    log.unlink(missing_ok=True)
+
+
 @pytest.mark.slow  # a training run each
 @pytest.mark.parametrize("runner", sorted(RUNS))
 def test_recipe_trains_one_step(runner, data, tmp_path, request, wall):
     t0 = time.perf_counter()
     recipe = RECIPES[runner]
+    nsys_log = request.getfixturevalue("nsys_on_ray_path") if profiles(recipe) else None
     scorer_url = "http://127.0.0.1:1"
     if any(line.startswith("+reward.reward_functions.ocr.server_url=") for line in recipe):
         scorer_url = request.getfixturevalue("server_factory")("--scorer", "jpeg").url
@@ -195,3 +223,16 @@ def test_recipe_trains_one_step(runner, data, tmp_path, request, wall):
         moved = [k for k in start if not torch.equal(trained[k].to(start[k].dtype), start[k])]
         assert moved, "no weight of the transformer moved"
     assert all(s["step"] >= 1 for s in state["optimizer"]["state"].values())
+    if (
+        nsys_log is not None
+    ):  # actor.profiler.ranks=[0]: rank 0 started under nsys with the worker options, nothing else
+        calls = [json.loads(line) for line in nsys_log.read_text().splitlines()]
+        workers = [c for c in calls if any(a.endswith("default_worker.py") for a in c["command"])]
+        assert [w["rank"] for w in workers] == ["0"], calls
+        (worker,) = workers
+        report = Path(worker["report"])  # the recipe's -o, %q{RANK} / %h / %p expanded, under Ray's nsight directory
+        assert report.exists() and report.name.startswith("actor_update_20260101_000000_PID_rank_0_"), report
+        assert report.parent.name == "nsight", report
+        options = worker["options"]
+        assert options["capture-range"] == "cudaProfilerApi" and options["trace"] == "nvtx", options
+        assert options["python-sampling-frequency"] == "20" and options["kill"] == "none", options

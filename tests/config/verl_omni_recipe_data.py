@@ -191,6 +191,17 @@ CODE_PATH_NEUTRAL: dict[str, str] = {
     "trainer.v1.trainer_mode": "the same",
 }
 
+# Keys that change how a run is watched, not what it trains: Nsight Systems profiling (the profiled actor ranks start
+# under nsys, open a capture range around the profiled steps and mark their phases with NVTX ranges; the same update,
+# rollout and reward code runs). Left out of ``effective`` as CODE_PATH_NEUTRAL's keys are, but a group with a recipe
+# that profiles is run as that recipe (``runs``), so the profiling path is run too.
+PROFILING = ("global_profiler.", "actor_rollout_ref.actor.profiler.")
+
+
+def profiles(overrides: list[str]) -> bool:
+    """``overrides`` turn Nsight Systems profiling on (``global_profiler.tool`` set)."""
+    return any(key_of(o).lstrip("+") == "global_profiler.tool" and not o.endswith("=null") for o in overrides)
+
 
 def recipes() -> dict[str, list[str]]:
     """recipe id -> its overrides, in its order."""
@@ -327,7 +338,7 @@ def effective(overrides: list[str]) -> dict:
         for k, v in node.items():
             if isinstance(v, dict) and v:
                 walk(v, f"{prefix}{k}.")
-            elif f"{prefix}{k}" not in CODE_PATH_NEUTRAL:
+            elif f"{prefix}{k}" not in CODE_PATH_NEUTRAL and not f"{prefix}{k}".startswith(PROFILING):
                 flat[f"{prefix}{k}"] = v
 
     cfg = validate(compose(overrides))
@@ -337,15 +348,19 @@ def effective(overrides: list[str]) -> dict:
 
 
 def runs(names: list[str]) -> dict[str, list[str]]:
-    """``names`` grouped by their effective config (``effective``): the first of each group -> the group. One
-    training run of the first covers the group."""
+    """``names`` grouped by their effective config (``effective``): the first of each group -> the group, its first
+    recipe the one that profiles if one does (``PROFILING``). One training run of the first covers the group."""
     every = recipes()
     configs = {name: effective(on_cpu(stand_in(every[name]), "/data", "/run")) for name in names}
     groups: dict[str, list[str]] = {}
     for name in names:
         first = next((f for f in groups if configs[f] == configs[name]), None)
         groups.setdefault(first or name, []).append(name)
-    return groups
+    out = {}
+    for group in groups.values():
+        group = sorted(group, key=lambda n: not profiles(every[n]))  # stable: otherwise in the given order
+        out[group[0]] = group
+    return out
 
 
 _REWARD_FUNCTIONS = ("reward.custom_reward_function", "reward.reward_functions")

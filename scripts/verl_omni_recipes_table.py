@@ -147,8 +147,9 @@ def main() -> None:
         + " *On CPU here*: each recipe that starts with its stand-ins trains one step, LoRA of the recipe's rank or, "
         "where it sets no `actor_rollout_ref.model.lora_rank`, a full fine-tune (verl's and verl-omni's default, 0) "
         "(`tests/config/test_verl_omni_recipe_runs.py`, sizes shrunk as `ON_CPU` and `ON_CPU_CAPS` document; "
-        "recipes whose configs differ only in keys that pick no code path there, `CODE_PATH_NEUTRAL`, share one "
-        "run); the others are "
+        "recipes whose configs differ only in keys that pick no code path there, `CODE_PATH_NEUTRAL`, or in "
+        "profiling keys, `PROFILING`, share one run, the profiling recipe's when there is one, under a stand-in "
+        "`nsys`; a real run needs Nsight Systems' `nsys` on PATH); the others are "
         "refused at start, before Ray, naming the keys listed (the first refusal a user meets: compose-time keys "
         "together, then the validation and the model-path check).",
         "",

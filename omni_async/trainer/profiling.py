@@ -87,13 +87,9 @@ class NsysPlan:
     def profiles(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
 
-    def opens(self, step: int) -> bool:
-        """A capture range opens before ``step`` (verl's ``not prev_step_profile and curr_step_profile`` when
-        continuous)."""
-        return step in self.steps and not (self.continuous and step - 1 in self.steps)
-
     def closes(self, step: int) -> bool:
-        """The capture range closes after ``step``."""
+        """The capture range closes after ``step``: every profiled step's, or, continuous, the last of a run of
+        consecutive ones (verl's ``curr_step_profile and not next_step_profile``)."""
         return step in self.steps and not (self.continuous and step + 1 in self.steps)
 
     def runtime_env(self, rank: int) -> dict[str, Any] | None:
@@ -219,14 +215,15 @@ def rerun_under_nsys(cfg: DictConfig, argv: list[str]) -> None:
 
 
 class StepWindows:
-    """The driver's side: opens the capture ranges of the profiled ranks before the steps :class:`NsysPlan` opens
-    them at and closes them after (``worker_group``'s ``start_profile`` / ``stop_profile``)."""
+    """The driver's side: opens the capture range of the profiled ranks before a profiled step when none is open
+    (a run resumed inside a continuous window opens it at its first step, as verl does) and closes it where
+    :meth:`NsysPlan.closes` says (``worker_group``'s ``start_profile`` / ``stop_profile``)."""
 
     def __init__(self, plan: NsysPlan | None, worker_group: Any) -> None:
         self.plan, self.wg, self.open = plan, worker_group, False
 
     def before(self, step: int) -> None:
-        if self.plan is not None and self.plan.opens(step):
+        if self.plan is not None and step in self.plan.steps and not self.open:
             self.wg.start_profile()
             self.open = True
 

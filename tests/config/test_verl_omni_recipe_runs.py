@@ -10,8 +10,10 @@ Recipes that differ only in keys that pick no code path here (``CODE_PATH_NEUTRA
 ``RUNS`` says which run covers which recipe, and ``test_one_run_covers_recipes_of_one_effective_config`` checks that
 the recipes a run covers compose to its effective config. A recipe refused at its real world size only because its
 mini-batch has fewer prompt groups than data-parallel ranks (``WORLD_SIZE_REFUSAL``: the two 64-card recipes) trains
-at ON_CPU's one rank like every other. The recipes refused at start, before Ray, are tested in
-``test_verl_omni_recipes.py`` (``test_each_recipe_starts_or_is_refused_before_ray_naming_what_is_missing``).
+at ON_CPU's one rank like every other. The nsys recipe's profiling keys (``PROFILING``) pick no code path of the
+training either: its group runs it, under a stand-in ``nsys`` (``nsys_stand_in.py``), and checks that actor rank 0
+started under it with the recipe's worker options and nothing else did. The recipes refused at start, before Ray, are
+tested in ``test_verl_omni_recipes.py`` (``test_each_recipe_starts_or_is_refused_before_ray_naming_what_is_missing``).
 
 Runs join the test session's Ray cluster (``conftest.py``), one Ray job each."""
 

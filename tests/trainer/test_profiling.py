@@ -98,12 +98,12 @@ def test_step_windows_open_before_and_close_after_the_profiled_steps(continuous,
     windows.close()
     assert [s for k, s in calls if k == "start"] == opened and [s for k, s in calls if k == "stop"] == closed
     calls.clear()
-    short = StepWindows(plan, Group())  # a run of one step ends inside the continuous window: closed at its end
-    step = 1
-    short.before(1)
-    short.after(1)
-    short.close()
-    assert calls == [("start", 1), ("stop", 1)]
+    resumed = StepWindows(plan, Group())  # resumed at step 2, ended after 2: inside [1,2,3] (continuous or not)
+    for step in (2,):
+        resumed.before(step)
+        resumed.after(step)
+    resumed.close()
+    assert calls == [("start", 2), ("stop", 2)]
 
 
 @pytest.fixture

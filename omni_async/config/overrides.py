@@ -5,7 +5,8 @@ verl / verl-omni recipes, whose keys are partly this project's, partly engine kn
 run, and partly features it does not have. Every override is looked at here first:
 
 * a key of this project's config passes unchanged (``+key`` on a key that exists becomes ``++key``, since upstream
-  adds with ``+`` keys its own config lacks and this one has);
+  adds with ``+`` keys its own config lacks and this one has; a key under an open mapping, with or without ``+``,
+  becomes ``++key``, since upstream sets without ``+`` the ones its config names, e.g. nsys' ``trace``);
 * a verl / verl-omni key listed in :mod:`omni_async.config.upstream_keys` is renamed to this project's spelling,
   accepted (meaning the same here, or logged once as having no effect here) or refused, value by value;
 * any other key is refused naming the nearest keys that do exist.

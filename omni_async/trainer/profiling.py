@@ -165,7 +165,7 @@ def check_profiler(cfg: DictConfig, actor_ranks: int) -> None:
             "[] with all_ranks=false: profiler.enable selects no rank",
             f"set {A}.ranks=[0] (or all_ranks=true)",
         )
-        bad = [r for r in a.ranks if not 0 <= int(r) < actor_ranks]
+        bad = [r for r in a.ranks if not isinstance(r, int) or not 0 <= r < actor_ranks]
         check(
             not bad,
             f"{A}.ranks",

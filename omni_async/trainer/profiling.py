@@ -217,13 +217,19 @@ def rerun_under_nsys(cfg: DictConfig, argv: list[str]) -> None:
 class StepWindows:
     """The driver's side: opens the capture range of the profiled ranks before a profiled step when none is open
     (a run resumed inside a continuous window opens it at its first step, as verl does) and closes it where
-    :meth:`NsysPlan.closes` says (``worker_group``'s ``start_profile`` / ``stop_profile``)."""
+    :meth:`NsysPlan.closes` says (``worker_group``'s ``start_profile`` / ``stop_profile``). The driver, re-run under
+    nsys with ``capture-range=cudaProfilerApi`` in its options, opens its own range around the workers' (verl-omni's
+    controller does the same)."""
 
-    def __init__(self, plan: NsysPlan | None, worker_group: Any) -> None:
+    def __init__(self, plan: NsysPlan | None, worker_group: Any, environ: dict[str, str] | None = None) -> None:
         self.plan, self.wg, self.open = plan, worker_group, False
+        under_nsys = bool((environ if environ is not None else os.environ).get(CONTROLLER_ENV))
+        captures = plan is not None and plan.controller_options.get("capture-range") == "cudaProfilerApi"
+        self.driver = RankProfiler(under_nsys and captures)
 
     def before(self, step: int) -> None:
         if self.plan is not None and step in self.plan.steps and not self.open:
+            self.driver.start()
             self.wg.start_profile()
             self.open = True
 
@@ -235,21 +241,26 @@ class StepWindows:
         """Close a range still open (the run ended inside a continuous window)."""
         if self.open:
             self.wg.stop_profile()
+            self.driver.stop()
             self.open = False
 
 
 class RankProfiler:
-    """An actor rank's side: the CUDA profiler's capture range and NVTX ranges, on a profiled rank inside a profiled
-    window. Called on the rank's device thread, in call order with its model calls."""
+    """A profiled process's side (an actor rank, or the driver under nsys): the CUDA profiler's capture range and
+    NVTX ranges, inside a profiled window. A rank calls it on its device thread, in call order with its model calls."""
 
-    def __init__(self, plan: NsysPlan | None, rank: int) -> None:
+    def __init__(self, on: bool, discrete: bool = False) -> None:
         import torch
 
-        self.on = plan is not None and plan.profiles(rank)
-        self.discrete = bool(plan and plan.discrete)
+        self.on, self.discrete = bool(on), bool(discrete)
         self.cuda = torch.cuda.is_available()
         self.window = False  # between start() and stop()
         self._told = False
+
+    @classmethod
+    def of_rank(cls, plan: NsysPlan | None, rank: int) -> RankProfiler:
+        """Actor rank ``rank``'s: on when the plan profiles it."""
+        return cls(plan is not None and plan.profiles(rank), bool(plan and plan.discrete))
 
     def start(self) -> None:
         if not self.on:
@@ -258,8 +269,8 @@ class RankProfiler:
         if not self.cuda:
             if not self._told:
                 logger.warning(
-                    "profiled rank without CUDA: no capture range to open (torch.cuda.profiler) and no NVTX ranges; "
-                    "nsys records this rank's CPU side only"
+                    "profiled process without CUDA: no capture range to open (torch.cuda.profiler) and no NVTX "
+                    "ranges; nsys records its CPU side only"
                 )
                 self._told = True
             return

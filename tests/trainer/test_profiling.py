@@ -130,11 +130,13 @@ def run_step(rank: RankProfiler) -> None:
 
 
 def test_a_profiled_rank_opens_the_capture_range_and_marks_its_phases(fake_cuda):
-    run_step(RankProfiler(plan_of(), rank=0))
+    run_step(RankProfiler.of_rank(plan_of(), rank=0))
     phases = ["push gen", "pop", "push old_log_prob", "pop", "push update", "pop"]
     assert fake_cuda == ["start", *phases, "stop"]
     fake_cuda.clear()
-    run_step(RankProfiler(plan_of("global_profiler.profile_continuous_steps=False", f"{NSYS}.discrete=True"), 0))
+    run_step(
+        RankProfiler.of_rank(plan_of("global_profiler.profile_continuous_steps=False", f"{NSYS}.discrete=True"), 0)
+    )
     assert fake_cuda == ["start", "push gen", "pop", "stop", "start", "push old_log_prob", "pop", "stop"] + [
         "start",
         "push update",
@@ -142,12 +144,35 @@ def test_a_profiled_rank_opens_the_capture_range_and_marks_its_phases(fake_cuda)
         "stop",
     ]  # discrete: a capture range per phase
     fake_cuda.clear()
-    run_step(RankProfiler(plan_of(), rank=1))  # not among profiler.ranks
+    run_step(RankProfiler.of_rank(plan_of(), rank=1))  # not among profiler.ranks
     assert fake_cuda == []
 
 
+def test_the_driver_under_nsys_opens_its_own_capture_range_around_the_workers(fake_cuda):
+    """verl-omni's controller opens a range too when its options capture on cudaProfilerApi (the recipe's do)."""
+    plan = plan_of(f"+{NSYS}.controller_nsight_options.capture-range=cudaProfilerApi")
+
+    class Group:
+        def start_profile(self):
+            fake_cuda.append("ranks start")
+
+        def stop_profile(self):
+            fake_cuda.append("ranks stop")
+
+    for environ, expected in (
+        ({profiling.CONTROLLER_ENV: "1"}, ["start", "ranks start", "ranks stop", "stop"]),
+        ({}, ["ranks start", "ranks stop"]),  # not re-run under nsys: nothing to capture in the driver
+    ):
+        fake_cuda.clear()
+        windows = StepWindows(plan, Group(), environ=environ)
+        for step in range(1, 5):
+            windows.before(step)
+            windows.after(step)
+        assert fake_cuda == expected
+
+
 def test_without_cuda_a_profiled_rank_skips_the_capture_range_and_says_so_once(caplog):
-    rank = RankProfiler(plan_of(), rank=0)
+    rank = RankProfiler.of_rank(plan_of(), rank=0)
     if rank.cuda:
         pytest.skip("CUDA is available here: the ranges are real (test above)")
     with caplog.at_level(logging.WARNING, logger=profiling.__name__):

@@ -217,6 +217,8 @@ class AgentLoopManager:
         self.dispatcher: RewardDispatcher | None = None
         if dispatcher_factory is not None:
             self.dispatcher = self.on_loop(dispatcher_factory)
+            # A reward chunk lingers for others only while generation requests are out (more chunks will come).
+            self.dispatcher.more_coming = lambda: self.counts.requests_out + self.counts.lent_requests > 0
         self._generating = _Gate(max_generating) if max_generating else None
         self._base_capacity = int(max_generating or 0)
         self._per_worker = int(max_generating or 0) // max(1, len(self.workers))

@@ -98,6 +98,7 @@ REAL: frozenset[str] = frozenset(
         "reward.timeout_s",
         "trainer.save_interval_min",
         "actor_rollout_ref.rollout.agent.max_wait_ms",
+        "reward.linger_ms",
     }
 )
 

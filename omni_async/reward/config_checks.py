@@ -26,6 +26,12 @@ def check_reward(cfg: DictConfig) -> None:
     _check(reward.max_resends >= 0, "reward.max_resends", f"must be >= 0, got {reward.max_resends}", "e.g. 2")
     _check(reward.timeout_s > 0, "reward.timeout_s", "every reward call needs a positive deadline", "e.g. 120")
     _check(
+        0 <= reward.linger_ms <= 1000 * reward.timeout_s,
+        "reward.linger_ms",
+        f"must be in [0, reward.timeout_s * 1000], got {reward.linger_ms}",
+        "use the default 200, or 0 to send each event-loop turn's chunks at once",
+    )
+    _check(
         reward.on_failure in ("mask", "raise"),
         "reward.on_failure",
         f"unknown policy {reward.on_failure!r}",

@@ -15,6 +15,10 @@ Every finished sample calls ``await dispatcher.score(record)`` (``Sample.reward_
 
 The samples that leave the queue for one worker in one turn of the event loop go in one ``score_many`` call
 (``batching.TurnCalls``): a Ray call per sample was the driver's largest cost per sample (``bench/driver_cost.py``).
+While more samples are being generated (``more_coming``, the agent loop's requests out), a sample leaving the queue
+waits up to ``reward.linger_ms`` for others to share its call (Kafka's ``linger.ms``: at a sparse rate each call
+costs the driver ~2 ms of CPU, and the samples arrive one generation answer at a time); once nothing more is being
+generated, everything waiting goes at once, so the last samples of a step never wait.
 Each sample still holds its own place, worker slot, deadline, re-sends and outcome.
 
 It runs on the agent loop's event loop; Ray object refs are awaited, so thousands of in-flight samples cost
@@ -37,7 +41,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import ray
@@ -102,10 +106,12 @@ class RewardDispatcher:
         max_resends: int = 2,
         scorers: str = "reward",
         teacher: bool = False,
+        linger_s: float = 0.0,
     ):
         """``scorers``: what the workers score with (``manager.scorer_names``), named in the log. ``teacher``: the
         workers hold the distillation teacher, so training samples' chunks carry their trajectory
-        (``reward.teacher``)."""
+        (``reward.teacher``). ``linger_s``: how long a sample may wait for others to share its call while
+        ``more_coming()`` (module docstring; ``reward.linger_ms``)."""
         self.workers = list(workers)
         self.scorers = scorers
         self.teacher = teacher
@@ -123,8 +129,12 @@ class RewardDispatcher:
         # k slots freed in one turn of the loop: a backlog's cost, bench/driver_cost.py).
         self._slot_waiters: deque[asyncio.Future[int]] = deque()
         self._turn_worker: int | None = None  # the worker this turn's samples go to (_least_loaded)
+        self.linger_s = float(linger_s)
+        # Whether more samples may reach the queue soon (set by the agent loop: its generation requests out); while
+        # it says no, nothing lingers.
+        self.more_coming: Callable[[], bool] = lambda: True
         self._calls: TurnCalls[tuple[dict[str, Any], SampleTimes]] = TurnCalls(
-            self._send, timeout_s=self.deadline_s, on_timeout=ray.cancel
+            self._send, timeout_s=self.deadline_s, on_timeout=ray.cancel, linger_s=self.linger_s
         )
         self.waiting = 0
         self.counters = {"total_produced": 0, "total_consumed": 0, "dropped": 0, "retried": 0, "max_size": 0}
@@ -149,8 +159,8 @@ class RewardDispatcher:
 
     # ---- scoring ----------------------------------------------------------------------------------------------
     def _least_loaded(self) -> int | None:
-        """The worker for the next sample: the one this turn of the loop already sends to while it has room (the
-        turn's samples go in one call, ``TurnCalls``), else the least loaded one."""
+        """The worker for the next sample: the one this turn of the loop (or this linger window) already sends to while
+        it has room (its samples go in one call, ``TurnCalls``), else the least loaded one."""
         w = self._turn_worker
         if w is not None and not self.down[w] and self.inflight[w] < self.max_inflight:
             return w
@@ -158,7 +168,11 @@ class RewardDispatcher:
         if not up:
             return None
         if self._turn_worker is None:
-            asyncio.get_running_loop().call_soon(self._end_turn)
+            loop = asyncio.get_running_loop()
+            if self.linger_s > 0:
+                loop.call_later(self.linger_s, self._end_turn)
+            else:
+                loop.call_soon(self._end_turn)
         self._turn_worker = min(up, key=self.inflight.__getitem__)
         return self._turn_worker
 
@@ -258,7 +272,8 @@ class RewardDispatcher:
         try:
             while True:
                 try:
-                    outcome = await self._calls.submit(w, (record, times))  # the call is cancelled past the deadline
+                    # The call is cancelled past the deadline; it lingers only while more samples may come.
+                    outcome = await self._calls.submit(w, (record, times), linger=self.more_coming())
                     break
                 except asyncio.TimeoutError:
                     outcome = RewardOutcome(

@@ -76,6 +76,7 @@ class RewardSide:
             max_resends=r.max_resends,
             scorers=self.scorer_names,
             teacher=self.teacher_spec is not None,
+            linger_s=r.linger_ms / 1000.0,
         )
 
     @property

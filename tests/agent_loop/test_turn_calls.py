@@ -192,3 +192,69 @@ def test_the_reward_samples_of_one_turn_share_one_call_to_one_worker_while_it_ha
     outcomes = asyncio.run(run())
     assert [o.score for o in outcomes] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert calls == [(0, ["0", "1", "2"]), (1, ["3", "4"])]
+
+
+def test_lingering_items_of_several_turns_share_a_call_until_one_says_nothing_more_is_coming():
+    """``linger_s`` (``reward.linger_ms``): items of later turns join the waiting ones (one call per key); an item
+    submitted with ``linger=False`` sends all of them at the end of its turn; otherwise the timer does."""
+    sent: list[tuple[str, list[int]]] = []
+
+    def send(key, items):
+        sent.append((key, list(items)))
+        return asyncio.sleep(0, [10 * i for i in items])
+
+    async def run():
+        calls = TurnCalls(send, linger_s=60.0)
+        waiting = [calls.submit("w", 1)]
+        await asyncio.sleep(0)
+        waiting += [calls.submit("w", 2), calls.submit("v", 3)]
+        await asyncio.sleep(0)
+        assert sent == []  # two turns later, still lingering
+        waiting.append(calls.submit("w", 4, linger=False))
+        assert sent == []  # the end of this turn, not at once
+        await asyncio.sleep(0)
+        assert sent == [("w", [1, 2, 4]), ("v", [3])]
+        assert await asyncio.gather(*waiting) == [10, 20, 30, 40]
+        short = TurnCalls(send, linger_s=0.01)
+        late = short.submit("w", 5)
+        await asyncio.sleep(0)
+        assert len(sent) == 2  # waits for its timer
+        return await late
+
+    assert asyncio.run(run()) == 50 and sent[-1] == ("w", [5])
+
+
+def test_reward_samples_linger_for_one_call_while_more_are_generating():
+    """The dispatcher with ``linger_s``: samples leaving the queue in different turns go to the same worker in one
+    call while ``more_coming()`` (the agent loop's requests out); the sample that finds nothing more coming sends
+    them at once."""
+    from omni_async.reward.dispatcher import RewardDispatcher
+    from omni_async.sample import RewardOutcome
+
+    calls: list[tuple[int, list[str]]] = []
+
+    class Worker:
+        def __init__(self, i: int):
+            self.i = i
+            self.score_many = self
+
+        def remote(self, records):
+            calls.append((self.i, [r["uid"] for r in records]))
+            return asyncio.sleep(0, [RewardOutcome("ok", score=float(r["uid"])) for r in records])
+
+    async def run():
+        d = RewardDispatcher([Worker(0), Worker(1)], queue_size=16, max_inflight_per_worker=8, timeout_s=5, linger_s=60)
+        generating = [True]
+        d.more_coming = lambda: generating[0]
+        tasks = [asyncio.ensure_future(d.score({"uid": "0"}))]
+        for i in (1, 2):
+            await asyncio.sleep(0.001)
+            tasks.append(asyncio.ensure_future(d.score({"uid": str(i)})))
+        await asyncio.sleep(0.001)
+        assert calls == []
+        generating[0] = False
+        tasks.append(asyncio.ensure_future(d.score({"uid": "3"})))
+        return await asyncio.gather(*tasks)
+
+    assert [o.score for o in asyncio.run(run())] == [0.0, 1.0, 2.0, 3.0]
+    assert calls == [(0, ["0", "1", "2", "3"])]

@@ -206,6 +206,7 @@ def test_missing_train_files():
             "global_std=false",
         ),
         (["reward.queue_size=0"], "reward.queue_size", "default"),
+        (["reward.linger_ms=-1"], "reward.linger_ms", "default 200"),
         (["reward.reward_manager.name=dapo"], "reward.reward_manager.name", "naive"),
         (["reward.reward_model.rollout.gpu_memory_utilization=0"], "gpu_memory_utilization", "0.5"),
         (["reward.reward_model.enable_resource_pool=True", "reward.num_workers=3"], "reward.num_workers", "tensor"),

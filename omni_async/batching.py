@@ -124,9 +124,9 @@ class TurnCalls(Generic[T]):
     (``bench/driver_cost.py``). Samples that reach the same point in one turn (a group's members, a reply's
     answers) share a call and nothing waits for a timer. ``calls`` / ``items``: what went out.
 
-    ``linger_s`` > 0 (Kafka's ``linger.ms``): an item submitted with ``linger=True`` waits up to that long for others,
-    all going out at the end of the turn ``linger_s`` after the first of them; one submitted with ``linger=False``
-    (nothing more is coming) sends everything waiting at the end of its own turn. At a sparse rate, where each call
+    An item submitted with ``linger_s`` > 0 (Kafka's ``linger.ms``) may wait up to that long for others: everything
+    waiting goes out at the end of the turn in which the earliest of the waiting items' deadlines passes, or at the end
+    of the turn of an item submitted with ``linger_s=0`` (nothing more is coming). At a sparse rate, where each call
     costs the driver ~2 ms of CPU across Ray's threads and the loop's wake-ups (``bench/driver_cost.py``), this halves
     the calls for a bounded delay."""
 
@@ -136,23 +136,25 @@ class TurnCalls(Generic[T]):
         timeout_s: float | None = None,
         on_timeout: Callable[[Any], object] | None = None,
         max_items: int | None = None,
-        linger_s: float = 0.0,
     ):
         self._send, self.timeout_s, self._on_timeout = send, timeout_s, on_timeout
-        self.max_items, self.linger_s = max_items, float(linger_s)
+        self.max_items = max_items
         self._pending: dict[Hashable, list[tuple[T, asyncio.Future]]] = {}
         self._flush_soon = False  # a flush at the end of this turn is scheduled
         self._linger: asyncio.TimerHandle | None = None  # the lingering items' flush
         self._answering: set[asyncio.Future] = set()  # strong references: the loop keeps only weak ones to tasks
         self.calls = self.items = 0
 
-    def submit(self, key: Hashable, item: T, linger: bool = True) -> asyncio.Future:
-        """On the loop: ``item`` goes to ``key`` with the others of this turn (and, with ``linger`` and ``linger_s``,
-        of the next ``linger_s`` seconds); the future of its answer."""
+    def submit(self, key: Hashable, item: T, linger_s: float = 0.0) -> asyncio.Future:
+        """On the loop: ``item`` goes to ``key`` with the others of this turn (and of the next ``linger_s`` seconds at
+        most); the future of its answer."""
         loop = asyncio.get_running_loop()
-        if linger and self.linger_s > 0:
-            if self._linger is None and not self._flush_soon:
-                self._linger = loop.call_later(self.linger_s, self._flush)
+        if linger_s > 0:
+            due = loop.time() + linger_s
+            if not self._flush_soon and (self._linger is None or due < self._linger.when()):
+                if self._linger is not None:
+                    self._linger.cancel()
+                self._linger = loop.call_at(due, self._flush)
         elif not self._flush_soon:
             # call_soon runs after every callback already due in this turn: what reached this point together goes
             # together.

@@ -16,9 +16,11 @@ Every finished sample calls ``await dispatcher.score(record)`` (``Sample.reward_
 The samples that leave the queue for one worker in one turn of the event loop go in one ``score_many`` call
 (``batching.TurnCalls``): a Ray call per sample was the driver's largest cost per sample (``bench/driver_cost.py``).
 While more samples are being generated (``more_coming``, the agent loop's requests out), a sample leaving the queue
-waits up to ``reward.linger_ms`` for others to share its call (Kafka's ``linger.ms``: at a sparse rate each call
-costs the driver ~2 ms of CPU, and the samples arrive one generation answer at a time); once nothing more is being
-generated, everything waiting goes at once, so the last samples of a step never wait.
+waits for others to share its call (Kafka's ``linger.ms``: at a sparse rate each call costs the driver ~2 ms of CPU,
+and the samples arrive one generation answer at a time), up to ``reward.linger_ms`` and at most
+:data:`LINGER_SHARE` of its own generation's time, so a reward's start moves little next to the latency the sample
+already has (fast generations stream as before); once nothing more is being generated, everything waiting goes at
+once, so the last samples of a step never wait.
 Each sample still holds its own place, worker slot, deadline, re-sends and outcome.
 
 It runs on the agent loop's event loop; Ray object refs are awaited, so thousands of in-flight samples cost
@@ -62,6 +64,9 @@ TRANSPORT_GRACE_S = 10.0
 FAILURE_WINDOW, FAILURE_MIN_OUTCOMES = 100, 20
 FAILURE_RATE_WARN, FAILURE_RATE_CLEAR = 0.10, 0.05
 LOG_INTERVAL_S = 30.0  # events that can come per sample (re-sends, timeouts) log at most this often per worker
+# A reward chunk lingers at most this share of its sample's generation time (and reward.linger_ms): a tenth of what the
+# sample already took, so lingering never moves a sample's latency by much, however fast generation is.
+LINGER_SHARE = 0.1
 
 
 class FailureRate:
@@ -110,7 +115,7 @@ class RewardDispatcher:
     ):
         """``scorers``: what the workers score with (``manager.scorer_names``), named in the log. ``teacher``: the
         workers hold the distillation teacher, so training samples' chunks carry their trajectory
-        (``reward.teacher``). ``linger_s``: how long a sample may wait for others to share its call while
+        (``reward.teacher``). ``linger_s``: the longest a sample may wait for others to share its call while
         ``more_coming()`` (module docstring; ``reward.linger_ms``)."""
         self.workers = list(workers)
         self.scorers = scorers
@@ -134,7 +139,7 @@ class RewardDispatcher:
         # it says no, nothing lingers.
         self.more_coming: Callable[[], bool] = lambda: True
         self._calls: TurnCalls[tuple[dict[str, Any], SampleTimes]] = TurnCalls(
-            self._send, timeout_s=self.deadline_s, on_timeout=ray.cancel, linger_s=self.linger_s
+            self._send, timeout_s=self.deadline_s, on_timeout=ray.cancel
         )
         self.waiting = 0
         self.counters = {"total_produced": 0, "total_consumed": 0, "dropped": 0, "retried": 0, "max_size": 0}
@@ -260,6 +265,14 @@ class RewardDispatcher:
                 times.sent, times.dispatch_s = sent, share
         return ref
 
+    def _linger_s(self, times: SampleTimes) -> float:
+        """How long this sample's chunk may wait for others (module docstring): 0 once nothing more is coming."""
+        if self.linger_s <= 0 or not self.more_coming():
+            return 0.0
+        if times.gen_start is None or times.gen_end is None:  # not from the agent loop: no generation time to bound it
+            return self.linger_s
+        return min(self.linger_s, LINGER_SHARE * max(0.0, times.gen_end - times.gen_start))
+
     async def _dispatch(self, record: dict[str, Any], times: SampleTimes) -> RewardOutcome:
         try:
             w = await self._take_worker()
@@ -273,7 +286,7 @@ class RewardDispatcher:
             while True:
                 try:
                     # The call is cancelled past the deadline; it lingers only while more samples may come.
-                    outcome = await self._calls.submit(w, (record, times), linger=self.more_coming())
+                    outcome = await self._calls.submit(w, (record, times), self._linger_s(times))
                     break
                 except asyncio.TimeoutError:
                     outcome = RewardOutcome(

@@ -194,9 +194,10 @@ def test_the_reward_samples_of_one_turn_share_one_call_to_one_worker_while_it_ha
     assert calls == [(0, ["0", "1", "2"]), (1, ["3", "4"])]
 
 
-def test_lingering_items_of_several_turns_share_a_call_until_one_says_nothing_more_is_coming():
-    """``linger_s`` (``reward.linger_ms``): items of later turns join the waiting ones (one call per key); an item
-    submitted with ``linger=False`` sends all of them at the end of its turn; otherwise the timer does."""
+def test_lingering_items_of_several_turns_share_a_call_until_the_earliest_deadline_or_one_that_does_not_linger():
+    """``submit(..., linger_s)`` (``reward.linger_ms``): items of later turns join the waiting ones (one call per
+    key); an item with ``linger_s=0`` sends all of them at the end of its turn; otherwise the earliest of the waiting
+    items' deadlines does."""
     sent: list[tuple[str, list[int]]] = []
 
     def send(key, items):
@@ -204,30 +205,29 @@ def test_lingering_items_of_several_turns_share_a_call_until_one_says_nothing_mo
         return asyncio.sleep(0, [10 * i for i in items])
 
     async def run():
-        calls = TurnCalls(send, linger_s=60.0)
-        waiting = [calls.submit("w", 1)]
+        calls = TurnCalls(send)
+        waiting = [calls.submit("w", 1, 60.0)]
         await asyncio.sleep(0)
-        waiting += [calls.submit("w", 2), calls.submit("v", 3)]
+        waiting += [calls.submit("w", 2, 60.0), calls.submit("v", 3, 60.0)]
         await asyncio.sleep(0)
         assert sent == []  # two turns later, still lingering
-        waiting.append(calls.submit("w", 4, linger=False))
+        waiting.append(calls.submit("w", 4))
         assert sent == []  # the end of this turn, not at once
         await asyncio.sleep(0)
         assert sent == [("w", [1, 2, 4]), ("v", [3])]
         assert await asyncio.gather(*waiting) == [10, 20, 30, 40]
-        short = TurnCalls(send, linger_s=0.01)
-        late = short.submit("w", 5)
+        late = [calls.submit("w", 5, 60.0), calls.submit("w", 6, 0.01)]  # the second's deadline comes first
         await asyncio.sleep(0)
         assert len(sent) == 2  # waits for its timer
-        return await late
+        return await asyncio.gather(*late)
 
-    assert asyncio.run(run()) == 50 and sent[-1] == ("w", [5])
+    assert asyncio.run(run()) == [50, 60] and sent[-1] == ("w", [5, 6])
 
 
 def test_reward_samples_linger_for_one_call_while_more_are_generating():
     """The dispatcher with ``linger_s``: samples leaving the queue in different turns go to the same worker in one
     call while ``more_coming()`` (the agent loop's requests out); the sample that finds nothing more coming sends
-    them at once."""
+    them at once. A sample lingers at most ``LINGER_SHARE`` of its generation's time."""
     from omni_async.reward.dispatcher import RewardDispatcher
     from omni_async.sample import RewardOutcome
 
@@ -258,3 +258,12 @@ def test_reward_samples_linger_for_one_call_while_more_are_generating():
 
     assert [o.score for o in asyncio.run(run())] == [0.0, 1.0, 2.0, 3.0]
     assert calls == [(0, ["0", "1", "2", "3"])]
+
+    from omni_async.reward.dispatcher import LINGER_SHARE
+    from omni_async.sample import SampleTimes
+
+    d = RewardDispatcher([Worker(0)], queue_size=4, max_inflight_per_worker=4, timeout_s=5, linger_s=0.2)
+    fast, slow = SampleTimes(gen_start=10.0, gen_end=10.5), SampleTimes(gen_start=0.0, gen_end=60.0)
+    assert d._linger_s(fast) == pytest.approx(LINGER_SHARE * 0.5) and d._linger_s(slow) == 0.2
+    d.more_coming = lambda: False
+    assert d._linger_s(slow) == 0.0

@@ -52,9 +52,6 @@ def test_stream_on_reward_pool_matches_sync_and_skips_colocated_reward(make_trai
         "reward.reward_model.enable_resource_pool=True",
         "reward.reward_model.n_gpus_per_node=1",
         "reward.num_workers=1",
-        # Each chunk at once: the default lingers up to reward.linger_ms while more are generating, longer than this
-        # tiny model's batches take (tests/agent_loop/test_turn_calls.py checks the linger).
-        "reward.linger_ms=0",
     )
     # Placement: the reward worker holds a device of the reward pool, not of the actor/rollout pool.
     reward_pgs = {pg.id.hex() for pg in stream.placement.pools.get_resource_pool("reward").get_placement_groups()}

@@ -163,9 +163,11 @@ class RewardDispatcher:
         self.counters["retried"] = 0
 
     # ---- scoring ----------------------------------------------------------------------------------------------
-    def _least_loaded(self) -> int | None:
+    def _least_loaded(self, linger_s: float = 0.0) -> int | None:
         """The worker for the next sample: the one this turn of the loop (or this linger window) already sends to while
-        it has room (its samples go in one call, ``TurnCalls``), else the least loaded one."""
+        it has room (its samples go in one call, ``TurnCalls``), else the least loaded one. A window opened by a
+        sample that may linger ``linger_s`` keeps its worker that long, no longer: the samples of a shorter window go
+        to the least loaded worker again, so scoring stays spread across the workers."""
         w = self._turn_worker
         if w is not None and not self.down[w] and self.inflight[w] < self.max_inflight:
             return w
@@ -174,8 +176,8 @@ class RewardDispatcher:
             return None
         if self._turn_worker is None:
             loop = asyncio.get_running_loop()
-            if self.linger_s > 0:
-                loop.call_later(self.linger_s, self._end_turn)
+            if linger_s > 0:
+                loop.call_later(linger_s, self._end_turn)
             else:
                 loop.call_soon(self._end_turn)
         self._turn_worker = min(up, key=self.inflight.__getitem__)
@@ -184,8 +186,8 @@ class RewardDispatcher:
     def _end_turn(self) -> None:
         self._turn_worker = None
 
-    async def _take_worker(self) -> int:
-        w = None if self._slot_waiters else self._least_loaded()  # no overtaking the tasks already waiting
+    async def _take_worker(self, linger_s: float = 0.0) -> int:
+        w = None if self._slot_waiters else self._least_loaded(linger_s)  # no overtaking the tasks already waiting
         if w is not None:
             self.inflight[w] += 1
             return w
@@ -275,7 +277,7 @@ class RewardDispatcher:
 
     async def _dispatch(self, record: dict[str, Any], times: SampleTimes) -> RewardOutcome:
         try:
-            w = await self._take_worker()
+            w = await self._take_worker(self._linger_s(times))
         finally:
             self.waiting -= 1
             self._places.release()

@@ -267,3 +267,34 @@ def test_reward_samples_linger_for_one_call_while_more_are_generating():
     assert d._linger_s(fast) == pytest.approx(LINGER_SHARE * 0.5) and d._linger_s(slow) == 0.2
     d.more_coming = lambda: False
     assert d._linger_s(slow) == 0.0
+
+
+def test_a_short_linger_window_keeps_its_worker_only_that_long():
+    """A sample of a fast generation lingers ``LINGER_SHARE`` of its generation time, and the worker its window chose
+    is kept only that long: the next sample, after the window, goes to the least loaded worker again (scoring stays
+    spread across the workers, not on one for ``reward.linger_ms``)."""
+    from omni_async.reward.dispatcher import RewardDispatcher
+    from omni_async.sample import RewardOutcome, SampleTimes
+
+    calls: list[tuple[int, list[str]]] = []
+
+    class SlowWorker:
+        def __init__(self, i: int):
+            self.i = i
+            self.score_many = self
+
+        def remote(self, records):
+            calls.append((self.i, [r["uid"] for r in records]))
+            return asyncio.sleep(0.05, [RewardOutcome("ok", score=1.0) for _ in records])
+
+    async def run():
+        d = RewardDispatcher([SlowWorker(0), SlowWorker(1)], queue_size=8, max_inflight_per_worker=8, timeout_s=5)
+        d.linger_s, d.more_coming = 60.0, lambda: True
+        fast = SampleTimes(gen_start=0.0, gen_end=0.02)  # lingers 2 ms
+        first = asyncio.ensure_future(d.score({"uid": "0"}, fast))
+        await asyncio.sleep(0.01)  # its window has ended and its call is out (scoring: 50 ms)
+        second = asyncio.ensure_future(d.score({"uid": "1"}, fast))
+        return await asyncio.gather(first, second)
+
+    asyncio.run(run())
+    assert calls == [(0, ["0"]), (1, ["1"])]  # a 60 s window would have kept worker 0 for the second

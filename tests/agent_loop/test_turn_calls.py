@@ -5,6 +5,7 @@ answering one item each) and an ``ImageResult``'s wire form."""
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import pytest
 
@@ -229,18 +230,9 @@ def test_reward_samples_linger_for_one_call_while_more_are_generating():
     call while ``more_coming()`` (the agent loop's requests out); the sample that finds nothing more coming sends
     them at once. A sample lingers at most ``LINGER_SHARE`` of its generation's time."""
     from omni_async.reward.dispatcher import RewardDispatcher
-    from omni_async.sample import RewardOutcome
 
     calls: list[tuple[int, list[str]]] = []
-
-    class Worker:
-        def __init__(self, i: int):
-            self.i = i
-            self.score_many = self
-
-        def remote(self, records):
-            calls.append((self.i, [r["uid"] for r in records]))
-            return asyncio.sleep(0, [RewardOutcome("ok", score=float(r["uid"])) for r in records])
+    Worker = partial(RecordingWorker, calls=calls)
 
     async def run():
         d = RewardDispatcher([Worker(0), Worker(1)], queue_size=16, max_inflight_per_worker=8, timeout_s=5, linger_s=60)
@@ -274,18 +266,10 @@ def test_a_short_linger_window_keeps_its_worker_only_that_long():
     is kept only that long: the next sample, after the window, goes to the least loaded worker again (scoring stays
     spread across the workers, not on one for ``reward.linger_ms``)."""
     from omni_async.reward.dispatcher import RewardDispatcher
-    from omni_async.sample import RewardOutcome, SampleTimes
+    from omni_async.sample import SampleTimes
 
     calls: list[tuple[int, list[str]]] = []
-
-    class SlowWorker:
-        def __init__(self, i: int):
-            self.i = i
-            self.score_many = self
-
-        def remote(self, records):
-            calls.append((self.i, [r["uid"] for r in records]))
-            return asyncio.sleep(0.05, [RewardOutcome("ok", score=1.0) for _ in records])
+    SlowWorker = partial(RecordingWorker, calls=calls, delay_s=0.05)
 
     async def run():
         d = RewardDispatcher([SlowWorker(0), SlowWorker(1)], queue_size=8, max_inflight_per_worker=8, timeout_s=5)
@@ -298,3 +282,18 @@ def test_a_short_linger_window_keeps_its_worker_only_that_long():
 
     asyncio.run(run())
     assert calls == [(0, ["0"]), (1, ["1"])]  # a 60 s window would have kept worker 0 for the second
+
+
+class RecordingWorker:
+    """A reward-loop worker's ``score_many.remote`` for the dispatcher: records ``(worker, uids)`` per call and
+    answers each record with its uid as the score after ``delay_s``."""
+
+    def __init__(self, i: int, calls: list[tuple[int, list[str]]], delay_s: float = 0.0):
+        self.i, self.calls, self.delay_s = i, calls, delay_s
+        self.score_many = self
+
+    def remote(self, records):
+        from omni_async.sample import RewardOutcome
+
+        self.calls.append((self.i, [r["uid"] for r in records]))
+        return asyncio.sleep(self.delay_s, [RewardOutcome("ok", score=float(r["uid"])) for r in records])

@@ -75,9 +75,8 @@ class ActorWorker(Worker, RolloutWorker):
         self._interrupts_at_sync = bool(interrupts_at_sync)
         self.device = configure_worker()
         self.peaks = PhasePeaks(self.device)
-        self.profiler = RankProfiler.of_rank(
-            nsys_plan(self.cfg), self.rank
-        )  # global_profiler: this rank's capture ranges
+        # global_profiler: this rank's capture ranges and NVTX ranges (trainer.profiling)
+        self.profiler = RankProfiler.of_rank(nsys_plan(self.cfg), self.rank)
         self.modality = modality_of(self.cfg)
         self._device_thread = DeviceThread("actor-device")
         self.rollout_version = 0

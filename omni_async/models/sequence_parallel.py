@@ -23,8 +23,12 @@ attention's ``S x S`` work is split by heads.
 Text tokens are padded with masked tokens up to a multiple of ``sp`` (Qwen-Image's ``encoder_hidden_states_mask``:
 padded keys are masked out, their own outputs never reach the image tokens); image tokens must divide by ``sp``.
 
-Generation runs unsharded: the hooks are attached only inside :meth:`SequenceParallel.active` (the actor's update and
-log-prob recompute), so a rank generating alone never waits on a collective.
+Generation is split the same way. A group is one rollout worker: its leader (sequence rank 0) takes the requests and
+forms the batches, and the group's other ranks run each batch with it (``trainer.group_order`` puts every rank's
+device calls in the leader's order, so the ranks always meet in the same collective); every rank gets the whole
+samples (``proj_out``'s gathered output), the leader answers the requests. The text encoders and the VAE are not
+split (each rank runs them whole). The hooks are attached only inside :meth:`SequenceParallel.active` (generation,
+the update, the log-prob recompute), so nothing else a rank runs waits on a collective.
 
 diffusers' ``enable_parallelism`` is not used: it builds its device from ``rank % torch.accelerator.device_count()``,
 which divides by zero on a CPU machine, and it cannot be undone; the same parts (``ParallelConfig.setup``, the

@@ -21,9 +21,11 @@ Layouts (DESIGN, "On GPUs"), per device, in GB (1e9 bytes):
   encodings travel in the batch), plus the weight-sync send bucket.
 
 Ulysses sequence parallelism (``sp`` > 1, LoRA layouts only, as the trainer's config allows): the training micro-batch
-is one rank's of its group, measured with the tokens split (``train_sp``); everything else a rank holds is unchanged
-(a full bf16 transformer and the LoRA state on every rank, the gradient all-reduce over all ranks, the rollout not
-split), and the group's two communicators (the all-to-all Ulysses group and the ring x Ulysses group the output is
+is one rank's of its group, measured with the tokens split (``train_sp``); with ``split_generation`` (a hybrid
+group that generates together: ``rollout.agent.num_workers`` one per group) the denoising forward is one rank's too
+(``rollout_sp``), else each rank generates whole samples; everything else a rank holds is unchanged (a full bf16
+transformer and the LoRA state on every rank, the gradient all-reduce over all ranks, the text encoder's forward and
+the VAE decode), and the group's two communicators (the all-to-all Ulysses group and the ring x Ulysses group the output is
 gathered over) add :data:`NCCL_RESERVE_GB` each.
 
 On top of the allocated peak (assumptions, not measurements — the plan runs no GPU):
@@ -81,13 +83,15 @@ def device_peak(
     snapshot: bool = True,
     weights_bucket_gb: float = VERL_WEIGHTS_BUCKET_GB,
     sp: int = 1,
+    split_generation: bool = False,
 ) -> dict:
     """One device of ``layout`` (module docstring): the allocated peak of each phase and the device total, in GB.
 
     ``micro_scale`` scales the measured training activations linearly (they are proportional to the micro-batch);
     the rollout phase stays at the measured batch (``agent.max_batch_size`` requests, x2 with CFG).
     ``vae_tiled=None`` follows the policy's default (tiled for video, plain for images). ``sp``: the Ulysses degree
-    (module docstring; ``ranks`` counts every actor rank, a multiple of ``sp``)."""
+    (module docstring; ``ranks`` counts every actor rank, a multiple of ``sp``); ``split_generation``: the hybrid
+    group generates together (one rank's denoising forward, ``rollout_sp``)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: use one of {LAYOUTS}")
     if sp > 1 and (ranks % sp or layout == "rollout"):
@@ -101,9 +105,14 @@ def device_peak(
     transformer = w["transformer"]["gb"]
     encoders = sum(part["gb"] for name, part in w.items() if name != "transformer")  # text encoder(s) and VAE
     tiled = plan["frames"] > 1 if vae_tiled is None else vae_tiled
-    generate = max(
-        plan["text_encoder_forward_gb"], entry["rollout_gb"][tag], entry["vae_decode_gb"]["tiled" if tiled else "plain"]
-    )
+    denoise = entry["rollout_gb"][tag]
+    if split_generation:
+        if sp < 2 or layout != "hybrid":
+            raise ValueError(f"split_generation with sp={sp}, layout={layout!r}: only a hybrid Ulysses group (sp > 1)")
+        if tag not in entry.get("rollout_sp", {}).get(str(sp), {}):
+            raise ValueError(f"{tag} generation at {res}² (sp={sp}) is not in the plan: measure it (memory_plan --sp)")
+        denoise = entry["rollout_sp"][str(sp)][tag]
+    generate = max(plan["text_encoder_forward_gb"], denoise, entry["vae_decode_gb"]["tiled" if tiled else "plain"])
     trains = layout != "rollout"  # a rollout worker reads no training figure
     if trains and key not in train_figures(entry, full, sp):
         raise ValueError(f"{key} at {res}² (sp={sp}, full={full}) is not in the plan: measure it (memory_plan --sp)")
@@ -196,7 +205,7 @@ def layout_rows(plan: dict, ranks: tuple[int, ...] = (4, 8)) -> dict:
     """The recipe's settings (CFG as the plan's ``cfg``: on, off for a guidance-distilled FLUX.1-dev; checkpointing
     on, encoders on the GPU, micro-batch as measured) in every layout, per resolution: ``{row: {res:
     device_peak(...)}}``. Each measured Ulysses degree ``n`` adds hybrid and trainer-rank LoRA rows on ``n`` ranks
-    (one group)."""
+    (one group), and where its generation was measured a hybrid row of a group that generates together."""
     cfg = plan.get("cfg", True)
     key = f"{'cfg' if cfg else 'no_cfg'}/ckpt"
     rows = {
@@ -211,6 +220,13 @@ def layout_rows(plan: dict, ranks: tuple[int, ...] = (4, 8)) -> dict:
             rows[f"trainer rank full x{n}"] = {"layout": "trainer", "full": True, "ranks": n}
     for n in sorted({int(n) for entry in plan["resolutions"].values() for n in entry.get("train_sp", {})}):
         rows[f"hybrid LoRA sp{n}"] = {"layout": "hybrid", "ranks": n, "sp": n}
+        if all(str(n) in entry.get("rollout_sp", {}) for entry in plan["resolutions"].values()):
+            rows[f"hybrid LoRA sp{n}, generation split"] = {
+                "layout": "hybrid",
+                "ranks": n,
+                "sp": n,
+                "split_generation": True,
+            }
         rows[f"trainer rank LoRA sp{n}"] = {"layout": "trainer", "ranks": n, "sp": n}
     out = {}
     for name, kw in rows.items():

@@ -37,9 +37,11 @@ except the three runtime assumptions of :mod:`omni_async.tools.memory_layouts`):
   to ``proj_out``, whose output is gathered) and diffusers' Ulysses attention, the collectives emulated in one
   process (:func:`emulated_ulysses`): each all-to-all a new buffer of its input's size, so attention sees
   ``[B, S, H/N, d]`` from ``[B, S/N, H, d]`` and the tracker counts the buffers a rank allocates; the output gather
-  a new tensor ``N`` times the slice. Only the collectives' values are not real (none exist on meta). Weights, the
-  LoRA state, the optimizer step, the gradient all-reduce (over all ranks) and the rollout (not split) do not
-  change with ``N``; a full fine-tune is not planned with it (the trainer refuses Ulysses without LoRA).
+  a new tensor ``N`` times the slice. Only the collectives' values are not real (none exist on meta). The no-grad
+  denoising forward at the rollout's batch is measured the same way (``rollout_sp``: a hybrid group that generates
+  each batch together). Weights, the LoRA state, the optimizer step, the gradient all-reduce (over all ranks), the
+  text encoder's forward and the VAE decode do not change with ``N``; a full fine-tune is not planned with it (the
+  trainer refuses Ulysses without LoRA).
 * **Optimizer.** A steady-state ``torch.optim.AdamW`` (foreach) step on the meta LoRA params (and on fp32 copies
   of every transformer parameter for the full fine-tune; a rank steps its 1/ranks share), same tracker.
 * **Gradient all-reduce.** The LoRA gradients' flat buckets (``trainer.data_parallel._buckets``, the code the
@@ -418,10 +420,15 @@ def measure_no_grad(fn) -> float:
     return mem.peak / GB
 
 
-def measure_rollout(model: str, resolution: int, batch: int, rank: int) -> float:
+def measure_rollout(model: str, resolution: int, batch: int, rank: int, sp: int = 1) -> float:
+    """The no-grad denoising forward of ``batch`` rows; ``sp > 1``: one rank of a Ulysses group generating the batch
+    together (:func:`emulated_ulysses`, text padded as in :func:`measure_train`)."""
+    from omni_async.models.sequence_parallel import pad_text
+
     module, _ = lora_transformer(model, rank)  # rollout runs the same LoRA model, without grad
-    inputs = transformer_inputs(model, resolution, batch)
-    return measure_no_grad(lambda: module(**inputs))
+    inputs = pad_text(transformer_inputs(model, resolution, batch), sp, type(module).__name__)
+    with emulated_ulysses(module, sp):
+        return measure_no_grad(lambda: module(**inputs))
 
 
 def measure_text_encoder(model: str, batch: int) -> float:
@@ -511,6 +518,8 @@ def plan_model(
                         f"{tag}/{'ckpt' if ckpt else 'no_ckpt'}": measure_train(model, res, batch, ckpt, lora_rank, n)
                         for ckpt in (False, True)
                     }
+                    rows = rollout_batch * (2 if cfg else 1)
+                    entry.setdefault("rollout_sp", {})[str(n)] = {tag: measure_rollout(model, res, rows, lora_rank, n)}
         for tiled in (False, True):
             entry["vae_decode_gb"]["tiled" if tiled else "plain"] = measure_vae_decode(model, res, tiled)
         result["resolutions"][str(res)] = entry
@@ -599,6 +608,15 @@ def format_table(report: dict) -> str:
                         f"  {res:>4}² {'on ' if cfg == 'cfg' else 'off'} {'on ' if ckpt == 'ckpt' else 'off'}  |"
                         f" {t['held_gb']:8.2f} {t['saved_gb']:7.2f} {t['peak_gb']:7.2f} | Ulysses sp{n}, one rank:"
                         f" hybrid LoRA device {peak['peak_gb']:.1f} (encoders on GPU)"
+                    )
+            for n, figures in entry.get("rollout_sp", {}).items():
+                for cfg, gb in figures.items():
+                    peak = device_peak(
+                        plan, int(res), cfg == "cfg", True, False, ranks=int(n), sp=int(n), split_generation=True
+                    )
+                    lines.append(
+                        f"  {res:>4}² {'on ' if cfg == 'cfg' else 'off'} on   | Ulysses sp{n} generating together, one"
+                        f" rank's denoising forward {gb:7.2f}: hybrid LoRA device {peak['peak_gb']:.1f}"
                     )
             for key, t in entry.get("train_full", {}).items():
                 lines.append(

@@ -51,6 +51,7 @@ from omni_async.models.sequence_parallel import SequenceParallel, denoisers
 from omni_async.trainer import data_parallel as dpm
 from omni_async.trainer.actor_core import begin_step, old_log_prob, train_minibatch
 from omni_async.trainer.device_memory import PhasePeaks
+from omni_async.trainer.group_order import Alone, Follower, Leader
 from omni_async.trainer.profiling import RankProfiler, nsys_plan
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ class ActorWorker(Worker, RolloutWorker):
         self.profiler = RankProfiler.of_rank(nsys_plan(self.cfg), self.rank)
         self.modality = modality_of(self.cfg)
         self._device_thread = DeviceThread("actor-device")
+        # The order of this rank's group calls: arrival order, or its Ulysses leader's (join_sequence_group)
+        self.order: Alone | Leader | Follower = Alone(self._device_thread)
         self.rollout_version = 0
         self.weights_shipped = 0  # get_weights calls: the split layout's transfers (stays 0 in the hybrid one)
         self.weights_broadcast = 0  # send_weights calls: transfers over the cross-pool group (disaggregated, nccl)
@@ -90,7 +93,13 @@ class ActorWorker(Worker, RolloutWorker):
         self._lent_at = 0.0
 
     async def _on_device(self, fn, *args):
+        """A device call that runs no collective and leaves what generation reads untouched: in arrival order."""
         return await asyncio.get_running_loop().run_in_executor(self._device_thread, fn, *args)
+
+    async def _in_group(self, name: str, fn, *args):
+        """A device call every rank gets (a collective, or a change of what generation reads): in the order the
+        sequence-parallel group's leader runs them (``trainer.group_order``; arrival order without Ulysses)."""
+        return await self.order.submit(name, fn, *args)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     async def init_model(self) -> None:
@@ -120,11 +129,11 @@ class ActorWorker(Worker, RolloutWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     async def start_profile(self) -> None:
         """Open this rank's capture range before a profiled step (a no-op on a rank not profiled)."""
-        await self._on_device(self.profiler.start)
+        await self._in_group("start_profile", self.profiler.start)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     async def stop_profile(self) -> None:
-        await self._on_device(self.profiler.stop)
+        await self._in_group("stop_profile", self.profiler.stop)
 
     def _log_rank0(self, msg: str, *args: Any) -> None:
         """INFO on rank 0, DEBUG on the others: one line per event of the whole group."""
@@ -146,7 +155,7 @@ class ActorWorker(Worker, RolloutWorker):
             dtype=dtype,
             compile_blocks=a.use_torch_compile,  # verl's key: the transformer's blocks (models.acceleration)
         )
-        # Ulysses over each group of sp ranks, in the update and the log-prob recompute (generation: unsharded)
+        # Ulysses over each group of sp ranks: the update, the log-prob recompute and (join_sequence_group) generation
         self.sequence_parallel = (
             SequenceParallel(denoisers(self.policy), sp, self.dp.rank, self.dp.world, self.dp.device)
             if sp > 1
@@ -199,8 +208,23 @@ class ActorWorker(Worker, RolloutWorker):
     def _generate(self, *args, **kwargs):
         if self._stops_text():
             kwargs["should_stop"] = lambda: self.withdrawing
-        with self._rollout_weights(), self._phase("gen"):
+        self.order.announce_generation((args, kwargs))  # the group's followers generate the batch beside this rank
+        return self._generate_in_group((args, kwargs))
+
+    def _generate_in_group(self, call: tuple[tuple, dict[str, Any]]) -> list[Any]:
+        """A generation batch; with Ulysses, together with the group's other ranks (each on a share of every
+        sequence, all getting the whole samples)."""
+        args, kwargs = call
+        with self._rollout_weights(), self._phase("gen"), self._generating_in_group():
             return self.policy.generate(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _generating_in_group(self):
+        if not self.order.grouped:  # this rank generates whole samples alone (Ulysses in the update only, or none)
+            yield
+            return
+        with self.dp.failfast("generate"), self.sequence_parallel.active():
+            yield
 
     def _stream(self, admit, emit, capacity: int) -> None:
         stop = {"should_stop": lambda: self.withdrawing} if self._stops_text() else {}
@@ -215,7 +239,13 @@ class ActorWorker(Worker, RolloutWorker):
     async def generate(self, prompt, seed, window, *, sampling=None, version=None, resume=None):
         """The rollout contract (``RolloutWorker.generate``); a rank going back to training (``reclaim``) answers
         withdrawn at once, and a text response it interrupted comes back unfinished (continued elsewhere with its
-        tokens, partial rollout) or, without partial rollout, withdrawn (generated again from its seed elsewhere)."""
+        tokens, partial rollout) or, without partial rollout, withdrawn (generated again from its seed elsewhere).
+        With Ulysses only a group's leader takes requests (``Layout.connect``)."""
+        if not self.order.leader:
+            raise RuntimeError(
+                f"actor rank {self.dp.rank} is sequence rank {self.dp.sp_rank} of a Ulysses group: it generates the "
+                f"batches of its group's leader (rank {self.dp.rank - self.dp.sp_rank}), which takes the requests"
+            )
         if self.withdrawing:
             return Generation(None, -1, 0.0, 0.0)
         gen = await self.batcher.submit(prompt, seed, window, sampling=sampling, version=version, resume=resume)
@@ -235,7 +265,7 @@ class ActorWorker(Worker, RolloutWorker):
 
         self.withdrawing = False
         self._lent_at = time.perf_counter()
-        return await self._on_device(publish)
+        return await self._in_group("lend", publish)
 
     async def reclaim(self) -> dict[str, float]:
         """Back to training: requests not yet on the device are answered withdrawn (the agent loop asks a rollout
@@ -258,7 +288,20 @@ class ActorWorker(Worker, RolloutWorker):
                 self.policy.snapshot_for_rollout(OLD_ADAPTER if self.rollout_old else LIVE_ADAPTER)
             self._snapshot_rollout = self.snapshot = bool(snapshot_rollout)
 
-        await self._on_device(apply)
+        await self._in_group("follow_mode", apply)
+
+    async def join_sequence_group(self, followers: list[Any] | None) -> None:
+        """Ulysses (``trainer.placement``, once after ``init_model``): this rank leads its sequence-parallel group,
+        announcing its group calls to ``followers`` (the group's other ranks' handles), or (None) follows its leader's
+        order and generates the batches it announces (``trainer.group_order``)."""
+        if followers is None:
+            self.order = Follower(self._device_thread, self._generate_in_group)
+        else:
+            self.order = Leader(self._device_thread, followers)
+
+    async def follow(self, seq: int, key: tuple[str, int], payload: Any) -> None:
+        """The group's leader started its call ``key`` (a generation batch: ``payload``) on its device."""
+        self.order.follow(seq, key, payload)
 
     async def set_rollout_version(self, version: int) -> int:
         """The hybrid layout's weight sync: later samples report ``version`` (and read a fresh adapter snapshot
@@ -271,7 +314,7 @@ class ActorWorker(Worker, RolloutWorker):
             self.rollout_version = int(version)
             return self.rollout_version
 
-        return await self._on_device(publish)
+        return await self._in_group("set_rollout_version", publish)
 
     async def stats(self) -> dict[str, Any]:
         return {
@@ -284,6 +327,8 @@ class ActorWorker(Worker, RolloutWorker):
             "world_size": self.dp.world,
             "lent_s": self.lent_s,
             "snapshot_rollout": self.snapshot,  # generation reads the adapter snapshot of the last sync
+            # Ulysses: the generation batches this follower ran with its group's leader
+            "followed_batches": getattr(self.order, "followed", 0),
         }
 
     async def trained_rows(self) -> list[tuple[str, int]]:
@@ -319,7 +364,7 @@ class ActorWorker(Worker, RolloutWorker):
         """DiffusionNFT's old-policy refresh, ``old <- decay * old + (1 - decay) * theta`` (every rank the same, from
         the same live weights); returns the distance the old weights moved. Runs on the device thread, so between
         two generation batches and never inside an update."""
-        return await self._on_device(self.policy.refresh_old, float(decay))
+        return await self._in_group("refresh_old_policy", self.policy.refresh_old, float(decay))
 
     # ---- weight sync to a rollout pool (disaggregated layout; called on rank 0 only) ----------------------------
     async def weights_meta(self) -> list[tuple[str, tuple[int, ...], str]]:
@@ -363,7 +408,7 @@ class ActorWorker(Worker, RolloutWorker):
     @register(dispatch_mode=dpm.BY_GROUPS_ROWS)
     async def compute_log_prob(self, data: DataProto) -> torch.Tensor:
         """This rank's share of the batch; the worker group returns the whole batch's log-probs in its order."""
-        return await self._on_device(self._compute_log_prob, data)
+        return await self._in_group("compute_log_prob", self._compute_log_prob, data)
 
     def _compute_log_prob(self, data: DataProto) -> tuple:
         """Log-probs of the stored trajectories (pi_old when not bypassed) under the weights of the last sync (the
@@ -387,7 +432,7 @@ class ActorWorker(Worker, RolloutWorker):
     @register(dispatch_mode=dpm.BY_GROUPS_METRICS)
     async def update_minibatch(self, data: DataProto) -> dict[str, float]:
         """This rank's share of the mini-batch; the worker group returns the step's merged metrics."""
-        return await self._on_device(self._update_minibatch, data)
+        return await self._in_group("update_minibatch", self._update_minibatch, data)
 
     def _update_minibatch(self, data: DataProto) -> dict[str, list[float]]:
         """One optimizer step on one mini-batch (``loss_mask`` marks the samples in the loss).
@@ -428,7 +473,7 @@ class ActorWorker(Worker, RolloutWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     async def save_checkpoint(self, path: str) -> None:
         t0 = time.perf_counter()
-        await self._on_device(self._save_checkpoint, path)
+        await self._in_group("save_checkpoint", self._save_checkpoint, path)
         self._log_rank0("checkpoint saved to %s in %.1fs", path, time.perf_counter() - t0)
 
     def _save_checkpoint(self, path: str) -> None:
@@ -440,7 +485,7 @@ class ActorWorker(Worker, RolloutWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     async def load_checkpoint(self, path: str) -> None:
         t0 = time.perf_counter()
-        await self._on_device(self._load_checkpoint, path)
+        await self._in_group("load_checkpoint", self._load_checkpoint, path)
         self._log_rank0("checkpoint loaded from %s in %.1fs", path, time.perf_counter() - t0)
 
     def _load_checkpoint(self, path: str) -> None:

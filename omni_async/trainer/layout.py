@@ -60,6 +60,8 @@ class Layout:
         # Any thread: a rollout worker died outside a generation request (set to the agent loop's worker_died).
         self.on_death: Callable[[Any], None] = lambda worker: None
         self.sync_bytes = 0  # bytes moved by syncs since the last take_sync_bytes
+        # Actor ranks that generate each batch together (Ulysses in generation, trainer.group_order); 1: alone
+        self.generation_group = 1
 
     def pool_spec(self) -> dict[str, list[int]]:
         """Resource pools of its own besides ``actor_rollout`` (name -> devices per node), mapped to the role
@@ -149,12 +151,24 @@ class Hybrid(Layout):
     rollout_is_actor = True
     sync_needs_idle_rollout = True
 
+    def __init__(self, cfg: DictConfig, mode: Mode):
+        super().__init__(cfg, mode)
+        # With Ulysses, rollout.agent.num_workers says how the ranks generate: one worker per actor device (each
+        # generates whole samples alone, as verl-omni's rollout at tensor parallel 1), or one per sequence-parallel
+        # group (the group generates each batch together: long sequences one device's generation cannot hold).
+        sp = int(cfg.actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size)
+        devices = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
+        if sp > 1 and int(cfg.actor_rollout_ref.rollout.agent.num_workers) * sp == devices:
+            self.generation_group = sp
+
     def connect(self, actor_wg: Any) -> list[Any]:
-        self.actor_wg, self.workers = actor_wg, list(actor_wg.workers)
+        """Every actor rank is a rollout worker, or each group of :attr:`generation_group` ranks is one (its leader
+        takes the requests, the others generate each batch with it: ``trainer.group_order``)."""
+        self.actor_wg, self.workers = actor_wg, list(actor_wg.workers)[:: self.generation_group]
         return self.workers
 
     def _sync(self, version: int, activate: bool) -> int:
-        ray.get([w.set_rollout_version.remote(version) for w in self.workers])
+        ray.get([w.set_rollout_version.remote(version) for w in self.actor_wg.workers])
         return 0
 
 
@@ -395,13 +409,19 @@ def _check_layout(cfg: DictConfig, cls: type[Layout], mode: Mode) -> None:
     if not cls.rollout_is_actor:  # split: replicas beside the actor ranks, nothing more to check
         return
     devices = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
-    workers = arr.rollout.agent.num_workers
+    sp = max(1, int(arr.actor.fsdp_config.ulysses_sequence_parallel_size))
+    workers, groups = arr.rollout.agent.num_workers, devices // sp
+    split = (
+        f", or {groups} (one per sequence-parallel group of {sp}: it generates each batch together)"
+        if sp > 1 and not devices % sp  # an sp that does not divide the devices is refused by its own check
+        else ""
+    )
     _check(
-        workers == devices,
+        workers == devices or (split and workers == groups),
         "actor_rollout_ref.rollout.agent.num_workers",
-        f"the hybrid layout has one rollout worker per actor device ({devices}), got {workers}",
-        f"set it to {devices} (trainer.n_gpus_per_node x nnodes), or actor_rollout_ref.hybrid_engine=False for "
-        "rollout replicas separate from the actor",
+        f"the hybrid layout has one rollout worker per actor device ({devices}){split}, got {workers}",
+        f"set it to {devices} (trainer.n_gpus_per_node x nnodes){split}, or actor_rollout_ref.hybrid_engine=False "
+        "for rollout replicas separate from the actor",
     )
     _check(
         arr.rollout.name == "transformers",

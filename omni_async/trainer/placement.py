@@ -137,7 +137,12 @@ def place(cfg: DictConfig, made: Pools, layout: Layout) -> Placement:
         name_prefix="actor",
         nsys=nsys_plan(cfg),
     )
-    actor_wg.sequence_parallel_size = int(cfg.actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size)
+    sp = int(cfg.actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size)
+    actor_wg.sequence_parallel_size = sp
     actor_wg.init_model()
+    n = layout.generation_group
+    if n > 1:  # each group generates together: its leader orders its calls for the others (trainer.group_order)
+        ranks = actor_wg.workers
+        ray.get([w.join_sequence_group.remote(None if i % n else ranks[i + 1 : i + n]) for i, w in enumerate(ranks)])
     rollout = layout.connect(actor_wg)
     return Placement(made.manager, actor_wg, rollout, made.reward_pool, made.judge_pg)

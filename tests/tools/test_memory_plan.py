@@ -180,6 +180,10 @@ def test_ulysses_sp2_halves_one_ranks_training_activations():
     checkpointing (the case activations dominate; --sp in the plan's command measures checkpointing too)."""
     one, two = (mp.measure_train("qwen_image", 1024, 2, False, 64, sp=n) for n in (1, 2))
     assert two["peak_gb"] < 0.6 * one["peak_gb"]
+    # a group generating together: one rank's no-grad denoising forward (CFG's 2 rows) peaks at about half
+    assert (
+        0.4 < mp.measure_rollout("qwen_image", 1024, 2, 64, sp=2) / mp.measure_rollout("qwen_image", 1024, 2, 64) < 0.6
+    )
     assert 0.4 < two["held_gb"] / one["held_gb"] < 0.6
     assert two["saved_gb"] == pytest.approx(two["held_gb"], rel=0.02)  # the hooks see what the tracker holds
     module, _ = mp.lora_transformer("qwen_image", 64)  # the emulation is undone: no hook, no parallel config left
@@ -221,6 +225,31 @@ def test_ulysses_rows_change_only_the_training_micro_batch():
             ml.device_peak(plan, 512, True, True, False, sp=2, **kw)
     with pytest.raises(ValueError, match="--sp"):
         ml.device_peak(plan, 512, True, True, False, ranks=4, sp=4)
+
+
+def test_a_group_generating_together_reads_one_ranks_denoising_forward():
+    """``split_generation`` (the hybrid group is one rollout worker) swaps the rollout phase's denoising forward for
+    one rank's (``rollout_sp``); the text encoder's forward and the VAE decode stay whole; refused without Ulysses,
+    outside the hybrid layout and unmeasured."""
+    plan = _fake_plan()
+    entry = plan["resolutions"]["512"]
+    entry["rollout_gb"]["cfg"] = 3.0  # the denoising forward is the rollout's largest
+    entry["train_sp"] = {"2": {key: {**t, "peak_gb": 0.6} for key, t in entry["train"].items()}}
+    entry["rollout_sp"] = {"2": {"cfg": 1.4}}
+    alone = ml.device_peak(plan, 512, True, True, False, ranks=2, sp=2)
+    split = ml.device_peak(plan, 512, True, True, False, ranks=2, sp=2, split_generation=True)
+    assert alone["rollout_gb"] - split["rollout_gb"] == pytest.approx(3.0 - 1.4)
+    assert split["update_gb"] == alone["update_gb"]
+    entry["rollout_sp"]["2"]["cfg"] = 0.05  # below the (video: tiled) VAE decode's 0.2, which is then the floor
+    assert ml.device_peak(plan, 512, True, True, False, ranks=2, sp=2, split_generation=True)["rollout_gb"] == (
+        pytest.approx(alone["rollout_gb"] - 3.0 + 0.2)
+    )
+    assert ml.layout_rows(plan)["hybrid LoRA sp2, generation split"]["512"]["rollout_gb"] < alone["rollout_gb"]
+    for kw, match in (({"sp": 1}, "only a hybrid Ulysses group"), ({"layout": "trainer"}, "only a hybrid")):
+        with pytest.raises(ValueError, match=match):
+            ml.device_peak(plan, 512, True, True, False, **{"ranks": 2, "sp": 2, "split_generation": True, **kw})
+    with pytest.raises(ValueError, match="no_cfg generation at 512.*--sp"):
+        ml.device_peak(plan, 512, False, True, False, ranks=2, sp=2, split_generation=True)
 
 
 def test_live_memory_counts_allocations_not_views():

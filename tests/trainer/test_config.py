@@ -129,7 +129,8 @@ def test_mini_batch_feeds_every_actor_rank():
 
 def test_ulysses_groups_divide_the_actor_ranks_and_count_as_one_data_parallel_rank():
     """verl's ulysses_sequence_parallel_size: groups of sp actor ranks, each trains one data-parallel share (so the
-    mini-batch feeds ranks / sp), LoRA on a diffusion transformer only; anything else refused naming the key."""
+    mini-batch feeds ranks / sp) and, in the hybrid layout, is one rollout worker; LoRA on a diffusion transformer
+    only; anything else refused naming the key."""
     key = "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"
     four = [
         "trainer.n_gpus_per_node=4",
@@ -142,6 +143,10 @@ def test_ulysses_groups_divide_the_actor_ranks_and_count_as_one_data_parallel_ra
     assert cfg.actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size == 2
     with pytest.raises(ConfigError, match="ppo_mini_batch_size"):  # sp=1: 4 data-parallel ranks for 2 groups
         validate(compose(BASE + four))
+    # a rollout worker per group (it generates together) or, above, per rank (each generates alone)
+    validate(compose(BASE + four + [f"{key}=2", "actor_rollout_ref.rollout.agent.num_workers=2"]))
+    with pytest.raises(ConfigError, match="num_workers.*per actor device \\(4\\), or 2 \\(one per sequence-par"):
+        validate(compose(BASE + four + [f"{key}=2", "actor_rollout_ref.rollout.agent.num_workers=3"]))
     for extra, why in (
         ([f"{key}=3"], "divide the 4 actor ranks"),
         ([f"{key}=2", "actor_rollout_ref.model.lora_rank=0"], "full fine-tune"),

@@ -13,6 +13,7 @@ group's share by data-parallel rank is ``test_data_parallel.py``'s."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -121,6 +122,30 @@ def tiny_lora_policy():
     return policy
 
 
+def tiny_video_policy():
+    """tiny Wan 2.1 (video: 5 frames, CFG), the same weights in every process."""
+    from omni_async.models.diffusion_policy import DiffusionPolicy, SamplingConfig
+
+    torch.manual_seed(0)
+    sampling = SamplingConfig(height=32, width=32, num_inference_steps=4, num_frames=5, guidance_scale=2.0)
+    return DiffusionPolicy("tiny:wan", sampling, lora_rank=4, dtype=torch.float32)
+
+
+def generated(out) -> dict[str, torch.Tensor]:
+    return {"log_probs": out.log_probs, "window_latents": out.window_latents, "images": torch.as_tensor(out.images)}
+
+
+def generate_video(policy, sp=None) -> dict:
+    """Its samples and the video tokens a block got per call (all of them, or this rank's share)."""
+    seen: list[int] = []
+    # the second block: the split happens at the first one's input (inside its forward, after a pre-hook)
+    hook = policy.transformer.blocks[1].register_forward_pre_hook(lambda m, args: seen.append(int(args[0].shape[1])))
+    with sp.active() if sp is not None else contextlib.nullcontext():
+        out = generated(policy.rollout(PROMPTS, SEEDS, window=GEN_WINDOWS))
+    hook.remove()
+    return {**out, "tokens": sorted(set(seen))}
+
+
 def batch_of(tensors: dict):
     from omni_async.trainer.actor_core import TensorBatch
 
@@ -165,9 +190,11 @@ def rank_main(rank: int, results: dict, port: int, batch_path: str) -> None:
     seen.clear()
     with sp.active():  # both ranks generate the same batch together, each on half of every sequence
         out = policy.rollout(PROMPTS, SEEDS, window=GEN_WINDOWS)
-    results["generated"] = {"log_probs": out.log_probs, "window_latents": out.window_latents, "images": out.images}
+    results["generated"] = generated(out)
     results["tokens_generating"] = sorted(set(seen))
     handle.remove()
+    video = tiny_video_policy()
+    results["video"] = generate_video(video, SequenceParallel(denoisers(video), SP, dp.rank, dp.world, dp.device))
 
 
 @pytest.fixture(scope="module")
@@ -183,9 +210,9 @@ def ranks(tmp_path_factory):
     try:
         policy = tiny_lora_policy()
         seen, handle = token_counts(policy)
-        gen = policy.rollout(PROMPTS, SEEDS, window=GEN_WINDOWS)
-        generated = {"log_probs": gen.log_probs, "window_latents": gen.window_latents, "images": gen.images}
+        images = generated(policy.rollout(PROMPTS, SEEDS, window=GEN_WINDOWS))
         tokens_generating = sorted(set(seen))
+        video = generate_video(tiny_video_policy())
         out = policy.rollout(PROMPTS, SEEDS, window=WINDOW)
         tensors = {
             "window_latents": out.window_latents,
@@ -205,7 +232,8 @@ def ranks(tmp_path_factory):
             "grads": gradients(policy),
             "tokens": sorted(set(seen)),
             "tokens_generating": tokens_generating,
-            "generated": generated,
+            "generated": images,
+            "video": video,
         }
         handle.remove()
     finally:
@@ -237,13 +265,19 @@ def test_each_rank_holds_half_of_every_sequence_when_training_and_generating(ran
 
 
 @pytest.mark.slow
-def test_two_sequence_ranks_generate_one_process_samples(ranks):
+@pytest.mark.parametrize("kind", ["generated", "video"])
+def test_two_sequence_ranks_generate_one_process_samples(ranks, kind):
     """Both ranks of the group generate the same batch together: each gets the one-process samples (the SDE
-    window's latents and log-probs, the decoded images) to float rounding."""
+    window's latents and log-probs, the decoded images; Qwen-Image, and Wan 2.1's 5-frame video with CFG) to float
+    rounding."""
     reference, results = ranks
     for res in results.values():
-        for name, want in reference["generated"].items():
-            got, want = torch.as_tensor(res["generated"][name]), torch.as_tensor(want)
+        if kind == "video":  # each rank's blocks got half of every video's tokens
+            assert res["video"]["tokens"] == [t // SP for t in reference["video"]["tokens"]]
+        for name, want in reference[kind].items():
+            if name == "tokens":
+                continue
+            got = res[kind][name]
             assert got.shape == want.shape and got.dtype == want.dtype, name
             # float tensors to rounding; 8-bit pixels to one level (a rounding can cross a level's edge)
             tol = 1.0 if want.dtype == torch.uint8 else 1e-5

@@ -52,7 +52,7 @@ from omni_async.trainer import data_parallel as dpm
 from omni_async.trainer.actor_core import begin_step, old_log_prob, train_minibatch
 from omni_async.trainer.device_memory import PhasePeaks
 from omni_async.trainer.group_order import Alone, Follower, Leader
-from omni_async.trainer.profiling import RankProfiler, nsys_plan
+from omni_async.trainer.profiling import NsysPlan, RankProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +66,11 @@ class ActorWorker(Worker, RolloutWorker):
         snapshot_rollout: bool = False,
         lendable: bool = False,
         interrupts_at_sync: bool = False,
+        nsys: NsysPlan | None = None,
     ):
         """``snapshot_rollout``, ``lendable`` and ``interrupts_at_sync``: the layout's and the mode's decisions for
         this worker (``Layout.actor_worker_args``), handed down rather than derived again from ``config``; the
-        defaults are the lock-step hybrid layout's."""
+        defaults are the lock-step hybrid layout's. ``nsys``: the run's profiling plan (``trainer.config.plan``)."""
         super().__init__()
         self.cfg = OmegaConf.create(config)
         self._snapshot_rollout, self._lendable = bool(snapshot_rollout), bool(lendable)
@@ -77,7 +78,7 @@ class ActorWorker(Worker, RolloutWorker):
         self.device = configure_worker()
         self.peaks = PhasePeaks(self.device)
         # global_profiler: this rank's capture ranges and NVTX ranges (trainer.profiling)
-        self.profiler = RankProfiler.of_rank(nsys_plan(self.cfg), self.rank)
+        self.profiler = RankProfiler.of_rank(nsys, self.rank)
         self.modality = modality_of(self.cfg)
         self._device_thread = DeviceThread("actor-device")
         # The order of this rank's group calls: arrival order, or its Ulysses leader's (join_sequence_group)

@@ -35,7 +35,7 @@ from omni_async.trainer.mode import (
     resolve_bypass_mode,
     resolve_trainer_mode,
 )
-from omni_async.trainer.profiling import check_profiler
+from omni_async.trainer.profiling import NsysPlan, check_profiler, nsys_plan
 
 # verl's actor kl_loss_coef default (verl/trainer/config/actor/actor.yaml; verl-omni's diffusion actor too): the KL
 # coefficient of actor.use_kl_loss=true when kl_loss_coef is not set
@@ -73,12 +73,13 @@ class Plan:
 
     mode: Mode
     layout: type[Layout]
+    nsys: NsysPlan | None  # what Nsight Systems profiles (global_profiler.*; None: nothing)
 
 
 def plan(cfg: DictConfig) -> Plan:
-    """The run's mode and layout from a config :func:`validate` resolved: the one place either is built from the
-    config (a structure test keeps it so)."""
-    return Plan(mode_of(cfg), layout_class(cfg))
+    """The run's mode, layout and profiling from a config :func:`validate` resolved: the one place each is built
+    from the config (a structure test keeps it so)."""
+    return Plan(mode_of(cfg), layout_class(cfg), nsys_plan(cfg))
 
 
 def layout(cfg: DictConfig) -> str:

@@ -56,7 +56,7 @@ from omni_async.trainer.metrics import (
 from omni_async.trainer.metrics_logger import MetricsLogger
 from omni_async.trainer.mode import Mode
 from omni_async.trainer.placement import make_pools, place
-from omni_async.trainer.profiling import StepWindows, nsys_plan, require_nsys
+from omni_async.trainer.profiling import StepWindows, require_nsys
 from omni_async.trainer.step_ops import RewardFailureError, StepOps
 from omni_async.trainer.timeline import save_timeline, timeline_record
 from omni_async.trainer.timer import Timer
@@ -99,7 +99,7 @@ class RLTrainer:
         # The reward workers start (process, imports, reward functions) while the actor workers load the model: the
         # two start-ups overlap instead of adding up.
         self.reward = RewardSide(cfg, pools.reward_pool, pools.judge_pg)
-        self.placement = place(cfg, pools, self.layout)
+        self.placement = place(cfg, pools, self.layout, self.plan.nsys)
         self.reward.wait_ready()
         # verl's perf/throughput divides by every device of the run (its resource pools; here also the judges').
         self.n_devices = self.placement.pools.get_n_gpus() + (reward_pool_size(cfg) if self.placement.judge_pg else 0)
@@ -144,11 +144,12 @@ class RLTrainer:
         resolved config written to the run directory. Returns the validated config, the one the run reads
         (``validate`` leaves ``given`` as it was)."""
         self.cfg = cfg = check_at_start(given)  # before Ray starts: a typo costs a second, not a cluster start
-        require_nsys(cfg)  # global_profiler.tool=nsys: the binary Ray's nsight plugin calls, before Ray too
-        init_ray(cfg)
-        # Decided once from the validated config, then handed down: nothing below reads the mode or layout from cfg.
+        # Decided once from the validated config, then handed down: nothing below reads the mode, the layout or the
+        # profiling plan from cfg.
         self.plan = plan(self.cfg)
         self.mode = self.plan.mode
+        require_nsys(self.plan.nsys)  # global_profiler.tool=nsys: the binary Ray's nsight plugin calls, before Ray
+        init_ray(cfg)
         self.modality = modality_of(self.cfg)
         self.run_dir = Path(cfg.trainer.run_dir)
         # The resolved config beside the curves it produced: which loss and settings made a run is on record.
@@ -444,7 +445,7 @@ class RLTrainer:
             project=t.project_name,
             config=OmegaConf.to_container(self.cfg, resolve=True),
         )
-        profile = StepWindows(nsys_plan(self.cfg), self.placement.actor_wg)  # global_profiler.steps, 1-based
+        profile = StepWindows(self.plan.nsys, self.placement.actor_wg)  # global_profiler.steps, 1-based
         try:
             if t.val_before_train and self.val_rows:  # logged at the starting step, as verl does
                 logger_.log(start, self.validate_step(start), advance=False)

@@ -42,7 +42,7 @@ class OfflinePreferenceTrainer(RLTrainer):
         self.sampler = PromptSampler(pairs, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
         self.total_steps = total_training_steps(cfg, len(pairs), self.mode)
         self.layout = make_layout(cfg, self.mode, self.plan.layout)
-        self.placement = place(cfg, make_pools(cfg, self.layout), self.layout)
+        self.placement = place(cfg, make_pools(cfg, self.layout), self.layout, self.plan.nsys)
         self.ops = StepOps(cfg, self.modality, None, self.placement.actor_wg, self.latest_checkpoint)
         self.producer, self.resume_position, self.rollout_version = None, None, 0
         self.pictures = ThreadPoolExecutor(1, thread_name_prefix="pictures")

@@ -21,7 +21,7 @@ from verl.single_controller.ray import RayWorkerGroup
 
 from omni_async.trainer.actor_worker import ActorWorker
 from omni_async.trainer.layout import Layout
-from omni_async.trainer.profiling import NsysPlan, nsys_plan
+from omni_async.trainer.profiling import NsysPlan
 
 
 @dataclass
@@ -124,18 +124,18 @@ class ActorWorkerGroup(RayWorkerGroup):
         self._master_addr, self._master_port = found
 
 
-def place(cfg: DictConfig, made: Pools, layout: Layout) -> Placement:
+def place(cfg: DictConfig, made: Pools, layout: Layout, nsys: NsysPlan | None = None) -> Placement:
     """The actor worker group (its model loaded) and the layout's rollout workers, on the pools :func:`make_pools`
-    made."""
+    made; ``nsys``: the run's profiling plan (``trainer.config.plan``), its ranks started under Nsight Systems."""
     from verl.single_controller.ray import RayClassWithInitArgs
 
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     layout.start_rollout(made.manager)  # not awaited: the replicas load while the actor group below does
     actor_wg = ActorWorkerGroup(
         made.manager.get_resource_pool("actor"),
-        RayClassWithInitArgs(ray.remote(ActorWorker), config=cfg_dict, **layout.actor_worker_args()),
+        RayClassWithInitArgs(ray.remote(ActorWorker), config=cfg_dict, nsys=nsys, **layout.actor_worker_args()),
         name_prefix="actor",
-        nsys=nsys_plan(cfg),
+        nsys=nsys,
     )
     sp = int(cfg.actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size)
     actor_wg.sequence_parallel_size = sp

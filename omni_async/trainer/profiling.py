@@ -181,9 +181,9 @@ def check_profiler(cfg: DictConfig, actor_ranks: int) -> None:
     )
 
 
-def require_nsys(cfg: DictConfig) -> None:
-    """Raise :class:`ConfigError` at start when the run would profile and ``nsys`` is not on ``PATH``."""
-    if nsys_plan(cfg) is not None and shutil.which(NSYS) is None:
+def require_nsys(plan: NsysPlan | None) -> None:
+    """Raise :class:`ConfigError` at start when the run profiles (``plan``) and ``nsys`` is not on ``PATH``."""
+    if plan is not None and shutil.which(NSYS) is None:
         raise ConfigError(
             f"{P}.tool=nsys: the {NSYS} binary (NVIDIA Nsight Systems) is not on PATH, and the profiled ranks start "
             f"under it (Ray's nsight runtime env calls `{NSYS} profile`). Fix: install Nsight Systems with {NSYS} on "
@@ -191,12 +191,11 @@ def require_nsys(cfg: DictConfig) -> None:
         )
 
 
-def controller_argv(cfg: DictConfig, argv: list[str], environ: dict[str, str] | None = None) -> list[str] | None:
+def controller_argv(plan: NsysPlan | None, argv: list[str], environ: dict[str, str] | None = None) -> list[str] | None:
     """The command that re-runs the entry point (``argv``: its ``sys.argv``) under ``nsys profile
     <controller_nsight_options>``, or None when the driver is not profiled or already runs under it (the re-run
     carries :data:`CONTROLLER_ENV`). verl profiles its controller, the ``TaskRunner`` Ray actor, with these options;
     here the controller is the entry point's own process."""
-    plan = nsys_plan(cfg)
     if plan is None or (environ if environ is not None else os.environ).get(CONTROLLER_ENV):
         return None
     return [NSYS, "profile", *nsys_args(plan.controller_options), sys.executable, "-m", "omni_async.trainer.main"] + [
@@ -205,11 +204,13 @@ def controller_argv(cfg: DictConfig, argv: list[str], environ: dict[str, str] | 
 
 
 def rerun_under_nsys(cfg: DictConfig, argv: list[str]) -> None:
-    """Replace this process by :func:`controller_argv`'s command when there is one (``nsys`` checked first)."""
-    cmd = controller_argv(cfg, argv)
+    """Replace this process by :func:`controller_argv`'s command when there is one (``nsys`` checked first). The
+    entry point's own reading of the profiling plan: the trainer's is ``trainer.config.plan``'s."""
+    plan = nsys_plan(cfg)
+    cmd = controller_argv(plan, argv)
     if cmd is None:
         return
-    require_nsys(cfg)
+    require_nsys(plan)
     logger.info("the controller runs under Nsight Systems: %s", " ".join(cmd))
     os.execvpe(cmd[0], cmd, {**os.environ, CONTROLLER_ENV: "1"})
 

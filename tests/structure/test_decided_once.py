@@ -1,5 +1,6 @@
 """The mode and the layout are decided once and handed down (issue 52 item 1), read from the source with ``ast``:
-``mode_of`` and ``layout_class`` are called only in ``trainer.config.plan``, no layout name is compared as a string
+``mode_of``, ``layout_class`` and ``nsys_plan`` (profiling; also the entry point's re-run under nsys) are called only
+in ``trainer.config.plan``, no layout name is compared as a string
 outside ``trainer/layout.py``, and nothing outside it reads ``hybrid_engine`` (the key that names a layout). The
 trainer and the image modality ask the loss's registry entry (``algos.loss_modes.LossMode``), never its name."""
 
@@ -87,13 +88,21 @@ def test_mode_and_layout_built_from_the_config_in_one_place():
         for path, tree in sources()
         for hit in calls_outside(tree, path, {"layout_class"}, {ONE_PLACE, (CONFIG, "layout")})
     ]
+    # the profiling plan: the trainer's (config.plan) and the entry point's, which re-runs itself under nsys
+    bad += [
+        hit
+        for path, tree in sources()
+        for hit in calls_outside(
+            tree, path, {"nsys_plan"}, {ONE_PLACE, ("omni_async/trainer/profiling.py", "rerun_under_nsys")}
+        )
+    ]
     # the partial-rollout decision is the Mode's (Mode.interrupts_at_sync), made in mode_of
     bad += [
         hit
         for path, tree in sources()
         for hit in calls_outside(tree, path, {"interrupts_at_sync"}, {("omni_async/trainer/mode.py", "mode_of")})
     ]
-    assert not bad, f"build the Mode / Layout only in {CONFIG}::plan and hand it down: {bad}"
+    assert not bad, f"build the Mode / Layout / profiling plan only in {CONFIG}::plan and hand it down: {bad}"
 
 
 def test_no_layout_name_compared_outside_the_layout():

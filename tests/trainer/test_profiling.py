@@ -182,25 +182,25 @@ def test_without_cuda_a_profiled_rank_skips_the_capture_range_and_says_so_once(c
 
 
 def test_the_controller_reruns_the_entry_point_under_nsys_once():
-    cfg = validate(compose(RECIPE))
+    plan = nsys_plan(validate(compose(RECIPE)))
     argv = ["/x/main.py", "data.train_files=x.jsonl", "++global_profiler.tool=nsys"]
-    cmd = controller_argv(cfg, argv, environ={})
+    cmd = controller_argv(plan, argv, environ={})
     start = ["nsys", "profile", "--trace=nvtx", "--cuda-memory-usage=true", "--cuda-graph-trace=graph"]
     assert cmd[:5] == start and cmd[5:8] == ["--python-sampling-frequency=20", "-o", "controller_%h_pid%p"]
     assert cmd[8:] == [sys.executable, "-m", "omni_async.trainer.main", *argv[1:]]
-    assert controller_argv(cfg, argv, environ={profiling.CONTROLLER_ENV: "1"}) is None  # already under it
-    assert controller_argv(validate(compose(["data.train_files=x.jsonl"])), argv, environ={}) is None
+    assert controller_argv(plan, argv, environ={profiling.CONTROLLER_ENV: "1"}) is None  # already under it
+    assert controller_argv(None, argv, environ={}) is None  # nothing profiled
 
 
 def test_without_nsys_on_path_the_run_stops_at_start_naming_it(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
-    cfg = validate(compose(RECIPE))
+    plan = nsys_plan(validate(compose(RECIPE)))
     with pytest.raises(ConfigError, match=r"nsys binary \(NVIDIA Nsight Systems\) is not on PATH.*Fix: install"):
-        require_nsys(cfg)
-    require_nsys(validate(compose(["data.train_files=x.jsonl"])))  # not profiling: nsys is not needed
+        require_nsys(plan)
+    require_nsys(None)  # not profiling: nsys is not needed
     (tmp_path / "nsys").write_text("#!/bin/sh\n")
     (tmp_path / "nsys").chmod(0o755)
-    require_nsys(cfg)
+    require_nsys(plan)
 
 
 @pytest.mark.parametrize(

@@ -88,7 +88,7 @@ def median_or_none(values: list) -> float | None:
 
 
 def summarise(results: dict, names: list[str] | None = None, within: int = 7, margin: float = 0.05) -> dict:
-    runs = {n: r for n, r in results["runs"].items() if names is None or n in names}
+    runs = selected(results, names)
     baseline = [r for r in runs.values() if loss_of(r) == BASELINE]
     if not baseline:
         raise SystemExit(f"no {BASELINE} run among {sorted(runs)}: its last-3 mean is the level")
@@ -146,8 +146,14 @@ def summarise_basis(runs: dict[str, dict], baseline: list[dict], basis: str) -> 
 COLOURS = {"flow_grpo": "tab:blue", "diffusion_nft": "tab:orange", "awm": "tab:green", "dance_grpo": "tab:red"}
 
 
-def plot(results: dict, out: Path, by_run: bool = False) -> Path:
-    """``by_run``: a colour and legend entry per run (a sweep of one loss) instead of per loss."""
+def selected(results: dict, names: list[str] | None) -> dict[str, dict]:
+    """The records ``--runs`` names (None: all), in the file's order: what the summary compares and the plot draws."""
+    return {n: r for n, r in results["runs"].items() if names is None or n in names}
+
+
+def plot(results: dict, out: Path, by_run: bool = False, names: list[str] | None = None) -> Path:
+    """``by_run``: a colour and legend entry per run (a sweep of one loss) instead of per loss; ``names``: the runs
+    drawn (None: all), as the summary compares them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,7 +164,7 @@ def plot(results: dict, out: Path, by_run: bool = False) -> Path:
         (rb, cx) for rb in enumerate(("validation", "rollout")) for cx in enumerate(("step", "wall s"))
     ):
         ax = axes[row][col]
-        for i, (name, run) in enumerate(results["runs"].items()):
+        for i, (name, run) in enumerate(selected(results, names).items()):
             steps, values = series(run, basis)
             if x_axis == "step":
                 xs = steps
@@ -194,7 +200,7 @@ def main() -> None:
     results["summary"] = summarise(results, a.runs, a.within, a.margin)
     a.results.write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps(results["summary"], indent=1))
-    print(plot(results, a.results.with_suffix(".png"), a.by_run))
+    print(plot(results, a.results.with_suffix(".png"), a.by_run, a.runs))
 
 
 if __name__ == "__main__":

@@ -92,6 +92,12 @@ def recipe_table(all_recipes: dict[str, list[str]]) -> list[str]:
     return lines
 
 
+# Open mappings of nsys command-line options (controller / worker), passed to nsys as given
+NSIGHT_OPTIONS = tuple(
+    f"global_profiler.global_tool_config.nsys.{side}_nsight_options." for side in ("controller", "worker")
+)
+
+
 def key_table(all_recipes: dict[str, list[str]]) -> tuple[list[str], list[str], list[str]]:
     uses: dict[str, set[str]] = defaultdict(set)
     for name, overrides in all_recipes.items():
@@ -99,6 +105,8 @@ def key_table(all_recipes: dict[str, list[str]]) -> tuple[list[str], list[str], 
             key = key_of(o)
             if key.startswith("reward.reward_functions."):  # one entry per reward function, not per argument
                 key = ".".join(key.split(".")[:3]) + ".*"
+            elif key.startswith(NSIGHT_OPTIONS):  # nsys' own options (any of them): one entry per mapping
+                key = ".".join(key.split(".")[:4]) + ".*"
             elif not known(key, "flowgrpo_trainer") and (rule_key(key) or "").endswith(".*"):
                 key = rule_key(key)  # one row per rule covering a whole section (profilers, engine kwargs)
             uses[key].add(name)

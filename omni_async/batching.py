@@ -111,6 +111,59 @@ class MicroBatcher(Generic[T]):
         return list(items)
 
 
+class AnswerHold:
+    """Answers that need not wake the event loop: while lingering items are due to go out at a known time
+    (:meth:`due`, set by the :class:`TurnCalls` that lingers), an answer whose own items would linger at least that long
+    waits here, on the thread it arrived on (Ray's io thread), and is handed out on the loop just before those items go
+    (:meth:`settle`), so its items join the same call at the same time as if it had been handed out at once.
+
+    Why: at a sparse rate each cross-thread wake-up of the loop costs the driver more CPU than the Python it runs
+    (``bench/driver_cost.py``, docs/benchmarks.md), and a generation answer that arrives while a reward call lingers
+    only adds its samples to that call: handed out at the flush, it gives the same call one wake-up fewer. ``held`` /
+    ``items``: answers that waited so far, and the items they carry now."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._due: float | None = None  # loop time at which the lingering items go out; None: nothing lingers
+        self._held: list[tuple[Callable[[], None], int]] = []
+        self._handed = False  # answers were handed out this turn: their items reach the calls in the next
+        self.held = 0
+        self.items = 0
+
+    def due(self, when: float) -> None:
+        """On the loop: lingering items go out at loop time ``when``."""
+        with self._lock:
+            self._due = when
+
+    def offer(self, now: float, linger_s: float, n: int, hand_out: Callable[[], None]) -> bool:
+        """Any thread: keep ``hand_out`` (an answer of ``n`` items, which may linger ``linger_s`` from ``now``, loop
+        time) until the lingering items go, if they go no later than its own items would; False: hand it out now."""
+        with self._lock:
+            if self._due is None or now + linger_s < self._due:
+                return False
+            self._held.append((hand_out, n))
+            self.held += 1
+            self.items += n
+            return True
+
+    def settle(self) -> bool:
+        """On the loop, before lingering items go (or a linger window ends): hand out the answers kept. True while
+        answers handed out in this turn have not reached their calls: the caller acts again in the next turn
+        (``loop.call_soon``), after their items' tasks have run."""
+        with self._lock:
+            held, self._held, self._due = self._held, [], None
+            self.items -= sum(n for _, n in held)
+        if held:
+            for hand_out, _ in held:
+                hand_out()
+            self._handed = True
+            asyncio.get_running_loop().call_soon(self._settled)  # after the tasks the answers woke
+        return self._handed
+
+    def _settled(self) -> None:
+        self._handed = False
+
+
 class TurnCalls(Generic[T]):
     """Calls coalesced per turn of the event loop: the items submitted for one key (a worker) during one turn go out
     at the end of that turn as one call, ``send(key, items)``, an awaitable (a Ray ``ObjectRef``) of one answer per
@@ -128,7 +181,12 @@ class TurnCalls(Generic[T]):
     waiting goes out at the end of the turn in which the earliest of the waiting items' deadlines passes, or at the end
     of the turn of an item submitted with ``linger_s=0`` (nothing more is coming). At a sparse rate, where each call
     costs the driver ~2 ms of CPU across Ray's threads and the loop's wake-ups (``bench/driver_cost.py``), this halves
-    the calls for a bounded delay."""
+    the calls for a bounded delay.
+
+    ``hold`` (an :class:`AnswerHold`) ties two of them together: the one that lingers (the reward calls) marks in it
+    when its lingering items go and hands its answers out first; the other (the generation calls, with ``linger_of``:
+    how long an answer's items may linger, 0 if they must not) keeps the answers that may wait there instead of waking
+    the loop for each."""
 
     def __init__(
         self,
@@ -136,9 +194,12 @@ class TurnCalls(Generic[T]):
         timeout_s: float | None = None,
         on_timeout: Callable[[Any], object] | None = None,
         max_items: int | None = None,
+        hold: AnswerHold | None = None,
+        linger_of: Callable[[list[Any]], float] | None = None,
     ):
         self._send, self.timeout_s, self._on_timeout = send, timeout_s, on_timeout
         self.max_items = max_items
+        self.hold, self._linger_of = hold, linger_of
         self._pending: dict[Hashable, list[tuple[T, asyncio.Future]]] = {}
         self._flush_soon = False  # a flush at the end of this turn is scheduled
         self._linger: asyncio.TimerHandle | None = None  # the lingering items' flush
@@ -155,6 +216,8 @@ class TurnCalls(Generic[T]):
                 if self._linger is not None:
                     self._linger.cancel()
                 self._linger = loop.call_at(due, self._flush)
+                if self.hold is not None and self._linger_of is None:
+                    self.hold.due(due)
         elif not self._flush_soon:
             # call_soon runs after every callback already due in this turn: what reached this point together goes
             # together.
@@ -165,6 +228,14 @@ class TurnCalls(Generic[T]):
         return fut
 
     def _flush(self) -> None:
+        if self.hold is not None and self._linger_of is None and self.hold.settle():
+            # Answers kept for this flush were handed out: their items come in the next turn, and go with the rest.
+            if self._linger is not None:
+                self._linger.cancel()
+                self._linger = None
+            self._flush_soon = True
+            asyncio.get_running_loop().call_soon(self._flush)
+            return
         self._flush_soon = False
         if self._linger is not None:
             self._linger.cancel()
@@ -195,8 +266,9 @@ class TurnCalls(Generic[T]):
             # A Ray ObjectRef (duck-typed: this module imports no Ray): its concurrent future (what ``await ref``
             # wraps: a task's error raised as its cause) hands the answer straight to the loop, one wake-up per call.
             def answered(done: concurrent.futures.Future) -> None:  # on Ray's io thread
-                if not loop.is_closed():
-                    loop.call_soon_threadsafe(self._answer, futures, timer, done)
+                if loop.is_closed() or self._keep(loop, futures, timer, done):
+                    return
+                loop.call_soon_threadsafe(self._answer, futures, timer, done)
 
             future().add_done_callback(answered)
             return
@@ -204,6 +276,20 @@ class TurnCalls(Generic[T]):
         self._answering.add(answer)
         answer.add_done_callback(self._answering.discard)
         answer.add_done_callback(functools.partial(self._answer, futures, timer))
+
+    def _keep(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        futures: list[asyncio.Future],
+        timer: asyncio.TimerHandle | None,
+        done: concurrent.futures.Future,
+    ) -> bool:
+        """Any thread: whether ``hold`` keeps this answer for the lingering items' flush (``AnswerHold.offer``)."""
+        if self._linger_of is None or self.hold is None or done.cancelled() or done.exception() is not None:
+            return False
+        linger_s = self._linger_of(done.result())
+        hand_out = functools.partial(self._answer, futures, timer, done)
+        return linger_s > 0 and self.hold.offer(loop.time(), linger_s, len(futures), hand_out)
 
     def _expire(self, call: Any, futures: list[asyncio.Future]) -> None:
         """No answer within ``timeout_s``: the call is cancelled (``on_timeout``) and its items fail; an answer that

@@ -205,11 +205,6 @@ class AgentLoopManager:
         self.down = [False] * len(self.workers)
         self.restore_worker, self.restartable = restore_worker, restartable
         self.post_process = post_process
-        self._calls: TurnCalls[tuple] | None = (
-            TurnCalls(lambda w, requests: self.workers[w].generate_many.remote(requests), max_items=coalesce)
-            if coalesce
-            else None
-        )
         self.counts = AgentLoopMetrics()  # every counter of the loop (on the loop)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="agent-loop", daemon=True)
@@ -217,8 +212,21 @@ class AgentLoopManager:
         self.dispatcher: RewardDispatcher | None = None
         if dispatcher_factory is not None:
             self.dispatcher = self.on_loop(dispatcher_factory)
-            # A reward chunk lingers for others only while generation requests are out (more chunks will come).
-            self.dispatcher.more_coming = lambda: self.counts.requests_out + self.counts.lent_requests > 0
+            # A reward chunk lingers for others only while generation requests are out (more chunks will come); the
+            # requests of answers kept for a lingering call (AnswerHold) are answered.
+            self.dispatcher.more_coming = lambda: self._requests_out() > self.dispatcher.hold.items
+        # Generation answers that may wait for the lingering reward call wait in its hold (batching.AnswerHold).
+        hold = self.dispatcher.hold if self.dispatcher is not None else None
+        self._calls: TurnCalls[tuple] | None = (
+            TurnCalls(
+                lambda w, requests: self.workers[w].generate_many.remote(requests),
+                max_items=coalesce,
+                hold=hold,
+                linger_of=self._answers_linger if hold is not None else None,
+            )
+            if coalesce
+            else None
+        )
         self._generating = _Gate(max_generating) if max_generating else None
         self._base_capacity = int(max_generating or 0)
         self._per_worker = int(max_generating or 0) // max(1, len(self.workers))
@@ -228,6 +236,20 @@ class AgentLoopManager:
         # requests go to them too while they are here; their busy time (a request out at one) counts as rollout work.
         self.lent: list[Any] = []
         self._lent_out: dict[int, int] = {}  # id(handle) -> requests out
+
+    def _requests_out(self) -> int:
+        return self.counts.requests_out + self.counts.lent_requests
+
+    def _answers_linger(self, answers: list[Any]) -> float:
+        """On Ray's io thread: how long a ``generate_many`` answer's samples may wait for the reward call lingering
+        now (``AnswerHold.offer``): the least of their lingers (``RewardDispatcher.linger_for``); 0, handed out at
+        once, when a request failed or nothing else is generating (its samples then go at once)."""
+        d = self.dispatcher
+        if d is None or self._requests_out() - d.hold.items - len(answers) <= 0:
+            return 0.0
+        if not all(isinstance(a, Generation) for a in answers):
+            return 0.0
+        return min(d.linger_for(a.gen_start, a.gen_end) for a in answers)
 
     def call(self, coro):
         """Run a coroutine on the agent loop and wait for its result."""

@@ -20,7 +20,10 @@ waits for others to share its call (Kafka's ``linger.ms``: at a sparse rate each
 and the samples arrive one generation answer at a time), up to ``reward.linger_ms`` and at most
 :data:`LINGER_SHARE` of its own generation's time, so a reward's start moves little next to the latency the sample
 already has (fast generations stream as before); once nothing more is being generated, everything waiting goes at
-once, so the last samples of a step never wait.
+once, so the last samples of a step never wait. A generation answer that arrives while a call lingers, and whose
+samples may linger at least until it goes, waits for it where it arrived (Ray's io thread) instead of waking the loop
+(:attr:`RewardDispatcher.hold`, ``batching.AnswerHold``): handed out just before the call goes, its samples join it,
+the same call at the same time, one wake-up of the loop fewer.
 Each sample still holds its own place, worker slot, deadline, re-sends and outcome.
 
 It runs on the agent loop's event loop; Ray object refs are awaited, so thousands of in-flight samples cost
@@ -49,7 +52,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from omni_async.batching import TurnCalls
+from omni_async.batching import AnswerHold, TurnCalls
 from omni_async.cluster import wait_for_restart
 from omni_async.logs import Throttle
 from omni_async.sample import RewardOutcome, SampleTimes
@@ -138,8 +141,11 @@ class RewardDispatcher:
         # Whether more samples may reach the queue soon (set by the agent loop: its generation requests out); while
         # it says no, nothing lingers.
         self.more_coming: Callable[[], bool] = lambda: True
+        # Generation answers that arrive while a call lingers wait here for it, without waking the loop
+        # (batching.AnswerHold; the agent loop's generation calls offer their answers to it).
+        self.hold = AnswerHold()
         self._calls: TurnCalls[tuple[dict[str, Any], SampleTimes]] = TurnCalls(
-            self._send, timeout_s=self.deadline_s, on_timeout=ray.cancel
+            self._send, timeout_s=self.deadline_s, on_timeout=ray.cancel, hold=self.hold
         )
         self.waiting = 0
         self.counters = {"total_produced": 0, "total_consumed": 0, "dropped": 0, "retried": 0, "max_size": 0}
@@ -184,6 +190,9 @@ class RewardDispatcher:
         return self._turn_worker
 
     def _end_turn(self) -> None:
+        if self.hold.settle():  # generation answers kept for this window: their samples join it first
+            asyncio.get_running_loop().call_soon(self._end_turn)
+            return
         self._turn_worker = None
 
     async def _take_worker(self, linger_s: float = 0.0) -> int:
@@ -271,9 +280,15 @@ class RewardDispatcher:
         """How long this sample's chunk may wait for others (module docstring): 0 once nothing more is coming."""
         if self.linger_s <= 0 or not self.more_coming():
             return 0.0
-        if times.gen_start is None or times.gen_end is None:  # not from the agent loop: no generation time to bound it
+        return self.linger_for(times.gen_start, times.gen_end)
+
+    def linger_for(self, gen_start: float | None, gen_end: float | None) -> float:
+        """How long a sample generated from ``gen_start`` to ``gen_end`` (wall clock) may linger while more samples
+        are coming: ``reward.linger_ms``, at most :data:`LINGER_SHARE` of its generation's time (all of it without
+        one: not from the agent loop)."""
+        if gen_start is None or gen_end is None:
             return self.linger_s
-        return min(self.linger_s, LINGER_SHARE * max(0.0, times.gen_end - times.gen_start))
+        return min(self.linger_s, LINGER_SHARE * max(0.0, gen_end - gen_start))
 
     async def _dispatch(self, record: dict[str, Any], times: SampleTimes) -> RewardOutcome:
         try:

@@ -297,3 +297,72 @@ class RecordingWorker:
 
         self.calls.append((self.i, [r["uid"] for r in records]))
         return asyncio.sleep(self.delay_s, [RewardOutcome("ok", score=float(r["uid"])) for r in records])
+
+
+def test_a_generation_answer_that_may_linger_waits_in_the_hold_for_the_lingering_reward_call():
+    """``AnswerHold``: a generation answer arriving on another thread (Ray's io thread) while a reward call lingers
+    does not wake the loop if its own items may linger past that call's deadline: it is handed out just before the
+    call goes, and its reward item joins it (one call, as if handed out at once). An answer whose items may linger
+    less than the time left, or one with no call lingering, is handed out at once."""
+    import concurrent.futures
+    import threading
+
+    from omni_async.batching import AnswerHold
+
+    class Ref:  # a Ray ObjectRef's future(), answered from another thread after ``after_s``
+        def __init__(self, items: list[int], after_s: float):
+            self.cf: concurrent.futures.Future = concurrent.futures.Future()
+            threading.Timer(after_s, self.cf.set_result, ([10 * i for i in items],)).start()
+
+        def future(self) -> concurrent.futures.Future:
+            return self.cf
+
+    scored: list[list[int]] = []
+
+    def score(key, items):
+        scored.append(list(items))
+        return asyncio.sleep(0, list(items))
+
+    async def run(linger_of_answer: float, window_s: float | None) -> tuple[bool, int]:
+        hold = AnswerHold()
+        rewards = TurnCalls(score, hold=hold)
+        generation = TurnCalls(lambda key, items: Ref(items, 0.02), hold=hold, linger_of=lambda a: linger_of_answer)
+        first = rewards.submit(0, 1, window_s) if window_s is not None else None
+        answer = generation.submit(0, 2)
+        await asyncio.sleep(0.08)  # the answer has arrived (20 ms); the reward window (if any) is still open
+        at_once = answer.done()
+        second = rewards.submit(0, await answer, 60.0 if first is not None else 0.0)
+        await asyncio.gather(*(f for f in (first, second) if f is not None))
+        return at_once, hold.held
+
+    assert asyncio.run(run(60.0, 0.3)) == (False, 1) and scored == [[1, 20]]  # kept, then one call
+    scored.clear()
+    assert asyncio.run(run(0.01, 0.3)) == (True, 0) and scored == [[1, 20]]  # its deadline first: at once
+    scored.clear()
+    assert asyncio.run(run(60.0, None)) == (True, 0) and scored == [[20]]  # nothing lingers: at once
+
+
+def test_a_kept_answers_reward_samples_join_the_windows_worker():
+    """The dispatcher's linger window ends (its worker is let go) only after the answers kept for it are handed out,
+    so their samples go to the window's worker in its call, not to the least loaded worker in a second one."""
+    from omni_async.reward.dispatcher import RewardDispatcher
+
+    calls: list[tuple[int, list[str]]] = []
+    Worker = partial(RecordingWorker, calls=calls)
+
+    async def run():
+        d = RewardDispatcher(
+            [Worker(0), Worker(1)], queue_size=8, max_inflight_per_worker=8, timeout_s=5, linger_s=0.05
+        )
+        d.more_coming = lambda: True
+        later: list[asyncio.Future] = []
+        first = asyncio.ensure_future(d.score({"uid": "0"}))
+        await asyncio.sleep(0.01)  # its window (worker 0, 50 ms) is open
+        loop = asyncio.get_running_loop()
+        kept = d.hold.offer(loop.time(), 1.0, 1, lambda: later.append(asyncio.ensure_future(d.score({"uid": "1"}))))
+        await asyncio.sleep(0.1)
+        return kept, await asyncio.gather(first, *later)
+
+    kept, outcomes = asyncio.run(run())
+    assert kept and [o.score for o in outcomes] == [0.0, 1.0]
+    assert calls == [(0, ["0", "1"])]  # without the hold's settle at the window's end: (0, ["0"]), (1, ["1"])

@@ -120,6 +120,9 @@ if [[ "$MODEL_PATH" == tiny:qwen_image_text* ]]; then
   VOCAB="${VOCAB:-tiny_text_bimodal}"
   STEPS="${STEPS:-20}"
   BATCH="${BATCH:-8}"
+  # DiffusionNFT: verl-omni's NFT group size (its groups of 8 turn uniform within a few steps here; issue 51's
+  # fifth pass, docs/diffusion_nft.md)
+  [[ "$ALGO" == diffusion_nft ]] && GROUP="${GROUP:-16}"
   GROUP="${GROUP:-8}"
   LR="${LR:-2e-3}"
   NOISE_LEVEL="${NOISE_LEVEL:-0.7}"
@@ -167,12 +170,13 @@ case "$ALGO" in
     # verl-omni's DiffusionNFT keys (examples/diffusionnft_trainer/qwen_image/run_qwen_image_ocr_lora.sh), values
     # tuned on the CPU main job (docs/diffusion_nft.md, "Learning"); the SDE window keys are not read.
     # On the tiny renderer the references' settings scaled to the job (docs/diffusion_nft.md, "Learning"): all 10
-    # steps per sample, the batch's std (above), 2 optimizer steps per step of 8 prompts (mini-batches of 4), the
-    # old policy copied for 5 steps then decayed (delayed_linear_to_0_999 15x faster), lr from a sweep
-    # (bench/results/nft_sweep.json); on real weights verl-omni's recipe.
+    # steps per sample, the batch's std (above), groups of 16 (above), 4 optimizer steps per step of 8 prompts
+    # (mini-batches of 2), the old policy copied for 5 steps then decayed (delayed_linear_to_0_999 15x faster), lr
+    # and beta from five sweeps (bench/results/nft_main_job_sweep.json); on real weights verl-omni's recipe.
     if [[ "$MODEL_PATH" == tiny:* ]]; then
-      NFT_LR="${NFT_LR:-1e-2}"
-      MINI_BATCH="${MINI_BATCH:-4}"
+      NFT_LR="${NFT_LR:-7e-3}"
+      MINI_BATCH="${MINI_BATCH:-2}"
+      MIX_BETA="${MIX_BETA:-0.2}"
       OLD_DECAY_SCHEDULE="${OLD_DECAY_SCHEDULE:-delayed_linear_to_0_999_x15}"
     fi
     LR="${NFT_LR:-$LR}"

@@ -180,11 +180,18 @@ def test_algo_picks_the_loss_with_verl_omnis_keys(tmp_path):
         arr["model"]["algorithm"] == "diffusion_nft" and arr["actor"]["diffusion_loss"]["loss_mode"] == "diffusion_nft"
     )
     assert arr["rollout"]["rollout_adapter"] == "old" and arr["model"]["policy_state_adapters"] == ["default", "old"]
-    assert arr["actor"]["optim"]["lr"] == 1e-2 and cfg["algorithm"]["trainer_type"] == "direct_preference"  # swept
+    assert arr["actor"]["optim"]["lr"] == 7e-3 and cfg["algorithm"]["trainer_type"] == "direct_preference"  # swept
+    assert arr["actor"]["diffusion_loss"]["mix_beta"] == 0.2
     # the references' settings scaled to the CPU job: every step trained, the batch's std (so no update pipeline),
-    # 2 optimizer steps per step of 8 prompts, the delayed ramp compressed to the job's length; 4 seeds per held-out word
+    # verl-omni's groups of 16, 4 optimizer steps per step of 8 prompts, the delayed ramp compressed to the job's
+    # length; 4 seeds per held-out word
     assert cfg["algorithm"]["timestep_fraction"] == 1.0 and cfg["algorithm"]["global_std"] is True
-    assert cfg["async_reward"]["update_pipeline"] is False and arr["actor"]["ppo_mini_batch_size"] == 4
+    assert (
+        arr["rollout"]["n"] == 16
+        and cfg["data"]["train_batch_size"] == 8
+        and default["actor_rollout_ref"]["rollout"]["n"] == 8
+    )
+    assert cfg["async_reward"]["update_pipeline"] is False and arr["actor"]["ppo_mini_batch_size"] == 2
     assert cfg["algorithm"]["old_policy_decay_schedule"] == "delayed_linear_to_0_999_x15"
     assert arr["rollout"]["val_kwargs"]["n"] == 4 and cfg["data"]["val_batch_size"] == 19
     # Flow-GRPO keeps the pipelined update with each group's std

@@ -117,10 +117,10 @@ class AnswerHold:
     waits here, on the thread it arrived on (Ray's io thread), and is handed out on the loop just before those items go
     (:meth:`settle`), so its items join the same call at the same time as if it had been handed out at once.
 
-    Why: at a sparse rate each cross-thread wake-up of the loop costs the driver more CPU than the Python it runs
-    (``bench/driver_cost.py``, docs/benchmarks.md), and a generation answer that arrives while a reward call lingers
-    only adds its samples to that call: handed out at the flush, it gives the same call one wake-up fewer. ``held`` /
-    ``items``: answers that waited so far, and the items they carry now."""
+    Why: a generation answer that arrives while a reward call lingers only adds its samples to that call; handed out
+    at the flush, it gives the same call one cross-thread wake-up of the loop fewer (``bench/driver_cost.py``: the
+    loop's wake-ups per sample 0.46 -> 0.26; the driver's CPU moved within the runs' spread, docs/benchmarks.md).
+    ``held`` / ``items``: answers that waited so far, and the items they carry now."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -266,9 +266,14 @@ class TurnCalls(Generic[T]):
             # A Ray ObjectRef (duck-typed: this module imports no Ray): its concurrent future (what ``await ref``
             # wraps: a task's error raised as its cause) hands the answer straight to the loop, one wake-up per call.
             def answered(done: concurrent.futures.Future) -> None:  # on Ray's io thread
-                if loop.is_closed() or self._keep(loop, futures, timer, done):
+                if loop.is_closed():
                     return
-                loop.call_soon_threadsafe(self._answer, futures, timer, done)
+                try:
+                    kept = self._keep(loop, futures, timer, done)
+                except Exception:  # an answer must never be lost: one the hold cannot judge goes at once
+                    kept = False
+                if not kept:
+                    loop.call_soon_threadsafe(self._answer, futures, timer, done)
 
             future().add_done_callback(answered)
             return

@@ -181,9 +181,7 @@ def test_ulysses_sp2_halves_one_ranks_training_activations():
     one, two = (mp.measure_train("qwen_image", 1024, 2, False, 64, sp=n) for n in (1, 2))
     assert two["peak_gb"] < 0.6 * one["peak_gb"]
     # a group generating together: one rank's no-grad denoising forward (CFG's 2 rows) peaks at about half
-    assert (
-        0.4 < mp.measure_rollout("qwen_image", 1024, 2, 64, sp=2) / mp.measure_rollout("qwen_image", 1024, 2, 64) < 0.6
-    )
+    assert 0.4 < mp.measure_rollout("qwen_image", 512, 2, 64, sp=2) / mp.measure_rollout("qwen_image", 512, 2, 64) < 0.6
     assert 0.4 < two["held_gb"] / one["held_gb"] < 0.6
     assert two["saved_gb"] == pytest.approx(two["held_gb"], rel=0.02)  # the hooks see what the tracker holds
     module, _ = mp.lora_transformer("qwen_image", 64)  # the emulation is undone: no hook, no parallel config left

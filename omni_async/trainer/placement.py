@@ -137,8 +137,7 @@ def place(cfg: DictConfig, made: Pools, layout: Layout, nsys: NsysPlan | None = 
         name_prefix="actor",
         nsys=nsys,
     )
-    sp = int(cfg.actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size)
-    actor_wg.sequence_parallel_size = sp
+    actor_wg.sequence_parallel_size = int(cfg.actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size)
     actor_wg.init_model()
     n = layout.generation_group
     if n > 1:  # each group generates together: its leader orders its calls for the others (trainer.group_order)

@@ -127,7 +127,9 @@ class Follower:
 
 
 def _chain(done: Future, future: asyncio.Future) -> None:
-    """``future`` (on the event loop) takes ``done``'s outcome (on the device thread)."""
+    """``future`` (on the event loop) takes ``done``'s outcome (on the device thread). Not ``asyncio.wrap_future``:
+    cancelling the caller (a cancelled Ray task) would cancel a call already handed out in the leader's order, and the
+    follower would skip a collective its leader runs."""
     loop = future.get_loop()
 
     def copy(f: Future) -> None:

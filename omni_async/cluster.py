@@ -164,6 +164,17 @@ def reward_pool_size(cfg: DictConfig) -> int:
     return int(rm.n_gpus_per_node) * int(rm.nnodes)
 
 
+def actor_ranks(cfg: DictConfig) -> int:
+    """Data-parallel actor ranks: one per device of the actor pool, ``trainer.n_gpus_per_node x nnodes``, in every
+    layout (the disaggregated layout's rollout pool is its own)."""
+    return int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
+
+
+def sequence_parallel_size(cfg: DictConfig) -> int:
+    """The actor's Ulysses group size, ``actor.fsdp_config.ulysses_sequence_parallel_size`` (1: none)."""
+    return max(1, int(cfg.actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size))
+
+
 def rollout_pool_size(cfg: DictConfig) -> int:
     """Devices of the standalone rollout pool (disaggregated layout): ``actor_rollout_ref.rollout.nnodes x
     n_gpus_per_node`` (``n_gpus_per_node`` null = ``trainer.n_gpus_per_node``, verl's default); 0 = no pool."""

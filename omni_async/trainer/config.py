@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from omni_async.algos.loss_modes import LOSS_MODES
+from omni_async.cluster import actor_ranks, sequence_parallel_size
 from omni_async.config.model_paths import check_model_paths
 from omni_async.config.overrides import check_overrides
 from omni_async.config.schema import CONFIG_DIR, CONFIG_NAMES, compose_untyped, typed
@@ -104,12 +105,6 @@ def total_training_steps(cfg: DictConfig, train_rows: int, mode: Mode | None = N
     prompts = cfg.rollout.total_rollout_steps
     prompts = int(prompts) if prompts is not None else steps * int(cfg.data.train_batch_size)
     return prompts // (mode or plan(cfg).mode).groups_per_step  # (mode: the trainer's, decided once)
-
-
-def actor_ranks(cfg: DictConfig) -> int:
-    """Data-parallel actor ranks: one per device of the actor pool, ``trainer.n_gpus_per_node x nnodes``, in every
-    layout (the disaggregated layout's rollout pool is its own)."""
-    return int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
 
 
 def validate(cfg: DictConfig) -> DictConfig:
@@ -570,7 +565,7 @@ def _check_mini_batch_feeds_ranks(cfg: DictConfig) -> None:
     held and idle. verl keeps the same meaning of the key (prompts; x ``rollout.n`` samples per mini-batch) and
     requires those samples to divide over the ranks; here the unit that divides is the group."""
     # the data-parallel ranks: a sequence-parallel group of ranks trains on one share
-    ranks = actor_ranks(cfg) // max(1, cfg.actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size)
+    ranks = actor_ranks(cfg) // sequence_parallel_size(cfg)
     mb, batch = cfg.actor_rollout_ref.actor.ppo_mini_batch_size, cfg.data.train_batch_size
     fits = [m for m in range(ranks, batch + 1, ranks) if batch % m == 0]
     fix = (

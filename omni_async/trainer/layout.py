@@ -29,7 +29,7 @@ import ray
 from omegaconf import DictConfig, OmegaConf
 
 from omni_async.agent_loop.producer import Producer
-from omni_async.cluster import rollout_pool_size
+from omni_async.cluster import actor_ranks, rollout_pool_size, sequence_parallel_size
 from omni_async.config_error import check as _check
 from omni_async.modality import modality_of
 from omni_async.trainer.hybrid_switch import SwitchConfig, SwitchPolicy, check_switch
@@ -156,8 +156,7 @@ class Hybrid(Layout):
         # With Ulysses, rollout.agent.num_workers says how the ranks generate: one worker per actor device (each
         # generates whole samples alone, as verl-omni's rollout at tensor parallel 1), or one per sequence-parallel
         # group (the group generates each batch together: long sequences one device's generation cannot hold).
-        sp = int(cfg.actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size)
-        devices = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
+        devices, sp = actor_ranks(cfg), sequence_parallel_size(cfg)
         if sp > 1 and int(cfg.actor_rollout_ref.rollout.agent.num_workers) * sp == devices:
             self.generation_group = sp
 
@@ -408,8 +407,7 @@ def _check_layout(cfg: DictConfig, cls: type[Layout], mode: Mode) -> None:
         return
     if not cls.rollout_is_actor:  # split: replicas beside the actor ranks, nothing more to check
         return
-    devices = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
-    sp = max(1, int(arr.actor.fsdp_config.ulysses_sequence_parallel_size))
+    devices, sp = actor_ranks(cfg), sequence_parallel_size(cfg)
     workers, groups = arr.rollout.agent.num_workers, devices // sp
     split = (
         f", or {groups} (one per sequence-parallel group of {sp}: it generates each batch together)"

@@ -23,7 +23,8 @@ scored groups at a time, batches them into a verl ``DataProto`` (``StepOps.build
 advantages) and opens the next sync window, as fully async training does minus the update and the weight sync.
 
 The one variant, ``product``, is the product as it ships for images: the agent loop's generation requests for one
-worker in one turn of its event loop go as one ``generate_many`` call and the reward's samples for one worker in one
+worker in one turn of its event loop go as one ``generate_many`` call (with thousands in flight a new group goes whole
+to the least-loaded worker, ``AgentLoopManager._group_home``) and the reward's samples for one worker in one
 turn as one ``score_many`` call of plain records (``batching.TurnCalls``), a result's tensors sent as numpy arrays
 (``ImageResult.__getstate__``, as a real worker's are), the driver's garbage collector tuned as the main job's entry
 point tunes it (``cluster.tune_driver_gc``). Earlier JSONs hold the variants measured before the product did this

@@ -15,6 +15,16 @@ pixels, at a fraction of the driver's CPU per sample (``bench/driver_cost.py``).
 response ends at its own token and is answered alone (one call each), as are continued ones and those of a lent
 trainer device.
 
+Where a group's requests go: a sample is a function of (weights version, seed, window) up to the float rounding of
+the device batch it shares (a pixel may round to its neighbour, ``tests/agent_loop/test_rollout_replica.py``), so
+the worker decides when it is made, not what. While few requests are out (a lock-step draw starting, a small batch)
+a group's samples spread over the workers by their index, so every worker has work and a lock-step draw's device
+batches are what they always were. Once the workers hold more than a group's requests each on average (fully async
+with many groups in flight, where which samples share a batch is a matter of timing anyway), a new group goes whole
+to the least-loaded worker: its samples share one call and one device batch there and finish together, where spread
+they would wait in as many queues, and the group is trainable when its slowest member is scored
+(``bench/driver_cost.py``: fewer generation calls per sample, more samples per second).
+
 A rollout worker that dies with requests in flight is restarted by Ray; its requests are generated again on a
 live worker (same seed, same weights version: the same sample) and counted as ``rollout/regenerated``. A
 restarted worker gets the current weights (``restore_worker``) before it serves again.
@@ -104,6 +114,26 @@ class _Gate:
             if not fut.done():
                 self.used += 1
                 fut.set_result(None)
+
+
+class _Booking:
+    """A group's requests placed on worker ``w`` and not yet out, counted in ``booked[w]`` (the manager's per-worker
+    bookings) so that groups placed in the same turn see each other."""
+
+    def __init__(self, booked: list[int], w: int, n: int):
+        self._booked, self.w, self.left = booked, w, n
+        booked[w] += n
+
+    def take(self) -> int:
+        """One request goes out: the worker."""
+        self.left -= 1
+        self._booked[self.w] -= 1
+        return self.w
+
+    def release(self) -> None:
+        """The group is over: whatever never went out is no longer booked."""
+        self._booked[self.w] -= self.left
+        self.left = 0
 
 
 class Stopwatch:
@@ -232,6 +262,7 @@ class AgentLoopManager:
         self._per_worker = int(max_generating or 0) // max(1, len(self.workers))
         self._revived: asyncio.Condition = self.on_loop(asyncio.Condition)
         self._out = [0] * len(self.workers)  # requests out at each rollout worker
+        self._booked = [0] * len(self.workers)  # requests of groups placed on a worker, not yet out (_group_home)
         # Trainer devices lent to generation (the disaggregated layout's switch, trainer.layout.Disaggregated): new
         # requests go to them too while they are here; their busy time (a request out at one) counts as rollout work.
         self.lent: list[Any] = []
@@ -340,7 +371,12 @@ class AgentLoopManager:
         are for (a lock-step draw's: the rollout worker generates them with it although a newer set may arrive
         meanwhile; ``RolloutReplica.generate``); None: the newest weights a worker has. ``on_generated()`` is called
         as each sample's image / response exists."""
-        await asyncio.gather(*(self._sample(s, on_generated, sampling, version) for s in samples))
+        home = self._group_home(len(samples))
+        try:
+            await asyncio.gather(*(self._sample(s, on_generated, sampling, version, home) for s in samples))
+        finally:
+            if home is not None:  # requests that never went out (the group cancelled first) free their booking
+                home.release()
         if self.dispatcher is not None and self.post_process:
             outcomes = await self.dispatcher.post_process_group([m.outcome for m in samples])
             for m, o in zip(samples, outcomes, strict=True):
@@ -360,13 +396,28 @@ class AgentLoopManager:
         self.call(run())
         return samples
 
+    def _group_home(self, n: int) -> _Booking | None:
+        """The worker a new group of ``n`` requests goes to whole, booked there until each request is out; None: its
+        samples spread by index (module docstring: once the live workers hold more than ``n`` requests each on average,
+        and only for coalesced calls, which a whole group can share)."""
+        live = [w for w in range(len(self.workers)) if not self.down[w]]
+        if self._calls is None or len(live) < 2 or sum(self._out) + sum(self._booked) < len(live) * n:
+            return None
+        w = min(live, key=lambda w: self._out[w] + self._booked[w])
+        return _Booking(self._booked, w, n)
+
     async def _sample(
-        self, s: Sample, on_generated: Callable[[], None] | None, sampling: dict | None, version: int | None
+        self,
+        s: Sample,
+        on_generated: Callable[[], None] | None,
+        sampling: dict | None,
+        version: int | None,
+        home: _Booking | None = None,
     ) -> None:
         if self._generating is not None:
             await self._generating.acquire()
         try:
-            gen = await self._generate(s, sampling, version)
+            gen = await self._generate(s, sampling, version, home)
             s.result, s.version = gen.result, gen.version
             s.times.gen_start, s.times.gen_end = gen.gen_start, gen.gen_end
             if on_generated is not None:
@@ -403,16 +454,19 @@ class AgentLoopManager:
                     )
                 await self._revived.wait()
 
-    async def _generate(self, s: Sample, sampling: dict | None = None, version: int | None = None) -> Generation:
+    async def _generate(
+        self, s: Sample, sampling: dict | None = None, version: int | None = None, home: _Booking | None = None
+    ) -> Generation:
         kwargs = {"sampling": sampling} if sampling else {}  # training requests use the policy's own settings
         if version is not None:
             kwargs["version"] = version
-        return await self._generate_on_a_worker(s, kwargs)
+        return await self._generate_on_a_worker(s, kwargs, home)
 
-    async def _generate_on_a_worker(self, s: Sample, kwargs: dict) -> Generation:
-        """The sample's generation; an interrupted text response (partial rollout) is asked for again until it is
-        finished. The answer carries the first part's version (the oldest) and start time."""
-        w = s.index % len(self.workers)
+    async def _generate_on_a_worker(self, s: Sample, kwargs: dict, home: _Booking | None = None) -> Generation:
+        """The sample's generation, on its group's ``home`` worker if it has one (``_group_home``), else spread by
+        index; an interrupted text response (partial rollout) is asked for again until it is finished. The answer
+        carries the first part's version (the oldest) and start time."""
+        w = s.index % len(self.workers) if home is None else home.take()  # out below, this turn while it is up
         first: Generation | None = None
         while True:
             w = await self._live_worker(w)

@@ -200,6 +200,9 @@ class TurnCalls(Generic[T]):
         self._send, self.timeout_s, self._on_timeout = send, timeout_s, on_timeout
         self.max_items = max_items
         self.hold, self._linger_of = hold, linger_of
+        # Of the two sides of a hold, this is the lingering one (the reward calls): it marks when its lingering items go
+        # and hands the kept answers out first. The other side (linger_of given) offers its answers to the hold.
+        self._lingers_for_hold = hold is not None and linger_of is None
         self._pending: dict[Hashable, list[tuple[T, asyncio.Future]]] = {}
         self._flush_soon = False  # a flush at the end of this turn is scheduled
         self._linger: asyncio.TimerHandle | None = None  # the lingering items' flush
@@ -216,7 +219,7 @@ class TurnCalls(Generic[T]):
                 if self._linger is not None:
                     self._linger.cancel()
                 self._linger = loop.call_at(due, self._flush)
-                if self.hold is not None and self._linger_of is None:
+                if self._lingers_for_hold:
                     self.hold.due(due)
         elif not self._flush_soon:
             # call_soon runs after every callback already due in this turn: what reached this point together goes
@@ -228,7 +231,7 @@ class TurnCalls(Generic[T]):
         return fut
 
     def _flush(self) -> None:
-        if self.hold is not None and self._linger_of is None and self.hold.settle():
+        if self._lingers_for_hold and self.hold.settle():
             # Answers kept for this flush were handed out: their items come in the next turn, and go with the rest.
             if self._linger is not None:
                 self._linger.cancel()

@@ -174,14 +174,17 @@ def plot(results: dict, out: Path, by_run: bool = False, names: list[str] | None
                 xs = [run["row_times_s"][k - 1] for k in steps]
             colour = f"C{i}" if by_run else COLOURS.get(loss_of(run), "grey")
             ax.plot(xs, values, color=colour, alpha=0.7, lw=1.2, label=name if by_run else loss_of(run))
-        ax.axhline(results["summary"][basis]["level"], color=COLOURS[BASELINE], ls="--", lw=0.8)
+        if "summary" in results:  # Flow-GRPO's level (a staleness comparison has none)
+            ax.axhline(results["summary"][basis]["level"], color=COLOURS[BASELINE], ls="--", lw=0.8)
         ax.set_xlabel(x_axis)
         ax.set_ylabel(f"{basis} OCR reward")
         ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     unique = dict(zip(labels, handles, strict=True))
-    rows = -(-len(unique) // 6)  # legend rows of at most 6 entries (a sweep's run names are long)
-    fig.legend(unique.values(), unique.keys(), loc="upper center", ncol=min(len(unique), 6))
+    # as many legend columns as the figure's width holds for the longest name (a sweep's run names are long)
+    ncol = max(1, min(len(unique), 6, 150 // (max(map(len, unique)) + 8)))
+    rows = -(-len(unique) // ncol)
+    fig.legend(unique.values(), unique.keys(), loc="upper center", ncol=ncol)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.04 * rows))
     fig.savefig(out, dpi=90)
     plt.close(fig)
@@ -195,8 +198,18 @@ def main() -> None:
     p.add_argument("--within", type=int, default=7, help="same_seed: the steps a run has to reach the target")
     p.add_argument("--margin", type=float, default=0.05, help="same_seed: the target is Flow-GRPO's last-3 less this")
     p.add_argument("--by-run", action="store_true", help="plot: a colour per run (a sweep) instead of per loss")
+    p.add_argument(
+        "--plot-only",
+        type=Path,
+        default=None,
+        metavar="PNG",
+        help="only draw the runs to this file (records without Flow-GRPO's, e.g. staleness runs: no summary)",
+    )
     a = p.parse_args()
     results = json.loads(a.results.read_text())
+    if a.plot_only is not None:
+        print(plot(results, a.plot_only, a.by_run, a.runs))
+        return
     results["summary"] = summarise(results, a.runs, a.within, a.margin)
     a.results.write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps(results["summary"], indent=1))

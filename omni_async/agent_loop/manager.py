@@ -125,9 +125,11 @@ class _Booking:
         booked[w] += n
 
     def take(self) -> int:
-        """One request goes out: the worker."""
-        self.left -= 1
-        self._booked[self.w] -= 1
+        """One request goes out: the worker. (A sibling's error ends the group's gather while others still run:
+        after :meth:`release` a late request takes nothing more off the bookings.)"""
+        if self.left > 0:
+            self.left -= 1
+            self._booked[self.w] -= 1
         return self.w
 
     def release(self) -> None:

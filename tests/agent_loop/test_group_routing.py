@@ -128,3 +128,28 @@ def test_a_group_cancelled_before_its_requests_went_out_frees_its_booking():
         assert agent._booked == [0] * WORKERS and sum(len(w.calls) for w in workers) == 0
     finally:
         agent.shutdown()
+
+
+def test_a_failed_request_ending_the_group_leaves_no_booking_behind_its_later_siblings():
+    """One generation slot (``max_generating=1``): a group's requests go out one at a time; the first one's error ends
+    the group's gather (its booking released) while its siblings still run and go out afterwards."""
+
+    async def fails(requests: list[tuple]) -> list[Generation]:
+        raise RuntimeError("the worker could not generate")
+
+    agent = AgentLoopManager([], coalesce=GROUP, max_generating=1)
+    workers = [SimpleNamespace(generate_many=SimpleNamespace(remote=fails)) for _ in range(WORKERS)]
+    agent.workers, agent.down = workers, [False] * WORKERS
+    agent._out, agent._booked = [GROUP] * WORKERS, [0] * WORKERS
+    try:
+
+        async def run() -> None:
+            with pytest.raises(RuntimeError, match="could not generate"):
+                await agent.run_group(_groups(0, 1)[0])
+            for _ in range(20):  # the siblings still running take their turns at the slot and fail too
+                await asyncio.sleep(0)
+
+        agent.call(run())
+        assert agent._booked == [0] * WORKERS
+    finally:
+        agent.shutdown()

@@ -403,7 +403,7 @@ class AgentLoopManager:
         samples spread by index (module docstring: once the live workers hold more than ``n`` requests each on average,
         and only for coalesced calls, which a whole group can share)."""
         live = [w for w in range(len(self.workers)) if not self.down[w]]
-        if self._calls is None or len(live) < 2 or sum(self._out) + sum(self._booked) < len(live) * n:
+        if self._calls is None or len(live) < 2 or self.counts.requests_out + sum(self._booked) < len(live) * n:
             return None
         w = min(live, key=lambda w: self._out[w] + self._booked[w])
         return _Booking(self._booked, w, n)

@@ -329,7 +329,7 @@ class ActorWorker(Worker, RolloutWorker):
             "lent_s": self.lent_s,
             "snapshot_rollout": self.snapshot,  # generation reads the adapter snapshot of the last sync
             # Ulysses: the generation batches this follower ran with its group's leader
-            "followed_batches": getattr(self.order, "followed", 0),
+            "followed_batches": self.order.followed,
         }
 
     async def trained_rows(self) -> list[tuple[str, int]]:

@@ -37,6 +37,7 @@ class Alone:
 
     leader = True
     grouped = False  # generation batches run on this rank alone
+    followed = 0  # generation batches run with a leader: none
 
     def __init__(self, device: ThreadPoolExecutor):
         self.device = device

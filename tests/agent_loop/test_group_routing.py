@@ -114,6 +114,7 @@ def test_a_group_cancelled_before_its_requests_went_out_frees_its_booking():
     workers = [_Worker(w, release) for w in range(WORKERS)]
     agent.workers, agent.down = workers, [False] * WORKERS
     agent._out, agent._booked = [GROUP] * WORKERS, [0] * WORKERS  # deep: the next group is placed whole
+    agent.counts.requests_out = GROUP * WORKERS
     try:
 
         async def cancelled_at_once() -> list[int]:
@@ -141,6 +142,7 @@ def test_a_failed_request_ending_the_group_leaves_no_booking_behind_its_later_si
     workers = [SimpleNamespace(generate_many=SimpleNamespace(remote=fails)) for _ in range(WORKERS)]
     agent.workers, agent.down = workers, [False] * WORKERS
     agent._out, agent._booked = [GROUP] * WORKERS, [0] * WORKERS
+    agent.counts.requests_out = GROUP * WORKERS
     try:
 
         async def run() -> None:

@@ -58,6 +58,9 @@ version ``g`` is trained at version ``v > g``). The loss uses the trainer's *cur
   time (in their synchronous loops that is also the drawing one). Keeping every drawing version instead would cost
   one old copy per version in flight on the trainer (``s + 1`` adapters), or the rollout evaluating ``v_old`` at
   the training timesteps and shipping it (``T`` extra forwards and ``T`` latents per sample: the payload NFT drops).
+- Measured: the drawing version's old (kept per version in flight) on the CPU main job at staleness 3 learned slower
+  early and no better at the end; its gradient at the live weights pulls every sample back toward the drawing
+  weights by ``beta^2 (v_theta - v_old_g)`` (``docs/diffusion_nft.md``, "A seventh pass").
 
 The difference is bounded by the EMA. A refresh moves the old weights by ``(1 - d_k)`` of their gap to the live
 ones, ``old_{k+1} - old_k = (1 - d_k) (theta_k - old_k)``, so between the drawing and the training version::

@@ -102,6 +102,7 @@ KEY_FUNCTIONS = (
     ("coalesced answers handed out (TurnCalls._answer)", "batching.py", "_answer"),
 )
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+SCHEDSTAT = os.path.exists("/proc/self/schedstat")  # per-thread ns on a CPU (thread_cpu)
 # Packages the loop thread's profiled time is split by (first match on the function's file path).
 PROFILE_PACKAGES = (
     ("ray", "/ray/"),
@@ -415,25 +416,16 @@ def thread_cpu() -> dict[int, tuple[str, float]]:
         try:
             with open(f"/proc/self/task/{tid}/stat") as f:
                 stat = f.read()
-            seconds = _on_cpu_seconds(tid)
+            if SCHEDSTAT:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    seconds = int(f.read().split()[0]) / 1e9  # its first field: ns on a CPU
+            else:
+                fields = stat[stat.rindex(")") + 2 :].split()
+                seconds = (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
         except OSError:  # it ended meanwhile
             continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        if seconds is None:
-            fields = stat[stat.rindex(")") + 2 :].split()
-            seconds = (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
-        out[int(tid)] = (name, seconds)
+        out[int(tid)] = (stat[stat.index("(") + 1 : stat.rindex(")")], seconds)
     return out
-
-
-def _on_cpu_seconds(tid: str) -> float | None:
-    """A thread's time on a CPU from ``/proc/self/task/<tid>/schedstat`` (its first field, nanoseconds), or None
-    where the kernel has no such file."""
-    try:
-        with open(f"/proc/self/task/{tid}/schedstat") as f:
-            return int(f.read().split()[0]) / 1e9
-    except FileNotFoundError:
-        return None
 
 
 def process_cpu() -> float:

@@ -46,6 +46,15 @@ with ``(k0, rate, d_max)`` per schedule (:data:`DECAY_SCHEDULES`), or ``d_k = al
 compressed 15-fold for short runs, ``(5, 0.1125, 0.999)``: ``d_k = 0`` for ``k < 5``, ``min(0.1125 (k - 5), 0.999)``
 after (0.999 from ``k = 14``).
 
+The ramp's ``k`` counts rounds of feedback, not updates: ``k = 1 + g``, ``g`` the newest weights version among the
+groups the step trains on (:func:`omni_async.algos.staleness.feedback_rounds`). In the references' synchronous loops,
+and in every lock-step mode here, that is the step number. Trained late it is the step less the lag: at staleness 3
+the first four steps all train on version 0's samples (the rollouter fills its window before the first sync) and
+later ones on samples 3 versions old, so counting updates would start holding the sampler after two rounds of
+feedback where a lock-step run gets five. The ramp is there to let the sampler follow the policy while rounds of
+feedback improve it and then hold it (the paper's soft update); its clock is the rounds. The refresh interval still
+counts steps. Measured on the CPU main job at staleness 3 (``docs/diffusion_nft.md``, "An eighth pass").
+
 **Which v_old a late sample is trained against** (fully async, one-step-off: a sample drawn by the old policy of
 version ``g`` is trained at version ``v > g``). The loss uses the trainer's *current* old policy, ``old_v``:
 

@@ -15,6 +15,7 @@ here limits this lag, so no token of a trained sample is older than the bound.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 
 def groups_per_window(staleness_threshold: float, sync_steps: int, require_batches: int, mini_batch: int) -> int:
@@ -50,3 +51,15 @@ def effective_bound(cap: int, groups_per_update: int, max_off_policy_threshold: 
         return int(cap), bound
     bound = min(bound, int(max_off_policy_threshold) - 1)
     return min(int(cap), (bound + 1) * int(groups_per_update)), bound
+
+
+def feedback_rounds(group_versions: Iterable[int]) -> int:
+    """How many rounds of sampling, scoring and training stand behind a step's data: ``1 + max g`` over the weights
+    versions ``g`` of the groups the step trains on. In a lock-step run step ``k`` (1-based) trains on version
+    ``k - 1`` and this is ``k``; trained late, it is the step less the newest group's lag (at staleness 3 in steady
+    state ``k - 3``, and 1 for each of the first four steps, which all train on version 0's samples). DiffusionNFT's
+    old-policy ramp counts these (:func:`omni_async.algos.diffusion_nft.old_policy_decay`)."""
+    versions = [int(v) for v in group_versions]
+    if not versions:
+        raise ValueError("feedback_rounds: a step trains on at least one group; got none")
+    return 1 + max(versions)

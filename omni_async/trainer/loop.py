@@ -36,6 +36,7 @@ from omni_async.agent_loop.manager import AgentLoopManager, RolloutWorkersLostEr
 from omni_async.agent_loop.producer import Producer
 from omni_async.agent_loop.rollouter import Group, Rollouter
 from omni_async.algos.sde import sde_window
+from omni_async.algos.staleness import feedback_rounds
 from omni_async.cluster import init_ray, reward_pool_size
 from omni_async.modality import modality_of
 from omni_async.reward.wiring import RewardSide
@@ -293,7 +294,10 @@ class RLTrainer:
                 timer,
                 int(self.cfg.actor_rollout_ref.rollout.n),
             )
-            actor_metrics.update(self.ops.refresh_old_policy(step + 1))  # DiffusionNFT's old policy, before the sync
+            # DiffusionNFT's old policy, before the sync: refreshed by the step count, its ramp read at the rounds
+            # of feedback behind the step's data (the step itself unless trained late)
+            rounds = feedback_rounds(g.version() for g in groups)
+            actor_metrics.update(self.ops.refresh_old_policy(step + 1, rounds))
             self.after_update(step, timer)
         timing = dict(timer.timing)
         timing.setdefault("timing_s/reward", 0.0)

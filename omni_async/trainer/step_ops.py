@@ -204,19 +204,26 @@ class StepOps:
             out[rows] = draw_train_steps(num_steps, count, fraction, torch.Generator().manual_seed(seed))
         return out
 
-    def refresh_old_policy(self, step: int) -> dict[str, float]:
+    def refresh_old_policy(self, step: int, rounds: int) -> dict[str, float]:
         """DiffusionNFT's old policy or AWM's anchor, after training step ``step`` (1-based): every
         ``algorithm.old_policy_update_interval`` steps it moves toward the trained one by ``1 - decay`` (verl-omni's
         ``_update_old_policy``), before the weight sync, which ships the old weights to the rollout when it samples
-        with them (DiffusionNFT). Metrics: verl-omni's ``old_policy/*``."""
+        with them (DiffusionNFT). The schedule's ``decay`` is read at ``rounds``, the feedback rounds behind the
+        step's data (:func:`~omni_async.algos.staleness.feedback_rounds`: ``step`` in lock-step modes, less the lag
+        when trained late). Metrics: verl-omni's ``old_policy/*`` and ``old_policy/feedback_rounds``."""
         algo = self.cfg.algorithm
         if OLD_ADAPTER not in self.cfg.actor_rollout_ref.model.policy_state_adapters:
             return {}
         if not refreshes_after(step, algo.old_policy_update_interval):
             return {"old_policy/updated": 0.0}
-        decay = old_policy_decay(step, algo.old_policy_decay_schedule, algo.old_policy_decay)
+        decay = old_policy_decay(rounds, algo.old_policy_decay_schedule, algo.old_policy_decay)
         moved = self._actor_call("refresh_old_policy", decay)
-        return {"old_policy/updated": 1.0, "old_policy/decay": decay, "old_policy/moved_l2": float(moved[0])}
+        return {
+            "old_policy/updated": 1.0,
+            "old_policy/decay": decay,
+            "old_policy/moved_l2": float(moved[0]),
+            "old_policy/feedback_rounds": float(rounds),
+        }
 
     def weights_synced(self) -> None:
         """The rollout now holds the actor's weights (a weight sync, or the start of a run): the next pi_old recompute

@@ -13,6 +13,7 @@ from omni_async.algos.diffusion_nft import (
     refreshes_after,
     train_steps,
 )
+from omni_async.algos.staleness import feedback_rounds
 
 
 def test_optimality_probability_continuous_is_half_plus_half_clipped():
@@ -175,6 +176,23 @@ def test_compressed_delayed_ramp_is_nvlabs_ramp_at_step_times_15():
         assert old_policy_decay(step, "delayed_linear_to_0_999_x15") == pytest.approx(
             old_policy_decay(15 * step, "delayed_linear_to_0_999")
         )
+
+
+def test_the_ramp_counts_feedback_rounds_so_a_late_run_copies_for_as_many_rounds():
+    ramp = "delayed_linear_to_0_999_x15"
+    # lock-step: step k (1-based) trains version k - 1, whatever the mix of groups
+    assert [feedback_rounds([k - 1] * 8) for k in range(1, 6)] == [1, 2, 3, 4, 5]
+    # fully async at staleness 3 (a 32-group window, 8 groups a step): steps 1-4 train version 0's groups, then lag 3;
+    # a step spanning two versions counts the newer
+    versions = {1: [0] * 8, 2: [0] * 8, 3: [0] * 8, 4: [0] * 8, 5: [1] * 8, 8: [4] * 8, 9: [4] * 3 + [5] * 5}
+    rounds = {k: feedback_rounds(v) for k, v in versions.items()}
+    assert rounds == {1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 8: 5, 9: 6}
+    # the old policy still copies at step 8 (5 rounds, as a lock-step run's step 5), where the step count would
+    # already hold it by a third
+    assert old_policy_decay(rounds[8], ramp) == 0.0 and old_policy_decay(8, ramp) == pytest.approx(0.3375)
+    assert old_policy_decay(rounds[9], ramp) == pytest.approx(old_policy_decay(6, ramp))
+    with pytest.raises(ValueError, match="at least one group"):
+        feedback_rounds([])
 
 
 def test_decay_examples_and_refresh_interval():

@@ -223,6 +223,11 @@ def test_trains_in_every_mode_sampling_with_the_old_policy(trainers, layout, tmp
         else:  # the old policy refreshed at decay 1 after every step: it stays where it started
             steps += [trainer.train_step(s) for s in range(step, step + count)]
             assert all(m["old_policy/updated"] == 1.0 and m["old_policy/moved_l2"] == 0.0 for m, _ in steps[-count:])
+            # trained late, the ramp is read at the rounds of feedback behind the step's data, not at the step count
+            rounds = [m["old_policy/feedback_rounds"] for m, _ in steps[-count:]]
+            assert rounds == [1 + max(s.version for s in samples) for _, samples in steps[-count:]]
+            if name == "one_step_off":  # steps 1 and 2 train version 0's draws, step 3 version 1's
+                assert rounds == [1, 1, 2]
         step += count
         drawn = [s for _, samples in steps[-count:] for s in samples if s.version >= 1]  # after the weights moved
         assert drawn, name
@@ -259,7 +264,7 @@ def old_policy_follows_the_schedule(trainer, step: int, ckpt) -> list:
     second = trainer.train_step(step + 1)
     assert first[0]["old_policy/updated"] == 0.0 and "old_policy/decay" not in first[0]
     assert second[0]["old_policy/updated"] == 1.0 and second[0]["old_policy/decay"] == pytest.approx(0.001 * (step + 2))
-    assert second[0]["old_policy/moved_l2"] > 0
+    assert second[0]["old_policy/moved_l2"] > 0 and second[0]["old_policy/feedback_rounds"] == step + 2  # lock-step
     return [first, second]
 
 

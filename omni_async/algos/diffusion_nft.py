@@ -204,14 +204,15 @@ def nft_loss(
     return loss, metrics
 
 
-def old_policy_decay(step: int, schedule: str, fixed: float | None = None) -> float:
-    """``d_k`` after training step ``step`` (1-based): ``fixed`` when given, else the schedule's ramp."""
+def old_policy_decay(k: int, schedule: str, fixed: float | None = None) -> float:
+    """``d_k``: ``fixed`` when given, else the schedule's ramp at ``k``, the feedback rounds behind the step's data
+    (:func:`omni_async.algos.staleness.feedback_rounds`; the 1-based step number in lock-step modes)."""
     if fixed is not None:
         return float(fixed)
     if schedule not in DECAY_SCHEDULES:
         raise ValueError(f"old_policy_decay_schedule={schedule!r}: use one of {', '.join(DECAY_SCHEDULES)}")
     flat, rate, ceiling = DECAY_SCHEDULES[schedule]
-    return 0.0 if step < flat else min((step - flat) * rate, ceiling)
+    return 0.0 if k < flat else min((k - flat) * rate, ceiling)
 
 
 def refreshes_after(step: int, interval: int) -> bool:
